@@ -1,0 +1,21 @@
+"""Async GRPO on 3-digit addition (answer least-significant digit first): the main job.
+
+A tiny model gets a short supervised warm start, then async GRPO on 4 sampler + 4 learner devices.
+Run: python -m tunixlike.train --config configs/addition_grpo.py --workdir runs/addition
+Variants: :size=tiny (the test-suite size).
+"""
+
+from configs import base
+
+
+def get_config(arg: str | None = None):
+  c = base.get_config()
+  size = (arg or "").removeprefix("size=") or "default"
+  if size == "tiny":  # the end-to-end test: a couple of steps only
+    c.rl.num_steps = 3
+    c.rl.prompts_per_step = 8
+    c.warm_start.max_steps = 20
+    c.data.num_eval_examples = 64
+  elif size != "default":
+    raise ValueError(f"configs/addition_grpo.py: unknown variant {arg!r} (expected size=tiny)")
+  return c

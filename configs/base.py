@@ -1,0 +1,126 @@
+"""Every default of tunixlike lives here. Other configs start from `base.get_config()` and change keys.
+
+Run: python -m tunixlike.train --config configs/addition_grpo.py --workdir runs/addition
+Override any key: --config.rl.max_staleness=2 ; variants: --config configs/x.py:size=tiny
+"""
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  del arg
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  # Model: either a local Hugging Face directory (hf_path) or a fresh random model of these sizes.
+  c.model = m = ml_collections.ConfigDict()
+  m.hf_path = placeholder(str)  # local HF checkpoint dir; when set, the sizes below are ignored
+  m.hidden_size = 64
+  m.num_layers = 2
+  m.num_heads = 4
+  m.num_kv_heads = 2
+  m.head_dim = 16
+  m.intermediate_size = 256
+  m.rope_theta = 10000.0
+  m.rms_norm_eps = 1e-6
+  m.qkv_bias = False
+  m.qk_norm = False
+  m.tie_embeddings = True
+  m.param_dtype = "float32"  # master weights
+  m.dtype = "float32"  # compute dtype ("bfloat16" on TPU/GPU)
+  m.remat = False  # recompute activations in the backward pass to save memory
+
+  # Device split: sampler devices decode, learner devices train (per host with several hosts).
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.sampler_devices = 4
+  c.mesh.learner_devices = 4
+  c.mesh.sampler_tensor = 1  # tensor parallelism hurts on CPU; use it on TPU/GPU for big models
+  c.mesh.learner_tensor = 1
+
+  # Data: a built-in task or a local dataset.
+  c.data = d = ml_collections.ConfigDict()
+  d.task = "addition"  # built-in task: addition | reverse | gsm8k
+  d.path = placeholder(str)  # directory / file of the task's data (gsm8k: dir with train/test.jsonl)
+  d.digits = 3  # addition: operand digits (difficulty)
+  d.max_prompt_length = 64  # longer prompts are filtered out and counted
+  d.shuffle_seed = 0
+  d.num_eval_examples = 500  # held-out accuracy swings 10-15 points on small evals
+
+  # Sampler (JetStream-style engine over decode slots).
+  c.sampler = s = ml_collections.ConfigDict()
+  s.max_concurrent_decodes = 128  # decode slots, shared by all replicas
+  s.max_prefill_length = 64
+  s.max_new_tokens = 8
+  s.temperature = 1.0
+  s.top_k = 0  # 0 = off
+  s.top_p = 1.0
+  s.steps_per_call = 4  # decode steps per host round-trip (stop conditions stay exact)
+  s.record_sampling_mask = False  # "Keep Sampling Mask" payload
+
+  # Algorithm: GRPO family.
+  c.algo = a = ml_collections.ConfigDict()
+  a.group_size = 8  # G samples per prompt
+  a.advantage = "grpo"  # grpo | dr_grpo | rloo
+  a.loss = "ppo_clip"  # ppo_clip | dapo | gspo
+  a.aggregation = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+  a.eps_low = 0.2
+  a.eps_high = 0.2  # DAPO clip-higher uses 0.28
+  a.kl_coef = 0.0  # KL to the reference; 0 skips the reference forward
+  a.kl_estimator = "k3"  # k1 | k2 | k3
+  a.is_mode = "tis"  # off-policy correction: none | tis (truncate) | mis (icepop mask)
+  a.is_level = "token"  # token | sequence
+  a.is_cap = 2.0  # TIS cap (verl default)
+  a.is_low = 0.5  # MIS band
+  a.is_high = 2.0
+  a.dynamic_sampling = False  # DAPO: drop zero-variance groups and refill
+
+  # Optimizer.
+  c.optim = o = ml_collections.ConfigDict()
+  o.learning_rate = 5e-4  # 1e-3 collapsed in probes of the addition task
+  o.warmup_steps = 0
+  o.schedule = "constant"  # constant | cosine
+  o.grad_clip = 1.0
+  o.weight_decay = 0.0
+  o.b1 = 0.9
+  o.b2 = 0.99
+  o.micro_batches = 1  # exact token-weighted gradient accumulation
+
+  # LoRA (rank 0 = full fine-tuning).
+  c.lora = l = ml_collections.ConfigDict()
+  l.rank = 0
+  l.alpha = 16.0
+  l.targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+  # Async runtime.
+  c.rl = r = ml_collections.ConfigDict()
+  r.num_steps = 60
+  r.prompts_per_step = 32  # groups per learner step
+  r.max_staleness = 1  # 0 = synchronous (the baseline every comparison uses)
+  r.sync_mode = "soft_pause"  # soft_pause (swap between decode steps) | drain
+  r.sync_dtype = placeholder(str)  # e.g. "bfloat16" for a bf16 sampler
+  r.reward_workers = 4
+  r.reward_timeout_s = 10.0
+  r.max_nonfinite_steps = 3  # stop after this many non-finite losses in a row
+  r.wait_timeout_s = 300.0  # no wait without a timeout
+
+  # Supervised warm start before RL (stops once held-out accuracy reaches the target).
+  c.warm_start = w = ml_collections.ConfigDict()
+  w.max_steps = 0  # 0 = no warm start
+  w.batch_size = 64
+  w.learning_rate = 1e-3
+  w.target_accuracy = 0.2  # a warm start that memorises stops exploring: stop early
+  w.eval_every = 25
+
+  c.eval = e = ml_collections.ConfigDict()
+  e.every_steps = 0  # 0 = only before and after RL
+
+  c.log = g = ml_collections.ConfigDict()
+  g.every_steps = 1
+  g.tensorboard = True
+  g.progress_bar = True
+
+  c.checkpoint = k = ml_collections.ConfigDict()
+  k.every_steps = 0  # 0 = only at the end / on preemption
+  k.keep = 2
+  return c

@@ -1,0 +1,47 @@
+"""tunixlike: asynchronous RL post-training for LLMs in JAX (TPU / GPU; CPU for development)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tunixlike",
+    version="0.1.0",
+    description="Async GRPO-family RL for LLMs in JAX: sampler and learner submeshes, bounded staleness.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["tunixlike", "tunixlike.*"]),
+    install_requires=[
+        # The JAX stack's APIs move fast: versions pinned to what the code is tested with.
+        "jax==0.10.2",
+        "jaxlib==0.10.2",
+        "flax==0.12.8",
+        "optax==0.2.8",
+        "orbax-checkpoint==0.12.8",
+        "grain==0.2.18",
+        "ml-collections>=1.1.0",
+        "numpy>=2.0",
+        "tokenizers>=0.22",
+        "safetensors>=0.6",
+        "jinja2>=3.1",  # chat templates
+        "pyarrow>=20",
+        "tensorboardX>=2.6",
+        "matplotlib>=3.9",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "test": [
+            # torch 2.13.0 CPU: a wheel of it lies on the CI machine; a looser pin would pull a CUDA build.
+            "torch==2.13.0",
+            "transformers>=5.0",
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "chex>=0.1.90",
+            "hypothesis>=6.100",
+            "nbclient>=0.10",
+            "nbformat>=5.10",
+            "ipykernel>=6.29",
+        ],
+        "jetstream": ["google-jetstream==0.2.2"],
+    },
+    entry_points={"console_scripts": ["tunixlike-train=tunixlike.train:main"]},
+)

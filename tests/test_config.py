@@ -1,0 +1,73 @@
+import dataclasses
+import typing
+
+import pytest
+
+from configs import addition_grpo, base
+from tunixlike import config as config_lib
+
+
+def test_base_config_builds_typed_frozen_sections():
+  cfg = config_lib.from_config_dict(base.get_config())
+  assert isinstance(cfg.rl, config_lib.RLSection)
+  assert cfg.lora.targets == tuple(base.get_config().lora.targets)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.rl.num_steps = 3
+
+
+def test_every_base_key_is_a_dataclass_field_and_back():
+  """base.py holds every default: its keys and the typed schema are the same set."""
+  def keys(d, prefix=""):
+    for k, v in d.items():
+      if isinstance(v, dict):
+        yield from keys(v, f"{prefix}{k}.")
+      else:
+        yield f"{prefix}{k}"
+
+  def fields(cls, prefix=""):
+    for name, hint in typing.get_type_hints(cls).items():
+      if dataclasses.is_dataclass(hint):
+        yield from fields(hint, f"{prefix}{name}.")
+      else:
+        yield f"{prefix}{name}"
+
+  assert set(keys(base.get_config().to_dict())) == set(fields(config_lib.Config))
+
+
+def test_defaults_of_base_match_dataclass_defaults():
+  assert config_lib.from_config_dict(base.get_config()) == config_lib.Config()
+
+
+@pytest.mark.parametrize("section,key,value,message", [
+    ("rl", "max_staleness", -1, "rl.max_staleness=-1: must be >= 0"),
+    ("model", "num_kv_heads", 3, "model.num_kv_heads=3: must divide model.num_heads=4"),
+    ("sampler", "top_p", 0.0, "sampler.top_p=0.0: must be in (0, 1]"),
+    ("algo", "kl_estimator", "k9", "algo.kl_estimator='k9'"),
+    ("data", "task", "chess", "data.task='chess'"),
+    ("optim", "micro_batches", 3, "rl.prompts_per_step=32"),
+])
+def test_invalid_values_name_the_key_and_value(section, key, value, message):
+  raw = base.get_config()
+  with raw.unlocked():
+    raw[section][key] = value
+  with pytest.raises(config_lib.ConfigError, match=r"^" + message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+    config_lib.from_config_dict(raw)
+
+
+def test_unknown_key_and_wrong_type_are_named():
+  with pytest.raises(config_lib.ConfigError, match="rl.bogus: unknown config key"):
+    config_lib.from_config_dict({"rl": {"bogus": 1}})
+  with pytest.raises(config_lib.ConfigError, match="rl.num_steps='3': wrong type str"):
+    config_lib.from_config_dict({"rl": {"num_steps": "3"}})
+
+
+def test_variant_argument_selects_tiny():
+  tiny = config_lib.from_config_dict(addition_grpo.get_config("size=tiny"))
+  assert tiny.rl.num_steps < config_lib.from_config_dict(addition_grpo.get_config()).rl.num_steps
+  with pytest.raises(ValueError, match="unknown variant"):
+    addition_grpo.get_config("size=galactic")
+
+
+def test_replace_changes_only_the_named_keys():
+  cfg = config_lib.replace(config_lib.Config(), rl=dict(num_steps=3))
+  assert cfg.rl.num_steps == 3 and cfg.rl.max_staleness == config_lib.Config().rl.max_staleness

@@ -1,0 +1,36 @@
+import jax
+import pytest
+
+from tunixlike import mesh as mesh_lib
+
+
+def test_split_4_plus_4_with_axes():
+  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=2, learner_tensor=1)
+  assert meshes.sampler.axis_names == ("replica", "tensor")
+  assert meshes.learner.axis_names == ("fsdp", "tensor")
+  assert dict(meshes.sampler.shape) == {"replica": 2, "tensor": 2}
+  assert dict(meshes.learner.shape) == {"fsdp": 4, "tensor": 1}
+  s = set(meshes.sampler.devices.flat)
+  l = set(meshes.learner.devices.flat)
+  assert not s & l and len(s | l) == 8
+
+
+def test_sizes_that_do_not_add_up_or_divide():
+  with pytest.raises(mesh_lib.MeshError, match="= 7, but there are 8 devices"):
+    mesh_lib.make_meshes(sampler_devices=4, learner_devices=3)
+  with pytest.raises(mesh_lib.MeshError, match="mesh.sampler_tensor=3"):
+    mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=3)
+
+
+def test_per_host_split_takes_first_local_devices_of_each_process():
+  # Two fake "hosts" are not available in one process; check the single-process rule on a subset.
+  devs = jax.devices()[:6]
+  sampler, learner = mesh_lib.split_devices(2, 4, devs)
+  assert sampler == devs[:2] and learner == devs[2:]
+
+
+def test_logical_rules_map_to_mesh_axes():
+  spec = mesh_lib.logical_to_mesh(("vocab", "embed"), mesh_lib.LEARNER_RULES)
+  assert spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+  with pytest.raises(KeyError, match="no sharding rule"):
+    mesh_lib.logical_to_mesh(("nonsense",), mesh_lib.LEARNER_RULES)

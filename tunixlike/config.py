@@ -1,0 +1,319 @@
+"""Typed, frozen configuration built from the ml_collections ConfigDict of `configs/*.py`.
+
+The ConfigDict stops here: `from_config_dict` checks every key against these dataclasses (unknown
+keys, wrong types) and each section validates its values in `__post_init__`. Errors are `ConfigError`s
+that name the full key and the bad value, e.g. `rl.max_staleness=-1: must be >= 0`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+  """A config key that is unknown, of the wrong type or has an invalid value."""
+
+
+def _check(cond: bool, key: str, value: Any, why: str):
+  if not cond:
+    raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def _positive(section, prefix: str, *names: str, allow_zero: bool = False):
+  for n in names:
+    v = getattr(section, n)
+    _check(v >= 0 if allow_zero else v > 0, f"{prefix}.{n}", v, "must be >= 0" if allow_zero else "must be > 0")
+
+
+def _one_of(section, prefix: str, name: str, choices):
+  v = getattr(section, name)
+  _check(v in choices, f"{prefix}.{name}", v, f"must be one of {list(choices)}")
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+  hf_path: str | None = None
+  hidden_size: int = 64
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 16
+  intermediate_size: int = 256
+  rope_theta: float = 10000.0
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  tie_embeddings: bool = True
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  remat: bool = False
+
+  def __post_init__(self):
+    _positive(self, "model", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "intermediate_size", "rope_theta", "rms_norm_eps")
+    _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads,
+           f"must divide model.num_heads={self.num_heads}")
+    _one_of(self, "model", "param_dtype", DTYPES)
+    _one_of(self, "model", "dtype", DTYPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+  sampler_devices: int = 4
+  learner_devices: int = 4
+  sampler_tensor: int = 1
+  learner_tensor: int = 1
+
+  def __post_init__(self):
+    _positive(self, "mesh", "sampler_devices", "learner_devices", "sampler_tensor", "learner_tensor")
+    _check(self.sampler_devices % self.sampler_tensor == 0, "mesh.sampler_tensor", self.sampler_tensor,
+           f"must divide mesh.sampler_devices={self.sampler_devices}")
+    _check(self.learner_devices % self.learner_tensor == 0, "mesh.learner_tensor", self.learner_tensor,
+           f"must divide mesh.learner_devices={self.learner_devices}")
+
+
+TASKS = ("addition", "reverse", "gsm8k")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+  task: str = "addition"
+  path: str | None = None
+  digits: int = 3
+  max_prompt_length: int = 64
+  shuffle_seed: int = 0
+  num_eval_examples: int = 500
+
+  def __post_init__(self):
+    _one_of(self, "data", "task", TASKS)
+    _positive(self, "data", "digits", "max_prompt_length", "num_eval_examples")
+    _check(self.task != "gsm8k" or self.path is not None, "data.path", self.path,
+           "gsm8k needs the directory holding train.jsonl and test.jsonl")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSection:
+  max_concurrent_decodes: int = 128
+  max_prefill_length: int = 64
+  max_new_tokens: int = 8
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  steps_per_call: int = 4
+  record_sampling_mask: bool = False
+
+  def __post_init__(self):
+    _positive(self, "sampler", "max_concurrent_decodes", "max_prefill_length", "max_new_tokens",
+              "steps_per_call")
+    _positive(self, "sampler", "temperature", "top_k", allow_zero=True)
+    _check(0.0 < self.top_p <= 1.0, "sampler.top_p", self.top_p, "must be in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoSection:
+  group_size: int = 8
+  advantage: str = "grpo"
+  loss: str = "ppo_clip"
+  aggregation: str = "token_mean"
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  kl_coef: float = 0.0
+  kl_estimator: str = "k3"
+  is_mode: str = "tis"
+  is_level: str = "token"
+  is_cap: float = 2.0
+  is_low: float = 0.5
+  is_high: float = 2.0
+  dynamic_sampling: bool = False
+
+  def __post_init__(self):
+    _check(self.group_size >= 2, "algo.group_size", self.group_size, "must be >= 2 (group baselines)")
+    _positive(self, "algo", "eps_low", "eps_high", "kl_coef", allow_zero=True)
+    _one_of(self, "algo", "kl_estimator", ("k1", "k2", "k3"))
+    _one_of(self, "algo", "is_mode", ("none", "tis", "mis"))
+    _one_of(self, "algo", "is_level", ("token", "sequence"))
+    _positive(self, "algo", "is_cap", "is_high")
+    _check(0 <= self.is_low < self.is_high, "algo.is_low", self.is_low, f"must be in [0, algo.is_high)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSection:
+  learning_rate: float = 5e-4
+  warmup_steps: int = 0
+  schedule: str = "constant"
+  grad_clip: float = 1.0
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.99
+  micro_batches: int = 1
+
+  def __post_init__(self):
+    _positive(self, "optim", "learning_rate", "micro_batches")
+    _positive(self, "optim", "warmup_steps", "grad_clip", "weight_decay", allow_zero=True)
+    _one_of(self, "optim", "schedule", ("constant", "cosine"))
+    for n in ("b1", "b2"):
+      _check(0.0 <= getattr(self, n) < 1.0, f"optim.{n}", getattr(self, n), "must be in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSection:
+  rank: int = 0
+  alpha: float = 16.0
+  targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+  def __post_init__(self):
+    _positive(self, "lora", "rank", allow_zero=True)
+    _positive(self, "lora", "alpha")
+    _check(self.rank == 0 or len(self.targets) > 0, "lora.targets", self.targets, "must name a module")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSection:
+  num_steps: int = 60
+  prompts_per_step: int = 32
+  max_staleness: int = 1
+  sync_mode: str = "soft_pause"
+  sync_dtype: str | None = None
+  reward_workers: int = 4
+  reward_timeout_s: float = 10.0
+  max_nonfinite_steps: int = 3
+  wait_timeout_s: float = 300.0
+
+  def __post_init__(self):
+    _positive(self, "rl", "num_steps", "prompts_per_step", "reward_workers", "reward_timeout_s",
+              "max_nonfinite_steps", "wait_timeout_s")
+    _positive(self, "rl", "max_staleness", allow_zero=True)
+    _one_of(self, "rl", "sync_mode", ("soft_pause", "drain"))
+    _check(self.sync_dtype in (None,) + DTYPES, "rl.sync_dtype", self.sync_dtype, f"must be one of {DTYPES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartSection:
+  max_steps: int = 0
+  batch_size: int = 64
+  learning_rate: float = 1e-3
+  target_accuracy: float = 0.2
+  eval_every: int = 25
+
+  def __post_init__(self):
+    _positive(self, "warm_start", "max_steps", allow_zero=True)
+    _positive(self, "warm_start", "batch_size", "learning_rate", "eval_every")
+    _check(0.0 < self.target_accuracy <= 1.0, "warm_start.target_accuracy", self.target_accuracy,
+           "must be in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+  every_steps: int = 0
+
+  def __post_init__(self):
+    _positive(self, "eval", "every_steps", allow_zero=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSection:
+  every_steps: int = 1
+  tensorboard: bool = True
+  progress_bar: bool = True
+
+  def __post_init__(self):
+    _positive(self, "log", "every_steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+  every_steps: int = 0
+  keep: int = 2
+
+  def __post_init__(self):
+    _positive(self, "checkpoint", "every_steps", allow_zero=True)
+    _positive(self, "checkpoint", "keep")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  seed: int = 0
+  model: ModelSection = ModelSection()
+  mesh: MeshSection = MeshSection()
+  data: DataSection = DataSection()
+  sampler: SamplerSection = SamplerSection()
+  algo: AlgoSection = AlgoSection()
+  optim: OptimSection = OptimSection()
+  lora: LoraSection = LoraSection()
+  rl: RLSection = RLSection()
+  warm_start: WarmStartSection = WarmStartSection()
+  eval: EvalSection = EvalSection()
+  log: LogSection = LogSection()
+  checkpoint: CheckpointSection = CheckpointSection()
+
+  def __post_init__(self):
+    # Cross-section checks.
+    _check(self.sampler.max_concurrent_decodes >= self.algo.group_size, "sampler.max_concurrent_decodes",
+           self.sampler.max_concurrent_decodes, f"must be >= algo.group_size={self.algo.group_size}")
+    _check(self.sampler.max_concurrent_decodes % (self.mesh.sampler_devices // self.mesh.sampler_tensor) == 0,
+           "sampler.max_concurrent_decodes", self.sampler.max_concurrent_decodes,
+           "must be divisible by the number of sampler replicas "
+           f"(mesh.sampler_devices / mesh.sampler_tensor = {self.mesh.sampler_devices // self.mesh.sampler_tensor})")
+    batch = self.rl.prompts_per_step * self.algo.group_size
+    fsdp = self.mesh.learner_devices // self.mesh.learner_tensor
+    _check(batch % (self.optim.micro_batches * fsdp) == 0, "rl.prompts_per_step", self.rl.prompts_per_step,
+           f"prompts_per_step * algo.group_size = {batch} must be divisible by optim.micro_batches * "
+           f"learner fsdp devices = {self.optim.micro_batches} * {fsdp}")
+    _check(self.sampler.max_prefill_length >= self.data.max_prompt_length, "data.max_prompt_length",
+           self.data.max_prompt_length, f"must be <= sampler.max_prefill_length={self.sampler.max_prefill_length}")
+
+
+def _is_instance(value: Any, hint: Any) -> bool:
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    return any(_is_instance(value, h) for h in typing.get_args(hint))
+  if hint is type(None):
+    return value is None
+  if origin is tuple:
+    (item, _) = typing.get_args(hint)
+    return isinstance(value, (tuple, list)) and all(_is_instance(v, item) for v in value)
+  if hint is float:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if hint is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  return isinstance(value, hint)
+
+
+def _build(cls, values: Mapping[str, Any], prefix: str):
+  hints = typing.get_type_hints(cls)
+  kwargs = {}
+  for key, value in values.items():
+    name = f"{prefix}{key}"
+    if key not in hints:
+      raise ConfigError(f"{name}: unknown config key (known: {', '.join(sorted(hints))})")
+    hint = hints[key]
+    if dataclasses.is_dataclass(hint):
+      if not isinstance(value, Mapping):
+        raise ConfigError(f"{name}={value!r}: must be a section")
+      kwargs[key] = _build(hint, value, f"{name}.")
+      continue
+    if not _is_instance(value, hint):
+      raise ConfigError(f"{name}={value!r}: wrong type {type(value).__name__}, expected {hint}")
+    kwargs[key] = tuple(value) if isinstance(value, list) else (float(value) if hint is float else value)
+  return cls(**kwargs)
+
+
+def from_config_dict(config: Mapping[str, Any]) -> Config:
+  """Builds and validates the typed config. Raises ConfigError naming the key and the value."""
+  values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  return _build(Config, values, "")
+
+
+def replace(config: Config, **changes) -> Config:
+  """`replace(cfg, rl=dict(num_steps=3))`: a copy with some keys of some sections changed."""
+  out = {}
+  for section, value in changes.items():
+    current = getattr(config, section)
+    out[section] = dataclasses.replace(current, **value) if isinstance(value, Mapping) else value
+  return dataclasses.replace(config, **out)

@@ -1,0 +1,147 @@
+"""Random-access record sources over local files: JSONL, Parquet, Arrow, HF `datasets` on disk.
+
+Every source is a sequence of dicts (`len`, `source[i]`), which is what `grain.MapDataset.source`
+needs for index-based shuffling, sharding and exact resume. Parquet and Arrow stay in Arrow
+memory (one row is turned into a dict only when read); JSONL is parsed up front so that a bad
+line fails at start-up with its line number rather than hours into a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+
+class RecordSource(Sequence[dict[str, Any]]):
+  """Base class: a named, random-access sequence of records with known column names."""
+
+  name: str
+  columns: tuple[str, ...]
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}({self.name!r}, n={len(self)})"
+
+
+class ListSource(RecordSource):
+  def __init__(self, records: list[dict[str, Any]], name: str):
+    self.records, self.name = records, name
+    self.columns = tuple(records[0]) if records else ()
+
+  def __len__(self) -> int:
+    return len(self.records)
+
+  def __getitem__(self, index):
+    return self.records[index]
+
+
+class ArrowSource(RecordSource):
+  """Rows of a pyarrow Table, converted to a dict one at a time."""
+
+  def __init__(self, table, name: str):
+    self.table, self.name = table, name
+    self.columns = tuple(table.column_names)
+
+  def __len__(self) -> int:
+    return self.table.num_rows
+
+  def __getitem__(self, index):
+    if not -len(self) <= index < len(self):
+      raise IndexError(f"{self.name}: row {index} out of range ({len(self)} rows)")
+    return self.table.slice(index % len(self), 1).to_pylist()[0]
+
+
+class HFDiskSource(RecordSource):
+  """A Hugging Face `datasets.Dataset` saved with `save_to_disk`."""
+
+  def __init__(self, dataset, name: str):
+    self.dataset, self.name = dataset, name
+    self.columns = tuple(dataset.column_names)
+
+  def __len__(self) -> int:
+    return len(self.dataset)
+
+  def __getitem__(self, index):
+    return dict(self.dataset[int(index)])
+
+
+def read_jsonl(path: str) -> ListSource:
+  """Reads a JSONL file of objects; errors name the file and the 1-based line."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no such data file: {path}")
+  records = []
+  with open(path, "rb") as f:
+    for line_no, raw in enumerate(f, start=1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{path}:{line_no}: not valid UTF-8 ({e})") from None
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{line_no}: invalid JSON ({e})") from None
+      if not isinstance(record, dict):
+        raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+      records.append(record)
+  return ListSource(records, path)
+
+
+def read_parquet(path: str) -> ArrowSource:
+  import pyarrow.parquet as pq
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no such data file: {path}")
+  try:
+    return ArrowSource(pq.read_table(path), path)
+  except Exception as e:  # pyarrow raises ArrowInvalid and friends.
+    raise ValueError(f"cannot read Parquet {path}: {e}") from e
+
+
+def read_arrow(path: str) -> ArrowSource:
+  """Reads an Arrow IPC file (random-access "file" format or the "stream" format HF datasets writes)."""
+  import pyarrow as pa
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no such data file: {path}")
+  try:
+    with pa.memory_map(path, "r") as source:
+      try:
+        table = pa.ipc.open_file(source).read_all()
+      except pa.ArrowInvalid:
+        source.seek(0)
+        table = pa.ipc.open_stream(source).read_all()
+  except Exception as e:
+    raise ValueError(f"cannot read Arrow {path}: {e}") from e
+  return ArrowSource(table, path)
+
+
+def read_hf_disk(path: str) -> HFDiskSource:
+  try:
+    import datasets  # Optional dependency: only this source needs it.
+  except ImportError as e:
+    raise ImportError(f"reading {path} (saved with datasets.save_to_disk) needs `pip install datasets`") from e
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"no such dataset directory: {path}")
+  dataset = datasets.load_from_disk(path)
+  if isinstance(dataset, datasets.DatasetDict):
+    raise ValueError(f"{path} holds a DatasetDict with splits {list(dataset)}; pass {path}/<split>")
+  return HFDiskSource(dataset, path)
+
+
+_READERS = {"jsonl": read_jsonl, "parquet": read_parquet, "arrow": read_arrow, "hf_disk": read_hf_disk}
+_EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".feather": "arrow",
+               ".ipc": "arrow"}
+
+
+def open_source(path: str, format: str | None = None) -> RecordSource:
+  """Opens `path` as a record source; `format` is one of jsonl/parquet/arrow/hf_disk or inferred."""
+  if format is None:
+    if os.path.isdir(path):
+      format = "hf_disk"
+    else:
+      format = _EXTENSIONS.get(os.path.splitext(path)[1].lower())
+      if format is None:
+        raise ValueError(f"cannot infer the format of {path}; pass format= one of {sorted(_READERS)}")
+  if format not in _READERS:
+    raise ValueError(f"format={format!r} for {path}; expected one of {sorted(_READERS)}")
+  return _READERS[format](path)

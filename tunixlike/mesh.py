@@ -1,0 +1,109 @@
+"""The device mesh, split into a sampler submesh and a learner submesh.
+
+Sampler axes: ('replica', 'tensor'): data-parallel decode replicas x tensor parallelism within one.
+Learner axes: ('fsdp', 'tensor'): fully-sharded data parallelism x tensor parallelism.
+With several processes (hosts) the split is made per host: every host gives its first local devices
+to the sampler and the rest to the learner, so that weight sync never crosses hosts (multi-controller
+JAX refuses a cross-host device_put between different device sets; see DESIGN "Weight sync").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+SAMPLER_AXES = ("replica", "tensor")
+LEARNER_AXES = ("fsdp", "tensor")
+
+# Logical parameter / activation axis -> mesh axis. Parameters carry logical names
+# (nnx.with_partitioning); these rules decide where each lands on either submesh.
+LEARNER_RULES = (
+    ("batch", "fsdp"),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+    ("expert", None),
+)
+# The sampler replicates weights across replicas (each replica decodes its own slots) and
+# splits them only along the tensor axis.
+SAMPLER_RULES = (
+    ("batch", "replica"),
+    ("vocab", "tensor"),
+    ("embed", None),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+    ("expert", None),
+)
+
+
+class MeshError(ValueError):
+  """Submesh sizes that do not divide or do not add up."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Meshes:
+  sampler: Mesh
+  learner: Mesh
+
+
+def split_devices(sampler_devices: int, learner_devices: int,
+                  devices: Sequence[jax.Device]) -> tuple[list, list]:
+  """Per-host split: each process gives its first local devices to the sampler."""
+  total = sampler_devices + learner_devices
+  if total != len(devices):
+    raise MeshError(f"mesh.sampler_devices={sampler_devices} + mesh.learner_devices="
+                    f"{learner_devices} = {total}, but there are {len(devices)} devices")
+  by_process: dict[int, list] = {}
+  for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
+    by_process.setdefault(d.process_index, []).append(d)
+  n_proc = len(by_process)
+  for name, n in (("sampler_devices", sampler_devices), ("learner_devices", learner_devices)):
+    if n % n_proc:
+      raise MeshError(f"mesh.{name}={n} is not divisible by the {n_proc} processes "
+                      "(the split is made per host)")
+  s_local = sampler_devices // n_proc
+  sampler, learner = [], []
+  for local in by_process.values():
+    if len(local) != total // n_proc:
+      raise MeshError(f"processes have unequal device counts ({[len(v) for v in by_process.values()]})")
+    sampler += local[:s_local]
+    learner += local[s_local:]
+  return sampler, learner
+
+
+def make_meshes(sampler_devices: int = 4, learner_devices: int = 4, sampler_tensor: int = 1,
+                learner_tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Meshes:
+  """Builds both submeshes from `devices` (default: all devices of the default backend)."""
+  for name, n, of in (("sampler_tensor", sampler_tensor, sampler_devices),
+                      ("learner_tensor", learner_tensor, learner_devices)):
+    if n < 1 or of % n:
+      raise MeshError(f"mesh.{name}={n} must be >= 1 and divide mesh.{name.split('_')[0]}_devices={of}")
+  devices = list(jax.devices() if devices is None else devices)
+  sampler, learner = split_devices(sampler_devices, learner_devices, devices)
+  # The tensor axis is innermost so a replica's tensor shards sit on one host's neighbouring devices.
+  s_shape = (sampler_devices // sampler_tensor, sampler_tensor)
+  l_shape = (learner_devices // learner_tensor, learner_tensor)
+  return Meshes(sampler=Mesh(np.array(sampler).reshape(s_shape), SAMPLER_AXES),
+                learner=Mesh(np.array(learner).reshape(l_shape), LEARNER_AXES))
+
+
+def logical_to_mesh(spec: Sequence[str | None], rules) -> jax.sharding.PartitionSpec:
+  """Maps a tuple of logical axis names to a PartitionSpec with `rules`."""
+  table = dict(rules)
+  out = []
+  for name in spec:
+    if name is not None and name not in table:
+      raise KeyError(f"logical axis {name!r} has no sharding rule (rules: {sorted(table)})")
+    out.append(None if name is None else table[name])
+  return jax.sharding.PartitionSpec(*out)

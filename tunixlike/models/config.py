@@ -1,0 +1,232 @@
+"""ModelConfig: the one description of a decoder-only transformer, and its Hugging Face mapping.
+
+Supported families (all share one implementation in transformer.py):
+  llama  (Llama 3.x, incl. llama3 RoPE scaling; no attention/MLP bias),
+  qwen2  (Qwen2 / Qwen2.5: bias on q/k/v projections, tied or untied embeddings),
+  qwen3  (Qwen3 dense: RMSNorm on q and k per head, no bias).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+_DTYPES = ("float32", "bfloat16", "float16")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama 3.1 RoPE frequency scaling (HF rope_type 'llama3')."""
+
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+      value = getattr(self, name)
+      if not value > 0:
+        raise ValueError(f"RopeScaling.{name}={value!r} must be > 0")
+    if not self.high_freq_factor > self.low_freq_factor:
+      raise ValueError(
+          f"RopeScaling.high_freq_factor={self.high_freq_factor!r} must exceed "
+          f"low_freq_factor={self.low_freq_factor!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int
+  hidden_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  intermediate_size: int
+  rope_theta: float = 10_000.0
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = False  # Qwen2: bias on q/k/v (not o)
+  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+  tie_embeddings: bool = True
+  rope_scaling: RopeScaling | None = None
+  param_dtype: str = "float32"  # storage dtype of the parameters
+  dtype: str = "float32"  # compute dtype of activations and matmuls (softmax/norms run in fp32)
+  remat: bool = False  # rematerialise each layer in the backward pass (nnx.remat)
+  max_position_embeddings: int = 4096
+  init_std: float = 0.02  # stddev of the normal init of every kernel and embedding
+  bos_token_id: int | None = None
+  eos_token_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                 "intermediate_size", "max_position_embeddings"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
+                       f"num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+    for name in ("rope_theta", "rms_norm_eps", "init_std"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"ModelConfig.{name}={value!r} must be a positive finite number")
+    for name in ("param_dtype", "dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}, expected one of {_DTYPES}")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r} must be a RopeScaling or None")
+    if not isinstance(self.eos_token_ids, tuple):
+      raise ValueError(f"ModelConfig.eos_token_ids={self.eos_token_ids!r} must be a tuple of ints")
+
+  def replace(self, **changes) -> ModelConfig:
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def arch(self) -> str:
+    """The Hugging Face family this config corresponds to."""
+    if self.qk_norm:
+      if self.qkv_bias:
+        raise ValueError("ModelConfig with both qk_norm and qkv_bias matches no supported HF architecture")
+      return "qwen3"
+    return "qwen2" if self.qkv_bias else "llama"
+
+  # ---------------------------------------------------------------- Hugging Face config.json
+
+  @classmethod
+  def from_hf_config(cls, hf: dict[str, Any], *, source: str = "config.json", **overrides) -> ModelConfig:
+    """Reads a transformers config.json dict (4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
+    model_type = hf.get("model_type")
+    archs = hf.get("architectures") or []
+    if model_type not in ARCHITECTURES:
+      raise ValueError(f"{source}: unsupported model_type={model_type!r}; supported: {sorted(ARCHITECTURES)}")
+    for a in archs:
+      if a not in ARCHITECTURES.values():
+        raise ValueError(f"{source}: unsupported architectures entry {a!r}; "
+                         f"supported: {sorted(ARCHITECTURES.values())}")
+
+    def need(key):
+      if key not in hf:
+        raise ValueError(f"{source}: missing required field {key!r}")
+      return hf[key]
+
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+      raise ValueError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+    if hf.get("mlp_bias"):
+      raise ValueError(f"{source}: mlp_bias=true is not supported")
+    if model_type != "qwen2" and hf.get("attention_bias"):
+      raise ValueError(f"{source}: attention_bias=true is not supported for {model_type}")
+    if hf.get("use_sliding_window"):
+      raise ValueError(f"{source}: use_sliding_window=true is not supported")
+
+    rope = hf.get("rope_parameters") or {}
+    if "rope_parameters" in hf and not isinstance(rope, dict):
+      raise ValueError(f"{source}: rope_parameters={rope!r} must be an object")
+    legacy = hf.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    scaling_src = rope if rope.get("rope_type", "default") != "default" else legacy
+    rope_type = scaling_src.get("rope_type", scaling_src.get("type", "default"))
+    rope_scaling = None
+    if rope_type == "llama3":
+      try:
+        rope_scaling = RopeScaling(
+            factor=float(scaling_src["factor"]),
+            low_freq_factor=float(scaling_src["low_freq_factor"]),
+            high_freq_factor=float(scaling_src["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling_src["original_max_position_embeddings"]))
+      except KeyError as e:
+        raise ValueError(f"{source}: rope_type 'llama3' is missing field {e.args[0]!r}") from None
+    elif rope_type != "default":
+      raise ValueError(f"{source}: rope_type={rope_type!r} is not supported (only 'default', 'llama3')")
+
+    num_heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    eos = hf.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    kwargs = dict(
+        vocab_size=need("vocab_size"), hidden_size=hidden, num_layers=need("num_hidden_layers"),
+        num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hidden // num_heads, intermediate_size=need("intermediate_size"),
+        rope_theta=float(theta), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", model_type != "llama")),
+        rope_scaling=rope_scaling, max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        init_std=float(hf.get("initializer_range", 0.02)), bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids)
+    kwargs.update(overrides)
+    try:
+      return cls(**kwargs)
+    except ValueError as e:
+      raise ValueError(f"{source}: {e}") from None
+
+  def to_hf_config(self, arch: str | None = None) -> dict[str, Any]:
+    """A transformers 5.x config.json dict (AutoConfig / AutoModelForCausalLM load it)."""
+    arch = arch or self.arch
+    if arch not in ARCHITECTURES:
+      raise ValueError(f"to_hf_config: arch={arch!r}, expected one of {sorted(ARCHITECTURES)}")
+    if arch != self.arch:
+      raise ValueError(f"to_hf_config: arch={arch!r} but the config (qkv_bias={self.qkv_bias}, "
+                       f"qk_norm={self.qk_norm}) is a {self.arch!r} model")
+    rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+    if self.rope_scaling is not None:
+      rope.update(rope_type="llama3", **dataclasses.asdict(self.rope_scaling))
+    eos = list(self.eos_token_ids)
+    out = {
+        "architectures": [ARCHITECTURES[arch]], "model_type": arch, "vocab_size": self.vocab_size,
+        "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+        "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+        "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "hidden_act": "silu",
+        "rms_norm_eps": self.rms_norm_eps, "rope_parameters": rope,
+        "tie_word_embeddings": self.tie_embeddings, "max_position_embeddings": self.max_position_embeddings,
+        "initializer_range": self.init_std, "bos_token_id": self.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None), "dtype": self.param_dtype,
+    }
+    if arch == "llama":
+      out.update(attention_bias=False, mlp_bias=False)
+    if arch == "qwen3":
+      out["attention_bias"] = False
+    return out
+
+
+# ------------------------------------------------------------------ presets
+
+def tiny_config(**overrides) -> ModelConfig:
+  """A 2-layer model for tests and CPU demos (GQA 4:2, vocab 256)."""
+  kw = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+            intermediate_size=128, max_position_embeddings=512)
+  kw.update(overrides)
+  return ModelConfig(**kw)
+
+
+def qwen2_5_0_5b(**overrides) -> ModelConfig:
+  kw = dict(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+            intermediate_size=4864, rope_theta=1e6, rms_norm_eps=1e-6, qkv_bias=True, tie_embeddings=True,
+            max_position_embeddings=32768, eos_token_ids=(151645, 151643))
+  kw.update(overrides)
+  return ModelConfig(**kw)
+
+
+def qwen3_0_6b(**overrides) -> ModelConfig:
+  kw = dict(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+            intermediate_size=3072, rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True, tie_embeddings=True,
+            max_position_embeddings=40960, eos_token_ids=(151645, 151643))
+  kw.update(overrides)
+  return ModelConfig(**kw)
+
+
+def llama3_2_1b(**overrides) -> ModelConfig:
+  kw = dict(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+            intermediate_size=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_embeddings=True,
+            rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=8192),
+            max_position_embeddings=131072, bos_token_id=128000, eos_token_ids=(128001, 128008, 128009))
+  kw.update(overrides)
+  return ModelConfig(**kw)
+
+
+PRESETS = {"tiny": tiny_config, "qwen2.5-0.5b": qwen2_5_0_5b, "qwen3-0.6b": qwen3_0_6b,
+           "llama3.2-1b": llama3_2_1b}

@@ -1,0 +1,83 @@
+"""Logical axis names -> mesh shardings.
+
+Parameters carry logical names ('vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp', 'norm') in
+their `out_sharding` metadata (nnx.with_partitioning). Rules, a sequence of (logical_name,
+mesh_axis_or_None), say where each goes on a given mesh; the same model maps onto the sampler mesh
+and the learner mesh with different rules. A name without a rule is replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+Rules = Sequence[tuple[str, Any]]
+
+
+def _axis_size(mesh: jax.sharding.Mesh, axis) -> int:
+  axes = axis if isinstance(axis, tuple) else (axis,)
+  size = 1
+  for a in axes:
+    if a not in mesh.shape:
+      raise ValueError(f"sharding rule maps to mesh axis {a!r}, mesh has axes {tuple(mesh.shape)}")
+    size *= mesh.shape[a]
+  return size
+
+
+def partition_spec(shape, logical_axes, mesh: jax.sharding.Mesh, rules: Rules, *, strict: bool = True,
+                   what: str = "array") -> PartitionSpec:
+  """PartitionSpec for an array of `shape` with `logical_axes` under `rules`.
+
+  strict=True raises when a dimension does not divide its mesh axis (parameters: an uneven layout
+  is almost always a configuration mistake); strict=False replicates that dimension instead.
+  """
+  table = dict(rules)
+  if logical_axes is None:
+    return PartitionSpec()
+  if len(logical_axes) != len(shape):
+    raise ValueError(f"{what}: logical axes {logical_axes} do not match shape {tuple(shape)}")
+  spec, used = [], set()
+  for dim, name in zip(shape, logical_axes):
+    axis = table.get(name) if name is not None else None
+    if axis is not None:
+      size = _axis_size(mesh, axis)
+      flat = axis if isinstance(axis, tuple) else (axis,)
+      if dim % size or used.intersection(flat):
+        if strict and dim % size:
+          raise ValueError(f"{what}: dimension {name!r} of size {dim} does not divide mesh axis "
+                           f"{axis!r} of size {size}; change the sharding rules or the mesh")
+        axis = None
+      else:
+        used.update(flat)
+    spec.append(axis)
+  return PartitionSpec(*spec)
+
+
+def named_sharding(shape, logical_axes, mesh, rules: Rules, *, strict: bool = True,
+                   what: str = "array") -> NamedSharding:
+  return NamedSharding(mesh, partition_spec(shape, logical_axes, mesh, rules, strict=strict, what=what))
+
+
+def logical_axes(tree) -> Any:
+  """The logical axis names of every Variable in an nnx State / Module (None where unannotated)."""
+  state = nnx.state(tree) if isinstance(tree, nnx.Module) else tree
+  return jax.tree.map(lambda v: v.get_metadata().get("out_sharding"), state,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def state_shardings(tree, mesh: jax.sharding.Mesh, rules: Rules) -> Any:
+  """A State of NamedShardings for a model (or its State, abstract or concrete) under `rules`.
+
+  Use it for `jax.jit(..., out_shardings=...)`, optimizer-state shardings and weight sync
+  (`jax.device_put(learner_state, state_shardings(sampler_model, sampler_mesh, SAMPLER_RULES))`).
+  """
+  state = nnx.state(tree) if isinstance(tree, nnx.Module) else tree
+  flat = []
+  for path, var in nnx.to_flat_state(state):
+    name = "/".join(str(p) for p in path)
+    axes = var.get_metadata().get("out_sharding")
+    flat.append((path, var.replace(named_sharding(var.value.shape, axes, mesh, rules, what=name))))
+  return nnx.from_flat_state(flat)

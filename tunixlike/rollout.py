@@ -1,0 +1,75 @@
+"""The rollout data contract: the one type sampler, queue and learner share.
+
+Every completion that leaves the sampler carries, per token, the id, the logprob under the
+*processed* sampling distribution (after temperature / top-k / top-p) and the policy version
+(learner step) whose weights produced it. Nothing downstream re-derives what the sampler knew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+FINISH_REASONS = ("eos", "stop", "length", "aborted")
+
+
+@dataclasses.dataclass
+class Completion:
+  """One sampled continuation of a prompt. All per-token arrays have length T."""
+
+  token_ids: np.ndarray  # int32 [T]; includes the stop token when finish_reason is eos/stop
+  logprobs: np.ndarray  # float32 [T]; log p_behaviour(token) after sampling processing
+  policy_versions: np.ndarray  # int32 [T]; learner step whose weights produced each token
+  finish_reason: str  # one of FINISH_REASONS
+  # 1 where the policy produced the token, 0 for tokens inserted by an environment (multi-turn).
+  loss_mask: np.ndarray | None = None  # int32 [T]
+  # Vocabulary truncation used for each token ("Keep Sampling Mask"): np.packbits over V.
+  sampling_mask: np.ndarray | None = None  # uint8 [T, ceil(V / 8)]
+  # MoE experts chosen per token and layer ("Keep Routing").
+  expert_routing: np.ndarray | None = None  # int32 [T, L, k]
+  text: str | None = None
+
+  def __post_init__(self):
+    n = len(self.token_ids)
+    for name in ("logprobs", "policy_versions", "loss_mask", "sampling_mask", "expert_routing"):
+      value = getattr(self, name)
+      if value is not None and len(value) != n:
+        raise ValueError(f"Completion.{name} has length {len(value)}, token_ids has {n}")
+    if self.finish_reason not in FINISH_REASONS:
+      raise ValueError(f"Completion.finish_reason={self.finish_reason!r}, expected one of {FINISH_REASONS}")
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.token_ids)
+
+
+@dataclasses.dataclass
+class RolloutGroup:
+  """The G completions of one prompt (a GRPO group), the prompt's dataset columns and rewards."""
+
+  prompt_id: Any  # stable id of the dataset element (used to check no prompt is lost or repeated)
+  prompt_token_ids: np.ndarray  # int32 [P]
+  completions: list[Completion]
+  columns: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. {"answer": "42"}
+  prompt_text: str | None = None
+  rewards: np.ndarray | None = None  # float32 [G], filled by the reward stage
+  reward_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  @property
+  def group_size(self) -> int:
+    return len(self.completions)
+
+  @property
+  def min_version(self) -> int:
+    """Version of the oldest token in the group (what staleness is measured from)."""
+    return min(int(c.policy_versions.min()) for c in self.completions if c.num_tokens)
+
+  @property
+  def max_version(self) -> int:
+    return max(int(c.policy_versions.max()) for c in self.completions if c.num_tokens)
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(c.num_tokens for c in self.completions)
