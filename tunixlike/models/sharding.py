@@ -79,5 +79,5 @@ def state_shardings(tree, mesh: jax.sharding.Mesh, rules: Rules) -> Any:
   for path, var in nnx.to_flat_state(state):
     name = "/".join(str(p) for p in path)
     axes = var.get_metadata().get("out_sharding")
-    flat.append((path, var.replace(named_sharding(var.value.shape, axes, mesh, rules, what=name))))
+    flat.append((path, var.replace(named_sharding(var.get_value().shape, axes, mesh, rules, what=name))))
   return nnx.from_flat_state(flat)

@@ -1,0 +1,101 @@
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tunixlike.rl.queue import QueueTimeout, RolloutQueue, Stopped
+from tunixlike.rollout import Completion, RolloutGroup
+
+
+def group(pid, version, rewards=(0.0, 1.0)):
+  comps = [Completion(np.array([1, 2], np.int32), np.zeros(2, np.float32), np.full(2, version, np.int32), "eos")
+           for _ in rewards]
+  return RolloutGroup(prompt_id=pid, prompt_token_ids=np.array([5], np.int32), completions=comps,
+                      rewards=np.array(rewards, np.float32))
+
+
+def test_admission_bounds_in_flight_work_by_staleness():
+  q = RolloutQueue(batch_groups=4, max_staleness=1)
+  assert sum(q.try_admit() for _ in range(20)) == 8  # (1 + 0 + 1) * 4
+  q.set_version(1)
+  assert sum(q.try_admit() for _ in range(20)) == 4
+
+
+def test_staleness_zero_is_one_batch_at_a_time():
+  q = RolloutQueue(batch_groups=2, max_staleness=0)
+  assert [q.try_admit() for _ in range(3)] == [True, True, False]
+  for i in range(2):
+    q.put(group(i, 0))
+  assert [g.prompt_id for g in q.get_batch(0, timeout_s=1)] == [0, 1]
+  assert not q.try_admit()  # the learner has not produced version 1 yet
+  q.set_version(1)
+  assert q.try_admit()
+
+
+def test_version_rejection_drops_stale_groups_and_frees_admission():
+  q = RolloutQueue(batch_groups=1, max_staleness=1)
+  assert q.try_admit() and q.try_admit() and not q.try_admit()
+  q.put(group("old", 0))
+  q.put(group("new", 2))
+  batch = q.get_batch(learner_version=2, timeout_s=1)
+  assert [g.prompt_id for g in batch] == ["new"]
+  assert q.dropped_stale == 1
+  assert q.try_admit()  # the drop made room for a replacement
+
+
+def test_filter_drops_zero_variance_groups():
+  q = RolloutQueue(batch_groups=1, max_staleness=0)
+  q.put(group("flat", 0, rewards=(1.0, 1.0)))
+  q.put(group("useful", 0, rewards=(0.0, 1.0)))
+  batch = q.get_batch(0, timeout_s=1, keep=lambda g: float(np.std(g.rewards)) > 0)
+  assert [g.prompt_id for g in batch] == ["useful"] and q.dropped_filtered == 1
+
+
+def test_waits_time_out_and_stop():
+  q = RolloutQueue(batch_groups=1, max_staleness=0)
+  t0 = time.monotonic()
+  with pytest.raises(QueueTimeout, match="rl.wait_timeout_s"):
+    q.get_batch(0, timeout_s=0.2)
+  assert time.monotonic() - t0 < 2
+  threading.Timer(0.1, q.stop_event.set).start()
+  with pytest.raises(Stopped):
+    q.get_batch(0, timeout_s=10)
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 3), staleness=st.integers(0, 2), steps=st.integers(1, 4),
+       producer_delay=st.sampled_from([0.0, 0.001, 0.003]), consumer_delay=st.sampled_from([0.0, 0.002]))
+def test_threads_never_deadlock_and_never_train_stale_data(batch, staleness, steps, producer_delay,
+                                                         consumer_delay):
+  """A producer thread (admit -> tag with the current version -> put) and a consumer (the learner)."""
+  q = RolloutQueue(batch_groups=batch, max_staleness=staleness)
+  errors = []
+
+  def produce():
+    pid = 0
+    while not q.stop_event.is_set():
+      if q.try_admit():
+        version = q.version
+        time.sleep(producer_delay)
+        q.put(group(pid, version))
+        pid += 1
+      else:
+        time.sleep(0.0005)
+
+  t = threading.Thread(target=produce, daemon=True)
+  t.start()
+  try:
+    for step in range(steps):
+      for g in q.get_batch(step, timeout_s=5):
+        if step - g.min_version > staleness:
+          errors.append((step, g.min_version))
+      time.sleep(consumer_delay)
+      q.set_version(step + 1)  # weight sync done
+  finally:
+    q.stop_event.set()
+    t.join(timeout=5)
+  assert not errors
+  assert not t.is_alive()
+  assert q.trained == steps * batch

@@ -1,0 +1,170 @@
+"""grain pipelines of tokenized prompts for the sampler.
+
+    source (task / file) -> drop prompts over max_prompt_tokens (counted) -> global seeded
+    shuffle -> shard slice [shard_index::shard_count] -> repeat (reshuffled per epoch)
+    -> format (prompt template, chat template) and tokenize -> iterator with get_state/set_state
+
+Everything before the iterator is index arithmetic over a `grain.MapDataset`, so an iterator
+state is one integer and resuming continues at exactly the next element (no prompt lost or
+repeated, unlike resumes that skip part of an epoch). Every process shuffles with the same seed and
+takes its own slice, so shards are disjoint and, after dropping the remainder, equally long.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from typing import Any
+
+import grain
+import numpy as np
+
+from tunixlike.data import sources, tasks
+from tunixlike.data.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  seed: int = 0
+  shuffle: bool = True
+  num_epochs: int | None = None  # None: repeat forever (the trainer decides when to stop).
+  shard_index: int = 0  # Usually jax.process_index().
+  shard_count: int = 1  # Usually jax.process_count().
+  prompt_template: str | None = None  # str.format over the record's columns; None: the task's or "{prompt}".
+  system_prompt: str | None = None  # Only used with a chat template.
+  use_chat_template: bool = True  # Apply the tokenizer's chat template when it has one.
+  max_prompt_tokens: int | None = None  # Longer prompts are dropped (and counted) before shuffling.
+  num_threads: int = 1  # grain read threads; tokenization is cheap, prompts are consumed slowly.
+  prefetch_buffer_size: int = 16
+
+  def __post_init__(self):
+    if not 0 <= self.shard_index < self.shard_count:
+      raise ValueError(f"PipelineConfig.shard_index={self.shard_index} must be in [0, shard_count={self.shard_count})")
+    if self.num_epochs is not None and self.num_epochs < 1:
+      raise ValueError(f"PipelineConfig.num_epochs={self.num_epochs} must be >= 1 or None")
+    if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+      raise ValueError(f"PipelineConfig.max_prompt_tokens={self.max_prompt_tokens} must be >= 1 or None")
+    if self.num_threads < 0:
+      raise ValueError(f"PipelineConfig.num_threads={self.num_threads} must be >= 0")
+    if self.prompt_template is not None:
+      _template_fields(self.prompt_template)  # Fails early on a malformed template.
+
+
+def _template_fields(template: str) -> set[str]:
+  try:
+    return {f.split(".")[0].split("[")[0] for _, f, _, _ in string.Formatter().parse(template) if f}
+  except ValueError as e:
+    raise ValueError(f"prompt_template={template!r} is not a valid str.format template: {e}") from None
+
+
+class _Subset(sources.RecordSource):
+  """The records of `parent` at `indices` (the prompts that passed the length filter)."""
+
+  def __init__(self, parent: sources.RecordSource, indices: np.ndarray):
+    self.parent, self.indices = parent, indices
+    self.name, self.columns = parent.name, parent.columns
+
+  def __len__(self) -> int:
+    return len(self.indices)
+
+  def __getitem__(self, index):
+    i = int(self.indices[index])
+    record = dict(self.parent[i])
+    record.setdefault("id", f"{self.name}#{i}")  # Stable: the row index in the source.
+    return record
+
+
+class PromptPipeline:
+  """Formats and tokenizes the prompts of `source`; iterate it to get prompt records.
+
+  Each element is the source record (e.g. `id`, `prompt`, `answer`) plus `prompt_text` (after the
+  templates), `prompt_token_ids` (int32 [P]), `num_prompt_tokens` and `epoch`.
+  """
+
+  def __init__(self, source: sources.RecordSource, tokenizer: Tokenizer, config: PipelineConfig = PipelineConfig(),
+               *, default_template: str = "{prompt}"):
+    self.source, self.tokenizer, self.config = source, tokenizer, config
+    self.template = config.prompt_template or default_template
+    self.templated = bool(config.use_chat_template and tokenizer.chat_template)
+    if len(source) == 0:
+      raise ValueError(f"{source.name}: the dataset is empty")
+    missing = _template_fields(self.template) - set(source[0])
+    if missing:
+      raise ValueError(f"{source.name}: prompt_template {self.template!r} needs column(s) {sorted(missing)}, "
+                       f"the data has {sorted(source[0])}")
+    kept = self._length_filter()
+    self.num_filtered = len(source) - len(kept)  # Prompts dropped for exceeding max_prompt_tokens.
+    if len(kept) < config.shard_count:
+      raise ValueError(f"{source.name}: {len(kept)} prompts left after dropping {self.num_filtered} longer than "
+                       f"max_prompt_tokens={config.max_prompt_tokens}; need at least shard_count={config.shard_count}")
+    # Equal shard lengths keep processes in lock step; at most shard_count - 1 prompts are unused.
+    kept = kept[: len(kept) - len(kept) % config.shard_count]
+    ds = grain.MapDataset.source(_Subset(source, kept))
+    if config.shuffle:
+      ds = ds.shuffle(seed=config.seed)
+    ds = ds[config.shard_index :: config.shard_count]
+    self.num_examples = len(ds)  # Per shard and epoch.
+    ds = ds.repeat(config.num_epochs)  # Reseeds the shuffle each epoch.
+    self.dataset = ds.map_with_index(self._tokenize)
+
+  def format(self, record: dict[str, Any]) -> str:
+    try:
+      text = self.template.format(**record)
+    except (KeyError, IndexError) as e:
+      raise ValueError(f"{self.source.name}: record {record.get('id')!r} lacks column {e} "
+                       f"needed by prompt_template {self.template!r}") from None
+    return self.tokenizer.format_prompt(text, system=self.config.system_prompt,
+                                        use_chat_template=self.config.use_chat_template)
+
+  def _length_filter(self) -> np.ndarray:
+    n = len(self.source)
+    if self.config.max_prompt_tokens is None:
+      return np.arange(n)
+    texts = [self.format(self.source[i]) for i in range(n)]
+    if self.templated:
+      ids = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+    else:
+      ids = self.tokenizer.encode_batch(texts)
+    lengths = np.array([len(x) for x in ids])
+    return np.flatnonzero(lengths <= self.config.max_prompt_tokens)
+
+  def _tokenize(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
+    text = self.format(record)
+    ids = np.asarray(self.tokenizer.encode_prompt(text, templated=self.templated), np.int32)
+    return {**record, "prompt_text": text, "prompt_token_ids": ids, "num_prompt_tokens": len(ids),
+            "epoch": index // self.num_examples}
+
+  def __iter__(self) -> grain.DatasetIterator:
+    """A checkpointable iterator: `it.get_state()` -> dict, `it.set_state(state)` resumes exactly."""
+    options = grain.ReadOptions(num_threads=self.config.num_threads,
+                                prefetch_buffer_size=self.config.prefetch_buffer_size)
+    return iter(self.dataset.to_iter_dataset(options))
+
+
+def from_task(task, tokenizer: Tokenizer, *, split: str = "train", size: int | None = None,
+              config: PipelineConfig = PipelineConfig()) -> PromptPipeline:
+  """A pipeline over a built-in task (`tasks.get(name, ...)`); the task supplies the prompt template.
+
+  The task's data seed is `config.seed`, so a seed fixes both the problems and their order.
+  """
+  source = task.source(split, size=size, seed=config.seed)
+  return PromptPipeline(source, tokenizer, config, default_template=task.prompt_template)
+
+
+def from_file(path: str, tokenizer: Tokenizer, *, format: str | None = None,
+              config: PipelineConfig = PipelineConfig()) -> PromptPipeline:
+  """A pipeline over a JSONL / Parquet / Arrow file or an HF `save_to_disk` directory."""
+  return PromptPipeline(sources.open_source(path, format), tokenizer, config)
+
+
+def build(task: str | None = None, tokenizer: Tokenizer | None = None, *, path: str | None = None,
+          split: str = "train", task_kwargs: dict[str, Any] | None = None, size: int | None = None,
+          config: PipelineConfig = PipelineConfig()) -> PromptPipeline:
+  """One entry point for configs: a built-in task by name, or a file when `task` is None."""
+  if tokenizer is None:
+    raise ValueError("build() needs a tokenizer")
+  if task is not None:
+    return from_task(tasks.get(task, **(task_kwargs or {})), tokenizer, split=split, size=size, config=config)
+  if path is None:
+    raise ValueError("build() needs either task= or path=")
+  return from_file(path, tokenizer, config=config)

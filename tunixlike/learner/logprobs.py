@@ -1,0 +1,71 @@
+"""Per-token log-probabilities and entropies without materialising the [B, T, V] logits.
+
+The train step needs log pi(y_t) for the sampled tokens only, yet a full [B, T, V] float32 logits
+tensor (and its gradient) is the largest activation of a language model (V ~ 150k). We run the
+trunk once (`hidden_states`, [B, T, D]) and unembed T in chunks inside a `lax.scan` whose body is
+rematerialised, so forward and backward hold only [B, C, V] at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def token_logprobs_from_logits(logits_btv, targets_bt):
+  """log softmax(logits)[target], computed in float32. [B, T, V], [B, T] -> [B, T]."""
+  logits = logits_btv.astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return picked - lse
+
+
+def entropy_from_logits(logits_btv):
+  """H = -sum_v p_v log p_v = logsumexp(l) - sum_v p_v l_v, in float32. [B, T, V] -> [B, T]."""
+  logits = logits_btv.astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  p = jax.nn.softmax(logits, axis=-1)
+  return lse - (p * logits).sum(axis=-1)
+
+
+def _chunk_size(t: int, chunk_size: int) -> int:
+  """The largest divisor of T that is <= chunk_size (bucketed T is usually a power of two)."""
+  c = max(1, min(chunk_size, t))
+  while t % c:
+    c -= 1
+  return c
+
+
+def chunked_token_logprobs(hidden_btd, targets_bt, unembed: Callable[[jax.Array], jax.Array],
+                           chunk_size: int = 128, with_entropy: bool = True):
+  """(logp_bt, entropy_bt or None) for next-token targets, unembedding C positions at a time.
+
+  hidden_btd: [B, T, D] final hidden states; targets_bt: [B, T] token predicted at each position;
+  unembed: [B, C, D] -> [B, C, V]. The entropy is for reporting and carries no gradient.
+  """
+  b, t, _ = hidden_btd.shape
+  c = _chunk_size(t, chunk_size)
+  n = t // c
+
+  @jax.checkpoint
+  def one_chunk(h_bcd, y_bc):
+    logits_bcv = unembed(h_bcd)
+    logp = token_logprobs_from_logits(logits_bcv, y_bc)
+    ent = jax.lax.stop_gradient(entropy_from_logits(logits_bcv)) if with_entropy else jnp.zeros_like(logp)
+    return logp, ent
+
+  if n == 1:
+    logp, ent = one_chunk(hidden_btd, targets_bt)
+    return logp, (ent if with_entropy else None)
+
+  def body(carry, i):
+    h = jax.lax.dynamic_slice_in_dim(hidden_btd, i * c, c, axis=1)
+    y = jax.lax.dynamic_slice_in_dim(targets_bt, i * c, c, axis=1)
+    return carry, one_chunk(h, y)
+
+  _, (logp_nbc, ent_nbc) = jax.lax.scan(body, None, jnp.arange(n))
+  logp = jnp.moveaxis(logp_nbc, 0, 1).reshape(b, t)
+  ent = jnp.moveaxis(ent_nbc, 0, 1).reshape(b, t)
+  return logp, (ent if with_entropy else None)

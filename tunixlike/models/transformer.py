@@ -1,0 +1,273 @@
+"""Decoder-only transformer (Llama 3.x / Qwen2 / Qwen3) in Flax NNX.
+
+Names follow Hugging Face one to one (`layers[i].attn.q_proj`, `mlp.gate_proj`, `input_layernorm`,
+...) so checkpoints map directly and LoRA can wrap projections by name. Kernels are [in, out]
+(the transpose of torch's nn.Linear weight). Softmax, RMSNorm statistics and RoPE run in fp32
+whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tunixlike.models import sharding as sharding_lib
+from tunixlike.models.config import ModelConfig
+from tunixlike.models.kv_cache import KVCache, write_rows
+
+
+def _init(cfg: ModelConfig, axes, base=None):
+  # eager_sharding=False: the module can be built with no mesh; create_sharded applies the layout.
+  return nnx.with_partitioning(base or nnx.initializers.normal(cfg.init_std), axes, eager_sharding=False)
+
+
+def _linear(cfg: ModelConfig, d_in: int, d_out: int, axes, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(d_in, d_out, use_bias=bias, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+                    kernel_init=_init(cfg, axes), bias_init=_init(cfg, axes[1:], nnx.initializers.zeros_init()),
+                    rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, cfg: ModelConfig):
+    self.eps = cfg.rms_norm_eps
+    self.weight = nnx.Param(_init(cfg, ("norm",), nnx.initializers.ones_init())(
+        jax.random.key(0), (dim,), jnp.dtype(cfg.param_dtype)))
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (self.weight[...].astype(x.dtype) * x32.astype(x.dtype))
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+  """[D/2] inverse frequencies, with Llama 3.1 scaling when configured (as in HF `llama3`)."""
+  d = cfg.head_dim
+  inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  s = cfg.rope_scaling
+  if s is None:
+    return inv
+  low_wl = s.original_max_position_embeddings / s.low_freq_factor
+  high_wl = s.original_max_position_embeddings / s.high_freq_factor
+  wavelen = 2 * math.pi / inv
+  scaled = jnp.where(wavelen > low_wl, inv / s.factor, inv)
+  smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+      s.high_freq_factor - s.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+  medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions, cfg: ModelConfig):
+  """cos, sin of shape positions.shape + [D] (halves duplicated, HF rotate_half convention)."""
+  freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+  """x [..., H, D]; cos/sin [..., D] broadcast over heads."""
+  x32 = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  return (x32 * cos[..., None, :] + rotated * sin[..., None, :]).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    h, kv, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    self.q_proj = _linear(cfg, e, h * d, ("embed", "heads"), cfg.qkv_bias, rngs)
+    self.k_proj = _linear(cfg, e, kv * d, ("embed", "kv_heads"), cfg.qkv_bias, rngs)
+    self.v_proj = _linear(cfg, e, kv * d, ("embed", "kv_heads"), cfg.qkv_bias, rngs)
+    self.o_proj = _linear(cfg, h * d, e, ("heads", "embed"), False, rngs)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(d, cfg)
+      self.k_norm = RMSNorm(d, cfg)
+
+  def _qkv(self, x_btd, cos, sin):
+    cfg = self.cfg
+    b, t = x_btd.shape[:2]
+    q = self.q_proj(x_btd).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = self.k_proj(x_btd).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = self.v_proj(x_btd).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+  def __call__(self, x_btd, cos, sin):
+    """Causal self-attention over the whole sequence. Returns (out [B,T,E], k [B,T,Hkv,D], v)."""
+    cfg = self.cfg
+    b, t = x_btd.shape[:2]
+    q, k, v = self._qkv(x_btd, cos, sin)
+    g = cfg.num_heads // cfg.num_kv_heads
+    q = q.reshape(b, t, cfg.num_kv_heads, g, cfg.head_dim)
+    s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(cfg.head_dim)
+    # Right padding needs no key mask: a real token only sees earlier positions, which are real.
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    p = jax.nn.softmax(jnp.where(causal, s, -1e30), axis=-1).astype(v.dtype)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(b, t, cfg.num_heads * cfg.head_dim)
+    return self.o_proj(o), k, v
+
+  def decode(self, x_bd, cos_bd, sin_bd, positions_b, k_cache, v_cache, attend_len: int):
+    """One new token per row. k_cache [B,Hkv,D,S], v_cache [B,Hkv,S,D]; attends [0, attend_len)."""
+    cfg = self.cfg
+    b = x_bd.shape[0]
+    q, k, v = self._qkv(x_bd[:, None], cos_bd[:, None], sin_bd[:, None])  # [B,1,H,D] ...
+    k_cache = write_rows(k_cache, k[:, 0], positions_b, seq_axis=3)
+    v_cache = write_rows(v_cache, v[:, 0], positions_b, seq_axis=2)
+    g = cfg.num_heads // cfg.num_kv_heads
+    q = q.reshape(b, cfg.num_kv_heads, g, cfg.head_dim).astype(k_cache.dtype)
+    s = jnp.einsum("bkgd,bkda->bkga", q, k_cache[..., :attend_len],
+                   preferred_element_type=jnp.float32) / math.sqrt(cfg.head_dim)
+    valid = jnp.arange(attend_len)[None, :] <= positions_b[:, None]  # [B, A]
+    p = jax.nn.softmax(jnp.where(valid[:, None, None, :], s, -1e30), axis=-1).astype(v_cache.dtype)
+    o = jnp.einsum("bkga,bkad->bkgd", p, v_cache[:, :, :attend_len]).reshape(b, 1, -1)
+    return self.o_proj(o.astype(x_bd.dtype))[:, 0], k_cache, v_cache
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    e, m = cfg.hidden_size, cfg.intermediate_size
+    self.gate_proj = _linear(cfg, e, m, ("embed", "mlp"), False, rngs)
+    self.up_proj = _linear(cfg, e, m, ("embed", "mlp"), False, rngs)
+    self.down_proj = _linear(cfg, m, e, ("mlp", "embed"), False, rngs)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg)
+    self.attn = Attention(cfg, rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x, cos, sin):
+    a, k, v = self.attn(self.input_layernorm(x), cos, sin)
+    x = x + a
+    return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
+  def decode(self, x, cos, sin, positions_b, k_cache, v_cache, attend_len):
+    a, k_cache, v_cache = self.attn.decode(self.input_layernorm(x), cos, sin, positions_b, k_cache, v_cache,
+                                           attend_len)
+    x = x + a
+    return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+
+
+class Transformer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=jnp.dtype(cfg.dtype),
+                                  param_dtype=jnp.dtype(cfg.param_dtype),
+                                  embedding_init=_init(cfg, ("vocab", "embed")), rngs=rngs)
+    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg)
+    if not cfg.tie_embeddings:
+      self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), False, rngs)
+
+  # ------------------------------------------------------------------ full sequence
+
+  def _run_layers(self, tokens_bt, positions_bt):
+    if positions_bt is None:
+      positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+    cos, sin = rope_cos_sin(positions_bt, self.cfg)
+    x = self.embed_tokens(tokens_bt)
+    kvs = []
+    for layer in self.layers:
+      if self.cfg.remat:
+        x, k, v = nnx.remat(lambda blk, x_, c_, s_: blk(x_, c_, s_))(layer, x, cos, sin)
+      else:
+        x, k, v = layer(x, cos, sin)
+      kvs.append((k, v))
+    return self.norm(x), kvs
+
+  def hidden_states(self, tokens_bt, positions_bt=None):
+    """[B,T] int -> [B,T,E] after the final norm (before unembedding)."""
+    return self._run_layers(tokens_bt, positions_bt)[0]
+
+  def unembed(self, h_btd):
+    """[..., E] -> float32 logits [..., V] (tied embedding or lm_head)."""
+    dt = jnp.dtype(self.cfg.dtype)
+    if self.cfg.tie_embeddings:
+      w_ve = self.embed_tokens.embedding[...].astype(dt)
+      return jnp.einsum("...e,ve->...v", h_btd.astype(dt), w_ve, preferred_element_type=jnp.float32)
+    w_ev = self.lm_head.kernel[...].astype(dt)
+    return jnp.einsum("...e,ev->...v", h_btd.astype(dt), w_ev, preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens_bt, positions_bt=None):
+    """int32 [B,T] -> float32 logits [B,T,V]; causal, right padding ok (pad rows are ignored)."""
+    return self.unembed(self.hidden_states(tokens_bt, positions_bt))
+
+  # ------------------------------------------------------------------ KV-cache decoding
+
+  def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
+    cfg = self.cfg
+    return KVCache.zeros(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, max_len,
+                         jnp.dtype(dtype or cfg.dtype))
+
+  def prefill(self, tokens_bt, cache: KVCache, true_lengths_b):
+    """Runs the prompts [B,T] (right padded; T <= cache.max_len) and writes positions [0, T) of the cache.
+
+    K/V past each row's true length are zeroed so the cache content does not depend on padding.
+    Returns (logits [B,T,V], cache).
+    """
+    b, t = tokens_bt.shape
+    if t > cache.max_len:
+      raise ValueError(f"prefill: prompt length {t} exceeds cache max_len {cache.max_len}")
+    if cache.batch_size != b:
+      raise ValueError(f"prefill: batch {b} != cache batch {cache.batch_size}")
+    h, kvs = self._run_layers(tokens_bt, None)
+    live_bt = jnp.arange(t)[None, :] < jnp.asarray(true_lengths_b)[:, None]
+    ks, vs = [], []
+    for (k_btkd, v_btkd), k_cache, v_cache in zip(kvs, cache.k, cache.v):
+      k_btkd = jnp.where(live_bt[:, :, None, None], k_btkd, 0).astype(k_cache.dtype)
+      v_btkd = jnp.where(live_bt[:, :, None, None], v_btkd, 0).astype(v_cache.dtype)
+      ks.append(k_cache.at[:, :, :, :t].set(k_btkd.transpose(0, 2, 3, 1)))
+      vs.append(v_cache.at[:, :, :t, :].set(v_btkd.transpose(0, 2, 1, 3)))
+    return self.unembed(h), KVCache(k=tuple(ks), v=tuple(vs))
+
+  def decode_step(self, tokens_b, positions_b, cache: KVCache, attend_len: int):
+    """One token per row at its own position; attends cache[..., :attend_len] (static int >= max pos + 1).
+
+    Returns (logits [B,V] float32, cache with the new K/V written at positions_b).
+    """
+    if not isinstance(attend_len, int) or not 0 < attend_len <= cache.max_len:
+      raise ValueError(f"decode_step: attend_len={attend_len!r} must be a static int in [1, {cache.max_len}]")
+    cos, sin = rope_cos_sin(positions_b, self.cfg)  # [B, D]
+    x = self.embed_tokens(tokens_b)  # [B, E]
+    ks, vs = [], []
+    for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+      x, k_cache, v_cache = layer.decode(x, cos, sin, positions_b, k_cache, v_cache, attend_len)
+      ks.append(k_cache)
+      vs.append(v_cache)
+    return self.unembed(self.norm(x)), KVCache(k=tuple(ks), v=tuple(vs))
+
+
+def check_mesh(mesh: jax.sharding.Mesh) -> None:
+  explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit]
+  if explicit:
+    raise ValueError(f"mesh axes {explicit} are Explicit; tunixlike models need Auto axes "
+                     "(build the mesh with jax.sharding.Mesh(devices, names) or axis_types=Auto)")
+
+
+def create_sharded(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules, seed: int = 0) -> Transformer:
+  """Builds a Transformer whose parameters are born sharded on `mesh` (never whole on one device).
+
+  The mesh must use Auto axis types (the `jax.sharding.Mesh` default; `jax.make_mesh` defaults to
+  Explicit): the model relies on GSPMD propagation rather than explicit-sharding annotations.
+  """
+  check_mesh(mesh)
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
+  graphdef, abstract_state = nnx.split(abstract)
+  shardings = sharding_lib.state_shardings(abstract_state, mesh, rules)
+
+  @functools.partial(jax.jit, out_shardings=shardings)
+  def init():
+    return nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed)))[1]
+
+  return nnx.merge(graphdef, init())

@@ -1,0 +1,131 @@
+"""The bounded rollout queue between sampler and learner, with staleness control (DESIGN "Staleness").
+
+Admission control (AReaL, `areal/infra/staleness_manager.py`): the sampler may start a group only while
+    admitted - dropped < (max_staleness + version + 1) * batch_groups,
+so a group started at sampler version v is trained at a learner step <= v + max_staleness, and the
+queue never holds more than (max_staleness + 1) batches. Finished work is never thrown away to
+bound the queue (that biases training toward short, easy rollouts); groups are dropped only by
+version rejection (oldest token older than version - max_staleness) or by a batch filter such as
+DAPO dynamic sampling, and each drop frees an admission so the sampler regenerates the work.
+With max_staleness=0 this is exactly the synchronous loop: one batch in flight at a time.
+
+Every wait has a timeout and a stop event, so a dead peer surfaces as an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable
+
+from tunixlike.rollout import RolloutGroup
+
+
+class QueueTimeout(TimeoutError):
+  """A wait on the queue exceeded its timeout (the other side is stuck or dead)."""
+
+
+class Stopped(RuntimeError):
+  """The runtime is shutting down (error elsewhere, preemption or the end of training)."""
+
+
+class RolloutQueue:
+
+  def __init__(self, batch_groups: int, max_staleness: int, stop_event: threading.Event | None = None):
+    if batch_groups < 1:
+      raise ValueError(f"batch_groups={batch_groups}: must be >= 1")
+    if max_staleness < 0:
+      raise ValueError(f"max_staleness={max_staleness}: must be >= 0")
+    self.batch_groups = batch_groups
+    self.max_staleness = max_staleness
+    self.stop_event = stop_event or threading.Event()
+    self._cond = threading.Condition()
+    self._ready: collections.deque[RolloutGroup] = collections.deque()
+    self.version = 0  # version of the weights the sampler now runs
+    self.admitted = 0  # groups ever admitted
+    self.dropped_stale = 0
+    self.dropped_filtered = 0
+    self.trained = 0
+
+  # ---- sampler side -------------------------------------------------------------------------
+  def _capacity(self) -> int:
+    return (self.max_staleness + self.version + 1) * self.batch_groups
+
+  @property
+  def in_flight(self) -> int:
+    """Admitted groups that are neither trained nor dropped (running, scoring or queued)."""
+    return self.admitted - self.dropped_stale - self.dropped_filtered - self.trained
+
+  def try_admit(self) -> bool:
+    """Admits one new group if the staleness bound allows it (never blocks)."""
+    with self._cond:
+      if self.stop_event.is_set():
+        return False
+      if self.admitted - self.dropped_stale - self.dropped_filtered < self._capacity():
+        self.admitted += 1
+        return True
+      return False
+
+  def put(self, group: RolloutGroup):
+    """A finished (and scored) group enters the queue. Never blocks: admission bounded it."""
+    with self._cond:
+      self._ready.append(group)
+      self._cond.notify_all()
+
+  def release(self, n: int = 1):
+    """An admitted group that will never arrive (aborted): frees its admission."""
+    with self._cond:
+      self.dropped_filtered += n
+      self._cond.notify_all()
+
+  # ---- learner side -------------------------------------------------------------------------
+  def set_version(self, version: int):
+    """The sampler now runs `version`: admits the next batch of work."""
+    with self._cond:
+      self.version = version
+      self._cond.notify_all()
+
+  def get_batch(self, learner_version: int, timeout_s: float,
+                keep: Callable[[RolloutGroup], bool] | None = None) -> list[RolloutGroup]:
+    """Blocks until `batch_groups` acceptable groups are ready; returns them.
+
+    Groups whose oldest token is older than learner_version - max_staleness are dropped (version
+    rejection); groups that fail `keep` (e.g. zero reward variance) are dropped too. Both are
+    counted and free their admission so the sampler makes replacements.
+    """
+    deadline = time.monotonic() + timeout_s
+    batch: list[RolloutGroup] = []
+    with self._cond:
+      while len(batch) < self.batch_groups:
+        while not self._ready:
+          if self.stop_event.is_set():
+            raise Stopped("rollout queue stopped")
+          remaining = deadline - time.monotonic()
+          if remaining <= 0:
+            raise QueueTimeout(
+                f"waited {timeout_s:.0f}s for rollouts (have {len(batch)} of {self.batch_groups}; "
+                f"in flight {self.in_flight}, sampler version {self.version}); is the sampler stuck? "
+                "(rl.wait_timeout_s)")
+          self._cond.wait(min(remaining, 0.5))
+        group = self._ready.popleft()
+        if group.min_version < learner_version - self.max_staleness:
+          self.dropped_stale += 1
+        elif keep is not None and not keep(group):
+          self.dropped_filtered += 1
+        else:
+          batch.append(group)
+          continue
+        self._cond.notify_all()  # a drop frees an admission
+      self.trained += len(batch)
+    return batch
+
+  def depth(self) -> int:
+    with self._cond:
+      return len(self._ready)
+
+  def stats(self) -> dict[str, float]:
+    with self._cond:
+      return {"queue/depth": len(self._ready), "queue/in_flight": self.in_flight,
+              "queue/dropped_stale": self.dropped_stale, "queue/dropped_filtered": self.dropped_filtered,
+              "queue/admitted": self.admitted}

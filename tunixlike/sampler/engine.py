@@ -1,0 +1,328 @@
+"""The decode engine, in the shape of JetStream's Engine API.
+
+  params = engine.load_params()
+  state = engine.init_decode_state()
+  prefix = engine.prefill(params, prompt_ids, true_length)   # one prompt, bucketed length
+  state = engine.insert(prefix, state, slot)                 # G times for a GRPO group
+  state, result = engine.generate(params, state)             # steps_per_call tokens per slot
+
+Params are passed on every call so the driver can swap them between steps (in-flight update); the
+policy version lives in the decode state and is stamped on every token it produces.
+
+Prefill writes the KV of prompt[:-1] and leaves the last prompt token as the slot's next input, so
+the first completion token is sampled by `generate` in its own slot: the G samples of a group share
+one prefill yet draw independent first tokens. Each slot samples with the noise
+uniform(fold_in(slot_key, n)) for its n-th token, so a seeded completion does not depend on which
+slot it ran in nor on what else was decoding (continuous batching and one-at-a-time agree).
+
+Sharding: slots are split over the 'replica' mesh axis (data parallel), weights and KV heads over
+'tensor' (the model's logical-axis rules). Decode attends only `attend_len` cache positions, the
+filled part rounded up to `attend_bucket`, so the number of compiled decode programs is
+cache_length / attend_bucket; prefill compiles once per power-of-two bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from tunixlike import mesh as mesh_lib
+from tunixlike.models import kv_cache as kv_cache_lib
+from tunixlike.models import sharding as sharding_lib
+from tunixlike.sampler import sampling
+from tunixlike.sampler.config import SamplerConfig
+
+Params = Any  # nnx.State of the model
+
+
+class PromptError(ValueError):
+  """A prompt the engine cannot take (empty, too long, ids outside the vocabulary)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+  """The prefilled KV of one prompt (all but its last token), ready to insert into slots."""
+
+  cache: kv_cache_lib.KVCache  # per layer k [1, Hkv, D, bucket], v [1, Hkv, bucket, D]
+  last_token: int  # the prompt's last token: the first input of decode
+  true_length: int  # prompt length in tokens
+  version: int  # policy version of the params that computed the KV
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  """Device arrays of every slot, plus a host-side upper bound of each slot's position.
+
+  The host mirror picks the static attention window without a device round-trip.
+  """
+
+  arrays: dict[str, Any]
+  host_positions: np.ndarray  # int64 [S]: next decode position upper bound of each live slot
+  host_live: np.ndarray  # bool [S]: slot holds a sequence that may still be decoding
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+  """steps_per_call decode steps of every slot (device arrays; fetch with jax.device_get)."""
+
+  tokens_ks: jax.Array  # int32 [K, S]
+  logprobs_ks: jax.Array  # float32 [K, S], under the processed sampling distribution
+  valid_ks: jax.Array  # bool [K, S]: slot was decoding at that step (token is real)
+  done_s: jax.Array  # bool [S]: slot finished (EOS or its length limit) by the end of the call
+  version: jax.Array  # int32 []: policy version of every valid token in this result
+  mask_ksw: jax.Array | None  # uint8 [K, S, ceil(V/8)] packed sampling masks, if recorded
+
+
+class Engine:
+  """Prefill / insert / generate over `max_concurrent_decodes` slots of one model."""
+
+  def __init__(self, model: nnx.Module, config: SamplerConfig, mesh: jax.sharding.Mesh | None = None,
+               rules=mesh_lib.SAMPLER_RULES):
+    if not isinstance(config, SamplerConfig):
+      raise TypeError(f"Engine config must be a SamplerConfig, got {type(config).__name__}")
+    self.config = config
+    self.model_config = model.config
+    vocab = self.model_config.vocab_size
+    bad = [i for i in config.eos_ids if i >= vocab]
+    if bad:
+      raise ValueError(f"sampler.eos_ids={config.eos_ids}: ids {bad} are outside the vocabulary "
+                       f"(vocab_size={vocab})")
+    if mesh is None:
+      mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), mesh_lib.SAMPLER_AXES)
+    for axis in mesh_lib.SAMPLER_AXES:
+      if axis not in mesh.shape:
+        raise ValueError(f"sampler mesh axes are {tuple(mesh.shape)}, expected {mesh_lib.SAMPLER_AXES}")
+    replicas = mesh.shape["replica"]
+    if config.max_concurrent_decodes % replicas:
+      raise ValueError(f"sampler.max_concurrent_decodes={config.max_concurrent_decodes} is not "
+                       f"divisible by the {replicas} sampler replicas")
+    self.mesh, self.rules = mesh, rules
+    self._graphdef, state = nnx.split(model)
+    self.param_shardings = sharding_lib.state_shardings(state, mesh, rules)
+    self._initial_params = state
+    self._sampling = config.sampling
+    self._eos_ids = np.asarray(config.eos_ids, np.int32)
+    self._cache_dtype = config.cache_dtype
+    self._replicated = NamedSharding(mesh, P())
+    self._slots_sharding = NamedSharding(mesh, P("replica"))
+    self._state_shardings = self._make_state_shardings()
+    self._prefill_fn = jax.jit(self._prefill_impl, static_argnames=("bucket",),
+                               out_shardings=self._replicated)
+    self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,),
+                              out_shardings=self._state_shardings)
+    self._release_fn = jax.jit(self._release_impl, donate_argnums=(0,),
+                               out_shardings=self._state_shardings)
+    self._generate_fn = jax.jit(self._generate_impl, static_argnames=("attend_len",),
+                                donate_argnums=(1,),
+                                out_shardings=(self._state_shardings, self._replicated))
+
+  # ------------------------------------------------------------------ JetStream Engine API
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self.config.max_concurrent_decodes
+
+  @property
+  def max_prefill_length(self) -> int:
+    return self.config.max_prefill_length
+
+  @property
+  def samples_per_slot(self) -> int:
+    return 1
+
+  @property
+  def vocab_size(self) -> int:
+    return self.model_config.vocab_size
+
+  def load_params(self, params: Params | None = None) -> Params:
+    """The model's params placed on the sampler mesh (or `params`, e.g. from the learner, resharded)."""
+    return jax.device_put(self._initial_params if params is None else params, self.param_shardings)
+
+  def init_decode_state(self, version: int = 0) -> DecodeState:
+    s = self.max_concurrent_decodes
+    cache = self._empty_cache(s, self.config.cache_length)
+    arrays = dict(
+        cache=cache,
+        tokens=jnp.zeros((s,), jnp.int32),  # next input token of each slot
+        positions=jnp.zeros((s,), jnp.int32),  # its position
+        num_generated=jnp.zeros((s,), jnp.int32),
+        max_new=jnp.zeros((s,), jnp.int32),
+        done=jnp.ones((s,), jnp.bool_),  # empty slots count as done: they emit nothing
+        keys=jnp.zeros((s, 2), jnp.uint32),
+        version=jnp.int32(version),
+    )
+    arrays = jax.device_put(arrays, self._state_shardings)
+    return DecodeState(arrays, np.zeros((s,), np.int64), np.zeros((s,), bool))
+
+  def prefill(self, params: Params, tokens, true_length: int | None = None, *,
+              version: int = 0) -> Prefix:
+    """Prefills one prompt. `tokens` is a 1-D id sequence (may be right-padded past true_length)."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1:
+      raise PromptError(f"prefill: tokens must be 1-D, got shape {tokens.shape}")
+    n = len(tokens) if true_length is None else int(true_length)
+    if n < 1:
+      raise PromptError("prefill: empty prompt (true_length 0); a prompt needs at least one token")
+    if n > len(tokens):
+      raise PromptError(f"prefill: true_length={n} exceeds the {len(tokens)} tokens given")
+    if n > self.max_prefill_length:
+      raise PromptError(f"prefill: prompt of {n} tokens exceeds max_prefill_length="
+                        f"{self.max_prefill_length} (set sampler.truncate_long_prompts to truncate)")
+    ids = tokens[:n]
+    if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= self.vocab_size:
+      raise PromptError(f"prefill: token ids must be integers in [0, {self.vocab_size}), got "
+                        f"dtype {ids.dtype}, range [{ids.min()}, {ids.max()}]")
+    bucket = self.prefill_bucket(n - 1)
+    padded = np.zeros((1, bucket), np.int32)
+    padded[0, :n - 1] = ids[:-1]
+    cache = self._prefill_fn(params, padded, np.asarray([n - 1], np.int32), bucket=bucket)
+    return Prefix(cache=cache, last_token=int(ids[-1]), true_length=n, version=int(version))
+
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
+             key: jax.Array | None = None, max_new_tokens: int | None = None) -> DecodeState:
+    """Puts `prefix` into `slot` (overwriting whatever was there); the slot starts decoding.
+
+    `key` seeds the slot's sampling noise (default: derived from the prefix length and slot, so pass
+    one per sample for independent, reproducible samples). `max_new_tokens` caps this completion.
+    """
+    if not 0 <= slot < self.max_concurrent_decodes:
+      raise ValueError(f"insert: slot={slot} outside [0, {self.max_concurrent_decodes})")
+    limit = self.config.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+    if not 1 <= limit <= self.config.max_new_tokens:
+      raise ValueError(f"insert: max_new_tokens={max_new_tokens} must be in [1, "
+                       f"sampler.max_new_tokens={self.config.max_new_tokens}]")
+    if key is None:
+      key = jax.random.fold_in(jax.random.PRNGKey(self.config.seed), slot)
+    if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+      key = jax.random.key_data(key)
+    key = jnp.asarray(key, jnp.uint32)
+    scalars = np.asarray([slot, prefix.last_token, prefix.true_length - 1, limit], np.int32)
+    arrays = self._insert_fn(prefix.cache, decode_state.arrays, scalars, key)
+    positions = decode_state.host_positions.copy()
+    live = decode_state.host_live.copy()
+    positions[slot], live[slot] = prefix.true_length - 1, True
+    return DecodeState(arrays, positions, live)
+
+  def generate(self, params: Params, decode_state: DecodeState) -> tuple[DecodeState, GenerateResult]:
+    """Advances every live slot by up to steps_per_call tokens (stopping exactly at EOS / limit)."""
+    k = self.config.steps_per_call
+    live = decode_state.host_live
+    top = int(decode_state.host_positions[live].max()) + k if live.any() else k
+    attend_len = min(-(-top // self.config.attend_bucket) * self.config.attend_bucket,
+                     self.config.cache_length)
+    arrays, result = self._generate_fn(params, decode_state.arrays, attend_len=attend_len)
+    positions = np.where(live, np.minimum(decode_state.host_positions + k, self.config.cache_length - 1),
+                         decode_state.host_positions)
+    return DecodeState(arrays, positions, live.copy()), result
+
+  # ------------------------------------------------------------------ extras beyond JetStream
+
+  def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
+    """Stops decoding `slot` (e.g. a stop string was seen on the host); it emits nothing more."""
+    arrays = self._release_fn(decode_state.arrays, np.int32(slot))
+    live = decode_state.host_live.copy()
+    live[slot] = False
+    return DecodeState(arrays, decode_state.host_positions, live)
+
+  def mark_finished(self, decode_state: DecodeState, done_s: np.ndarray) -> DecodeState:
+    """Host bookkeeping only: slots the device reported done no longer widen the attention window."""
+    live = decode_state.host_live & ~np.asarray(done_s, bool)
+    return dataclasses.replace(decode_state, host_live=live)
+
+  def set_version(self, decode_state: DecodeState, version: int) -> DecodeState:
+    arrays = dict(decode_state.arrays)
+    arrays["version"] = jax.device_put(jnp.int32(version), self._replicated)
+    return dataclasses.replace(decode_state, arrays=arrays)
+
+  def prefill_bucket(self, num_tokens: int) -> int:
+    for b in self.config.prefill_buckets:
+      if num_tokens <= b:
+        return b
+    raise PromptError(f"prefill: {num_tokens} tokens exceed the largest bucket {self.config.prefill_buckets[-1]}")
+
+  # ------------------------------------------------------------------ jitted bodies
+
+  def _empty_cache(self, batch: int, length: int) -> kv_cache_lib.KVCache:
+    mc = self.model_config
+    dtype = self._cache_dtype or mc.dtype
+    return kv_cache_lib.KVCache.zeros(mc.num_layers, batch, mc.num_kv_heads, mc.head_dim, length, dtype)
+
+  def _make_state_shardings(self) -> dict[str, Any]:
+    s = self.max_concurrent_decodes
+    abstract_cache = jax.eval_shape(lambda: self._empty_cache(s, self.config.cache_length))
+    cache = kv_cache_lib.cache_shardings(abstract_cache, self.mesh, self.rules)
+    slots = self._slots_sharding
+    return dict(cache=cache, tokens=slots, positions=slots, num_generated=slots, max_new=slots,
+                done=slots, keys=slots, version=self._replicated)
+
+  def _prefill_impl(self, params, tokens_1t, lengths_1, *, bucket):
+    model = nnx.merge(self._graphdef, params)
+    cache = self._empty_cache(1, bucket)
+    _, cache = model.prefill(tokens_1t, cache, lengths_1)
+    return cache
+
+  def _insert_impl(self, prefix_cache, arrays, scalars, key):
+    slot, last_token, position, limit = scalars[0], scalars[1], scalars[2], scalars[3]
+    zero = jnp.int32(0)
+
+    def put(dst, src):  # src [1, ...] into row `slot`, leading positions (the prefix bucket)
+      return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), (slot,) + (zero,) * (dst.ndim - 1))
+
+    out = dict(arrays)
+    out["cache"] = jax.tree.map(put, arrays["cache"], prefix_cache)
+    out["tokens"] = arrays["tokens"].at[slot].set(last_token)
+    out["positions"] = arrays["positions"].at[slot].set(position)
+    out["num_generated"] = arrays["num_generated"].at[slot].set(0)
+    out["max_new"] = arrays["max_new"].at[slot].set(limit)
+    out["done"] = arrays["done"].at[slot].set(False)
+    out["keys"] = arrays["keys"].at[slot].set(key)
+    return out
+
+  def _release_impl(self, arrays, slot):
+    out = dict(arrays)
+    out["done"] = arrays["done"].at[slot].set(True)
+    return out
+
+  def _generate_impl(self, params, arrays, *, attend_len):
+    model = nnx.merge(self._graphdef, params)
+    sp, record = self._sampling, self.config.record_sampling_mask
+    eos = jnp.asarray(self._eos_ids)
+    version = arrays["version"]
+
+    def step(carry, _):
+      cache, tokens, positions, n_gen, done = carry
+      live = ~done
+      logits_sv, cache = model.decode_step(tokens, positions, cache, attend_len)
+      u_s = jax.vmap(lambda k, n: jax.random.uniform(jax.random.fold_in(k, n), (), jnp.float32))(
+          arrays["keys"], n_gen)
+      smp = sampling.sample_with_uniform(logits_sv, u_s, sp, return_mask=record)
+      n_gen = n_gen + live.astype(jnp.int32)
+      stop = (n_gen >= arrays["max_new"])
+      if eos.size:
+        stop = stop | jnp.isin(smp.tokens_b, eos)
+      tokens = jnp.where(live, smp.tokens_b, tokens)
+      positions = jnp.where(live, positions + 1, positions)
+      done = done | (live & stop)
+      out = (smp.tokens_b, smp.logprobs_b, live) + ((smp.mask_bw,) if record else ())
+      return (cache, tokens, positions, n_gen, done), out
+
+    carry = (arrays["cache"], arrays["tokens"], arrays["positions"], arrays["num_generated"],
+             arrays["done"])
+    carry, outs = jax.lax.scan(step, carry, None, length=self.config.steps_per_call)
+    cache, tokens, positions, n_gen, done = carry
+    new = dict(arrays, cache=cache, tokens=tokens, positions=positions, num_generated=n_gen, done=done)
+    result = GenerateResult(tokens_ks=outs[0], logprobs_ks=outs[1], valid_ks=outs[2], done_s=done,
+                            version=version, mask_ksw=outs[3] if record else None)
+    return new, result
+
+
+jax.tree_util.register_dataclass(
+    GenerateResult, data_fields=["tokens_ks", "logprobs_ks", "valid_ks", "done_s", "version", "mask_ksw"],
+    meta_fields=[])
