@@ -39,8 +39,10 @@ def _logp(params_btv, targets_bt):
   return jnp.take_along_axis(jax.nn.log_softmax(params_btv), targets_bt[..., None], -1)[..., 0]
 
 
-@pytest.mark.parametrize("name", ["ppo_clip", "dapo", "gspo"])
-@pytest.mark.parametrize("mode", losses.AGGREGATIONS)
+# GSPO's ratio is per sequence: at ratio 1 its gradient is the per-sequence mean of grad logp,
+# i.e. the plain policy gradient under sequence-mean aggregation (the one it is defined with).
+@pytest.mark.parametrize("name,mode", [(n, m) for n in ("ppo_clip", "dapo") for m in losses.AGGREGATIONS]
+                         + [("gspo", "seq_mean_token_mean")])
 def test_clip_at_ratio_one_is_policy_gradient(name, mode):
   rng = np.random.default_rng(0)
   logits = jnp.asarray(rng.normal(size=(3, 5, 7)), jnp.float32)
@@ -54,17 +56,12 @@ def test_clip_at_ratio_one_is_policy_gradient(name, mode):
     loss_bt, _ = fn(logp, jax.lax.stop_gradient(logp), adv, mask, eps_low=0.2, eps_high=0.2)
     return losses.aggregate(loss_bt, mask, mode, norm_length=5)
 
-  def plain_pg(lg):
+  def plain_pg(lg):  # -A log pi, whose gradient is the REINFORCE estimator
     return losses.aggregate(-adv[:, None] * _logp(lg, targets), mask, mode, norm_length=5)
 
-  if name == "gspo":
-    # GSPO's sequence ratio: its gradient is the per-sequence mean of grad logp -> compare with
-    # seq_mean_token_mean of the plain PG, whatever aggregation the per-token values go through,
-    # only for the sequence-mean mode (the objective is defined with it).
-    if mode != "seq_mean_token_mean":
-      pytest.skip("GSPO is defined with sequence-mean aggregation")
-  np.testing.assert_allclose(clip_obj(logits), plain_pg(logits), rtol=1e-6)
-  np.testing.assert_allclose(jax.grad(clip_obj)(logits), jax.grad(plain_pg)(logits), atol=1e-7)
+  g_clip, g_pg = jax.grad(clip_obj)(logits), jax.grad(plain_pg)(logits)
+  assert float(jnp.abs(g_pg).max()) > 1e-3
+  np.testing.assert_allclose(g_clip, g_pg, rtol=1e-5, atol=1e-7)
 
 
 def test_gspo_sequence_ratio_hand_computed():

@@ -18,31 +18,29 @@ def group(pid, version, rewards=(0.0, 1.0)):
 
 def test_admission_bounds_in_flight_work_by_staleness():
   q = RolloutQueue(batch_groups=4, max_staleness=1)
-  assert sum(q.try_admit() for _ in range(20)) == 8  # (1 + 0 + 1) * 4
-  q.set_version(1)
-  assert sum(q.try_admit() for _ in range(20)) == 4
+  assert sum(q.try_admit(0) for _ in range(20)) == 8  # (1 + 0 + 1) * 4
+  assert sum(q.try_admit(1) for _ in range(20)) == 4
 
 
 def test_staleness_zero_is_one_batch_at_a_time():
   q = RolloutQueue(batch_groups=2, max_staleness=0)
-  assert [q.try_admit() for _ in range(3)] == [True, True, False]
+  assert [q.try_admit(0) for _ in range(3)] == [True, True, False]
   for i in range(2):
     q.put(group(i, 0))
   assert [g.prompt_id for g in q.get_batch(0, timeout_s=1)] == [0, 1]
-  assert not q.try_admit()  # the learner has not produced version 1 yet
-  q.set_version(1)
-  assert q.try_admit()
+  assert not q.try_admit(0)  # the sampler does not run version 1 yet
+  assert q.try_admit(1)
 
 
 def test_version_rejection_drops_stale_groups_and_frees_admission():
   q = RolloutQueue(batch_groups=1, max_staleness=1)
-  assert q.try_admit() and q.try_admit() and not q.try_admit()
+  assert q.try_admit(0) and q.try_admit(0) and not q.try_admit(0)
   q.put(group("old", 0))
   q.put(group("new", 2))
   batch = q.get_batch(learner_version=2, timeout_s=1)
   assert [g.prompt_id for g in batch] == ["new"]
   assert q.dropped_stale == 1
-  assert q.try_admit()  # the drop made room for a replacement
+  assert q.try_admit(0)  # the drop made room for a replacement
 
 
 def test_filter_drops_zero_variance_groups():
@@ -72,12 +70,13 @@ def test_threads_never_deadlock_and_never_train_stale_data(batch, staleness, ste
   """A producer thread (admit -> tag with the current version -> put) and a consumer (the learner)."""
   q = RolloutQueue(batch_groups=batch, max_staleness=staleness)
   errors = []
+  sampler_version = [0]
 
   def produce():
     pid = 0
     while not q.stop_event.is_set():
-      if q.try_admit():
-        version = q.version
+      version = sampler_version[0]
+      if q.try_admit(version):
         time.sleep(producer_delay)
         q.put(group(pid, version))
         pid += 1
@@ -92,7 +91,7 @@ def test_threads_never_deadlock_and_never_train_stale_data(batch, staleness, ste
         if step - g.min_version > staleness:
           errors.append((step, g.min_version))
       time.sleep(consumer_delay)
-      q.set_version(step + 1)  # weight sync done
+      sampler_version[0] = step + 1  # weight sync done
   finally:
     q.stop_event.set()
     t.join(timeout=5)

@@ -1,7 +1,7 @@
 """The bounded rollout queue between sampler and learner, with staleness control (DESIGN "Staleness").
 
 Admission control (AReaL, `areal/infra/staleness_manager.py`): the sampler may start a group only while
-    admitted - dropped < (max_staleness + version + 1) * batch_groups,
+    admitted - dropped < (max_staleness + v + 1) * batch_groups,   v = the sampler's weights version,
 so a group started at sampler version v is trained at a learner step <= v + max_staleness, and the
 queue never holds more than (max_staleness + 1) batches. Finished work is never thrown away to
 bound the queue (that biases training toward short, easy rollouts); groups are dropped only by
@@ -42,27 +42,31 @@ class RolloutQueue:
     self.stop_event = stop_event or threading.Event()
     self._cond = threading.Condition()
     self._ready: collections.deque[RolloutGroup] = collections.deque()
-    self.version = 0  # version of the weights the sampler now runs
     self.admitted = 0  # groups ever admitted
     self.dropped_stale = 0
     self.dropped_filtered = 0
     self.trained = 0
 
   # ---- sampler side -------------------------------------------------------------------------
-  def _capacity(self) -> int:
-    return (self.max_staleness + self.version + 1) * self.batch_groups
+  def _capacity(self, sampler_version: int) -> int:
+    return (self.max_staleness + sampler_version + 1) * self.batch_groups
 
   @property
   def in_flight(self) -> int:
     """Admitted groups that are neither trained nor dropped (running, scoring or queued)."""
     return self.admitted - self.dropped_stale - self.dropped_filtered - self.trained
 
-  def try_admit(self) -> bool:
-    """Admits one new group if the staleness bound allows it (never blocks)."""
+  def try_admit(self, sampler_version: int) -> bool:
+    """Admits one new group if the staleness bound allows it (never blocks).
+
+    `sampler_version` is the version of the weights the group will start with: the sampler asks
+    with its own current version, so a weight update that is queued but not yet swapped in never
+    admits work that would then start on the old weights.
+    """
     with self._cond:
       if self.stop_event.is_set():
         return False
-      if self.admitted - self.dropped_stale - self.dropped_filtered < self._capacity():
+      if self.admitted - self.dropped_stale - self.dropped_filtered < self._capacity(sampler_version):
         self.admitted += 1
         return True
       return False
@@ -80,12 +84,6 @@ class RolloutQueue:
       self._cond.notify_all()
 
   # ---- learner side -------------------------------------------------------------------------
-  def set_version(self, version: int):
-    """The sampler now runs `version`: admits the next batch of work."""
-    with self._cond:
-      self.version = version
-      self._cond.notify_all()
-
   def get_batch(self, learner_version: int, timeout_s: float,
                 keep: Callable[[RolloutGroup], bool] | None = None) -> list[RolloutGroup]:
     """Blocks until `batch_groups` acceptable groups are ready; returns them.
@@ -105,7 +103,7 @@ class RolloutQueue:
           if remaining <= 0:
             raise QueueTimeout(
                 f"waited {timeout_s:.0f}s for rollouts (have {len(batch)} of {self.batch_groups}; "
-                f"in flight {self.in_flight}, sampler version {self.version}); is the sampler stuck? "
+                f"in flight {self.in_flight}); is the sampler stuck? "
                 "(rl.wait_timeout_s)")
           self._cond.wait(min(remaining, 0.5))
         group = self._ready.popleft()

@@ -88,7 +88,7 @@ class Engine:
     if not isinstance(config, SamplerConfig):
       raise TypeError(f"Engine config must be a SamplerConfig, got {type(config).__name__}")
     self.config = config
-    self.model_config = model.config
+    self.model_config = model.cfg
     vocab = self.model_config.vocab_size
     bad = [i for i in config.eos_ids if i >= vocab]
     if bad:
@@ -104,6 +104,9 @@ class Engine:
       raise ValueError(f"sampler.max_concurrent_decodes={config.max_concurrent_decodes} is not "
                        f"divisible by the {replicas} sampler replicas")
     self.mesh, self.rules = mesh, rules
+    # Python-side trace counter per jitted body: a retrace is a compilation (tests assert none
+    # happen after warm-up beyond the prefill and attention buckets).
+    self.trace_counts = {"prefill": 0, "insert": 0, "release": 0, "generate": 0}
     self._graphdef, state = nnx.split(model)
     self.param_shardings = sharding_lib.state_shardings(state, mesh, rules)
     self._initial_params = state
@@ -263,12 +266,14 @@ class Engine:
                 done=slots, keys=slots, version=self._replicated)
 
   def _prefill_impl(self, params, tokens_1t, lengths_1, *, bucket):
+    self.trace_counts["prefill"] += 1
     model = nnx.merge(self._graphdef, params)
     cache = self._empty_cache(1, bucket)
     _, cache = model.prefill(tokens_1t, cache, lengths_1)
     return cache
 
   def _insert_impl(self, prefix_cache, arrays, scalars, key):
+    self.trace_counts["insert"] += 1
     slot, last_token, position, limit = scalars[0], scalars[1], scalars[2], scalars[3]
     zero = jnp.int32(0)
 
@@ -286,11 +291,13 @@ class Engine:
     return out
 
   def _release_impl(self, arrays, slot):
+    self.trace_counts["release"] += 1
     out = dict(arrays)
     out["done"] = arrays["done"].at[slot].set(True)
     return out
 
   def _generate_impl(self, params, arrays, *, attend_len):
+    self.trace_counts["generate"] += 1
     model = nnx.merge(self._graphdef, params)
     sp, record = self._sampling, self.config.record_sampling_mask
     eos = jnp.asarray(self._eos_ids)

@@ -1,0 +1,158 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
+from tunixlike.learner.train_step import Learner
+from tunixlike.mesh import LEARNER_RULES
+from tunixlike.models import sharding as sharding_lib
+
+
+def _cfg(micro=1, **algo):
+  return LearnerConfig(algo=AlgoConfig(**algo), optim=OptimConfig(learning_rate=1e-3, micro_batches=micro),
+                       logprob_chunk_size=8)
+
+
+def _flat(tree):
+  return {"/".join(map(str, p)): np.asarray(jax.device_get(v.get_value() if hasattr(v, "get_value") else v))
+          for p, v in nnx.to_flat_state(tree)}
+
+
+@pytest.mark.slow
+def test_grad_accumulation_over_4_micro_batches_equals_one_batch(tiny_model, host_batch):
+  batch = host_batch(8)
+  for agg in ("token_mean", "seq_mean_token_mean"):
+    one = Learner(tiny_model(), _cfg(1, aggregation=agg, kl_coef=0.1))
+    four = Learner(tiny_model(), _cfg(4, aggregation=agg, kl_coef=0.1))
+    loss1, g1 = one.loss_and_grads(one.state, one.put_batch(batch))
+    loss4, g4 = four.loss_and_grads(four.state, four.put_batch(batch))
+    np.testing.assert_allclose(loss4, loss1, rtol=1e-5)
+    f1, f4 = _flat(g1), _flat(g4)
+    assert f1.keys() == f4.keys()
+    for k in f1:
+      np.testing.assert_allclose(f4[k], f1[k], rtol=1e-4, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.slow
+def test_sharded_step_equals_unsharded(tiny_model, host_batch, mesh4):
+  from tunixlike import models
+  batch = host_batch(8)
+  plain = Learner(tiny_model(), _cfg(2))
+  sharded_model = tiny_model()
+  state = nnx.state(sharded_model)
+  nnx.update(sharded_model, jax.device_put(state, sharding_lib.state_shardings(state, mesh4, LEARNER_RULES)))
+  sharded = Learner(sharded_model, _cfg(2), mesh=mesh4, rules=LEARNER_RULES)
+  emb = sharded.state.params["embed_tokens"]["embedding"].get_value()
+  assert len(emb.sharding.device_set) == 4 and not emb.sharding.is_fully_replicated
+  # optimizer moments live with their parameters
+  mu = [x for x in jax.tree.leaves(sharded.state.opt_state) if x.shape == emb.shape]
+  assert mu and all(x.sharding.is_equivalent_to(emb.sharding, 2) for x in mu)
+  db = sharded.put_batch(batch)
+  assert db["tokens"].sharding.spec[1] == "fsdp"
+  s1, m1 = plain.train_step(plain.state, plain.put_batch(batch), jax.random.key(0))
+  s2, m2 = sharded.train_step(sharded.state, db, jax.random.key(0))
+  for k in ("loss", "grad_norm", "entropy", "is_weight"):
+    np.testing.assert_allclose(m2[k], m1[k], rtol=2e-5, err_msg=k)
+  p1, p2 = _flat(s1.params), _flat(s2.params)
+  for k in p1:
+    np.testing.assert_allclose(p2[k], p1[k], rtol=1e-4, atol=2e-6, err_msg=k)
+  del models
+
+
+@pytest.mark.slow
+def test_no_recompilation_after_warmup(tiny_model, host_batch):
+  compiles = []
+  learner = Learner(tiny_model(), _cfg(2))
+  state = learner.state
+  state, _ = learner.train_step(state, learner.put_batch(host_batch(8, seed=0)), jax.random.key(0))
+  listener = lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    for seed in (1, 2, 3):
+      state, metrics = learner.train_step(state, learner.put_batch(host_batch(8, seed=seed)), jax.random.fold_in(
+          jax.random.key(0), seed))
+    jax.block_until_ready(metrics)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert compiles == []
+  assert learner.num_traces == 1
+  assert int(state.step) == 4
+
+
+@pytest.mark.slow
+def test_every_trainable_weight_gets_a_gradient_and_training_moves_towards_advantage(tiny_model, host_batch):
+  batch = host_batch(8)
+  learner = Learner(tiny_model(), _cfg(1, is_mode="none"))
+  db = learner.put_batch(batch)
+  _, grads = learner.loss_and_grads(learner.state, db)
+  for k, g in _flat(grads).items():
+    assert np.abs(g).max() > 0, f"no gradient for {k}"
+  # a few steps raise the log-likelihood of positive-advantage completions relative to negative ones
+  logp0 = np.asarray(learner.token_logprobs(learner.state, db)).reshape(8, -1)
+  state = learner.state
+  for _ in range(5):
+    state, metrics = learner.train_step(state, db, jax.random.key(0))
+  logp1 = np.asarray(learner.token_logprobs(state, db)).reshape(8, -1)
+  mask = batch["loss_mask"]
+  delta = ((logp1 - logp0) * mask).sum(-1)
+  adv = batch["advantages"]
+  assert delta[adv > 0].mean() > 0 > delta[adv < 0].mean()
+  assert float(metrics["nonfinite"]) == 0.0
+
+
+@pytest.mark.slow
+def test_token_logprobs_match_full_logits(tiny_model, host_batch):
+  model = tiny_model()
+  batch = host_batch(8)
+  learner = Learner(model, _cfg(1))
+  lp = np.asarray(learner.token_logprobs(learner.state, learner.put_batch(batch))).reshape(8, -1)
+  logits = model(jnp.asarray(batch["tokens"]))
+  full = jax.nn.log_softmax(logits, -1)[:, :-1]
+  want = np.take_along_axis(np.asarray(full), batch["tokens"][:, 1:, None], -1)[..., 0]
+  np.testing.assert_allclose(lp[:, 1:], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_proximal_logprobs_make_the_ratio_bite(tiny_model, host_batch):
+  # With the proximal policy given and far from the current one, every token is clipped.
+  learner = Learner(tiny_model(), _cfg(1, is_mode="none"))
+  db = learner.put_batch(host_batch(8))
+  db["proximal_logprobs"] = learner.token_logprobs(learner.state, db) - 1.0  # ratio e > 1.2
+  _, metrics = learner.train_step(learner.state, db, jax.random.key(0))
+  assert float(metrics["clip_frac"]) == pytest.approx(float((np.asarray(db["advantages"]) > 0).sum()) / 8, abs=0.2)
+  assert 0.0 < float(metrics["clip_frac"]) < 1.0
+
+
+def test_bad_batches_name_the_key(tiny_model, host_batch, mesh4):
+  learner = Learner(tiny_model(), _cfg(3))
+  with pytest.raises(ValueError, match="8 rows does not divide into optim.micro_batches=3"):
+    learner.put_batch(host_batch(8))
+  sharded = Learner(tiny_model(), _cfg(4), mesh=mesh4, rules=LEARNER_RULES)
+  assert sharded.put_batch(host_batch(8))["tokens"].shape == (4, 2, 16)  # 2 rows per micro-batch: fine
+  with pytest.raises(ValueError, match="micro-batch of 3 rows.*2 devices of learner mesh axis 'fsdp'"):
+    sharded.put_batch(host_batch(12))
+  b = host_batch(8)
+  del b["advantages"]
+  with pytest.raises(ValueError, match="missing 'advantages'"):
+    learner.put_batch(b)
+
+
+def test_config_errors_name_the_key():
+  with pytest.raises(ValueError, match="algo.loss='ppo'"):
+    AlgoConfig(loss="ppo")
+  with pytest.raises(ValueError, match="algo.advantage='gae'"):
+    AlgoConfig(advantage="gae")
+  with pytest.raises(ValueError, match="algo.kl_estimator='k5'"):
+    AlgoConfig(kl_estimator="k5")
+  with pytest.raises(ValueError, match="algo.norm_length"):
+    AlgoConfig(aggregation="seq_mean_token_sum_norm")
+  with pytest.raises(ValueError, match="algo.is_mode='tis'"):
+    AlgoConfig(decoupled=False)
+  with pytest.raises(ValueError, match="optim.micro_batches=0"):
+    OptimConfig(micro_batches=0)
+  with pytest.raises(ValueError, match="optim.total_steps"):
+    OptimConfig(schedule="cosine")
+  assert AlgoConfig(loss="dapo").eps_high_value == 0.28
+  assert AlgoConfig(loss="dapo", eps_high=0.3).eps_high_value == 0.3

@@ -1,0 +1,88 @@
+"""Batch assembly: a list of scored `RolloutGroup`s -> one padded, fixed-shape numpy batch.
+
+Shapes come from a small set of buckets (rows fixed, sequence length rounded up to a bucket) so
+the jitted train step compiles once per bucket and never again. Every per-token array is aligned
+with `tokens` (index t describes token t); the train step shifts to next-token targets itself.
+
+  tokens              int32   [B, T]  prompt + completion, right-padded with pad_id
+  loss_mask           float32 [B, T]  1 on completion tokens the policy produced (the stop token
+                                      included, Completion.loss_mask respected), else 0
+  behaviour_logprobs  float32 [B, T]  sampler logprobs (processed distribution), 0 elsewhere
+  versions            int32   [B, T]  policy version of each completion token, -1 elsewhere
+  advantages          float32 [B]     per completion, from the group's rewards
+  rewards             float32 [B]
+  group_ids           int32   [B]     index of the group in this batch, -1 for padding rows
+  prompt_lengths, completion_lengths  int32 [B]
+Padding rows have an all-zero loss mask and so contribute nothing to the loss or the metrics.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+import numpy as np
+
+from tunixlike.learner import advantages as advantages_lib
+from tunixlike.rollout import RolloutGroup
+
+
+def pick_bucket(length: int, buckets: Sequence[int]) -> int:
+  """The smallest bucket that holds `length` tokens."""
+  i = bisect.bisect_left(list(buckets), length)
+  if i == len(buckets):
+    raise ValueError(f"a sequence of {length} tokens exceeds the largest seq_buckets entry {buckets[-1]}")
+  return buckets[i]
+
+
+def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets: Sequence[int],
+                   advantage: str = "grpo", pad_id: int = 0) -> dict[str, np.ndarray]:
+  """Pad `groups` into one batch of exactly `num_rows` rows and a bucketed length T."""
+  buckets = sorted(int(b) for b in seq_buckets)
+  if not buckets or buckets[0] <= 0:
+    raise ValueError(f"seq_buckets={tuple(seq_buckets)!r} must be non-empty positive lengths")
+  advantage_fn = advantages_lib.get_advantage_fn(advantage)
+  n_rows = sum(g.group_size for g in groups)
+  if n_rows > num_rows:
+    raise ValueError(f"{len(groups)} groups hold {n_rows} completions, more than num_rows={num_rows}")
+  lengths = []
+  for g in groups:
+    if g.rewards is None or len(g.rewards) != g.group_size:
+      got = None if g.rewards is None else len(g.rewards)
+      raise ValueError(f"RolloutGroup(prompt_id={g.prompt_id!r}).rewards has {got} entries, "
+                       f"expected one per completion ({g.group_size})")
+    if len(g.prompt_token_ids) == 0:
+      raise ValueError(f"RolloutGroup(prompt_id={g.prompt_id!r}).prompt_token_ids is empty: the first "
+                       "completion token needs a prompt token to be predicted from")
+    lengths += [len(g.prompt_token_ids) + c.num_tokens for c in g.completions]
+  t = pick_bucket(max(lengths, default=1), buckets)
+
+  batch = {
+      "tokens": np.full((num_rows, t), pad_id, np.int32),
+      "loss_mask": np.zeros((num_rows, t), np.float32),
+      "behaviour_logprobs": np.zeros((num_rows, t), np.float32),
+      "versions": np.full((num_rows, t), -1, np.int32),
+      "advantages": np.zeros((num_rows,), np.float32),
+      "rewards": np.zeros((num_rows,), np.float32),
+      "group_ids": np.full((num_rows,), -1, np.int32),
+      "prompt_lengths": np.zeros((num_rows,), np.int32),
+      "completion_lengths": np.zeros((num_rows,), np.int32),
+  }
+  row = 0
+  for gi, g in enumerate(groups):
+    adv_g = advantage_fn(np.asarray(g.rewards, np.float32)[None, :])[0]
+    p = len(g.prompt_token_ids)
+    for ci, c in enumerate(g.completions):
+      n = c.num_tokens
+      batch["tokens"][row, :p] = g.prompt_token_ids
+      batch["tokens"][row, p:p + n] = c.token_ids
+      batch["loss_mask"][row, p:p + n] = 1.0 if c.loss_mask is None else np.asarray(c.loss_mask, np.float32)
+      batch["behaviour_logprobs"][row, p:p + n] = c.logprobs
+      batch["versions"][row, p:p + n] = c.policy_versions
+      batch["advantages"][row] = adv_g[ci]
+      batch["rewards"][row] = g.rewards[ci]
+      batch["group_ids"][row] = gi
+      batch["prompt_lengths"][row] = p
+      batch["completion_lengths"][row] = n
+      row += 1
+  return batch

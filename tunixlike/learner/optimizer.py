@@ -1,0 +1,26 @@
+"""The optax optimizer: AdamW with a learning-rate schedule and global-norm gradient clipping."""
+
+from __future__ import annotations
+
+import optax
+
+from tunixlike.learner.config import OptimConfig
+
+
+def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+  """Linear warmup (0 -> lr over warmup_steps), then constant or cosine to 0 at total_steps."""
+  if cfg.schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, cfg.total_steps)
+  if cfg.warmup_steps:
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps), optax.constant_schedule(cfg.learning_rate)],
+        [cfg.warmup_steps])
+  return optax.constant_schedule(cfg.learning_rate)
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+  parts = []
+  if cfg.grad_clip > 0:
+    parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+  parts.append(optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+  return optax.chain(*parts)

@@ -1,0 +1,265 @@
+"""The sharded train step: `(state, batch, rng) -> (state, metrics)`, one pure jitted function.
+
+A batch from `batch.assemble_batch` is split into `optim.micro_batches` micro-batches on the host
+(`Learner.put_batch`: leaves become [M, B/M, ...], rows sharded over the learner mesh's batch
+axis). The step scans over them, summing gradients that are each already divided by the *whole*
+batch's normaliser (token count or row count), so accumulation is exact, not a mean of means.
+
+Per-token log-probs come from `model.hidden_states` + a chunked `model.unembed`
+(`logprobs.chunked_token_logprobs`): the [B, T, V] logits never exist at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from tunixlike.learner import is_correction, kl as kl_lib, logprobs as logprobs_lib, losses, optimizer
+from tunixlike.learner.config import LearnerConfig
+from tunixlike.learner.state import TrainState
+from tunixlike.models import lora as lora_lib
+from tunixlike.models import sharding as sharding_lib
+
+BATCH_KEYS = ("tokens", "loss_mask", "behaviour_logprobs", "versions", "advantages")
+TOKEN_KEYS = ("tokens", "loss_mask", "behaviour_logprobs", "versions", "proximal_logprobs")
+
+
+def _next(x_bt, fill=0):
+  """Shift a per-token array so index t describes token t+1 (the one position t predicts)."""
+  pad = jnp.full(x_bt.shape[:-1] + (1,), fill, x_bt.dtype)
+  return jnp.concatenate([x_bt[..., 1:], pad], axis=-1)
+
+
+class Learner:
+  """Owns the GraphDef, optimizer and compiled step for one model on the learner mesh.
+
+  `model` should already be placed (e.g. `models.create_sharded(cfg, mesh, LEARNER_RULES)`,
+  `models.lora.apply_lora(...)` for LoRA). With mesh=None everything lives on one device.
+  """
+
+  def __init__(self, model: nnx.Module, cfg: LearnerConfig, mesh: jax.sharding.Mesh | None = None, rules=()):
+    self.cfg = cfg
+    self.mesh = mesh
+    self.rules = tuple(rules)
+    self.lora = lora_lib.has_lora(model)
+    self.trainable = nnx.LoRAParam if self.lora else nnx.Param
+    self.graphdef, params, frozen = nnx.split(model, self.trainable, ...)
+    self.tx = optimizer.make_optimizer(cfg.optim)
+    self.schedule = optimizer.make_schedule(cfg.optim)
+    self.loss = losses.get_policy_loss(cfg.algo.loss)
+    self.kl_fn = kl_lib.get_kl_fn(cfg.algo.kl_estimator)
+    self.num_traces = 0  # incremented each time the step is traced (tests: no recompilation)
+    if mesh is not None and cfg.batch_axis not in mesh.shape:
+      raise ValueError(f"learner.batch_axis={cfg.batch_axis!r} is not an axis of the learner mesh {dict(mesh.shape)}")
+    self.state = self._init_state(params, frozen)
+    self._step = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=(self.state_shardings, None))
+    self._logprobs = jax.jit(self._token_logprobs)
+    self._grads = jax.jit(lambda state, batch: self._accumulate(state, batch)[:2])
+
+  # ------------------------------------------------------------------ state
+
+  def _init_state(self, params, frozen) -> TrainState:
+    need_ref_copy = self.cfg.algo.kl_coef > 0 and not self.lora
+    if self.mesh is not None:  # place by the logical-axis rules (a no-op for a model born sharded)
+      p_shard = sharding_lib.state_shardings(params, self.mesh, self.rules)
+      params = jax.device_put(params, p_shard)
+      frozen = jax.device_put(frozen, sharding_lib.state_shardings(frozen, self.mesh, self.rules))
+    else:
+      p_shard = jax.tree.map(lambda x: x.sharding, params)
+
+    def init(params):
+      ref = jax.tree.map(jnp.copy, params) if need_ref_copy else None
+      return params, self.tx.init(params), ref
+
+    # Params stay where they were born; optimizer moments (and the reference copy) are created in
+    # place with their parameter's layout; scalars (step counts) are replicated.
+    replicated = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None
+                  else NamedSharding(self.mesh, P()))
+    opt_shard = optax.tree_map_params(self.tx, lambda _, s: s, jax.eval_shape(self.tx.init, params), p_shard,
+                                      transform_non_params=lambda _: replicated)
+    out_shardings = (p_shard, opt_shard, p_shard if need_ref_copy else None)
+    params, opt_state, ref = jax.jit(init, out_shardings=out_shardings)(params)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, frozen=frozen,
+                       ref_params=ref)
+    # Commit every leaf (uncommitted ones replicated) so the step's inputs and outputs have the
+    # same shardings and the second call hits the compilation cache.
+    if self.mesh is None:
+      default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    else:
+      default = NamedSharding(self.mesh, P())
+    shardings = jax.tree.map(lambda x: x.sharding if getattr(x, "committed", False) else default, state)
+    self.state_shardings = shardings
+    return jax.device_put(state, shardings)
+
+  def model(self, state: TrainState | None = None) -> nnx.Module:
+    """The policy as an nnx Module (shares the state's arrays: for weight sync, eval, export)."""
+    state = self.state if state is None else state
+    return nnx.merge(self.graphdef, state.params, state.frozen)
+
+  # ------------------------------------------------------------------ batches
+
+  def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """Checks a host batch, splits it into [M, B/M, ...] micro-batches and places it on the mesh."""
+    for k in BATCH_KEYS:
+      if k not in batch:
+        raise ValueError(f"batch is missing {k!r} (has {sorted(batch)})")
+    b, t = np.shape(batch["tokens"])
+    for k, v in batch.items():
+      want = (b, t) if k in TOKEN_KEYS else (b,)
+      if k in TOKEN_KEYS or k in BATCH_KEYS:
+        if tuple(np.shape(v)) != want:
+          raise ValueError(f"batch[{k!r}] has shape {np.shape(v)}, expected {want}")
+    m = self.cfg.optim.micro_batches
+    if b % m:
+      raise ValueError(f"batch of {b} rows does not divide into optim.micro_batches={m}")
+    n_dev = 1 if self.mesh is None else self.mesh.shape[self.cfg.batch_axis]
+    if (b // m) % n_dev:
+      raise ValueError(f"micro-batch of {b // m} rows (batch {b} / optim.micro_batches={m}) does not divide "
+                       f"over the {n_dev} devices of learner mesh axis {self.cfg.batch_axis!r}")
+    out = {}
+    for k, v in batch.items():
+      if k not in BATCH_KEYS and k not in TOKEN_KEYS:
+        continue  # host-only columns (rewards, group ids, ...) stay on the host
+      v = np.asarray(v).reshape((m, b // m) + np.shape(v)[1:])
+      if self.mesh is None:
+        out[k] = jnp.asarray(v)
+      else:
+        spec = P(None, self.cfg.batch_axis, *([None] * (v.ndim - 2)))
+        out[k] = jax.device_put(v, NamedSharding(self.mesh, spec))
+    return out
+
+  # ------------------------------------------------------------------ the math
+
+  def _policy_logprobs(self, params, frozen, tokens_bt, with_entropy: bool):
+    model = nnx.merge(self.graphdef, params, frozen)
+    h_btd = model.hidden_states(tokens_bt)
+    return logprobs_lib.chunked_token_logprobs(h_btd, _next(tokens_bt), model.unembed,
+                                               self.cfg.logprob_chunk_size, with_entropy=with_entropy)
+
+  def _ref_logprobs(self, state: TrainState, params, tokens_bt):
+    ref_params = lora_lib.zero_adapters(params) if self.lora else state.ref_params
+    logp, _ = self._policy_logprobs(jax.lax.stop_gradient(ref_params), state.frozen, tokens_bt, False)
+    return jax.lax.stop_gradient(logp)
+
+  def _micro_loss(self, params, state: TrainState, mb, denom):
+    """Loss contribution of one micro-batch (already divided by the whole batch's normaliser)."""
+    a = self.cfg.algo
+    mask = _next(mb["loss_mask"]).astype(jnp.float32)
+    behav = _next(mb["behaviour_logprobs"]).astype(jnp.float32)
+    logp, entropy = self._policy_logprobs(params, state.frozen, mb["tokens"], True)
+    if "proximal_logprobs" in mb:  # computed before a series of updates (several minibatches per batch)
+      prox = _next(mb["proximal_logprobs"]).astype(jnp.float32)
+    else:  # one update per batch: the proximal policy is the current one
+      prox = jax.lax.stop_gradient(logp)
+    stats = {}
+    if a.decoupled:
+      old = prox
+      is_w, is_stats = is_correction.importance_weights(prox, behav, mask, mode=a.is_mode, level=a.is_level,
+                                                        cap=a.is_cap, low=a.is_low, high=a.is_high)
+      stats.update(is_stats)
+    else:
+      old, is_w = behav, None
+      stats["mismatch_kl"] = jnp.exp(prox - behav) - 1.0 - (prox - behav)
+    pg_bt, loss_stats = self.loss.fn(logp, old, mb["advantages"].astype(jnp.float32), mask,
+                                     eps_low=a.eps_low_value, eps_high=a.eps_high_value, is_weights_bt=is_w)
+    stats["clip_frac"] = loss_stats["clip_frac"]
+    stats["entropy"] = entropy
+    loss_bt = pg_bt
+    tw = losses.token_weights(mask, a.resolved_aggregation, a.norm_length)
+    sums = {"pg_loss": (pg_bt * tw).sum() / denom}
+    if a.kl_coef > 0:
+      kl_bt = self.kl_fn(logp, self._ref_logprobs(state, params, mb["tokens"]))
+      loss_bt = loss_bt + a.kl_coef * kl_bt
+      stats["kl"] = kl_bt
+    loss = (loss_bt * tw).sum() / denom
+    for k, v in stats.items():
+      v = jax.lax.stop_gradient(v)
+      if k.endswith("_max"):
+        sums[k] = jnp.where(mask > 0, v, -jnp.inf).max()
+      else:
+        sums[k] = (v * mask).sum()
+    return loss, sums
+
+  def _accumulate(self, state: TrainState, batch):
+    """Summed gradients, loss and metric sums over the micro-batches (leading axis M)."""
+    a = self.cfg.algo
+    mask_all = _next(batch["loss_mask"]).astype(jnp.float32)  # [M, b, T]
+    denom = losses.normaliser(mask_all.reshape(-1, mask_all.shape[-1]), a.resolved_aggregation)
+    grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
+
+    def micro(carry, mb):
+      g_acc, loss_acc, s_acc = carry
+      (loss, sums), g = grad_fn(state.params, state, mb, denom)
+      g_acc = jax.tree.map(jnp.add, g_acc, g)
+      s_acc = {k: (jnp.maximum(s_acc[k], v) if k.endswith("_max") else s_acc[k] + v) for k, v in sums.items()}
+      return (g_acc, loss_acc + loss, s_acc), None
+
+    zeros_g = jax.tree.map(jnp.zeros_like, state.params)
+    mb0 = jax.tree.map(lambda x: x[0], batch)
+    s_shape = jax.eval_shape(lambda: self._micro_loss(state.params, state, mb0, denom)[1])
+    s0 = {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0.0, v.dtype) for k, v in s_shape.items()}
+    (grads, loss, sums), _ = jax.lax.scan(micro, (zeros_g, jnp.zeros((), jnp.float32), s0), batch)
+    return grads, loss, sums
+
+  def _train_step(self, state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
+    self.num_traces += 1
+    del rng  # the objective is deterministic; kept in the signature for dropout-style extensions
+    mask_all = _next(batch["loss_mask"]).astype(jnp.float32)  # [M, b, T]
+    t = mask_all.shape[-1]
+    n_tokens = jnp.maximum(mask_all.sum(), 1.0)
+    grads, loss, sums = self._accumulate(state, batch)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt = self.tx.update(grads, state.opt_state, state.params)
+    new_params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), state.params, updates)
+    # A non-finite step leaves the state as it was; the runtime counts `nonfinite` and stops.
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = state.replace(step=state.step + finite.astype(jnp.int32), params=keep(new_params, state.params),
+                              opt_state=keep(new_opt, state.opt_state))
+
+    metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.float32),
+               "learning_rate": jnp.asarray(self.schedule(state.step), jnp.float32), "num_tokens": n_tokens,
+               "pg_loss": sums.pop("pg_loss")}
+    for k, v in sums.items():
+      metrics[k] = v if k.endswith("_max") else v / n_tokens
+    if "is_weight" in metrics:
+      metrics["is_ess"] = jnp.square(metrics["is_weight"]) / jnp.maximum(metrics.pop("is_weight_sq"), 1e-12)
+    versions = _next(batch["versions"], -1)
+    metrics.update(is_correction.version_lag_stats(versions.reshape(-1, t), mask_all.reshape(-1, t), state.step))
+    adv = batch["advantages"].reshape(-1)
+    rows = mask_all.reshape(-1, t).sum(-1) > 0
+    metrics["advantage_abs_mean"] = jnp.where(rows, jnp.abs(adv), 0.0).sum() / jnp.maximum(rows.sum(), 1)
+    return new_state, metrics
+
+  def _token_logprobs(self, state: TrainState, batch):
+    """log pi(token t) aligned with `tokens` (0 at t = 0), [M, b, T]: the proximal logprobs."""
+    def one(mb_tokens):
+      logp, _ = self._policy_logprobs(state.params, state.frozen, mb_tokens, False)
+      return jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp[:, :-1]], axis=-1)
+    return jax.lax.map(one, batch["tokens"])
+
+  # ------------------------------------------------------------------ public
+
+  def train_step(self, state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
+    """(state, batch, rng) -> (state, metrics). `state` is donated: do not reuse it afterwards.
+
+    Metrics stay on device; `jax.device_get` them only when logging.
+    """
+    return self._step(state, batch, rng)
+
+  def loss_and_grads(self, state: TrainState, batch: dict[str, jax.Array]):
+    """(loss, gradients w.r.t. the trainable params) of a placed batch, without an update."""
+    grads, loss = self._grads(state, batch)
+    return loss, grads
+
+  def token_logprobs(self, state: TrainState, batch: dict[str, jax.Array]) -> jax.Array:
+    """Per-token logprobs of the current policy (set as batch['proximal_logprobs'] before taking
+    several updates on one batch, the decoupled objective's proximal policy)."""
+    return self._logprobs(state, batch)
+

@@ -1,0 +1,61 @@
+"""Tiny random Hugging Face checkpoints written by transformers itself (tests, benchmarks, notebooks).
+
+Needs torch and transformers (test-only dependencies), imported lazily.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from tunixlike.models.config import ARCHITECTURES, ModelConfig, RopeScaling
+
+TINY_SIZES = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                  intermediate_size=128)
+
+
+def tiny_hf_config(arch: str = "qwen2", tie_embeddings: bool = True, llama3_rope: bool | None = None,
+                   **sizes) -> ModelConfig:
+  """The ModelConfig of a tiny checkpoint of `arch` (llama / qwen2 / qwen3)."""
+  if arch not in ARCHITECTURES:
+    raise ValueError(f"arch={arch!r}, expected one of {sorted(ARCHITECTURES)}")
+  kw = dict(TINY_SIZES, max_position_embeddings=128, rope_theta=10_000.0, rms_norm_eps=1e-6,
+            qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", tie_embeddings=tie_embeddings)
+  if llama3_rope if llama3_rope is not None else arch == "llama":
+    # original context 32 with head_dim 16 puts RoPE frequencies in all three llama3 bands.
+    kw["rope_scaling"] = RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=32)
+  kw.update(sizes)
+  return ModelConfig(**kw)
+
+
+def write_random_hf_checkpoint(path, arch: str = "qwen2", tie_embeddings: bool = True, *, seed: int = 0,
+                               std: float = 0.1, max_shard_size: str | None = None,
+                               llama3_rope: bool | None = None, **sizes) -> pathlib.Path:
+  """Writes a random `arch` checkpoint with transformers' own save_pretrained; returns the directory.
+
+  Every tensor is random, including biases and norm weights (1 + noise), so a parity test
+  catches a missing bias or norm; std is large enough that logits are O(1), not all near zero.
+  max_shard_size (e.g. '20KB') writes a sharded model.safetensors.index.json checkpoint.
+  """
+  try:
+    import torch
+    import transformers
+  except ImportError as e:
+    raise ImportError("write_random_hf_checkpoint needs torch and transformers "
+                      "(pip install -e '.[test]')") from e
+  cfg = tiny_hf_config(arch, tie_embeddings, llama3_rope, **sizes)
+  hf = cfg.to_hf_config(arch)
+  hf.pop("architectures")
+  hf_config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(1.0 + 0.2 * torch.randn_like(p))
+      else:
+        p.normal_(0.0, std)
+  root = pathlib.Path(path)
+  kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+  model.save_pretrained(str(root), **kwargs)
+  return root

@@ -1,0 +1,167 @@
+"""Sampler and learner side by side: the async RL loop.
+
+    driver thread (sampler submesh)    reward pool (threads)        main thread (learner submesh)
+    admit -> prefill/insert/generate -> score group -> queue.put -> get_batch -> train step
+          ^                                                                         |
+          +------------- update_params(version) <- device_put weight sync ----------+
+
+The learner never waits for more than the staleness bound requires (admission control in
+`RolloutQueue`), and the sampler keeps decoding while the learner trains. `max_staleness=0` is the
+synchronous baseline: the same code, one batch in flight. An error in any thread stops everything
+and is re-raised in the main thread with its original traceback; every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import threading
+import time
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from tunixlike.rl.queue import RolloutQueue
+from tunixlike.rollout import RolloutGroup
+
+
+class Learner(Protocol):
+  version: int
+
+  def train(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
+    """One optimizer step on `groups`; returns host metrics (incl. `loss`, `skipped`)."""
+
+  def sampler_weights(self) -> tuple[Any, float]:
+    """(params on the sampler shardings, milliseconds the sync took)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+  num_steps: int
+  prompts_per_step: int
+  max_staleness: int = 1
+  sync_mode: str = "soft_pause"  # soft_pause: swap between decode steps | drain: finish in-flight first
+  reward_workers: int = 4
+  max_nonfinite_steps: int = 3
+  wait_timeout_s: float = 300.0
+  dynamic_sampling: bool = False  # DAPO: drop groups whose rewards have no variance, refill
+
+  def __post_init__(self):
+    if self.sync_mode not in ("soft_pause", "drain"):
+      raise ValueError(f"rl.sync_mode={self.sync_mode!r}: must be soft_pause or drain")
+    if self.num_steps < 0 or self.prompts_per_step < 1 or self.max_staleness < 0:
+      raise ValueError(f"bad RuntimeConfig {self}")
+
+
+class NonFiniteLoss(FloatingPointError):
+  pass
+
+
+def _has_variance(group: RolloutGroup) -> bool:
+  return float(np.ptp(group.rewards)) > 1e-6
+
+
+class AsyncRuntime:
+  """Runs `num_steps` learner steps from `start_version`, with the driver in its own thread."""
+
+  def __init__(self, cfg: RuntimeConfig, *, driver_factory: Callable[..., Any], learner: Learner,
+               score: Callable[[RolloutGroup], None], log: Callable[[int, dict], None] = lambda s, m: None,
+               on_step: Callable[[int], None] = lambda step: None):
+    """`driver_factory(sink, may_start_group)` builds the RolloutDriver (not started).
+
+    `score(group)` fills `group.rewards` (runs in the reward pool); `log(step, metrics)` is called
+    once per learner step; `on_step(version)` after every weight sync (checkpoint hooks).
+    """
+    self.cfg, self.learner, self._score, self._log, self._on_step = cfg, learner, score, log, on_step
+    self.stop_event = threading.Event()
+    self.queue = RolloutQueue(cfg.prompts_per_step, cfg.max_staleness, self.stop_event)
+    self._errors: list[BaseException] = []
+    self._pool = concurrent.futures.ThreadPoolExecutor(cfg.reward_workers, thread_name_prefix="reward")
+    self.driver = driver_factory(sink=self._on_group,
+                                 may_start_group=lambda: self.queue.try_admit(self.driver.version))
+    self.learner_busy_s = 0.0
+    self.sync_ms: list[float] = []
+
+  # ---- sampler side (driver thread, reward pool) ----------------------------------------------
+  def _on_group(self, group: RolloutGroup):
+    self._pool.submit(self._score_and_enqueue, group)
+
+  def _score_and_enqueue(self, group: RolloutGroup):
+    try:
+      self._score(group)
+      self.queue.put(group)
+    except BaseException as e:  # a scoring crash (not a failing reward fn: those score 0) stops the run
+      self._fail(e)
+
+  def _fail(self, e: BaseException):
+    self._errors.append(e)
+    self.stop_event.set()
+
+  def _check(self):
+    self.driver.check()
+    if self._errors:
+      raise self._errors[0]
+
+  # ---- learner side (main thread) -------------------------------------------------------------
+  def run(self) -> dict[str, float]:
+    cfg = self.cfg
+    keep = _has_variance if cfg.dynamic_sampling else None
+    start_version = self.learner.version
+    t_start = time.monotonic()
+    tokens_before = self.driver.stats.tokens_generated
+    busy_before = self.driver.stats.busy_time_s
+    nonfinite_in_a_row = 0
+    last: dict[str, float] = {}
+    self.driver.start()
+    try:
+      for _ in range(cfg.num_steps):
+        self._check()
+        t0 = time.monotonic()
+        groups = self.queue.get_batch(self.learner.version, cfg.wait_timeout_s, keep=keep)
+        self._check()
+        wait_s = time.monotonic() - t0
+        # Deterministic batch order (start order), whatever order the reward pool finished in.
+        groups.sort(key=lambda g: g.columns.get("stream_index", 0))
+        version = self.learner.version
+        t1 = time.monotonic()
+        metrics = self.learner.train(groups)
+        train_s = time.monotonic() - t1
+        self.learner_busy_s += train_s
+        if not math.isfinite(float(metrics.get("loss", 0.0))) or metrics.get("skipped", 0):
+          nonfinite_in_a_row += 1
+          if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
+            raise NonFiniteLoss(f"non-finite loss at step {version} ({nonfinite_in_a_row} in a row; "
+                                "rl.max_nonfinite_steps): lower optim.learning_rate or check the data")
+        else:
+          nonfinite_in_a_row = 0
+        params, sync_ms = self.learner.sampler_weights()
+        self.sync_ms.append(sync_ms)
+        self.driver.update_params(params, self.learner.version, drain=cfg.sync_mode == "drain")
+        wall = time.monotonic() - t_start
+        stats = self.driver.stats
+        lags = np.array([version - g.min_version for g in groups])
+        rewards = np.concatenate([g.rewards for g in groups])
+        metrics.update({
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+            "staleness/min": int(lags.min()), "staleness/mean": float(lags.mean()),
+            "staleness/max": int(lags.max()), "learner/step_s": train_s, "learner/wait_s": wait_s,
+            "learner/busy_frac": self.learner_busy_s / wall,
+            "sampler/busy_frac": (stats.busy_time_s - busy_before) / wall,
+            "sampler/tokens_per_s": (stats.tokens_generated - tokens_before) / wall,
+            "sampler/slot_occupancy": stats.slot_occupancy, "sync/ms": sync_ms,
+            "nonfinite_in_a_row": nonfinite_in_a_row, **self.queue.stats(),
+        })
+        for name in sorted({k for g in groups for k in g.reward_metrics}):
+          values = [g.reward_metrics[name] for g in groups if name in g.reward_metrics]
+          metrics[name] = float(np.mean(values)) if "failures" not in name else float(np.sum(values))
+        self._log(version, metrics)
+        self._on_step(self.learner.version)
+        last = metrics
+    finally:
+      self.stop_event.set()
+      self.driver.stop(timeout_s=cfg.wait_timeout_s)
+      self._pool.shutdown(wait=False, cancel_futures=True)
+    self._check()
+    wall = time.monotonic() - t_start
+    return {**last, "wall_s": wall, "steps": cfg.num_steps}

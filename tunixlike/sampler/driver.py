@@ -1,0 +1,389 @@
+"""The rollout driver: keeps every decode slot busy and emits finished GRPO groups.
+
+A loop over the engine: refill free slots from the prompt source (G slots per prompt, one shared
+prefill), generate `steps_per_call` tokens, collect the tokens per slot, end a completion at an EOS
+id, a stop string or its length limit, refill the slot at once, and hand a `RolloutGroup` to the
+sink the moment its last completion ends.
+
+It runs in its own thread beside the learner (`start` / `stop`) and takes, from other threads:
+  * `update_params(params, version)`: soft pause, the swap happens between two generate calls;
+    in-flight sequences keep their tokens and every token records the version that produced it;
+    `drain=True` instead finishes in-flight sequences first, then swaps and resumes;
+  * `set_draining(True)`: start nothing new (in-flight groups finish); `is_idle` tells when done;
+  * `may_start_group()`: admission control (staleness bound), asked before each new group.
+Every wait is bounded; an error in the loop is kept and re-raised by `join` / `check`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import jax
+import numpy as np
+
+from tunixlike.rollout import Completion, RolloutGroup
+from tunixlike.sampler.engine import Engine, PromptError
+
+
+@dataclasses.dataclass
+class PromptRequest:
+  """One prompt to sample G completions of."""
+
+  prompt_id: Any
+  token_ids: np.ndarray  # int [P]
+  columns: dict[str, Any] = dataclasses.field(default_factory=dict)
+  prompt_text: str | None = None
+  max_new_tokens: int | None = None  # None = sampler.max_new_tokens
+
+
+@dataclasses.dataclass
+class _Group:
+  seq: int  # start order: seeds the group's sampling noise
+  request: PromptRequest
+  prompt_ids: np.ndarray  # after truncation
+  completions: list[Completion | None]
+  started: int = 0  # samples inserted so far
+
+
+@dataclasses.dataclass
+class _Slot:
+  group: _Group
+  index: int  # sample index within the group
+  max_new: int
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+  masks: list[np.ndarray] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class DriverStats:
+  tokens_generated: int = 0  # tokens kept in completions
+  tokens_discarded: int = 0  # decoded past a stop string within one call
+  live_slot_steps: int = 0  # sum over decode steps of slots holding a live sequence
+  total_slot_steps: int = 0  # decode steps x slots
+  generate_calls: int = 0
+  prefills: int = 0
+  completions: int = 0
+  groups_emitted: int = 0
+  truncated_prompts: int = 0
+  param_swaps: int = 0
+  busy_time_s: float = 0.0  # time in prefill / insert / generate (incl. fetching results)
+
+  @property
+  def slot_occupancy(self) -> float:
+    return self.live_slot_steps / self.total_slot_steps if self.total_slot_steps else 0.0
+
+  def as_dict(self) -> dict[str, float]:
+    d = dataclasses.asdict(self)
+    d["slot_occupancy"] = self.slot_occupancy
+    return d
+
+
+class DriverError(RuntimeError):
+  pass
+
+
+@jax.jit
+def _sample_key(base, group_seq, sample_index):
+  """Noise key of one completion: depends on its group's start order and index, not on its slot."""
+  return jax.random.fold_in(jax.random.fold_in(base, group_seq), sample_index)
+
+
+class RolloutDriver:
+  """Continuous batching over an `Engine`; see the module docstring."""
+
+  def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None],
+               sink: Callable[[RolloutGroup], None] | Any, version: int = 0,
+               may_start_group: Callable[[], bool] | None = None,
+               detokenize: Callable[[Sequence[int]], str] | None = None,
+               static_batching: bool = False):
+    """`source` yields PromptRequests (None = nothing available yet, try later; exhaustion ends it).
+
+    `sink` is a callable or a queue with put(item, timeout). `static_batching=True` waits for all
+    slots to empty before refilling (the baseline continuous batching is measured against).
+    """
+    cfg = engine.config
+    if cfg.stop_strings and detokenize is None:
+      raise ValueError(f"sampler.stop_strings={cfg.stop_strings} needs a detokenize function")
+    self.engine, self.config = engine, cfg
+    self._params, self._version = params, int(version)
+    self._source: Iterator = iter(source)
+    self._sink = sink
+    self._may_start = may_start_group or (lambda: True)
+    self._detokenize = detokenize
+    self._static = static_batching
+    self._state = engine.init_decode_state(self._version)
+    self._slots: list[_Slot | None] = [None] * engine.max_concurrent_decodes
+    self._pending_group: _Group | None = None  # admitted, not all samples inserted yet
+    self._pending_prefix = None
+    self._in_flight: dict[int, _Group] = {}
+    self._next_seq = 0
+    self._exhausted = False
+    self._base_key = jax.random.PRNGKey(cfg.seed)
+    self._lock = threading.Lock()
+    self._next_params: tuple[Any, int, bool] | None = None
+    self._draining = False
+    self._stop_event = threading.Event()
+    self._thread: threading.Thread | None = None
+    self._error: BaseException | None = None
+    self.stats = DriverStats()
+
+  # ------------------------------------------------------------------ control (any thread)
+
+  def update_params(self, params, version: int, *, drain: bool = False) -> None:
+    """Swaps weights before the next generate call (drain=True: once in-flight work finished)."""
+    with self._lock:
+      self._next_params = (params, int(version), bool(drain))
+
+  def set_draining(self, draining: bool) -> None:
+    """Draining: no new group starts; groups already started finish."""
+    with self._lock:
+      self._draining = bool(draining)
+
+  @property
+  def version(self) -> int:
+    return self._version
+
+  @property
+  def is_idle(self) -> bool:
+    """No sequence decoding and no admitted group waiting for slots."""
+    return self._pending_group is None and all(s is None for s in self._slots)
+
+  @property
+  def exhausted(self) -> bool:
+    return self._exhausted
+
+  def unfinished_requests(self) -> list[PromptRequest]:
+    """Requests admitted but not emitted (to re-queue on resume after `stop`)."""
+    return [g.request for g in sorted(self._in_flight.values(), key=lambda g: g.seq)]
+
+  # ------------------------------------------------------------------ thread
+
+  def start(self) -> None:
+    if self._thread is not None:
+      raise DriverError("RolloutDriver.start called twice")
+    self._thread = threading.Thread(target=self._thread_main, name="rollout-driver", daemon=True)
+    self._thread.start()
+
+  def stop(self, timeout_s: float = 60.0) -> None:
+    """Asks the loop to stop after its current step and waits for it (bounded)."""
+    self._stop_event.set()
+    self.join(timeout_s)
+
+  def join(self, timeout_s: float) -> None:
+    if self._thread is not None:
+      self._thread.join(timeout_s)
+      if self._thread.is_alive():
+        raise DriverError(f"rollout driver did not stop within {timeout_s} s")
+    self.check()
+
+  def check(self) -> None:
+    """Re-raises an error from the driver thread (call it from the supervising thread)."""
+    if self._error is not None:
+      raise DriverError(f"rollout driver failed: {self._error!r}") from self._error
+
+  @property
+  def running(self) -> bool:
+    return self._thread is not None and self._thread.is_alive()
+
+  def _thread_main(self) -> None:
+    try:
+      self.run()
+    except BaseException as e:  # handed to the supervisor via check()
+      self._error = e
+
+  def run(self, max_wall_s: float | None = None) -> DriverStats:
+    """Runs until the source is exhausted and every group is emitted, or `stop` is called."""
+    t_end = None if max_wall_s is None else time.monotonic() + max_wall_s
+    while not self._stop_event.is_set():
+      if t_end is not None and time.monotonic() > t_end:
+        raise DriverError(f"rollout driver exceeded max_wall_s={max_wall_s}")
+      if self.step():
+        continue
+      if self._exhausted and self.is_idle and self._next_params is None:
+        break
+      self._stop_event.wait(self.config.idle_wait_s)
+    return self.stats
+
+  # ------------------------------------------------------------------ one step
+
+  def step(self) -> bool:
+    """Swap params if asked, refill slots, run one generate call. Returns False if nothing ran."""
+    self._maybe_swap_params()
+    self._refill()
+    if not any(s is not None for s in self._slots):
+      return False
+    t0 = time.perf_counter()
+    self._state, result = self.engine.generate(self._params, self._state)
+    host = jax.device_get(result)
+    self.stats.busy_time_s += time.perf_counter() - t0
+    self.stats.generate_calls += 1
+    self._collect(host)
+    return True
+
+  def _maybe_swap_params(self) -> None:
+    with self._lock:
+      pending = self._next_params
+      if pending is None:
+        return
+      params, version, drain = pending
+      if drain and not self.is_idle:
+        return  # _refill starts nothing new while a drain swap waits
+      self._next_params = None
+    self._params, self._version = params, version
+    self._state = self.engine.set_version(self._state, version)
+    self.stats.param_swaps += 1
+
+  def _admission_closed(self) -> bool:
+    with self._lock:
+      return self._draining or (self._next_params is not None and self._next_params[2])
+
+  def _refill(self) -> None:
+    free = [i for i, s in enumerate(self._slots) if s is None]
+    if not free or (self._static and len(free) < len(self._slots)):
+      return
+    for slot in free:
+      group = self._pending_group or self._admit()
+      if group is None:
+        return
+      if self._pending_prefix is None or self._pending_prefix.version != self._version:
+        # A prefix is never reused across weight versions: recompute it with the current params.
+        t0 = time.perf_counter()
+        self._pending_prefix = self.engine.prefill(self._params, group.prompt_ids, version=self._version)
+        self.stats.busy_time_s += time.perf_counter() - t0
+        self.stats.prefills += 1
+      g = group.started
+      limit = group.request.max_new_tokens or self.config.max_new_tokens
+      t0 = time.perf_counter()
+      key = _sample_key(self._base_key, group.seq, g)
+      self._state = self.engine.insert(self._pending_prefix, self._state, slot, key=key,
+                                       max_new_tokens=limit)
+      self.stats.busy_time_s += time.perf_counter() - t0
+      self._slots[slot] = _Slot(group=group, index=g, max_new=limit)
+      group.started += 1
+      if group.started == self.config.group_size:
+        self._pending_group, self._pending_prefix = None, None
+
+  def _admit(self) -> _Group | None:
+    """Starts the next group if admission allows and the source has one."""
+    if self._exhausted or self._admission_closed() or not self._may_start():
+      return None
+    try:
+      request = next(self._source)
+    except StopIteration:
+      self._exhausted = True
+      return None
+    if request is None:
+      return None
+    ids = self._check_prompt(request)
+    group = _Group(seq=self._next_seq, request=request, prompt_ids=ids,
+                   completions=[None] * self.config.group_size)
+    self._next_seq += 1
+    self._in_flight[group.seq] = group
+    self._pending_group, self._pending_prefix = group, None
+    return group
+
+  def _check_prompt(self, request: PromptRequest) -> np.ndarray:
+    if not isinstance(request, PromptRequest):
+      raise TypeError(f"prompt source yielded {type(request).__name__}, expected PromptRequest")
+    ids = np.asarray(request.token_ids)
+    if ids.ndim != 1 or len(ids) == 0:
+      raise PromptError(f"prompt {request.prompt_id!r}: token_ids must be a non-empty 1-D sequence, "
+                        f"got shape {ids.shape}")
+    limit = self.engine.max_prefill_length
+    if len(ids) > limit:
+      if not self.config.truncate_long_prompts:
+        raise PromptError(f"prompt {request.prompt_id!r} has {len(ids)} tokens > sampler.max_prefill_length="
+                          f"{limit} (set sampler.truncate_long_prompts=True to keep its last {limit})")
+      ids = ids[-limit:]  # the end holds the question and the generation cue
+      self.stats.truncated_prompts += 1
+    m = request.max_new_tokens
+    if m is not None and not 1 <= m <= self.config.max_new_tokens:
+      raise PromptError(f"prompt {request.prompt_id!r}: max_new_tokens={m} outside [1, "
+                        f"sampler.max_new_tokens={self.config.max_new_tokens}]")
+    return ids
+
+  # ------------------------------------------------------------------ results
+
+  def _collect(self, host) -> None:
+    tokens_ks, logprobs_ks, valid_ks = host.tokens_ks, host.logprobs_ks, host.valid_ks
+    version = int(host.version)
+    eos = set(self.config.eos_ids)
+    k_steps, n_slots = tokens_ks.shape
+    self.stats.total_slot_steps += k_steps * n_slots
+    self.stats.live_slot_steps += int(valid_ks.sum())
+    for s, info in enumerate(self._slots):
+      if info is None:
+        continue
+      finish = None
+      for k in np.flatnonzero(valid_ks[:, s]):
+        if finish is not None:  # decoded past a host-side stop string in this call
+          self.stats.tokens_discarded += 1
+          continue
+        token = int(tokens_ks[k, s])
+        info.tokens.append(token)
+        info.logprobs.append(float(logprobs_ks[k, s]))
+        info.versions.append(version)
+        if host.mask_ksw is not None:
+          info.masks.append(host.mask_ksw[k, s])
+        if token in eos:
+          finish = "eos"
+        elif self._hit_stop_string(info.tokens):
+          finish = "stop"
+        elif len(info.tokens) >= info.max_new:
+          finish = "length"
+      if finish is None:
+        if host.done_s[s]:
+          raise DriverError(f"slot {s}: device reports done after {len(info.tokens)} tokens, host saw no stop")
+        continue
+      if finish == "stop" and not host.done_s[s]:
+        self._state = self.engine.release(self._state, s)
+      self._finish(s, info, finish)
+    self._state = self.engine.mark_finished(self._state, host.done_s)
+
+  def _hit_stop_string(self, tokens: list[int]) -> bool:
+    if not self.config.stop_strings:
+      return False
+    text = self._detokenize(tokens)
+    return any(stop in text for stop in self.config.stop_strings)
+
+  def _finish(self, slot: int, info: _Slot, reason: str) -> None:
+    n = len(info.tokens)
+    completion = Completion(
+        token_ids=np.asarray(info.tokens, np.int32),
+        logprobs=np.asarray(info.logprobs, np.float32),
+        policy_versions=np.asarray(info.versions, np.int32),
+        finish_reason=reason,
+        loss_mask=np.ones((n,), np.int32),
+        sampling_mask=np.stack(info.masks) if info.masks else None,
+        text=self._detokenize(info.tokens) if self._detokenize else None)
+    self._slots[slot] = None
+    self.stats.tokens_generated += n
+    self.stats.completions += 1
+    group = info.group
+    group.completions[info.index] = completion
+    if all(c is not None for c in group.completions):
+      del self._in_flight[group.seq]
+      req = group.request
+      self._emit(RolloutGroup(prompt_id=req.prompt_id, prompt_token_ids=group.prompt_ids.astype(np.int32),
+                              completions=list(group.completions), columns=dict(req.columns),
+                              prompt_text=req.prompt_text))
+
+  def _emit(self, group: RolloutGroup) -> None:
+    self.stats.groups_emitted += 1
+    put = getattr(self._sink, "put", None)
+    if put is None:
+      self._sink(group)
+      return
+    import queue
+    while True:  # a bounded queue applies back-pressure; keep checking for stop
+      try:
+        put(group, timeout=max(self.config.idle_wait_s, 0.05))
+        return
+      except queue.Full:
+        if self._stop_event.is_set():
+          raise DriverError(f"stopped while the rollout queue was full (group {group.prompt_id!r} lost)")
