@@ -27,6 +27,9 @@ import jax.numpy as jnp
 IS_MODES = ("none", "tis", "mis")
 IS_LEVELS = ("token", "sequence")
 
+# Keys of the per-token stats `importance_weights` returns.
+STAT_KEYS = ("is_weight", "is_weight_sq", "is_raw_weight_max", "is_clipped_frac", "is_masked_frac", "mismatch_kl")
+
 # A sequence-level log weight sums many token log-ratios; clip before exp to stay finite.
 MAX_LOG_WEIGHT = 20.0
 

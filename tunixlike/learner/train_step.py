@@ -184,7 +184,15 @@ class Learner:
         sums[k] = jnp.where(mask > 0, v, -jnp.inf).max()
       else:
         sums[k] = (v * mask).sum()
+    assert set(sums) == set(self._stat_keys()), (sorted(sums), self._stat_keys())
     return loss, sums
+
+  def _stat_keys(self) -> tuple[str, ...]:
+    """The scalar sums `_micro_loss` returns (static, so the scan carry needs no extra trace)."""
+    a = self.cfg.algo
+    keys = ("pg_loss", "clip_frac", "entropy")
+    keys += is_correction.STAT_KEYS if a.decoupled else ("mismatch_kl",)
+    return keys + (("kl",) if a.kl_coef > 0 else ())
 
   def _accumulate(self, state: TrainState, batch):
     """Summed gradients, loss and metric sums over the micro-batches (leading axis M)."""
@@ -201,9 +209,7 @@ class Learner:
       return (g_acc, loss_acc + loss, s_acc), None
 
     zeros_g = jax.tree.map(jnp.zeros_like, state.params)
-    mb0 = jax.tree.map(lambda x: x[0], batch)
-    s_shape = jax.eval_shape(lambda: self._micro_loss(state.params, state, mb0, denom)[1])
-    s0 = {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0.0, v.dtype) for k, v in s_shape.items()}
+    s0 = {k: jnp.float32(-jnp.inf if k.endswith("_max") else 0.0) for k in self._stat_keys()}
     (grads, loss, sums), _ = jax.lax.scan(micro, (zeros_g, jnp.zeros((), jnp.float32), s0), batch)
     return grads, loss, sums
 

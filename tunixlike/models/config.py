@@ -3,7 +3,10 @@
 Supported families (all share one implementation in transformer.py):
   llama  (Llama 3.x, incl. llama3 RoPE scaling; no attention/MLP bias),
   qwen2  (Qwen2 / Qwen2.5: bias on q/k/v projections, tied or untied embeddings),
-  qwen3  (Qwen3 dense: RMSNorm on q and k per head, no bias).
+  qwen3  (Qwen3 dense: RMSNorm on q and k per head, no bias),
+  qwen3_moe (Qwen3-MoE: qwen3 attention, every MLP a top-k mixture of experts; moe.py),
+  mixtral (Mixtral: llama attention, top-k MoE with renormalised gate weights).
+`num_experts=0` (the default) is a dense model; `num_experts>0` makes every layer's MLP an MoE.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import math
 from typing import Any
 
 _DTYPES = ("float32", "bfloat16", "float16")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +63,12 @@ class ModelConfig:
   init_std: float = 0.02  # stddev of the normal init of every kernel and embedding
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
+  # Mixture of experts (moe.py). num_experts=0: dense MLP (every field below is ignored).
+  num_experts: int = 0
+  num_experts_per_tok: int = 0  # k of the top-k routing
+  moe_intermediate_size: int = 0  # hidden width of each expert's SwiGLU MLP
+  norm_topk_prob: bool = True  # renormalise the k gate weights to sum to 1 (Mixtral always does)
+  router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss; the learner applies it
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -81,6 +92,28 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r} must be a RopeScaling or None")
     if not isinstance(self.eos_token_ids, tuple):
       raise ValueError(f"ModelConfig.eos_token_ids={self.eos_token_ids!r} must be a tuple of ints")
+    self._check_moe()
+
+  def _check_moe(self):
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"ModelConfig.{name}={value!r} must be a non-negative int")
+    if not (isinstance(self.router_aux_loss_coef, (int, float)) and math.isfinite(self.router_aux_loss_coef)
+            and self.router_aux_loss_coef >= 0):
+      raise ValueError(f"ModelConfig.router_aux_loss_coef={self.router_aux_loss_coef!r} must be finite and >= 0")
+    if self.num_experts == 0:
+      return
+    if not 0 < self.num_experts_per_tok <= self.num_experts:
+      raise ValueError(f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok!r} must be in "
+                       f"[1, num_experts={self.num_experts}]")
+    if self.moe_intermediate_size <= 0:
+      raise ValueError(f"ModelConfig.moe_intermediate_size={self.moe_intermediate_size!r} must be > 0 "
+                       f"when num_experts={self.num_experts}")
+
+  @property
+  def is_moe(self) -> bool:
+    return self.num_experts > 0
 
   def replace(self, **changes) -> ModelConfig:
     return dataclasses.replace(self, **changes)
@@ -88,6 +121,15 @@ class ModelConfig:
   @property
   def arch(self) -> str:
     """The Hugging Face family this config corresponds to."""
+    if self.is_moe:
+      if self.qkv_bias:
+        raise ValueError("ModelConfig with num_experts>0 and qkv_bias matches no supported HF architecture")
+      if self.qk_norm:
+        return "qwen3_moe"
+      if not self.norm_topk_prob:
+        raise ValueError("ModelConfig with num_experts>0, no qk_norm and norm_topk_prob=False matches no "
+                         "supported HF architecture (Mixtral always renormalises the top-k gate weights)")
+      return "mixtral"
     if self.qk_norm:
       if self.qkv_bias:
         raise ValueError("ModelConfig with both qk_norm and qkv_bias matches no supported HF architecture")
@@ -118,6 +160,7 @@ class ModelConfig:
       raise ValueError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
     if hf.get("mlp_bias"):
       raise ValueError(f"{source}: mlp_bias=true is not supported")
+    moe = _moe_from_hf(hf, model_type, source)
     if model_type != "qwen2" and hf.get("attention_bias"):
       raise ValueError(f"{source}: attention_bias=true is not supported for {model_type}")
     if hf.get("use_sliding_window"):
@@ -152,11 +195,11 @@ class ModelConfig:
         num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=hf.get("head_dim") or hidden // num_heads, intermediate_size=need("intermediate_size"),
         rope_theta=float(theta), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", model_type != "llama")),
+        qkv_bias=model_type == "qwen2", qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", model_type in ("qwen2", "qwen3"))),
         rope_scaling=rope_scaling, max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         init_std=float(hf.get("initializer_range", 0.02)), bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=eos_ids)
+        eos_token_ids=eos_ids, **moe)
     kwargs.update(overrides)
     try:
       return cls(**kwargs)
@@ -170,7 +213,7 @@ class ModelConfig:
       raise ValueError(f"to_hf_config: arch={arch!r}, expected one of {sorted(ARCHITECTURES)}")
     if arch != self.arch:
       raise ValueError(f"to_hf_config: arch={arch!r} but the config (qkv_bias={self.qkv_bias}, "
-                       f"qk_norm={self.qk_norm}) is a {self.arch!r} model")
+                       f"qk_norm={self.qk_norm}, num_experts={self.num_experts}) is a {self.arch!r} model")
     rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
     if self.rope_scaling is not None:
       rope.update(rope_type="llama3", **dataclasses.asdict(self.rope_scaling))
@@ -187,9 +230,39 @@ class ModelConfig:
     }
     if arch == "llama":
       out.update(attention_bias=False, mlp_bias=False)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
       out["attention_bias"] = False
+    if arch == "qwen3_moe":
+      out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                 moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                 router_aux_loss_coef=self.router_aux_loss_coef, decoder_sparse_step=1, mlp_only_layers=[],
+                 use_sliding_window=False)
+    if arch == "mixtral":  # Mixtral's experts use intermediate_size; it has no dense MLP width
+      out.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                 intermediate_size=self.moe_intermediate_size, router_aux_loss_coef=self.router_aux_loss_coef,
+                 sliding_window=None, router_jitter_noise=0.0)
     return out
+
+
+def _moe_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
+  """The ModelConfig MoE fields of a qwen3_moe / mixtral config.json (empty for dense families)."""
+  if model_type == "qwen3_moe":
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+      raise ValueError(f"{source}: decoder_sparse_step={hf.get('decoder_sparse_step')!r} / mlp_only_layers="
+                       f"{hf.get('mlp_only_layers')!r} are not supported (only every layer an MoE)")
+    # Hub configs say num_experts; transformers 5.x writes its attribute_map alias num_local_experts.
+    return dict(num_experts=hf.get("num_experts", hf.get("num_local_experts", 0)), num_experts_per_tok=hf.get("num_experts_per_tok", 0),
+                moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+  if model_type == "mixtral":
+    if hf.get("sliding_window") is not None:
+      raise ValueError(f"{source}: sliding_window={hf['sliding_window']!r} is not supported (only null)")
+    # router_jitter_noise only perturbs training-mode forwards in transformers; it has no inference meaning.
+    return dict(num_experts=hf.get("num_local_experts", 0), num_experts_per_tok=hf.get("num_experts_per_tok", 0),
+                moe_intermediate_size=hf.get("intermediate_size", 0), norm_topk_prob=True,
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+  return {}
 
 
 # ------------------------------------------------------------------ presets
@@ -228,5 +301,21 @@ def llama3_2_1b(**overrides) -> ModelConfig:
   return ModelConfig(**kw)
 
 
-PRESETS = {"tiny": tiny_config, "qwen2.5-0.5b": qwen2_5_0_5b, "qwen3-0.6b": qwen3_0_6b,
+def tiny_moe_config(**overrides) -> ModelConfig:
+  """tiny_config with a Qwen3-MoE MLP: 8 experts, top-2, expert width 32."""
+  kw = dict(qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+  kw.update(overrides)
+  return tiny_config(**kw)
+
+
+def qwen3_30b_a3b(**overrides) -> ModelConfig:
+  kw = dict(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+            intermediate_size=6144, rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True, tie_embeddings=False,
+            max_position_embeddings=40960, eos_token_ids=(151645, 151643), num_experts=128,
+            num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
+  kw.update(overrides)
+  return ModelConfig(**kw)
+
+
+PRESETS = {"tiny": tiny_config, "tiny-moe": tiny_moe_config, "qwen3-30b-a3b": qwen3_30b_a3b, "qwen2.5-0.5b": qwen2_5_0_5b, "qwen3-0.6b": qwen3_0_6b,
            "llama3.2-1b": llama3_2_1b}

@@ -1,5 +1,9 @@
 """Hugging Face checkpoint import / export (local directories; safetensors only).
 
+MoE expert weights are one stacked [X, in, out] array per projection here and one tensor per
+expert on disk (the Hub layout that transformers 5.x also writes: `mlp.experts.{e}.gate_proj.weight`
+for Qwen3-MoE, `block_sparse_moe.experts.{e}.w1.weight` for Mixtral); the mapping is in hf_sources.
+
 from_pretrained reads config.json plus model.safetensors or a sharded model.safetensors.index.json.
 With a mesh, each tensor is placed directly with its target sharding: every device reads only its
 own slice from the (memory-mapped) file, so the model is never whole on one device. Any mismatch
@@ -9,6 +13,7 @@ raises an error naming the file, tensor or field; nothing is ever partially load
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 from typing import Any
@@ -38,6 +43,25 @@ def hf_name(path: tuple) -> tuple[str, bool]:
   leaf = {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
   name = ".".join(mods + [leaf])
   return (name if mods and mods[0] == "lm_head" else "model." + name), transpose
+
+
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def hf_sources(path: tuple, cfg: ModelConfig) -> tuple[list[str], bool, bool]:
+  """Our parameter path -> (HF tensor names, transposed, stacked).
+
+  Expert stacks [X, in, out] (stacked=True) map to X names, one [out, in] tensor per expert.
+  """
+  parts = [str(p) for p in path]
+  if cfg.is_moe and cfg.arch == "mixtral":
+    parts = ["block_sparse_moe" if p == "mlp" else p for p in parts]
+  if len(parts) >= 2 and parts[-2] == "experts":
+    mods = ".".join("self_attn" if p == "attn" else p for p in parts[:-1])
+    leaf = _MIXTRAL_EXPERT[parts[-1]] if cfg.arch == "mixtral" else parts[-1]
+    return [f"model.{mods}.{e}.{leaf}.weight" for e in range(cfg.num_experts)], True, True
+  name, transpose = hf_name(tuple(parts))
+  return [name], transpose, False
 
 
 def _read_json(file: pathlib.Path) -> Any:
@@ -92,7 +116,7 @@ def _load_config(root: pathlib.Path, dtype) -> ModelConfig:
 
 
 def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, rules=None, dtype=None) -> Transformer:
-  """Loads a local HF Llama 3.x / Qwen2 / Qwen3 directory.
+  """Loads a local HF Llama 3.x / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral directory.
 
   dtype: parameter and compute dtype (e.g. 'bfloat16'); default float32 whatever the file holds.
   mesh/rules: place every parameter with `state_shardings(model, mesh, rules)` (rules=None replicates).
@@ -108,10 +132,11 @@ def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, rules=None, dty
     check_mesh(mesh)
     shardings = dict(nnx.to_flat_state(sharding_lib.state_shardings(abstract, mesh, rules or ())))
 
-  wanted = {}
+  params, wanted = [], set()
   for p, var in nnx.to_flat_state(abstract):
-    name, transpose = hf_name(p)
-    wanted[name] = (p, var, transpose)
+    names, transpose, stacked = hf_sources(p, cfg)
+    params.append((p, var, names, transpose, stacked))
+    wanted.update(names)
   missing = sorted(set(wanted) - set(files))
   if missing:
     raise CheckpointError(f"{root}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} "
@@ -122,38 +147,54 @@ def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, rules=None, dty
                           f" in {files[unexpected[0]].name}; config.json does not describe this checkpoint")
 
   from safetensors import SafetensorError, safe_open
-  by_file: dict[pathlib.Path, list[str]] = {}
-  for name in wanted:
-    by_file.setdefault(files[name], []).append(name)
   flat = []
-  for file, names in sorted(by_file.items()):
-    try:
-      with safe_open(str(file), framework="numpy") as f:
-        present = set(f.keys())
-        for name in names:
-          if name not in present:
-            raise CheckpointError(f"{file}: tensor {name!r} listed in {INDEX_FILE} is not in the file")
-          p, var, transpose = wanted[name]
-          value = var.get_value()
-          sharding = shardings[p].get_value() if mesh is not None else None
-          flat.append((p, var.replace(_place(f.get_slice(name), name, file, value, transpose, sharding))))
-    except SafetensorError as e:
-      raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
+  with contextlib.ExitStack() as stack:
+    opened: dict[pathlib.Path, tuple[Any, set[str]]] = {}
+
+    def get_slice(name):
+      file = files[name]
+      try:
+        if file not in opened:
+          handle = stack.enter_context(safe_open(str(file), framework="numpy"))
+          opened[file] = handle, set(handle.keys())
+        handle, present = opened[file]
+        if name not in present:
+          raise CheckpointError(f"{file}: tensor {name!r} listed in {INDEX_FILE} is not in the file")
+        return handle.get_slice(name)
+      except SafetensorError as e:
+        raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
+
+    for p, var, names, transpose, stacked in params:
+      sources = [(get_slice(n), n, files[n]) for n in names]
+      sharding = shardings[p].get_value() if mesh is not None else None
+      try:
+        flat.append((p, var.replace(_place(sources, var.get_value(), transpose, stacked, sharding))))
+      except SafetensorError as e:
+        raise CheckpointError(f"{files[names[0]]}: unreadable safetensors file ({e})") from None
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _place(slice_, name: str, file: pathlib.Path, target: jax.ShapeDtypeStruct, transpose: bool, sharding):
-  shape = tuple(slice_.get_shape())
-  want = tuple(reversed(target.shape)) if transpose else tuple(target.shape)
-  if shape != want:
-    raise CheckpointError(f"{file}: tensor {name!r} has shape {list(shape)}, expected {list(want)}")
+def _place(sources, target: jax.ShapeDtypeStruct, transpose: bool, stacked: bool, sharding):
+  """sources: [(slice, name, file)], one tensor, or (stacked) one per expert on a leading axis."""
+  inner = tuple(target.shape[1:] if stacked else target.shape)
+  want = tuple(reversed(inner)) if transpose else inner
+  for slice_, name, file in sources:
+    shape = tuple(slice_.get_shape())
+    if shape != want:
+      raise CheckpointError(f"{file}: tensor {name!r} has shape {list(shape)}, expected {list(want)}")
   dtype = np.dtype(target.dtype)
 
-  def read(index) -> np.ndarray:
-    index = tuple(index) if index is not None else tuple(slice(None) for _ in shape)
+  def read_one(slice_, index) -> np.ndarray:
     hf_index = tuple(reversed(index)) if transpose else index
     block = np.asarray(slice_[hf_index] if hf_index else slice_[:])
     return np.ascontiguousarray(block.T if transpose else block).astype(dtype)
+
+  def read(index) -> np.ndarray:
+    index = tuple(index) if index is not None else tuple(slice(None) for _ in target.shape)
+    if not stacked:
+      return read_one(sources[0][0], index)
+    experts = range(len(sources))[index[0]]
+    return np.stack([read_one(sources[e][0], index[1:]) for e in experts])
 
   if sharding is None:
     return jnp.asarray(read(None))
@@ -179,12 +220,13 @@ def save_pretrained(model: Transformer, path) -> pathlib.Path:
   root.mkdir(parents=True, exist_ok=True)
   tensors = {}
   for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    name, transpose = hf_name(p)
+    names, transpose, stacked = hf_sources(p, model.cfg)
     if type(var) is not nnx.Param:
       raise ValueError(f"save_pretrained: {'/'.join(map(str, p))} is a {type(var).__name__}, which has no "
                        "Hugging Face name; merge LoRA adapters into the base weights first")
     arr = np.asarray(jax.device_get(var.get_value()))
-    tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
+    for name, part in zip(names, arr if stacked else [arr]):
+      tensors[name] = np.ascontiguousarray(part.T if transpose else part)
   save_file(tensors, str(root / SINGLE_FILE), metadata={"format": "pt"})
   (root / "config.json").write_text(json.dumps(model.cfg.to_hf_config(), indent=2) + "\n")
   return root

@@ -7,19 +7,25 @@ from __future__ import annotations
 
 import pathlib
 
-from tunixlike.models.config import ARCHITECTURES, ModelConfig, RopeScaling
+from tunixlike.models.config import ARCHITECTURES, MOE_ARCHS, ModelConfig, RopeScaling
 
 TINY_SIZES = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                   intermediate_size=128)
+# MoE families: 8 experts, top-2 (Mixtral's experts use intermediate_size, so both widths agree).
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 def tiny_hf_config(arch: str = "qwen2", tie_embeddings: bool = True, llama3_rope: bool | None = None,
                    **sizes) -> ModelConfig:
-  """The ModelConfig of a tiny checkpoint of `arch` (llama / qwen2 / qwen3)."""
+  """The ModelConfig of a tiny checkpoint of `arch` (llama / qwen2 / qwen3 / qwen3_moe / mixtral)."""
   if arch not in ARCHITECTURES:
     raise ValueError(f"arch={arch!r}, expected one of {sorted(ARCHITECTURES)}")
   kw = dict(TINY_SIZES, max_position_embeddings=128, rope_theta=10_000.0, rms_norm_eps=1e-6,
-            qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", tie_embeddings=tie_embeddings)
+            qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "qwen3_moe"), tie_embeddings=tie_embeddings)
+  if arch in MOE_ARCHS:
+    kw.update(TINY_MOE)
+  if arch == "mixtral":
+    kw["intermediate_size"] = kw["moe_intermediate_size"]
   if llama3_rope if llama3_rope is not None else arch == "llama":
     # original context 32 with head_dim 16 puts RoPE frequencies in all three llama3 bands.
     kw["rope_scaling"] = RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,

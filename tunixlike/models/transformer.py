@@ -1,9 +1,14 @@
-"""Decoder-only transformer (Llama 3.x / Qwen2 / Qwen3) in Flax NNX.
+"""Decoder-only transformer (Llama 3.x / Qwen2 / Qwen3, dense or MoE: Qwen3-MoE / Mixtral) in Flax NNX.
 
 Names follow Hugging Face one to one (`layers[i].attn.q_proj`, `mlp.gate_proj`, `input_layernorm`,
 ...) so checkpoints map directly and LoRA can wrap projections by name. Kernels are [in, out]
 (the transpose of torch's nn.Linear weight). Softmax, RMSNorm statistics and RoPE run in fp32
 whatever the compute dtype.
+
+MoE models (cfg.num_experts > 0) take optional forced routing and can return what they routed
+(see moe.py): `hidden_states(..., routing_btlk=, return_aux=True)`, `prefill(..., routing_btlk=,
+return_routing=True)`, `decode_step(..., routing_blk=, return_routing=True)`. Dense models accept
+the same keywords (routing arrays then have L = k = 0).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from flax import nnx
 from tunixlike.models import sharding as sharding_lib
 from tunixlike.models.config import ModelConfig
 from tunixlike.models.kv_cache import KVCache, write_rows
+from tunixlike.models.moe import MoeAux, MoeMLP, check_routing
 
 
 def _init(cfg: ModelConfig, axes, base=None):
@@ -145,18 +151,43 @@ class Block(nnx.Module):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg)
     self.attn = Attention(cfg, rngs)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
-    self.mlp = MLP(cfg, rngs)
+    self.mlp = MoeMLP(cfg, rngs) if cfg.is_moe else MLP(cfg, rngs)
 
-  def __call__(self, x, cos, sin):
+  def _mlp(self, x, forced):
+    """-> (x + mlp(norm(x)), routing or None); routing = (experts [..., k], router logits [..., X])."""
+    h = self.post_attention_layernorm(x)
+    if isinstance(self.mlp, MoeMLP):
+      out, experts, logits = self.mlp(h, forced)
+      return x + out, (experts, logits)
+    return x + self.mlp(h), None
+
+  def __call__(self, x, cos, sin, forced=None):
     a, k, v = self.attn(self.input_layernorm(x), cos, sin)
-    x = x + a
-    return x + self.mlp(self.post_attention_layernorm(x)), k, v
+    x, routed = self._mlp(x + a, forced)
+    return x, k, v, routed
 
-  def decode(self, x, cos, sin, positions_b, k_cache, v_cache, attend_len):
+  def decode(self, x, cos, sin, positions_b, k_cache, v_cache, attend_len, forced=None):
     a, k_cache, v_cache = self.attn.decode(self.input_layernorm(x), cos, sin, positions_b, k_cache, v_cache,
                                            attend_len)
-    x = x + a
-    return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+    x, routed = self._mlp(x + a, forced)
+    return x, k_cache, v_cache, routed
+
+
+def _stack_routing(routed, lead_shape, cfg: ModelConfig) -> MoeAux:
+  """Per-layer (experts [..., k], logits [..., X]) -> MoeAux with layer axis -2 (empty for dense)."""
+  if not cfg.is_moe:
+    return MoeAux(routing_btlk=jnp.zeros((*lead_shape, 0, 0), jnp.int32),
+                  router_logits_btlx=jnp.zeros((*lead_shape, 0, 0), jnp.float32))
+  return MoeAux(routing_btlk=jnp.stack([r[0] for r in routed], axis=-2),
+                router_logits_btlx=jnp.stack([r[1] for r in routed], axis=-2))
+
+
+def _forced(routing, cfg: ModelConfig, lead_shape, what: str):
+  """Per-layer forced experts [..., k] (or Nones) from routing [..., L, k]."""
+  if routing is None:
+    return [None] * cfg.num_layers
+  check_routing(routing, cfg, lead_shape, what)
+  return [routing[..., i, :] for i in range(cfg.num_layers)]
 
 
 class Transformer(nnx.Module):
@@ -172,23 +203,29 @@ class Transformer(nnx.Module):
 
   # ------------------------------------------------------------------ full sequence
 
-  def _run_layers(self, tokens_bt, positions_bt):
+  def _run_layers(self, tokens_bt, positions_bt, routing_btlk=None, what="forward"):
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     cos, sin = rope_cos_sin(positions_bt, self.cfg)
     x = self.embed_tokens(tokens_bt)
-    kvs = []
-    for layer in self.layers:
+    kvs, routed = [], []
+    for layer, forced in zip(self.layers, _forced(routing_btlk, self.cfg, tokens_bt.shape, what)):
       if self.cfg.remat:
-        x, k, v = nnx.remat(lambda blk, x_, c_, s_: blk(x_, c_, s_))(layer, x, cos, sin)
+        x, k, v, r = nnx.remat(lambda blk, x_, c_, s_, f_: blk(x_, c_, s_, f_))(layer, x, cos, sin, forced)
       else:
-        x, k, v = layer(x, cos, sin)
+        x, k, v, r = layer(x, cos, sin, forced)
       kvs.append((k, v))
-    return self.norm(x), kvs
+      routed.append(r)
+    return self.norm(x), kvs, _stack_routing(routed, tokens_bt.shape, self.cfg)
 
-  def hidden_states(self, tokens_bt, positions_bt=None):
-    """[B,T] int -> [B,T,E] after the final norm (before unembedding)."""
-    return self._run_layers(tokens_bt, positions_bt)[0]
+  def hidden_states(self, tokens_bt, positions_bt=None, *, routing_btlk=None, return_aux: bool = False):
+    """[B,T] int -> [B,T,E] after the final norm (before unembedding).
+
+    routing_btlk: int [B,T,L,k] experts to force in every MoE layer (Keep Routing; rows whose first
+    entry is negative use the router). return_aux=True returns (h, MoeAux) instead of h.
+    """
+    h, _, aux = self._run_layers(tokens_bt, positions_bt, routing_btlk, "hidden_states")
+    return (h, aux) if return_aux else h
 
   def unembed(self, h_btd):
     """[..., E] -> float32 logits [..., V] (tied embedding or lm_head)."""
@@ -199,9 +236,13 @@ class Transformer(nnx.Module):
     w_ev = self.lm_head.kernel[...].astype(dt)
     return jnp.einsum("...e,ev->...v", h_btd.astype(dt), w_ev, preferred_element_type=jnp.float32)
 
-  def __call__(self, tokens_bt, positions_bt=None):
-    """int32 [B,T] -> float32 logits [B,T,V]; causal, right padding ok (pad rows are ignored)."""
-    return self.unembed(self.hidden_states(tokens_bt, positions_bt))
+  def __call__(self, tokens_bt, positions_bt=None, *, routing_btlk=None, return_aux: bool = False):
+    """int32 [B,T] -> float32 logits [B,T,V]; causal, right padding ok (pad rows are ignored).
+
+    routing_btlk / return_aux as in hidden_states ((logits, MoeAux) when return_aux).
+    """
+    h, aux = self.hidden_states(tokens_bt, positions_bt, routing_btlk=routing_btlk, return_aux=True)
+    return (self.unembed(h), aux) if return_aux else self.unembed(h)
 
   # ------------------------------------------------------------------ KV-cache decoding
 
@@ -210,18 +251,20 @@ class Transformer(nnx.Module):
     return KVCache.zeros(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, max_len,
                          jnp.dtype(dtype or cfg.dtype))
 
-  def prefill(self, tokens_bt, cache: KVCache, true_lengths_b):
+  def prefill(self, tokens_bt, cache: KVCache, true_lengths_b, *, routing_btlk=None,
+              return_routing: bool = False):
     """Runs the prompts [B,T] (right padded; T <= cache.max_len) and writes positions [0, T) of the cache.
 
     K/V past each row's true length are zeroed so the cache content does not depend on padding.
-    Returns (logits [B,T,V], cache).
+    Returns (logits [B,T,V], cache), or (logits, cache, routing int32 [B,T,L,k]) with return_routing.
+    routing_btlk forces experts as in hidden_states.
     """
     b, t = tokens_bt.shape
     if t > cache.max_len:
       raise ValueError(f"prefill: prompt length {t} exceeds cache max_len {cache.max_len}")
     if cache.batch_size != b:
       raise ValueError(f"prefill: batch {b} != cache batch {cache.batch_size}")
-    h, kvs = self._run_layers(tokens_bt, None)
+    h, kvs, aux = self._run_layers(tokens_bt, None, routing_btlk, "prefill")
     live_bt = jnp.arange(t)[None, :] < jnp.asarray(true_lengths_b)[:, None]
     ks, vs = [], []
     for (k_btkd, v_btkd), k_cache, v_cache in zip(kvs, cache.k, cache.v):
@@ -229,23 +272,29 @@ class Transformer(nnx.Module):
       v_btkd = jnp.where(live_bt[:, :, None, None], v_btkd, 0).astype(v_cache.dtype)
       ks.append(k_cache.at[:, :, :, :t].set(k_btkd.transpose(0, 2, 3, 1)))
       vs.append(v_cache.at[:, :, :t, :].set(v_btkd.transpose(0, 2, 1, 3)))
-    return self.unembed(h), KVCache(k=tuple(ks), v=tuple(vs))
+    out = self.unembed(h), KVCache(k=tuple(ks), v=tuple(vs))
+    return (*out, aux.routing_btlk) if return_routing else out
 
-  def decode_step(self, tokens_b, positions_b, cache: KVCache, attend_len: int):
+  def decode_step(self, tokens_b, positions_b, cache: KVCache, attend_len: int, *, routing_blk=None,
+                  return_routing: bool = False):
     """One token per row at its own position; attends cache[..., :attend_len] (static int >= max pos + 1).
 
-    Returns (logits [B,V] float32, cache with the new K/V written at positions_b).
+    Returns (logits [B,V] float32, cache with the new K/V written at positions_b), plus the experts
+    used, int32 [B,L,k], with return_routing. routing_blk [B,L,k] forces experts (Keep Routing).
     """
     if not isinstance(attend_len, int) or not 0 < attend_len <= cache.max_len:
       raise ValueError(f"decode_step: attend_len={attend_len!r} must be a static int in [1, {cache.max_len}]")
     cos, sin = rope_cos_sin(positions_b, self.cfg)  # [B, D]
     x = self.embed_tokens(tokens_b)  # [B, E]
-    ks, vs = [], []
-    for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-      x, k_cache, v_cache = layer.decode(x, cos, sin, positions_b, k_cache, v_cache, attend_len)
+    ks, vs, routed = [], [], []
+    forced = _forced(routing_blk, self.cfg, tokens_b.shape, "decode_step")
+    for layer, k_cache, v_cache, f in zip(self.layers, cache.k, cache.v, forced):
+      x, k_cache, v_cache, r = layer.decode(x, cos, sin, positions_b, k_cache, v_cache, attend_len, f)
       ks.append(k_cache)
       vs.append(v_cache)
-    return self.unembed(self.norm(x)), KVCache(k=tuple(ks), v=tuple(vs))
+      routed.append(r)
+    out = self.unembed(self.norm(x)), KVCache(k=tuple(ks), v=tuple(vs))
+    return (*out, _stack_routing(routed, tokens_b.shape, self.cfg).routing_btlk) if return_routing else out
 
 
 def check_mesh(mesh: jax.sharding.Mesh) -> None:

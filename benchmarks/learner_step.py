@@ -1,0 +1,165 @@
+"""Learner train-step throughput and model FLOPs utilisation (MFU) on this machine.
+
+  python benchmarks/learner_step.py [--devices 2] [--batch 8] [--seq 256] [--steps 3] [--quick]
+
+Prints one JSON object. Two models (fp32, random weights, Qwen2-style with tied embeddings):
+  sampler_bench: the model of benchmarks/sampler_throughput.py (4 layers, hidden 256, ffn 1024,
+                 4 heads, 2 KV heads, vocab 512; ~4M params);
+  m60:           ~57M params (8 layers, hidden 768, ffn 2048, 12 heads, 4 KV heads, vocab 8192).
+Each step is the real `Learner.train_step` (GRPO ppo_clip loss, token-level TIS, AdamW, grad
+clipping, chunked log-probs and entropy) on the learner mesh: ('fsdp', 'tensor') = (devices, 1).
+
+model FLOPs per token = 6 * N_matmul + 12 * L * (H * D_head) * T (PaLM, arXiv 2204.02311, app. B):
+N_matmul counts every weight used in a matmul (the tied embedding once, as the unembedding); the
+attention term counts QK^T and AV over the full T (the causal half is not subtracted). Work the
+step does beyond that (softmax/entropy over V, norms, the recomputed unembedding of the chunked
+log-probs, the optimizer) is not counted, so MFU is a lower bound of hardware utilisation.
+peak_matmul_flops_per_s: the best of a 4096^3 fp32 jitted matmul on one device and the same
+batched over all devices (data parallel), measured in this run. mfu = model_flops_per_s / peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _parse():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--devices", type=int, default=2, help="CPU devices = learner fsdp axis")
+  p.add_argument("--batch", type=int, default=8, help="rows per step")
+  p.add_argument("--seq", type=int, default=256, help="tokens per row (prompt 32 + completion)")
+  p.add_argument("--micro-batches", type=int, default=1)
+  p.add_argument("--steps", type=int, default=3, help="timed steps (best of them is reported)")
+  p.add_argument("--quick", action="store_true", help="small shapes: a smoke test, not the figures")
+  return p.parse_args()
+
+
+ARGS = _parse()
+if "jax" not in sys.modules:  # virtual CPU devices must be set before JAX starts
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tunixlike import models  # noqa: E402
+from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig  # noqa: E402
+from tunixlike.mesh import LEARNER_RULES  # noqa: E402
+
+MODELS = {
+    "sampler_bench": dict(vocab_size=512, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
+                          num_kv_heads=2, head_dim=64, qkv_bias=True),
+    "m60": dict(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_layers=8, num_heads=12,
+                num_kv_heads=4, head_dim=64, qkv_bias=True),
+}
+PROMPT_LEN = 32
+
+
+def _best_time(fn, repeats):
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
+def peak_matmul_flops(devices, n=4096, repeats=3) -> dict:
+  """FLOP/s of a large fp32 matmul: one device, and one per device in parallel."""
+  a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
+  mm = jax.jit(lambda x, y: x @ y)
+  jax.block_until_ready(mm(a, a))
+  single = 2 * n**3 / _best_time(lambda: mm(a, a), repeats)
+  out = {"single_device": single}
+  if len(devices) > 1:
+    mesh = Mesh(np.array(devices), ("d",))
+    ab = jax.device_put(jnp.broadcast_to(a, (len(devices), n, n)), NamedSharding(mesh, P("d")))
+    bmm = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x))
+    jax.block_until_ready(bmm(ab))
+    out["all_devices"] = len(devices) * 2 * n**3 / _best_time(lambda: bmm(ab), repeats)
+  out["peak"] = max(out.values())
+  return out
+
+
+def flops_per_token(cfg: models.ModelConfig, seq: int) -> tuple[float, int]:
+  d, l = cfg.hidden_size, cfg.num_layers
+  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  per_layer = d * q + 2 * d * kv + q * d + 3 * d * cfg.intermediate_size
+  n_matmul = l * per_layer + cfg.vocab_size * d
+  return 6.0 * n_matmul + 12.0 * l * q * seq, n_matmul
+
+
+def bench_model(name: str, sizes: dict, mesh: Mesh, batch: int, seq: int, steps: int) -> dict:
+  cfg = models.ModelConfig(**sizes, max_position_embeddings=max(seq, 512))
+  model = models.create_sharded(cfg, mesh, LEARNER_RULES, seed=0)
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+  lcfg = LearnerConfig(algo=AlgoConfig(loss="ppo_clip", is_mode="tis"),
+                       optim=OptimConfig(learning_rate=1e-5, micro_batches=ARGS.micro_batches),
+                       logprob_chunk_size=128)
+  learner = Learner(model, lcfg, mesh=mesh, rules=LEARNER_RULES)
+  rng = np.random.default_rng(0)
+  host = {
+      "tokens": rng.integers(1, cfg.vocab_size, size=(batch, seq)).astype(np.int32),
+      "loss_mask": np.zeros((batch, seq), np.float32),
+      "behaviour_logprobs": np.full((batch, seq), -np.log(cfg.vocab_size), np.float32),
+      "versions": np.zeros((batch, seq), np.int32),
+      "advantages": rng.normal(size=batch).astype(np.float32),
+  }
+  host["loss_mask"][:, PROMPT_LEN:] = 1.0
+  placed = learner.put_batch(host)
+  state = learner.state
+  t0 = time.perf_counter()
+  state, metrics = learner.train_step(state, placed, jax.random.key(0))
+  jax.block_until_ready(metrics)
+  compile_s = time.perf_counter() - t0
+  times = []
+  for i in range(steps):
+    t0 = time.perf_counter()
+    state, metrics = learner.train_step(state, placed, jax.random.key(i))
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - t0)
+  step_s = min(times)
+  fpt, n_matmul = flops_per_token(cfg, seq)
+  tokens = batch * seq
+  return {
+      "params": int(n_params), "matmul_params": int(n_matmul), "batch": batch, "seq": seq,
+      "tokens_per_step": tokens, "step_s": step_s, "step_s_all": times, "first_step_s_incl_compile": compile_s,
+      "tokens_per_s": tokens / step_s, "model_flops_per_token": fpt, "model_flops_per_s": fpt * tokens / step_s,
+      "loss_finite": bool(np.isfinite(float(metrics["loss"]))),
+  }
+
+
+def main():
+  devices = jax.devices()[:ARGS.devices]
+  batch, seq, steps = (ARGS.batch, ARGS.seq, ARGS.steps) if not ARGS.quick else (4, 64, 1)
+  peak = peak_matmul_flops(devices, n=1024 if ARGS.quick else 4096)
+  mesh = Mesh(np.array(devices).reshape(len(devices), 1), ("fsdp", "tensor"))
+  results = {}
+  for name, sizes in MODELS.items():
+    r = bench_model(name, sizes, mesh, batch, seq, steps)
+    r["mfu"] = r["model_flops_per_s"] / peak["peak"]
+    results[name] = r
+  large = max(results, key=lambda k: results[k]["params"])
+  out = {
+      "benchmark": "learner_step", "backend": jax.default_backend(), "devices": len(devices),
+      "mesh": {"fsdp": len(devices), "tensor": 1}, "dtype": "float32", "quick": ARGS.quick,
+      "larger_model": large,
+      "tokens_per_s": results[large]["tokens_per_s"],
+      "model_flops_per_s": results[large]["model_flops_per_s"],
+      "peak_matmul_flops_per_s": peak["peak"], "peak_matmul_detail": peak,
+      "mfu": results[large]["mfu"], "mfu_target": 0.25, "mfu_target_met": results[large]["mfu"] >= 0.25,
+      "models": results,
+  }
+  print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+  main()
