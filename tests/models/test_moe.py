@@ -74,7 +74,7 @@ def test_decode_routing_matches_full_forward_and_can_be_forced():
   m = _model()
   toks = _tokens(2, 6, seed=1)
   ref, aux = _plain(m, toks)
-  _, cache = m.prefill(toks[:, :3], m.init_cache(2, 8), jnp.array([3, 3]))
+  _, cache = jax.jit(lambda m, t, c: m.prefill(t, c, jnp.array([3, 3])))(m, toks[:, :3], m.init_cache(2, 8))
   decode = jax.jit(lambda m, t, p, c, r: m.decode_step(t, p, c, 8, routing_blk=r, return_routing=True))
   for t in range(3, 6):
     pos = jnp.array([t, t])

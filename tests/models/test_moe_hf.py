@@ -115,5 +115,8 @@ def test_bad_moe_hf_config_names_the_field(change, match):
   hf_cfg.update(change)
   with pytest.raises(ValueError, match=match):
     models.ModelConfig.from_hf_config(hf_cfg)
-  with pytest.raises(ValueError, match=r"matches no supported HF architecture"):
+
+
+def test_unmappable_moe_config_is_refused():
+  with pytest.raises(ValueError, match=r"norm_topk_prob=False matches no supported HF architecture"):
     _ = models.tiny_moe_config(qk_norm=False, norm_topk_prob=False).arch

@@ -57,6 +57,7 @@ class Learner:
     self.num_traces = 0  # incremented each time the step is traced (tests: no recompilation)
     if mesh is not None and cfg.batch_axis not in mesh.shape:
       raise ValueError(f"learner.batch_axis={cfg.batch_axis!r} is not an axis of the learner mesh {dict(mesh.shape)}")
+    # The initial TrainState. `train_step` donates its input: carry on with the state it returns.
     self.state = self._init_state(params, frozen)
     self._step = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=(self.state_shardings, None))
     self._logprobs = jax.jit(self._token_logprobs)
@@ -89,17 +90,12 @@ class Learner:
                        ref_params=ref)
     # Commit every leaf (uncommitted ones replicated) so the step's inputs and outputs have the
     # same shardings and the second call hits the compilation cache.
-    if self.mesh is None:
-      default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    else:
-      default = NamedSharding(self.mesh, P())
-    shardings = jax.tree.map(lambda x: x.sharding if getattr(x, "committed", False) else default, state)
+    shardings = jax.tree.map(lambda x: x.sharding if getattr(x, "committed", False) else replicated, state)
     self.state_shardings = shardings
     return jax.device_put(state, shardings)
 
-  def model(self, state: TrainState | None = None) -> nnx.Module:
+  def model(self, state: TrainState) -> nnx.Module:
     """The policy as an nnx Module (shares the state's arrays: for weight sync, eval, export)."""
-    state = self.state if state is None else state
     return nnx.merge(self.graphdef, state.params, state.frozen)
 
   # ------------------------------------------------------------------ batches
