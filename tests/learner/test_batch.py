@@ -56,3 +56,11 @@ def test_bad_input_names_the_problem():
   g[1].rewards = None
   with pytest.raises(ValueError, match="prompt_id='b'"):
     batch_lib.assemble_batch(g, num_rows=6, seq_buckets=(8,))
+
+
+def test_overlong_penalty_enters_rewards_and_advantages():
+  # lengths 2, 3 | 4, 1 with L_max 4 and buffer 2: penalties 0, -0.5 | -1.0, 0
+  b = batch_lib.assemble_batch(_groups(), num_rows=4, seq_buckets=(8,), advantage="dr_grpo",
+                               overlong_max_length=4, overlong_buffer=2)
+  np.testing.assert_allclose(b["rewards"], [1.0, -0.5, 1.0, 4.0])
+  np.testing.assert_allclose(b["advantages"], [0.75, -0.75, -1.5, 1.5])

@@ -100,7 +100,8 @@ def test_no_recompilation_after_warmup():
     _decode_all(engine, params, [np.arange(1, length + 1, dtype=np.int32)])
   after = dict(engine.trace_counts)
   assert after["prefill"] == len(cfg.prefill_buckets)
-  assert after["generate"] == cfg.cache_length // cfg.attend_bucket
+  assert cfg.attend_windows == (16, 32, 48)
+  assert after["generate"] == after["resize"] == len(cfg.attend_windows)
   for seed in range(3):
     _decode_all(engine, params, random_prompts(4, lengths=(1, 2, 5, 8, 11, 16, 13, 3, 31, 20), seed=seed))
   assert engine.trace_counts == after

@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from tunixlike.learner import advantages as advantages_lib
+from tunixlike.learner import dapo
 from tunixlike.rollout import RolloutGroup
 
 
@@ -36,8 +37,13 @@ def pick_bucket(length: int, buckets: Sequence[int]) -> int:
 
 
 def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets: Sequence[int],
-                   advantage: str = "grpo", pad_id: int = 0) -> dict[str, np.ndarray]:
-  """Pad `groups` into one batch of exactly `num_rows` rows and a bucketed length T."""
+                   advantage: str = "grpo", pad_id: int = 0, overlong_max_length: int = 0,
+                   overlong_buffer: int = 0, overlong_penalty: float = 1.0) -> dict[str, np.ndarray]:
+  """Pad `groups` into one batch of exactly `num_rows` rows and a bucketed length T.
+
+  With overlong_buffer > 0, DAPO's soft overlong penalty (`dapo.overlong_penalty`, in completion
+  tokens) is added to each reward before the advantages are computed; `rewards` holds the result.
+  """
   buckets = sorted(int(b) for b in seq_buckets)
   if not buckets or buckets[0] <= 0:
     raise ValueError(f"seq_buckets={tuple(seq_buckets)!r} must be non-empty positive lengths")
@@ -70,7 +76,12 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
   }
   row = 0
   for gi, g in enumerate(groups):
-    adv_g = advantage_fn(np.asarray(g.rewards, np.float32)[None, :])[0]
+    rewards_g = np.asarray(g.rewards, np.float32)
+    if overlong_buffer > 0:
+      lengths_g = np.array([c.num_tokens for c in g.completions])
+      rewards_g = rewards_g + dapo.overlong_penalty(lengths_g, overlong_max_length, overlong_buffer,
+                                                    overlong_penalty)
+    adv_g = advantage_fn(rewards_g[None, :])[0]
     p = len(g.prompt_token_ids)
     for ci, c in enumerate(g.completions):
       n = c.num_tokens
@@ -80,7 +91,7 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
       batch["behaviour_logprobs"][row, p:p + n] = c.logprobs
       batch["versions"][row, p:p + n] = c.policy_versions
       batch["advantages"][row] = adv_g[ci]
-      batch["rewards"][row] = g.rewards[ci]
+      batch["rewards"][row] = rewards_g[ci]
       batch["group_ids"][row] = gi
       batch["prompt_lengths"][row] = p
       batch["completion_lengths"][row] = n

@@ -32,14 +32,13 @@ class AlgoConfig:
 
   def __post_init__(self):
     advantages.get_advantage_fn(self.advantage)
-    loss = losses.get_policy_loss(self.loss)
+    losses.get_policy_loss(self.loss)
     losses.check_aggregation(self.resolved_aggregation)
     kl.get_kl_fn(self.kl_estimator)
     if self.is_mode not in is_correction.IS_MODES:
       _bad("algo.is_mode", self.is_mode, f"choose one of {is_correction.IS_MODES}")
     if self.is_level not in is_correction.IS_LEVELS:
       _bad("algo.is_level", self.is_level, f"choose one of {is_correction.IS_LEVELS}")
-    del loss
     if not 0 <= self.eps_low_value < 1:
       _bad("algo.eps_low", self.eps_low, "must be in [0, 1)")
     if not self.eps_high_value >= 0:

@@ -11,7 +11,6 @@ Per-token log-probs come from `model.hidden_states` + a chunked `model.unembed`
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp

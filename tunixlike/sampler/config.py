@@ -32,7 +32,8 @@ class SamplerConfig:
   # Prompts longer than max_prefill_length: error (False) or keep their last tokens and count it.
   truncate_long_prompts: bool = False
   min_prefill_bucket: int = 16  # smallest prefill bucket (tiny buckets only add compilations)
-  # Decode attends the filled part of the cache, rounded up to a multiple of this (static size).
+  # The decode cache holds the filled part rounded up to a multiple of this many positions; it
+  # grows and shrinks with the longest live sequence (one compiled decode program per size).
   attend_bucket: int = 32
   seed: int = 0
   cache_dtype: str | None = None  # KV cache dtype; None = the model's activation dtype
@@ -82,6 +83,15 @@ class SamplerConfig:
 
   @property
   def cache_length(self) -> int:
-    """KV positions per slot: the longest prompt plus the longest completion, bucket-aligned."""
+    """Most KV positions per slot: the longest prompt plus the longest completion, bucket-aligned."""
     need = max(self.prefill_buckets[-1], self.max_prefill_length + self.max_new_tokens)
     return -(-need // self.attend_bucket) * self.attend_bucket
+
+  def attend_window(self, max_position: int) -> int:
+    """Cache size covering positions [0, max_position]: a multiple of attend_bucket."""
+    return min(-(-(max_position + 1) // self.attend_bucket) * self.attend_bucket, self.cache_length)
+
+  @property
+  def attend_windows(self) -> tuple[int, ...]:
+    """Every window `attend_window` can return (one compiled decode program each)."""
+    return tuple(sorted({self.attend_window(p) for p in range(self.cache_length)}))

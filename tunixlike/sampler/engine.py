@@ -16,9 +16,13 @@ uniform(fold_in(slot_key, n)) for its n-th token, so a seeded completion does no
 slot it ran in nor on what else was decoding (continuous batching and one-at-a-time agree).
 
 Sharding: slots are split over the 'replica' mesh axis (data parallel), weights and KV heads over
-'tensor' (the model's logical-axis rules). Decode attends only `attend_len` cache positions, the
-filled part rounded up to `attend_bucket`, so the number of compiled decode programs is
-cache_length / attend_bucket; prefill compiles once per power-of-two bucket.
+'tensor' (the model's logical-axis rules).
+
+The decode cache is only as long as the longest live sequence needs (rounded up to
+`attend_bucket`): it is grown or shrunk by one copy when that changes, so each decode step reads
+just that window. Slicing a longer cache inside the step instead costs a copy of the window every
+step (XLA materialises the slice before the attention matmul), 2-3x the attention bytes. There is
+one compiled decode program per window size, and one prefill program per power-of-two bucket.
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ class Engine:
     self.mesh, self.rules = mesh, rules
     # Python-side trace counter per jitted body: a retrace is a compilation (tests assert none
     # happen after warm-up beyond the prefill and attention buckets).
-    self.trace_counts = {"prefill": 0, "insert": 0, "release": 0, "generate": 0}
+    self.trace_counts = {"prefill": 0, "insert": 0, "release": 0, "generate": 0, "resize": 0}
     self._graphdef, state = nnx.split(model)
     self.param_shardings = sharding_lib.state_shardings(state, mesh, rules)
     self._initial_params = state
@@ -115,16 +119,15 @@ class Engine:
     self._cache_dtype = config.cache_dtype
     self._replicated = NamedSharding(mesh, P())
     self._slots_sharding = NamedSharding(mesh, P("replica"))
-    self._state_shardings = self._make_state_shardings()
     self._prefill_fn = jax.jit(self._prefill_impl, static_argnames=("bucket",),
                                out_shardings=self._replicated)
-    self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,),
-                              out_shardings=self._state_shardings)
-    self._release_fn = jax.jit(self._release_impl, donate_argnums=(0,),
-                               out_shardings=self._state_shardings)
-    self._generate_fn = jax.jit(self._generate_impl, static_argnames=("attend_len",),
-                                donate_argnums=(1,),
-                                out_shardings=(self._state_shardings, self._replicated))
+    # PartitionSpecs do not depend on the cache length, so one set serves every window size.
+    state_shardings = self._state_shardings(self.config.cache_length)
+    self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state_shardings)
+    self._release_fn = jax.jit(self._release_impl, donate_argnums=(0,), out_shardings=state_shardings)
+    self._generate_fn = jax.jit(self._generate_impl, donate_argnums=(1,),
+                                out_shardings=(state_shardings, self._replicated))
+    self._resize_fns = {}
 
   # ------------------------------------------------------------------ JetStream Engine API
 
@@ -150,7 +153,7 @@ class Engine:
 
   def init_decode_state(self, version: int = 0) -> DecodeState:
     s = self.max_concurrent_decodes
-    cache = self._empty_cache(s, self.config.cache_length)
+    cache = self._empty_cache(s, self.config.attend_window(0))
     arrays = dict(
         cache=cache,
         tokens=jnp.zeros((s,), jnp.int32),  # next input token of each slot
@@ -161,7 +164,7 @@ class Engine:
         keys=jnp.zeros((s, 2), jnp.uint32),
         version=jnp.int32(version),
     )
-    arrays = jax.device_put(arrays, self._state_shardings)
+    arrays = jax.device_put(arrays, self._state_shardings(self.config.attend_window(0)))
     return DecodeState(arrays, np.zeros((s,), np.int64), np.zeros((s,), bool))
 
   def prefill(self, params: Params, tokens, true_length: int | None = None, *,
@@ -207,6 +210,9 @@ class Engine:
       key = jax.random.key_data(key)
     key = jnp.asarray(key, jnp.uint32)
     scalars = np.asarray([slot, prefix.last_token, prefix.true_length - 1, limit], np.int32)
+    bucket = prefix.cache.max_len
+    if self._window(decode_state) < bucket:
+      decode_state = self._resize(decode_state, self.config.attend_window(bucket - 1))
     arrays = self._insert_fn(prefix.cache, decode_state.arrays, scalars, key)
     positions = decode_state.host_positions.copy()
     live = decode_state.host_live.copy()
@@ -217,10 +223,12 @@ class Engine:
     """Advances every live slot by up to steps_per_call tokens (stopping exactly at EOS / limit)."""
     k = self.config.steps_per_call
     live = decode_state.host_live
-    top = int(decode_state.host_positions[live].max()) + k if live.any() else k
-    attend_len = min(-(-top // self.config.attend_bucket) * self.config.attend_bucket,
-                     self.config.cache_length)
-    arrays, result = self._generate_fn(params, decode_state.arrays, attend_len=attend_len)
+    # Positions fed this call reach host_position + k - 1 for every live slot.
+    top = int(decode_state.host_positions[live].max()) + k - 1 if live.any() else k - 1
+    window = self.config.attend_window(top)
+    if window != self._window(decode_state):
+      decode_state = self._resize(decode_state, window)
+    arrays, result = self._generate_fn(params, decode_state.arrays)
     positions = np.where(live, np.minimum(decode_state.host_positions + k, self.config.cache_length - 1),
                          decode_state.host_positions)
     return DecodeState(arrays, positions, live.copy()), result
@@ -257,9 +265,37 @@ class Engine:
     dtype = self._cache_dtype or mc.dtype
     return kv_cache_lib.KVCache.zeros(mc.num_layers, batch, mc.num_kv_heads, mc.head_dim, length, dtype)
 
-  def _make_state_shardings(self) -> dict[str, Any]:
+  @staticmethod
+  def _window(decode_state: DecodeState) -> int:
+    return decode_state.arrays["cache"].max_len
+
+  def _resize(self, decode_state: DecodeState, window: int) -> DecodeState:
+    """Grows (zero-padded) or shrinks the cache to `window` positions; live slots fit in it."""
+    fn = self._resize_fns.get(window)
+    if fn is None:
+      fn = self._resize_fns[window] = jax.jit(
+          functools.partial(self._resize_impl, window=window), donate_argnums=(0,),
+          out_shardings=self._state_shardings(window))
+    return dataclasses.replace(decode_state, arrays=fn(decode_state.arrays))
+
+  def _resize_impl(self, arrays, *, window):
+    self.trace_counts["resize"] += 1
+
+    def fit(x, seq_axis):
+      if x.shape[seq_axis] >= window:
+        return jax.lax.slice_in_dim(x, 0, window, axis=seq_axis)
+      pad = [(0, 0)] * x.ndim
+      pad[seq_axis] = (0, window - x.shape[seq_axis])
+      return jnp.pad(x, pad)
+
+    cache = arrays["cache"]
+    return dict(arrays, cache=kv_cache_lib.KVCache(k=tuple(fit(x, 3) for x in cache.k),
+                                                   v=tuple(fit(x, 2) for x in cache.v)))
+
+  @functools.cache
+  def _state_shardings(self, window: int) -> dict[str, Any]:
     s = self.max_concurrent_decodes
-    abstract_cache = jax.eval_shape(lambda: self._empty_cache(s, self.config.cache_length))
+    abstract_cache = jax.eval_shape(lambda: self._empty_cache(s, window))
     cache = kv_cache_lib.cache_shardings(abstract_cache, self.mesh, self.rules)
     slots = self._slots_sharding
     return dict(cache=cache, tokens=slots, positions=slots, num_generated=slots, max_new=slots,
@@ -296,7 +332,7 @@ class Engine:
     out["done"] = arrays["done"].at[slot].set(True)
     return out
 
-  def _generate_impl(self, params, arrays, *, attend_len):
+  def _generate_impl(self, params, arrays):
     self.trace_counts["generate"] += 1
     model = nnx.merge(self._graphdef, params)
     sp, record = self._sampling, self.config.record_sampling_mask
@@ -306,7 +342,7 @@ class Engine:
     def step(carry, _):
       cache, tokens, positions, n_gen, done = carry
       live = ~done
-      logits_sv, cache = model.decode_step(tokens, positions, cache, attend_len)
+      logits_sv, cache = model.decode_step(tokens, positions, cache, cache.max_len)
       u_s = jax.vmap(lambda k, n: jax.random.uniform(jax.random.fold_in(k, n), (), jnp.float32))(
           arrays["keys"], n_gen)
       smp = sampling.sample_with_uniform(logits_sv, u_s, sp, return_mask=record)

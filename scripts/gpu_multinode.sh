@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Train on several GPU nodes: one process per node, each seeing all of its node's GPUs, joined into
+# one JAX program by `jax.distributed.initialize` through these environment variables:
+#   JAX_COORDINATOR_ADDRESS  host:port of process 0 (read by JAX itself)
+#   JAX_NUM_PROCESSES        number of processes (= nodes)
+#   JAX_PROCESS_ID           this process's id, 0 .. JAX_NUM_PROCESSES-1
+#   JAX_LOCAL_DEVICE_IDS     GPUs this process drives, 0,..,GPUS_PER_NODE-1 (read by JAX). Set on
+#                            purpose: under SLURM, JAX's auto-detection would otherwise give a
+#                            one-process-per-node job only GPU 0 on each node.
+#
+# Two ways to launch:
+#   SLURM (inside sbatch / salloc, or --slurm): `srun` starts one task per node; each task takes
+#     its id from SLURM_PROCID and the coordinator from the first node of the allocation.
+#       sbatch --nodes=2 --gpus-per-node=8 scripts/gpu_multinode.sh
+#   Explicit (any cluster, ssh, k8s): run this on every node with the same coordinator and its
+#     own id.
+#       scripts/gpu_multinode.sh --coordinator=10.0.0.1:12345 --num-processes=2 --process-id=0
+#       scripts/gpu_multinode.sh --coordinator=10.0.0.1:12345 --num-processes=2 --process-id=1
+#
+# Settings (environment variables):
+#   CONFIG         config file[:variant] (default: configs/addition_grpo.py)
+#   WORKDIR        work directory, on storage every node sees (NFS / Lustre / gs://) since each
+#                  host writes its own shards of the orbax checkpoint (default under SLURM:
+#                  runs/<config>-<job id>; required otherwise, so all nodes agree on it)
+#   GPUS_PER_NODE  GPUs per node (default: SLURM_GPUS_ON_NODE, else 8)
+#   NNODES         nodes, SLURM mode (default: SLURM_JOB_NUM_NODES, else 2)
+#   PORT           coordinator port, SLURM mode (default: 12345)
+#   PYTHON         interpreter (default: python3)
+#   COORDINATOR, NUM_PROCESSES, PROCESS_ID  same as the explicit flags
+#   Arguments after `--` are passed on to `python -m tunixlike.train` (config overrides).
+#
+# Options:
+#   --slurm                 SLURM mode even outside an allocation (e.g. to see the srun line)
+#   --coordinator=HOST:PORT, --num-processes=N, --process-id=I   explicit mode
+#   --dry-run               print the commands instead of running them
+#   -h, --help              this text
+#SBATCH --job-name=tunixlike
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [[ ! -f "$HERE/_common.sh" && -n "${SLURM_SUBMIT_DIR:-}" ]]; then
+  HERE="$SLURM_SUBMIT_DIR/scripts"  # sbatch runs a spooled copy of this file
+fi
+source "$HERE/_common.sh"
+
+SLURM_MODE=0
+if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+  SLURM_MODE=1  # inside sbatch / salloc
+fi
+EXTRA_ARGS=()
+while (($#)); do
+  case "$1" in
+    --dry-run) DRY_RUN=1 ;;
+    --slurm) SLURM_MODE=1 ;;
+    --coordinator=*) COORDINATOR="${1#*=}" ;;
+    --num-processes=*) NUM_PROCESSES="${1#*=}" ;;
+    --process-id=*) PROCESS_ID="${1#*=}" ;;
+    -h | --help) usage; exit 0 ;;
+    --) shift; EXTRA_ARGS=("$@"); break ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+  shift
+done
+if [[ -n "${COORDINATOR:-}${NUM_PROCESSES:-}${PROCESS_ID:-}" ]]; then
+  SLURM_MODE=0  # explicit settings win over an enclosing allocation
+fi
+
+CONFIG="${CONFIG:-configs/addition_grpo.py}"
+PYTHON="${PYTHON:-python3}"
+GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
+[[ "$GPUS_PER_NODE" =~ ^[1-9][0-9]*$ ]] || die "GPUS_PER_NODE='$GPUS_PER_NODE' is not a positive integer"
+LOCAL_DEVICE_IDS="$(seq -s, 0 $((GPUS_PER_NODE - 1)))"
+cd "$HERE/.."  # config paths are relative to the repository
+
+if [[ "$SLURM_MODE" == 1 ]]; then
+  NNODES="${NNODES:-${SLURM_JOB_NUM_NODES:-2}}"
+  PORT="${PORT:-12345}"
+  [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || die "NNODES='$NNODES' is not a positive integer"
+  WORKDIR="${WORKDIR:-runs/$(basename "${CONFIG%%:*}" .py)-${SLURM_JOB_ID:-local}}"
+  TRAIN_LINE="exec $(_quote "$PYTHON") -m tunixlike.train"
+  for word in --config="$CONFIG" --workdir="$WORKDIR" "${EXTRA_ARGS[@]}"; do
+    TRAIN_LINE+=" $(_quote "$word")"
+  done
+  # Single quotes: SLURM_* and the head node are expanded by each task, not here.
+  # shellcheck disable=SC2016
+  TASK='export JAX_COORDINATOR_ADDRESS="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1):'"$PORT"'"'
+  TASK+=' JAX_NUM_PROCESSES="$SLURM_NTASKS" JAX_PROCESS_ID="$SLURM_PROCID"'
+  TASK+=" JAX_LOCAL_DEVICE_IDS=$LOCAL_DEVICE_IDS; $TRAIN_LINE"
+  run srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$TASK"
+else
+  require COORDINATOR NUM_PROCESSES PROCESS_ID WORKDIR
+  [[ "$COORDINATOR" =~ ^[^:]+:[0-9]+$ ]] || die "COORDINATOR='$COORDINATOR' is not HOST:PORT"
+  [[ "$NUM_PROCESSES" =~ ^[1-9][0-9]*$ ]] || die "NUM_PROCESSES='$NUM_PROCESSES' is not a positive integer"
+  [[ "$PROCESS_ID" =~ ^[0-9]+$ ]] && ((PROCESS_ID < NUM_PROCESSES)) ||
+    die "PROCESS_ID='$PROCESS_ID' is not in 0..$((NUM_PROCESSES - 1))"
+  run env JAX_COORDINATOR_ADDRESS="$COORDINATOR" JAX_NUM_PROCESSES="$NUM_PROCESSES" \
+    JAX_PROCESS_ID="$PROCESS_ID" JAX_LOCAL_DEVICE_IDS="$LOCAL_DEVICE_IDS" \
+    "$PYTHON" -m tunixlike.train --config="$CONFIG" --workdir="$WORKDIR" "${EXTRA_ARGS[@]}"
+fi
