@@ -57,15 +57,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.top_p = 1.0
   s.steps_per_call = 4  # decode steps per host round-trip (stop conditions stay exact)
   s.record_sampling_mask = False  # "Keep Sampling Mask" payload
+  s.stop_strings = ()  # completions also end at these strings (checked on the host)
+  s.attend_bucket = 32  # decode attends the filled cache rounded up to this many positions
 
   # Algorithm: GRPO family.
   c.algo = a = ml_collections.ConfigDict()
   a.group_size = 8  # G samples per prompt
   a.advantage = "grpo"  # grpo | dr_grpo | rloo
   a.loss = "ppo_clip"  # ppo_clip | dapo | gspo
-  a.aggregation = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
-  a.eps_low = 0.2
-  a.eps_high = 0.2  # DAPO clip-higher uses 0.28
+  # None = the loss's paper default (ppo_clip: token_mean, eps 0.2/0.2; dapo: eps 0.2/0.28).
+  a.aggregation = placeholder(str)  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+  a.eps_low = placeholder(float)
+  a.eps_high = placeholder(float)
+  a.norm_length = 0  # constant L of seq_mean_token_sum_norm (Dr. GRPO: the max completion length)
+  a.decoupled = True  # trust region around the learner's proximal policy, IS-correct the sampler
   a.kl_coef = 0.0  # KL to the reference; 0 skips the reference forward
   a.kl_estimator = "k3"  # k1 | k2 | k3
   a.is_mode = "tis"  # off-policy correction: none | tis (truncate) | mis (icepop mask)
@@ -74,6 +79,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a.is_low = 0.5  # MIS band
   a.is_high = 2.0
   a.dynamic_sampling = False  # DAPO: drop zero-variance groups and refill
+  a.overlong_buffer = 0  # DAPO soft overlong penalty over the last N tokens before max_new_tokens; 0 = off
+  a.overlong_penalty = 1.0
 
   # Optimizer.
   c.optim = o = ml_collections.ConfigDict()
@@ -119,6 +126,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   g.every_steps = 1
   g.tensorboard = True
   g.progress_bar = True
+  g.trace = False  # write WORKDIR/trace.json (Chrome / Perfetto) of sampler, learner, sync, reward spans
 
   c.checkpoint = k = ml_collections.ConfigDict()
   k.every_steps = 0  # 0 = only at the end / on preemption

@@ -107,10 +107,12 @@ class SamplerSection:
   top_p: float = 1.0
   steps_per_call: int = 4
   record_sampling_mask: bool = False
+  stop_strings: tuple[str, ...] = ()
+  attend_bucket: int = 32
 
   def __post_init__(self):
     _positive(self, "sampler", "max_concurrent_decodes", "max_prefill_length", "max_new_tokens",
-              "steps_per_call")
+              "steps_per_call", "attend_bucket")
     _positive(self, "sampler", "temperature", "top_k", allow_zero=True)
     _check(0.0 < self.top_p <= 1.0, "sampler.top_p", self.top_p, "must be in (0, 1]")
 
@@ -120,9 +122,11 @@ class AlgoSection:
   group_size: int = 8
   advantage: str = "grpo"
   loss: str = "ppo_clip"
-  aggregation: str = "token_mean"
-  eps_low: float = 0.2
-  eps_high: float = 0.2
+  aggregation: str | None = None
+  eps_low: float | None = None
+  eps_high: float | None = None
+  norm_length: int = 0
+  decoupled: bool = True
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
   is_mode: str = "tis"
@@ -131,10 +135,12 @@ class AlgoSection:
   is_low: float = 0.5
   is_high: float = 2.0
   dynamic_sampling: bool = False
+  overlong_buffer: int = 0
+  overlong_penalty: float = 1.0
 
   def __post_init__(self):
     _check(self.group_size >= 2, "algo.group_size", self.group_size, "must be >= 2 (group baselines)")
-    _positive(self, "algo", "eps_low", "eps_high", "kl_coef", allow_zero=True)
+    _positive(self, "algo", "kl_coef", "norm_length", "overlong_buffer", "overlong_penalty", allow_zero=True)
     _one_of(self, "algo", "kl_estimator", ("k1", "k2", "k3"))
     _one_of(self, "algo", "is_mode", ("none", "tis", "mis"))
     _one_of(self, "algo", "is_level", ("token", "sequence"))
@@ -221,6 +227,7 @@ class LogSection:
   every_steps: int = 1
   tensorboard: bool = True
   progress_bar: bool = True
+  trace: bool = False
 
   def __post_init__(self):
     _positive(self, "log", "every_steps")

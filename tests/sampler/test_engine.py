@@ -93,18 +93,20 @@ def test_no_recompilation_after_warmup():
                                                 max_concurrent_decodes=4, steps_per_call=3, attend_bucket=16))
   params = engine.load_params()
   cfg = engine.config
-  assert cfg.prefill_buckets == (16, 32)
-  # Warm-up: one prompt alone per prefill bucket (short to long), decoded to the end, which
-  # visits every attention window it can need.
-  for length in (1, 17, 32):
-    _decode_all(engine, params, [np.arange(1, length + 1, dtype=np.int32)])
-  after = dict(engine.trace_counts)
-  assert after["prefill"] == len(cfg.prefill_buckets)
-  assert cfg.attend_windows == (16, 32, 48)
-  assert after["generate"] == after["resize"] == len(cfg.attend_windows)
-  for seed in range(3):
-    _decode_all(engine, params, random_prompts(4, lengths=(1, 2, 5, 8, 11, 16, 13, 3, 31, 20), seed=seed))
-  assert engine.trace_counts == after
+  assert cfg.prefill_buckets == (16, 32) and cfg.attend_windows == (16, 32, 48)
+  lengths = (1, 2, 5, 8, 11, 16, 13, 3, 31, 20, 17, 32)
+  _decode_all(engine, params, random_prompts(4, lengths=lengths, seed=0))  # warm-up
+  warm = dict(engine.trace_counts)
+  _decode_all(engine, params, random_prompts(4, lengths=lengths, seed=100))  # new ids, same lengths
+  assert engine.trace_counts == warm
+  # Many prompts of other lengths: compilations stay within the buckets (one decode program per
+  # window, at most two resize programs per window, one prefill per bucket).
+  for seed in range(1, 5):
+    _decode_all(engine, params, random_prompts(4, lengths=lengths[seed:] + lengths[:seed], seed=seed))
+  n_win, n_pre = len(cfg.attend_windows), len(cfg.prefill_buckets)
+  counts = engine.trace_counts
+  assert counts["generate"] <= n_win and counts["prefill"] <= n_pre
+  assert counts["resize"] <= 2 * n_win and counts["insert"] <= n_pre * n_win
 
 
 def _fresh_model():

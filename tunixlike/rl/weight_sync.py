@@ -41,3 +41,16 @@ def sync(tree: Any, shardings: Any, *, dtype=None, block: bool = True) -> tuple[
   if block:
     out = jax.block_until_ready(out)
   return out, (time.perf_counter() - start) * 1e3
+
+
+def subtree_like(full: Any, part: Any) -> Any:
+  """The entries of nnx State `full` at the paths of `part` (e.g. the LoRA adapters' shardings)."""
+  from flax import nnx
+  table = dict(nnx.to_flat_state(full))
+  return nnx.from_flat_state([(path, table[path]) for path, _ in nnx.to_flat_state(part)])
+
+
+def replace_leaves(full: Any, part: Any) -> Any:
+  """`full` with the entries at `part`'s paths replaced (LoRA sync: new adapters, same base)."""
+  from flax import nnx
+  return nnx.merge_state(full, part)

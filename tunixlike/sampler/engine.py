@@ -270,13 +270,24 @@ class Engine:
     return decode_state.arrays["cache"].max_len
 
   def _resize(self, decode_state: DecodeState, window: int) -> DecodeState:
-    """Grows (zero-padded) or shrinks the cache to `window` positions; live slots fit in it."""
-    fn = self._resize_fns.get(window)
-    if fn is None:
-      fn = self._resize_fns[window] = jax.jit(
-          functools.partial(self._resize_impl, window=window), donate_argnums=(0,),
-          out_shardings=self._state_shardings(window))
-    return dataclasses.replace(decode_state, arrays=fn(decode_state.arrays))
+    """Moves the cache size toward `window`: grows all the way (zero-padded), shrinks one bucket.
+
+    Every resize changes the size by exactly one bucket, so there are at most two resize programs
+    per window size; shrinking lazily (a bucket per generate call) costs a few steps at a wider
+    window after a long sequence ends, instead of a program per (old, new) pair.
+    """
+    step = self.config.attend_bucket
+    current = self._window(decode_state)
+    targets = range(current + step, window + 1, step) if window > current else [current - step]
+    arrays = decode_state.arrays
+    for target in targets:
+      fn = self._resize_fns.get(target)
+      if fn is None:
+        fn = self._resize_fns[target] = jax.jit(
+            functools.partial(self._resize_impl, window=target), donate_argnums=(0,),
+            out_shardings=self._state_shardings(self.config.cache_length))
+      arrays = fn(arrays)
+    return dataclasses.replace(decode_state, arrays=arrays)
 
   def _resize_impl(self, arrays, *, window):
     self.trace_counts["resize"] += 1

@@ -1,0 +1,50 @@
+"""Held-out evaluation with the sampler: greedy (or sampled) completions scored by a 0/1 verifier.
+
+`reward` is the task's correctness reward alone (exact match, GSM8K answer check), not the shaped
+training reward: accuracy = mean score over all completions; pass@k = fraction of prompts with at
+least one correct completion among its k samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from tunixlike.rewards.groups import score_groups
+from tunixlike.rollout import RolloutGroup
+from tunixlike.sampler.config import SamplerConfig
+from tunixlike.sampler.driver import PromptRequest, RolloutDriver
+from tunixlike.sampler.engine import Engine
+
+
+def eval_sampler_config(train: SamplerConfig, *, samples: int = 1, temperature: float = 0.0) -> SamplerConfig:
+  """The training sampler's settings with greedy decoding (or `temperature`) and `samples` per prompt."""
+  return dataclasses.replace(train, temperature=temperature, top_k=0, top_p=1.0, group_size=samples,
+                             record_sampling_mask=False)
+
+
+def generate(engine: Engine, params, requests: Sequence[PromptRequest], *, version: int = 0,
+             detokenize: Callable | None = None, max_wall_s: float = 600.0) -> list[RolloutGroup]:
+  """Runs the driver synchronously over `requests`; returns groups in request order."""
+  groups: list[RolloutGroup] = []
+  driver = RolloutDriver(engine, params, source=iter(requests), sink=groups.append, version=version,
+                         detokenize=detokenize)
+  driver.run(max_wall_s=max_wall_s)
+  order = {r.prompt_id: i for i, r in enumerate(requests)}
+  return sorted(groups, key=lambda g: order[g.prompt_id])
+
+
+def evaluate(engine: Engine, params, requests: Sequence[PromptRequest], reward, tokenizer, *,
+             version: int = 0) -> dict[str, Any]:
+  """Accuracy (and pass@k when the engine samples k > 1 per prompt) on `requests`."""
+  groups = generate(engine, params, requests, version=version, detokenize=tokenizer.decode)
+  score_groups(reward, groups, tokenizer=tokenizer)
+  correct_ng = np.stack([g.rewards for g in groups]) >= 0.5
+  k = correct_ng.shape[1]
+  out = {"eval/accuracy": float(correct_ng.mean()), "eval/num_prompts": len(groups),
+         "eval/mean_completion_tokens": float(np.mean([c.num_tokens for g in groups for c in g.completions]))}
+  if k > 1:
+    out[f"eval/pass@{k}"] = float(correct_ng.any(axis=1).mean())
+  return out

@@ -1,0 +1,243 @@
+"""`run(config, workdir)`: builds meshes, task, model, learner, sampler and runtime from the typed
+config, then warm start -> eval -> async RL -> eval, with metrics, TensorBoard, trace and a plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tunixlike import mesh as mesh_lib
+from tunixlike import metrics as metrics_lib
+from tunixlike import models, rewards, trace as trace_lib
+from tunixlike.config import Config
+from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokenizer_lib
+from tunixlike.learner.batch import assemble_batch
+from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
+from tunixlike.learner.train_step import Learner
+from tunixlike.models import lora as lora_lib
+from tunixlike.rl import evaluate as eval_lib, warm_start as warm_start_lib, weight_sync
+from tunixlike.rl.runtime import AsyncRuntime, RuntimeConfig
+from tunixlike.rollout import RolloutGroup
+from tunixlike.sampler.config import SamplerConfig
+from tunixlike.sampler.driver import PromptRequest, RolloutDriver
+from tunixlike.sampler.engine import Engine
+
+log = logging.getLogger("tunixlike")
+
+
+# ---- building blocks ----------------------------------------------------------------------------
+def build_task(cfg: Config):
+  """(tokenizer, task): a character tokenizer for built-in tasks, the model's own for HF models."""
+  if cfg.model.hf_path:
+    tok = tokenizer_lib.load(cfg.model.hf_path)
+  else:
+    tok = char_tokenizer.build()
+  kwargs = {"digits": cfg.data.digits} if cfg.data.task == "addition" else {}
+  if cfg.data.task == "gsm8k":
+    kwargs = {"path": cfg.data.path}
+  return tok, tasks.get(cfg.data.task, **kwargs)
+
+
+def build_model(cfg: Config, tok, mesh) -> nnx.Module:
+  m = cfg.model
+  if m.hf_path:
+    return models.hf.from_pretrained(m.hf_path, mesh=mesh, rules=mesh_lib.LEARNER_RULES, dtype=m.param_dtype)
+  model_cfg = models.ModelConfig(
+      vocab_size=tok.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
+      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, intermediate_size=m.intermediate_size,
+      rope_theta=m.rope_theta, rms_norm_eps=m.rms_norm_eps, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm,
+      tie_embeddings=m.tie_embeddings, param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat)
+  return models.create_sharded(model_cfg, mesh, mesh_lib.LEARNER_RULES, seed=cfg.seed)
+
+
+def learner_config(cfg: Config) -> LearnerConfig:
+  a, o = cfg.algo, cfg.optim
+  algo = AlgoConfig(advantage=a.advantage, loss=a.loss, aggregation=a.aggregation, eps_low=a.eps_low,
+                    eps_high=a.eps_high, norm_length=a.norm_length, kl_coef=a.kl_coef,
+                    kl_estimator=a.kl_estimator, decoupled=a.decoupled, is_mode=a.is_mode, is_level=a.is_level,
+                    is_cap=a.is_cap, is_low=a.is_low, is_high=a.is_high)
+  optim = OptimConfig(learning_rate=o.learning_rate, warmup_steps=o.warmup_steps, schedule=o.schedule,
+                      total_steps=cfg.rl.num_steps, grad_clip=o.grad_clip, weight_decay=o.weight_decay,
+                      b1=o.b1, b2=o.b2, micro_batches=o.micro_batches)
+  return LearnerConfig(algo=algo, optim=optim)
+
+
+def sampler_config(cfg: Config, tok) -> SamplerConfig:
+  s = cfg.sampler
+  return SamplerConfig(max_concurrent_decodes=s.max_concurrent_decodes, max_prefill_length=s.max_prefill_length,
+                       max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                       eos_ids=tuple(tok.stop_ids), stop_strings=tuple(s.stop_strings),
+                       steps_per_call=s.steps_per_call, record_sampling_mask=s.record_sampling_mask,
+                       group_size=cfg.algo.group_size, attend_bucket=s.attend_bucket, seed=cfg.seed)
+
+
+class PromptStream:
+  """Prompt records -> PromptRequests for the driver, numbered in the order they are handed out.
+
+  `stream_index` orders a batch deterministically whatever order rewards finish in; `position` is
+  what a checkpoint stores to resume the data exactly.
+  """
+
+  def __init__(self, records: Iterator[dict], start_index: int = 0):
+    self._records = records
+    self._lock = threading.Lock()
+    self.position = start_index
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> PromptRequest:
+    with self._lock:
+      r = next(self._records)
+      index, self.position = self.position, self.position + 1
+    columns = {k: v for k, v in r.items() if k not in ("prompt_token_ids", "prompt_text", "id", "prompt")}
+    columns["stream_index"] = index
+    return PromptRequest(prompt_id=r["id"], token_ids=np.asarray(r["prompt_token_ids"], np.int32),
+                         columns=columns, prompt_text=r["prompt_text"])
+
+
+def requests_for(records) -> list[PromptRequest]:
+  return [PromptRequest(prompt_id=r["id"], token_ids=np.asarray(r["prompt_token_ids"], np.int32),
+                        columns={"answer": r["answer"]}, prompt_text=r["prompt_text"]) for r in records]
+
+
+class PolicyLearner:
+  """The runtime's view of the learner: train on groups, hand weights to the sampler."""
+
+  def __init__(self, learner: Learner, engine: Engine, cfg: Config, pad_id: int, *, tracer=trace_lib.NULL_TRACER):
+    self.learner, self.engine, self.cfg, self.pad_id, self.tracer = learner, engine, cfg, pad_id, tracer
+    self.version = 0
+    self.num_rows = cfg.rl.prompts_per_step * cfg.algo.group_size
+    longest = cfg.sampler.max_prefill_length + cfg.sampler.max_new_tokens
+    self.seq_buckets = tuple(sorted({min(b, longest) for b in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
+                                    | {longest}))
+    self._rng = jax.random.PRNGKey(cfg.seed)
+    self.lora = learner.lora
+    self._sampler_params = None  # LoRA sync keeps the sampler's base weights and swaps adapters only
+
+  def train(self, groups: list[RolloutGroup]) -> dict[str, float]:
+    a = self.cfg.algo
+    batch = assemble_batch(groups, num_rows=self.num_rows, seq_buckets=self.seq_buckets, advantage=a.advantage,
+                           pad_id=self.pad_id, overlong_max_length=self.cfg.sampler.max_new_tokens,
+                           overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty)
+    with self.tracer.span("train_step", cat="learner", version=self.version):
+      placed = self.learner.put_batch(batch)
+      rng = jax.random.fold_in(self._rng, self.version)
+      self.learner.state, metrics = self.learner.train_step(self.learner.state, placed, rng)
+      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if not metrics.get("nonfinite", 0.0):
+      self.version += 1
+    metrics["skipped"] = metrics.get("nonfinite", 0.0)
+    return metrics
+
+  def full_params(self) -> nnx.State:
+    return nnx.split(self.learner.model(self.learner.state))[1]
+
+  def sampler_weights(self) -> tuple[Any, float]:
+    with self.tracer.span("weight_sync", cat="sync", version=self.version, lora=self.lora):
+      if not self.lora or self._sampler_params is None:
+        params, ms = weight_sync.sync(self.full_params(), self.engine.param_shardings, dtype=self.cfg.rl.sync_dtype)
+      else:
+        adapters = self.learner.state.params
+        shardings = weight_sync.subtree_like(self.engine.param_shardings, adapters)
+        synced, ms = weight_sync.sync(adapters, shardings, dtype=self.cfg.rl.sync_dtype)
+        params = weight_sync.replace_leaves(self._sampler_params, synced)
+      self._sampler_params = params
+    return params, ms
+
+
+# ---- the run -------------------------------------------------------------------------------------
+def run(cfg: Config, workdir: str) -> dict[str, Any]:
+  os.makedirs(workdir, exist_ok=True)
+  meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices, cfg.mesh.sampler_tensor,
+                                cfg.mesh.learner_tensor)
+  tok, task = build_task(cfg)
+  tracer = trace_lib.Tracer(os.path.join(workdir, "trace.json") if cfg.log.trace else None)
+  logger = metrics_lib.MetricsLogger(workdir, total_steps=cfg.rl.num_steps, tensorboard=cfg.log.tensorboard,
+                                     progress_bar=cfg.log.progress_bar)
+  say = logger.info
+  model = build_model(cfg, tok, meshes.learner)
+  say(f"tunixlike: task {cfg.data.task}, model {sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))):,} "
+      f"params, sampler {dict(meshes.sampler.shape)}, learner {dict(meshes.learner.shape)}")
+
+  pipe_cfg = pipeline.PipelineConfig(seed=cfg.data.shuffle_seed, shard_index=jax.process_index(),
+                                     shard_count=jax.process_count(), max_prompt_tokens=cfg.data.max_prompt_length)
+  train_pipe = pipeline.from_task(task, tok, split="train", config=pipe_cfg)
+  eval_pipe = pipeline.from_task(task, tok, split="test", size=None,
+                                 config=dataclasses.replace(pipe_cfg, shuffle=False, num_epochs=1))
+  eval_records = list(itertools.islice(iter(eval_pipe), cfg.data.num_eval_examples))
+  if train_pipe.num_filtered:
+    say(f"data: {train_pipe.num_filtered} train prompts longer than data.max_prompt_length dropped")
+
+  # Supervised warm start (synthetic tasks: we know the answers).
+  if cfg.warm_start.max_steps:
+    w = cfg.warm_start
+    source = task.source("train")
+    records = (source[i % len(source)] for i in itertools.count(cfg.seed * 7919))
+    length = cfg.data.max_prompt_length + cfg.sampler.max_new_tokens
+    summary = warm_start_lib.warm_start(
+        model, records, eval_records, tok,
+        warm_start_lib.WarmStartConfig(max_steps=w.max_steps, batch_size=w.batch_size, learning_rate=w.learning_rate,
+                                       target_accuracy=w.target_accuracy, eval_every=w.eval_every),
+        mesh=meshes.learner, length=length, log=say)
+    logger.write(0, summary, advance=False)
+
+  if cfg.lora.rank:
+    model = lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha,
+                                                           targets=tuple(cfg.lora.targets)),
+                                seed=cfg.seed, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES)
+  learner = Learner(model, learner_config(cfg), mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES)
+  s_cfg = sampler_config(cfg, tok)
+  engine = Engine(model, s_cfg, mesh=meshes.sampler)
+  eval_engine = Engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=meshes.sampler)
+  policy = PolicyLearner(learner, engine, cfg, tok.pad_id, tracer=tracer)
+  correctness = rewards.CombinedReward([task.default_rewards[0]], timeout_s=cfg.rl.reward_timeout_s)
+  train_reward = rewards.CombinedReward(list(task.default_rewards), timeout_s=cfg.rl.reward_timeout_s)
+  eval_requests = requests_for(eval_records)
+
+  def run_eval(step: int) -> float:
+    params, _ = policy.sampler_weights()
+    with tracer.span("eval", cat="eval", step=step):
+      out = eval_lib.evaluate(eval_engine, params, eval_requests, correctness, tok, version=policy.version)
+    logger.write(step, out, advance=False)
+    say(f"eval at step {step}: accuracy {out['eval/accuracy']:.3f} on {out['eval/num_prompts']} held-out prompts")
+    return out["eval/accuracy"]
+
+  acc_before = run_eval(0)
+  stream = PromptStream(iter(train_pipe))
+  params, _ = policy.sampler_weights()
+
+  def driver_factory(sink, may_start_group):
+    return RolloutDriver(engine, params, source=stream, sink=sink, version=policy.version,
+                         may_start_group=may_start_group, detokenize=tok.decode)
+
+  def score(group: RolloutGroup):
+    with tracer.span("reward", cat="reward", prompt=str(group.prompt_id)):
+      rewards.score_groups(train_reward, [group], tokenizer=tok)
+
+  r = cfg.rl
+  runtime = AsyncRuntime(
+      RuntimeConfig(num_steps=r.num_steps, prompts_per_step=r.prompts_per_step, max_staleness=r.max_staleness,
+                    sync_mode=r.sync_mode, reward_workers=r.reward_workers, max_nonfinite_steps=r.max_nonfinite_steps,
+                    wait_timeout_s=r.wait_timeout_s, dynamic_sampling=cfg.algo.dynamic_sampling),
+      driver_factory=driver_factory, learner=policy, score=score,
+      log=lambda step, m: logger.write(step, m))
+  try:
+    summary = runtime.run()
+  finally:
+    tracer.close()
+  acc_after = run_eval(policy.version)
+  say(f"held-out accuracy {acc_before:.3f} -> {acc_after:.3f} ({100 * (acc_after - acc_before):+.1f} points) "
+      f"in {logger.elapsed_s:.0f} s")
+  logger.close()
+  plot = metrics_lib.plot(logger.path, os.path.join(workdir, "reward.png"))
+  return {**summary, "eval/accuracy_before": acc_before, "eval/accuracy_after": acc_after, "plot": plot,
+          "wall_s_total": logger.elapsed_s}
