@@ -103,9 +103,22 @@ class AsyncRuntime:
     if self._errors:
       raise self._errors[0]
 
+  def _step_sampler_inline(self, deadline: float):
+    """Sync mode without a sampler thread: decode in this thread until a batch is ready."""
+    while self.queue.depth() < self.cfg.prompts_per_step:
+      self._check()
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"sync mode: no full batch within rl.wait_timeout_s={self.cfg.wait_timeout_s}")
+      if not self.driver.step():
+        time.sleep(0.001)  # everything decoded; rewards still being scored
+
   # ---- learner side (main thread) -------------------------------------------------------------
-  def run(self) -> dict[str, float]:
+  def run(self, *, threaded: bool = True) -> dict[str, float]:
+    """`threaded=False` steps the sampler in this thread (needs max_staleness=0): the reference
+    synchronous loop that the threaded runtime at staleness 0 must reproduce exactly."""
     cfg = self.cfg
+    if not threaded and cfg.max_staleness != 0:
+      raise ValueError("run(threaded=False) is the synchronous loop: it needs max_staleness=0")
     keep = _has_variance if cfg.dynamic_sampling else None
     start_version = self.learner.version
     t_start = time.monotonic()
@@ -113,11 +126,14 @@ class AsyncRuntime:
     busy_before = self.driver.stats.busy_time_s
     nonfinite_in_a_row = 0
     last: dict[str, float] = {}
-    self.driver.start()
+    if threaded:
+      self.driver.start()
     try:
       for _ in range(cfg.num_steps):
         self._check()
         t0 = time.monotonic()
+        if not threaded:
+          self._step_sampler_inline(t0 + cfg.wait_timeout_s)
         groups = self.queue.get_batch(self.learner.version, cfg.wait_timeout_s, keep=keep)
         self._check()
         wait_s = time.monotonic() - t0

@@ -155,88 +155,133 @@ class PolicyLearner:
 
 
 # ---- the run -------------------------------------------------------------------------------------
-def run(cfg: Config, workdir: str) -> dict[str, Any]:
-  os.makedirs(workdir, exist_ok=True)
+@dataclasses.dataclass
+class Parts:
+  """Everything a run is made of (tests and notebooks build these and drive them directly)."""
+
+  cfg: Config
+  meshes: mesh_lib.Meshes
+  tok: Any
+  task: Any
+  model: nnx.Module
+  train_pipe: Any
+  eval_records: list
+  tracer: Any
+  say: Any = print
+  policy: PolicyLearner | None = None
+  engine: Engine | None = None
+  eval_engine: Engine | None = None
+  train_reward: Any = None
+  correctness: Any = None
+
+
+def build(cfg: Config, workdir: str | None = None, say=print) -> Parts:
+  """Meshes, tokenizer, task, data and the (not yet warm-started) model on the learner submesh."""
   meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices, cfg.mesh.sampler_tensor,
                                 cfg.mesh.learner_tensor)
   tok, task = build_task(cfg)
-  tracer = trace_lib.Tracer(os.path.join(workdir, "trace.json") if cfg.log.trace else None)
-  logger = metrics_lib.MetricsLogger(workdir, total_steps=cfg.rl.num_steps, tensorboard=cfg.log.tensorboard,
-                                     progress_bar=cfg.log.progress_bar)
-  say = logger.info
+  tracer = trace_lib.Tracer(os.path.join(workdir, "trace.json") if cfg.log.trace and workdir else None)
   model = build_model(cfg, tok, meshes.learner)
-  say(f"tunixlike: task {cfg.data.task}, model {sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))):,} "
-      f"params, sampler {dict(meshes.sampler.shape)}, learner {dict(meshes.learner.shape)}")
-
   pipe_cfg = pipeline.PipelineConfig(seed=cfg.data.shuffle_seed, shard_index=jax.process_index(),
                                      shard_count=jax.process_count(), max_prompt_tokens=cfg.data.max_prompt_length)
   train_pipe = pipeline.from_task(task, tok, split="train", config=pipe_cfg)
-  eval_pipe = pipeline.from_task(task, tok, split="test", size=None,
-                                 config=dataclasses.replace(pipe_cfg, shuffle=False, num_epochs=1))
+  eval_pipe = pipeline.from_task(task, tok, split="test", config=dataclasses.replace(pipe_cfg, shuffle=False,
+                                                                                      num_epochs=1))
   eval_records = list(itertools.islice(iter(eval_pipe), cfg.data.num_eval_examples))
   if train_pipe.num_filtered:
     say(f"data: {train_pipe.num_filtered} train prompts longer than data.max_prompt_length dropped")
+  return Parts(cfg, meshes, tok, task, model, train_pipe, eval_records, tracer, say)
 
-  # Supervised warm start (synthetic tasks: we know the answers).
-  if cfg.warm_start.max_steps:
-    w = cfg.warm_start
-    source = task.source("train")
-    records = (source[i % len(source)] for i in itertools.count(cfg.seed * 7919))
-    length = cfg.data.max_prompt_length + cfg.sampler.max_new_tokens
-    summary = warm_start_lib.warm_start(
-        model, records, eval_records, tok,
-        warm_start_lib.WarmStartConfig(max_steps=w.max_steps, batch_size=w.batch_size, learning_rate=w.learning_rate,
-                                       target_accuracy=w.target_accuracy, eval_every=w.eval_every),
-        mesh=meshes.learner, length=length, log=say)
-    logger.write(0, summary, advance=False)
 
+def warm_start(parts: Parts) -> dict[str, float]:
+  """Supervised warm start of `parts.model` (synthetic tasks: the answers are known)."""
+  cfg, w = parts.cfg, parts.cfg.warm_start
+  source = parts.task.source("train")
+  records = (source[i % len(source)] for i in itertools.count(cfg.seed * 7919))
+  return warm_start_lib.warm_start(
+      parts.model, records, parts.eval_records, parts.tok,
+      warm_start_lib.WarmStartConfig(max_steps=w.max_steps, batch_size=w.batch_size, learning_rate=w.learning_rate,
+                                     target_accuracy=w.target_accuracy, eval_every=w.eval_every),
+      mesh=parts.meshes.learner, length=cfg.data.max_prompt_length + cfg.sampler.max_new_tokens, log=parts.say)
+
+
+def build_rl(parts: Parts) -> Parts:
+  """LoRA (if configured), the learner, the sampler engines and the rewards."""
+  cfg, tok, task = parts.cfg, parts.tok, parts.task
+  model = parts.model
   if cfg.lora.rank:
     model = lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha,
                                                            targets=tuple(cfg.lora.targets)),
-                                seed=cfg.seed, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES)
-  learner = Learner(model, learner_config(cfg), mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES)
+                                seed=cfg.seed, mesh=parts.meshes.learner, rules=mesh_lib.LEARNER_RULES)
+  learner = Learner(model, learner_config(cfg), mesh=parts.meshes.learner, rules=mesh_lib.LEARNER_RULES)
   s_cfg = sampler_config(cfg, tok)
-  engine = Engine(model, s_cfg, mesh=meshes.sampler)
-  eval_engine = Engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=meshes.sampler)
-  policy = PolicyLearner(learner, engine, cfg, tok.pad_id, tracer=tracer)
-  correctness = rewards.CombinedReward([task.default_rewards[0]], timeout_s=cfg.rl.reward_timeout_s)
-  train_reward = rewards.CombinedReward(list(task.default_rewards), timeout_s=cfg.rl.reward_timeout_s)
-  eval_requests = requests_for(eval_records)
+  parts.engine = Engine(model, s_cfg, mesh=parts.meshes.sampler)
+  parts.eval_engine = Engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=parts.meshes.sampler)
+  parts.policy = PolicyLearner(learner, parts.engine, cfg, tok.pad_id, tracer=parts.tracer)
+  parts.correctness = rewards.CombinedReward([task.default_rewards[0]], timeout_s=cfg.rl.reward_timeout_s)
+  parts.train_reward = rewards.CombinedReward(list(task.default_rewards), timeout_s=cfg.rl.reward_timeout_s)
+  return parts
 
-  def run_eval(step: int) -> float:
-    params, _ = policy.sampler_weights()
-    with tracer.span("eval", cat="eval", step=step):
-      out = eval_lib.evaluate(eval_engine, params, eval_requests, correctness, tok, version=policy.version)
-    logger.write(step, out, advance=False)
-    say(f"eval at step {step}: accuracy {out['eval/accuracy']:.3f} on {out['eval/num_prompts']} held-out prompts")
-    return out["eval/accuracy"]
 
-  acc_before = run_eval(0)
-  stream = PromptStream(iter(train_pipe))
-  params, _ = policy.sampler_weights()
+def evaluate(parts: Parts) -> dict[str, Any]:
+  params, _ = parts.policy.sampler_weights()
+  with parts.tracer.span("eval", cat="eval", version=parts.policy.version):
+    return eval_lib.evaluate(parts.eval_engine, params, requests_for(parts.eval_records), parts.correctness,
+                             parts.tok, version=parts.policy.version)
+
+
+def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None) -> AsyncRuntime:
+  cfg, tok, tracer = parts.cfg, parts.tok, parts.tracer
+  params, _ = parts.policy.sampler_weights()
 
   def driver_factory(sink, may_start_group):
-    return RolloutDriver(engine, params, source=stream, sink=sink, version=policy.version,
+    return RolloutDriver(parts.engine, params, source=stream, sink=sink, version=parts.policy.version,
                          may_start_group=may_start_group, detokenize=tok.decode)
+
+  primary = f"rewards/{parts.task.default_rewards[0]}"
 
   def score(group: RolloutGroup):
     with tracer.span("reward", cat="reward", prompt=str(group.prompt_id)):
-      rewards.score_groups(train_reward, [group], tokenizer=tok)
+      rewards.score_groups(parts.train_reward, [group], tokenizer=tok)
+      group.reward_metrics["accuracy"] = group.reward_metrics[primary]
 
   r = cfg.rl
-  runtime = AsyncRuntime(
+  return AsyncRuntime(
       RuntimeConfig(num_steps=r.num_steps, prompts_per_step=r.prompts_per_step, max_staleness=r.max_staleness,
                     sync_mode=r.sync_mode, reward_workers=r.reward_workers, max_nonfinite_steps=r.max_nonfinite_steps,
                     wait_timeout_s=r.wait_timeout_s, dynamic_sampling=cfg.algo.dynamic_sampling),
-      driver_factory=driver_factory, learner=policy, score=score,
-      log=lambda step, m: logger.write(step, m))
+      driver_factory=driver_factory, learner=parts.policy, score=score, log=log)
+
+
+def run(cfg: Config, workdir: str) -> dict[str, Any]:
+  os.makedirs(workdir, exist_ok=True)
+  logger = metrics_lib.MetricsLogger(workdir, total_steps=cfg.rl.num_steps, tensorboard=cfg.log.tensorboard,
+                                     progress_bar=cfg.log.progress_bar)
+  say = logger.info
+  parts = build(cfg, workdir, say=say)
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(parts.model, nnx.Param)))
+  say(f"tunixlike: task {cfg.data.task}, {n_params:,} params, sampler {dict(parts.meshes.sampler.shape)}, "
+      f"learner {dict(parts.meshes.learner.shape)}")
+  if cfg.warm_start.max_steps:
+    logger.write(0, warm_start(parts), advance=False)
+  build_rl(parts)
+
+  def run_eval() -> float:
+    out = evaluate(parts)
+    logger.write(parts.policy.version, out, advance=False)
+    say(f"eval at step {parts.policy.version}: accuracy {out['eval/accuracy']:.3f} on "
+        f"{out['eval/num_prompts']} held-out prompts")
+    return out["eval/accuracy"]
+
+  acc_before = run_eval()
+  runtime = make_runtime(parts, PromptStream(iter(parts.train_pipe)), log=logger.write)
   try:
     summary = runtime.run()
   finally:
-    tracer.close()
-  acc_after = run_eval(policy.version)
+    parts.tracer.close()
+  acc_after = run_eval()
   say(f"held-out accuracy {acc_before:.3f} -> {acc_after:.3f} ({100 * (acc_after - acc_before):+.1f} points) "
-      f"in {logger.elapsed_s:.0f} s")
+      f"in {logger.elapsed_s:.0f} s; metrics in {logger.path}")
   logger.close()
   plot = metrics_lib.plot(logger.path, os.path.join(workdir, "reward.png"))
   return {**summary, "eval/accuracy_before": acc_before, "eval/accuracy_after": acc_after, "plot": plot,

@@ -284,7 +284,7 @@ class Engine:
       fn = self._resize_fns.get(target)
       if fn is None:
         fn = self._resize_fns[target] = jax.jit(
-            functools.partial(self._resize_impl, window=target), donate_argnums=(0,),
+            functools.partial(self._resize_impl, window=target),  # new shape: nothing to donate
             out_shardings=self._state_shardings(self.config.cache_length))
       arrays = fn(arrays)
     return dataclasses.replace(decode_state, arrays=arrays)
