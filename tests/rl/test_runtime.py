@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from configs import addition_grpo
-from tunixlike import config as config_lib
+from tunixlike import config as config_lib, rewards
 from tunixlike.rl import trainer
 
 
@@ -42,8 +42,14 @@ def test_async_at_staleness_zero_equals_the_synchronous_loop():
 def test_staleness_bound_holds_and_weights_reach_the_sampler():
   cfg = tiny_config(max_staleness=1)
   initial = {}
-  records, parts = run_steps(cfg, threaded=True,
-                             before=lambda p: initial.update(w=jax.device_get(p.policy.full_params())))
+
+  def before(parts):
+    initial["w"] = jax.device_get(parts.policy.full_params())
+    # A random model never adds correctly; reward stopping (a real registered reward) so that
+    # groups have variance and the weights move.
+    parts.train_reward = rewards.CombinedReward(["stopped"])
+
+  records, parts = run_steps(cfg, threaded=True, before=before)
   assert all(m["staleness/max"] <= 1 for _, m in records)
   assert all(m["sync/ms"] > 0 for _, m in records)
   assert parts.policy.version == 3
@@ -58,3 +64,12 @@ def test_staleness_bound_holds_and_weights_reach_the_sampler():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     changed += not np.array_equal(np.asarray(a), c)
   assert changed > 0
+
+
+@pytest.mark.slow
+def test_an_error_in_the_reward_thread_surfaces_with_its_original_type():
+  def before(parts):
+    parts.train_reward = None  # scoring now raises TypeError inside the reward pool
+
+  with pytest.raises(TypeError):
+    run_steps(tiny_config(max_staleness=1), threaded=True, before=before)

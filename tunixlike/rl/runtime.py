@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from tunixlike.rl.queue import RolloutQueue
+from tunixlike.rl.queue import RolloutQueue, Stopped
 from tunixlike.rollout import RolloutGroup
 
 
@@ -174,6 +174,9 @@ class AsyncRuntime:
         self._log(version, metrics)
         self._on_step(self.learner.version)
         last = metrics
+    except Stopped:
+      self._check()  # the original error of the thread that stopped the run
+      raise
     finally:
       self.stop_event.set()
       self.driver.stop(timeout_s=cfg.wait_timeout_s)

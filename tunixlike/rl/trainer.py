@@ -243,7 +243,8 @@ def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None) -
   def score(group: RolloutGroup):
     with tracer.span("reward", cat="reward", prompt=str(group.prompt_id)):
       rewards.score_groups(parts.train_reward, [group], tokenizer=tok)
-      group.reward_metrics["accuracy"] = group.reward_metrics[primary]
+      if primary in group.reward_metrics:
+        group.reward_metrics["accuracy"] = group.reward_metrics[primary]
 
   r = cfg.rl
   return AsyncRuntime(

@@ -1,0 +1,289 @@
+"""Checkpointer: real orbax checkpoints of real Learner states on a 2x2 learner mesh."""
+
+import glob
+import logging
+import os
+import shutil
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from tunixlike import checkpoint as ckpt_lib
+from tunixlike import mesh as mesh_lib
+from tunixlike import models
+from tunixlike.learner import batch as batch_lib
+from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
+from tunixlike.learner.train_step import Learner
+from tunixlike.models import lora
+from tunixlike.rollout import Completion, RolloutGroup
+
+TINY = models.tiny_config(vocab_size=128, hidden_size=32, intermediate_size=64, head_dim=8)
+
+
+@pytest.fixture(scope="module")
+def mesh4():
+  return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tensor"))
+
+
+def make_learner(mesh, *, seed=0, cfg=TINY, lora_rank=0, kl_coef=0.1):
+  model = models.create_sharded(cfg, mesh, mesh_lib.LEARNER_RULES, seed=seed)
+  if lora_rank:
+    model = lora.apply_lora(model, lora.LoRAConfig(rank=lora_rank, alpha=8.0), seed=seed, mesh=mesh,
+                            rules=mesh_lib.LEARNER_RULES)
+  lcfg = LearnerConfig(algo=AlgoConfig(kl_coef=kl_coef), optim=OptimConfig(learning_rate=1e-2),
+                       logprob_chunk_size=8)
+  return Learner(model, lcfg, mesh=mesh, rules=mesh_lib.LEARNER_RULES)
+
+
+def host_batch(num_rows=8, seed=0, vocab=128):
+  rng = np.random.default_rng(seed)
+  groups = []
+  for gi in range(num_rows // 4):
+    comps = []
+    for _ in range(4):
+      n = int(rng.integers(2, 9))
+      comps.append(Completion(rng.integers(1, vocab, size=n).astype(np.int32),
+                              (-4.8 + 0.3 * rng.normal(size=n)).astype(np.float32), np.zeros(n, np.int32), "eos"))
+    groups.append(RolloutGroup(prompt_id=gi, prompt_token_ids=rng.integers(1, vocab, size=3).astype(np.int32),
+                               completions=comps, rewards=rng.integers(0, 2, size=4).astype(np.float32)))
+  return batch_lib.assemble_batch(groups, num_rows=num_rows, seq_buckets=(16,), advantage="grpo")
+
+
+def meta_for(step):
+  return {"policy_version": step, "rng_key": [0, 42], "data_position": 16 * step,
+          "counters": {"dropped": 1, "wall_s": 12.5}, "in_flight": ["p17", "p18"], "config": {"seed": 0}}
+
+
+def host_copy(tree):
+  return jax.tree.map(lambda x: np.array(jax.device_get(x)), tree)
+
+
+def assert_restored(restored, want_host, target):
+  """Every leaf equal to the saved values, with the target's sharding and dtype."""
+  got = jax.tree_util.tree_leaves_with_path(restored)
+  want = jax.tree.leaves(want_host)
+  tgt = jax.tree.leaves(target)
+  assert len(got) == len(want) == len(tgt) > 0
+  for (path, g), w, t in zip(got, want, tgt):
+    where = jax.tree_util.keystr(path)
+    np.testing.assert_array_equal(np.asarray(g), w, err_msg=where)
+    assert g.sharding == t.sharding, where
+    assert g.dtype == t.dtype, where
+
+
+def test_async_save_then_donate_then_restore_exactly(mesh4, tmp_path):
+  learner = make_learner(mesh4)
+  state = learner.state
+  placed = learner.put_batch(host_batch())
+  state, _ = learner.train_step(state, placed, jax.random.key(0))  # non-zero Adam moments
+  saved_host = host_copy(state)
+  with ckpt_lib.Checkpointer(tmp_path / "ck", keep=2) as ck:
+    assert ck.latest_step() is None
+    t0 = time.monotonic()
+    assert ck.save(1, state, meta_for(1), force=True)
+    # The trainer donates the state to the next step right away: the save must not depend on it.
+    state, _ = learner.train_step(state, placed, jax.random.key(0))
+    assert state.step == 2
+    ck.wait()
+    assert time.monotonic() - t0 < 60
+  fresh = make_learner(mesh4, seed=7)  # different weights, same shapes and shardings
+  ck = ckpt_lib.Checkpointer(tmp_path / "ck")
+  assert ck.latest_step() == 1 and ck.all_steps() == [1]
+  target = ckpt_lib.abstract_like(fresh.state)
+  restored, meta = ck.restore(abstract_state=target)
+  assert meta == meta_for(1)
+  assert ck.read_meta(1) == meta_for(1)
+  assert isinstance(restored, type(fresh.state))
+  assert_restored(restored, saved_host, fresh.state)
+  assert restored.ref_params is not None and int(restored.step) == 1
+  # The restored state trains (right structure, shardings and donation) and matches the original run.
+  restored, m = fresh.train_step(restored, placed, jax.random.key(0))
+  np.testing.assert_array_equal(host_copy(restored.params["layers"][0]["attn"]["q_proj"]["kernel"][...]),
+                                host_copy(state.params["layers"][0]["attn"]["q_proj"]["kernel"][...]))
+  ck.close()
+
+
+def test_restore_reshards_onto_another_mesh(mesh4, tmp_path):
+  learner = make_learner(mesh4, kl_coef=0.0)
+  saved_host = host_copy(learner.state)
+  with ckpt_lib.Checkpointer(tmp_path) as ck:
+    ck.save(3, learner.state, meta_for(3), force=True)
+  other = Mesh(np.array(jax.devices()[4:8]).reshape(4, 1), ("fsdp", "tensor"))
+  target_learner = make_learner(other, seed=1, kl_coef=0.0)
+  with ckpt_lib.Checkpointer(tmp_path) as ck:
+    restored, _ = ck.restore(abstract_state=target_learner.state)  # the live state works as the target
+  assert_restored(restored, saved_host, target_learner.state)
+  kernel = restored.params["layers"][0]["mlp"]["up_proj"]["kernel"][...]
+  assert kernel.sharding.mesh.devices.tolist() == other.devices.tolist()
+
+
+def test_should_save_by_steps_and_time_and_keep(mesh4, tmp_path):
+  learner = make_learner(mesh4, kl_coef=0.0)
+  ck = ckpt_lib.Checkpointer(tmp_path, keep=2, save_every_steps=2)
+  assert [s for s in range(0, 7) if ck.should_save(s)] == [2, 4, 6]
+  saved = [s for s in range(1, 7) if ck.save(s, learner.state, meta_for(s))]
+  assert saved == [2, 4, 6]
+  assert not ck.save(6, learner.state, meta_for(6), force=True)  # already there
+  ck.wait()
+  assert ck.all_steps() == [4, 6]  # keep=2
+  assert sorted(os.listdir(tmp_path)) == ["4", "6"]
+  ck.close()
+
+  timed = ckpt_lib.Checkpointer(tmp_path / "t", save_every_seconds=0.3)
+  assert not timed.should_save(1)
+  time.sleep(0.35)
+  assert timed.should_save(1)
+  assert timed.save(1, learner.state, meta_for(1))
+  assert not timed.should_save(2)  # the clock restarts at each save
+  timed.close()
+
+  with pytest.raises(ValueError, match="keep=0"):
+    ckpt_lib.Checkpointer(tmp_path, keep=0)
+  with pytest.raises(ValueError, match="save_every_seconds=-1"):
+    ckpt_lib.Checkpointer(tmp_path, save_every_seconds=-1)
+
+
+def test_lora_saves_adapters_and_optimizer_without_frozen_base(mesh4, tmp_path):
+  learner = make_learner(mesh4, lora_rank=4)
+  state = learner.state
+  state, _ = learner.train_step(state, learner.put_batch(host_batch()), jax.random.key(0))
+  saved_host = host_copy(state)
+  with ckpt_lib.Checkpointer(tmp_path / "small", save_frozen=False) as ck:
+    ck.save(1, state, meta_for(1), force=True)
+  with ckpt_lib.Checkpointer(tmp_path / "full") as ck:
+    ck.save(1, state, meta_for(1), force=True)
+  size = lambda d: sum(os.path.getsize(f) for f in glob.glob(f"{d}/**", recursive=True) if os.path.isfile(f))
+  assert size(tmp_path / "small") < size(tmp_path / "full") / 2  # the base weights dominate
+
+  # Resume: the base weights come from the live model (as from hf_path), the adapters from disk.
+  fresh = make_learner(mesh4, seed=0, lora_rank=4)
+  fresh_frozen = fresh.state.frozen
+  with ckpt_lib.Checkpointer(tmp_path / "small", save_frozen=False) as ck:
+    restored, meta = ck.restore(abstract_state=fresh.state)
+    assert meta["in_flight"] == ["p17", "p18"]
+    assert restored.frozen is fresh_frozen
+    assert_restored(restored, saved_host, fresh.state)
+    assert all(isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(restored.params))
+    with pytest.raises(ckpt_lib.CheckpointError, match="save_frozen=False.*frozen/layers"):
+      ck.restore(abstract_state=ckpt_lib.abstract_like(fresh.state))
+
+
+def test_missing_directory_is_a_fresh_start(tmp_path):
+  missing = tmp_path / "nope"
+  ro = ckpt_lib.Checkpointer(missing, read_only=True)
+  assert ro.latest_step() is None and ro.all_steps() == []
+  assert not missing.exists()  # read-only never creates anything
+  with pytest.raises(ckpt_lib.CheckpointError, match=f"{missing}: no complete checkpoint"):
+    ro.restore(abstract_state={})
+  ck = ckpt_lib.Checkpointer(missing)
+  assert ck.latest_step() is None
+  ck.close()
+
+
+@pytest.fixture
+def two_steps(mesh4, tmp_path):
+  """Checkpoints at steps 1 and 2 (different params), the host copies and a restore target."""
+  learner = make_learner(mesh4, kl_coef=0.0)
+  state = learner.state
+  placed = learner.put_batch(host_batch())
+  saved = {}
+  with ckpt_lib.Checkpointer(tmp_path / "ck", keep=3) as ck:
+    for step in (1, 2):
+      state, _ = learner.train_step(state, placed, jax.random.key(0))
+      saved[step] = host_copy(state)
+      ck.save(step, state, meta_for(step), force=True)
+  return tmp_path / "ck", saved, learner.state if False else ckpt_lib.abstract_like(state)
+
+
+def test_interrupted_save_is_never_loaded(two_steps, caplog):
+  root, saved, target = two_steps
+  # A save killed mid-write leaves orbax's temporary directory behind (partly written) ...
+  shutil.copytree(root / "2", root / "3.orbax-checkpoint-tmp-1700000000")
+  for f in glob.glob(str(root / "3.orbax-checkpoint-tmp-1700000000" / "state" / "**" / "d" / "*"), recursive=True):
+    os.remove(f)
+  # ... and a listed step directory missing an item's metadata is not a checkpoint either.
+  shutil.copytree(root / "2", root / "4")
+  os.remove(root / "4" / "state" / "_METADATA")
+  with caplog.at_level(logging.WARNING, logger="tunixlike"):
+    ck = ckpt_lib.Checkpointer(root, read_only=True)
+    assert ck.latest_step() == 2 and ck.all_steps() == [1, 2]
+  assert f"ignoring incomplete checkpoint directory {root / '4'}" in caplog.text
+  restored, meta = ck.restore(abstract_state=target)
+  assert meta["policy_version"] == 2
+  assert_restored(restored, saved[2], target)
+  with pytest.raises(ckpt_lib.CheckpointError, match=f"{root / '4'}: no complete checkpoint at step 4"):
+    ck.restore(4, abstract_state=target)
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_corrupted_checkpoint(two_steps, damage, caplog):
+  root, saved, target = two_steps
+  files = glob.glob(str(root / "2" / "state" / "**" / "d" / "*"), recursive=True)
+  assert files
+  for f in files:
+    if damage == "delete":
+      os.remove(f)
+    else:
+      with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+  ck = ckpt_lib.Checkpointer(root, read_only=True)
+  with pytest.raises(ckpt_lib.CheckpointError, match=f"{root / '2'}: checkpoint unreadable"):
+    ck.restore(2, abstract_state=target)
+  with pytest.raises(ckpt_lib.CheckpointError, match=f"{root / '2'}: checkpoint unreadable"):
+    ck.restore(abstract_state=target, fallback=False)
+  with caplog.at_level(logging.WARNING, logger="tunixlike"):
+    restored, meta = ck.restore(abstract_state=target)  # falls back to the newest readable one
+  assert meta["policy_version"] == 1
+  assert_restored(restored, saved[1], target)
+  assert f"{root / '2'}: checkpoint unreadable" in caplog.text
+  # With nothing older to fall back on, the error names the damaged directory.
+  shutil.rmtree(root / "1")
+  with pytest.raises(ckpt_lib.CheckpointError, match=f"no readable checkpoint: {root / '2'}: checkpoint unreadable"):
+    ckpt_lib.Checkpointer(root, read_only=True).restore(abstract_state=target)
+
+
+def test_incompatible_model_shape(mesh4, tmp_path):
+  learner = make_learner(mesh4, kl_coef=0.0)
+  with ckpt_lib.Checkpointer(tmp_path) as ck:
+    ck.save(5, learner.state, meta_for(5), force=True)
+  ck = ckpt_lib.Checkpointer(tmp_path, read_only=True)
+  wider = make_learner(mesh4, cfg=TINY.replace(hidden_size=64), kl_coef=0.0)
+  with pytest.raises(ckpt_lib.CheckpointError,
+                     match=rf"{tmp_path / '5'}: params/embed_tokens/embedding has shape \[128, 32\] in the "
+                           rf"checkpoint but \[128, 64\] in this model"):
+    ck.restore(abstract_state=wider.state)
+  deeper = make_learner(mesh4, cfg=TINY.replace(num_layers=3), kl_coef=0.0)
+  with pytest.raises(ckpt_lib.CheckpointError, match="checkpoint has no 'params/layers/2/attn/k_proj/kernel'"):
+    ck.restore(abstract_state=deeper.state)
+  with_lora = make_learner(mesh4, lora_rank=2, kl_coef=0.0)
+  with pytest.raises(ckpt_lib.CheckpointError, match="different model, LoRA or optimizer setup"):
+    ck.restore(abstract_state=with_lora.state)
+
+
+def test_partial_restore_reads_only_the_weights(mesh4, tmp_path):
+  learner = make_learner(mesh4)
+  saved_host = host_copy(learner.state)
+  with ckpt_lib.Checkpointer(tmp_path) as ck:
+    ck.save(1, learner.state, meta_for(1), force=True)
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu),
+                                   learner.state.params)}
+  with ckpt_lib.Checkpointer(tmp_path, read_only=True) as ck:
+    got, meta = ck.restore(abstract_state=target, partial=True)
+  assert set(got) == {"params"} and meta == meta_for(1)
+  assert_restored(got["params"], saved_host.params, target["params"])
+
+
+def test_meta_must_be_json(mesh4, tmp_path):
+  learner = make_learner(mesh4, kl_coef=0.0)
+  ck = ckpt_lib.Checkpointer(tmp_path)
+  with pytest.raises(TypeError, match=r"meta\['counters'\]\['loss'\] is a float32"):
+    ck.save(1, learner.state, {"counters": {"loss": np.float32(1.0)}}, force=True)
+  with pytest.raises(ValueError, match=r"meta\['x'\]\[1\]=nan is not finite"):
+    ck.save(1, learner.state, {"x": [1.0, float("nan")]}, force=True)
+  assert ck.latest_step() is None
+  ck.close()
