@@ -21,7 +21,6 @@ then takes them from the live state passed as `abstract_state`.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -132,7 +131,10 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                            read_only=read_only, create=not read_only,
                                            cleanup_tmp_directories=not read_only)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    # Handlers named up front: a fresh manager can then read any item's metadata before restoring it.
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
+                "layout": ocp.JsonCheckpointHandler()}
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
   def __enter__(self):
     return self
@@ -231,6 +233,10 @@ class Checkpointer:
     step = self._resolve(step)
     return self._read_json(step, "meta")
 
+  def layout(self, step: int | None = None) -> dict:
+    """How `step` was saved: {"format": int, "frozen_saved": bool}."""
+    return self._read_json(self._resolve(step), "layout")
+
   def _read_json(self, step: int, item: str) -> dict:
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))
@@ -295,16 +301,19 @@ class Checkpointer:
       target = {k: v for k, v in target.items() if k != "frozen"} if partial else _set_frozen(target, None)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
     self._check_shapes(step, target, partial)
-    if partial:
-      restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-      state_args = ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=True)
-    else:
-      state_args = ocp.args.StandardRestore(target)
     try:
-      out = self._manager.restore(step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore()))
+      if partial:  # the state item read by a plain PyTree handler, which can skip what is not asked for
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        with ocp.PyTreeCheckpointer() as reader:
+          state = reader.restore(epath.Path(where) / "state", args=ocp.args.PyTreeRestore(
+              target, restore_args=restore_args, partial_restore=True))
+        meta = self._read_json(step, "meta")
+      else:
+        out = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                                  meta=ocp.args.JsonRestore()))
+        state, meta = out["state"], dict(out["meta"])
     except Exception as e:
       raise _Unreadable(f"{where}: checkpoint unreadable ({type(e).__name__}: {_first_line(e)})") from e
-    state, meta = out["state"], dict(out["meta"])
     if live_frozen is not None:
       state = {**state, "frozen": live_frozen} if partial else _set_frozen(state, live_frozen)
     return state, meta
@@ -321,7 +330,8 @@ class Checkpointer:
       saved_tree = self._manager.item_metadata(step)["state"]
       saved = _flat_by_path(saved_tree)
     except Exception as e:
-      raise _Unreadable(f"{where}: cannot read the state's metadata ({type(e).__name__}: {_first_line(e)})") from e
+      raise _Unreadable(f"{where}: checkpoint unreadable (state metadata: {type(e).__name__}: "
+                        f"{_first_line(e)})") from e
     want = _flat_by_path(target)
     for path, leaf in want.items():
       if path not in saved:

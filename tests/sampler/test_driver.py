@@ -26,7 +26,7 @@ def _tokens(groups):
   return {pid: [c.token_ids.tolist() for c in g.completions] for pid, g in groups.items()}
 
 
-@pytest.mark.parametrize("temperature, group_size", [(0.0, 1), (1.0, 2)])
+@pytest.mark.parametrize("temperature, group_size", [(0.0, 1), pytest.param(1.0, 2, marks=pytest.mark.slow)])
 def test_continuous_batching_equals_one_prompt_at_a_time(make_engine, temperature, group_size):
   requests = _requests(7)
   many = make_engine(temperature=temperature, group_size=group_size, max_concurrent_decodes=4)

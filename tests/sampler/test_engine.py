@@ -73,6 +73,7 @@ def test_eos_stops_exactly_and_is_kept(make_engine):
     assert got == expect
 
 
+@pytest.mark.slow
 def test_sharded_2x2_matches_single_device(make_engine, mesh_2x2):
   kw = dict(temperature=1.0, max_concurrent_decodes=4)
   prompts = random_prompts(4, seed=3)

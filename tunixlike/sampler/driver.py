@@ -17,6 +17,7 @@ Every wait is bounded; an error in the loop is kept and re-raised by `join` / `c
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -131,6 +132,7 @@ class RolloutDriver:
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     self.stats = DriverStats()
+    self.undelivered: list[RolloutGroup] = []  # finished groups the sink refused when stopping
 
   # ------------------------------------------------------------------ control (any thread)
 
@@ -374,16 +376,17 @@ class RolloutDriver:
                               prompt_text=req.prompt_text))
 
   def _emit(self, group: RolloutGroup) -> None:
-    self.stats.groups_emitted += 1
     put = getattr(self._sink, "put", None)
     if put is None:
       self._sink(group)
+      self.stats.groups_emitted += 1
       return
-    import queue
     while True:  # a bounded queue applies back-pressure; keep checking for stop
       try:
         put(group, timeout=max(self.config.idle_wait_s, 0.05))
+        self.stats.groups_emitted += 1
         return
       except queue.Full:
-        if self._stop_event.is_set():
-          raise DriverError(f"stopped while the rollout queue was full (group {group.prompt_id!r} lost)")
+        if self._stop_event.is_set():  # finished work is kept, never dropped: see `undelivered`
+          self.undelivered.append(group)
+          return

@@ -1,0 +1,154 @@
+"""Export: a real Learner state saved with the Checkpointer, exported, loaded by transformers."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from tunixlike import checkpoint as ckpt_lib
+from tunixlike import export as export_lib
+from tunixlike import mesh as mesh_lib
+from tunixlike import models
+from tunixlike.data import char_tokenizer, tokenizer as tokenizer_lib
+from tunixlike.learner.config import LearnerConfig
+from tunixlike.learner.train_step import Learner
+from tunixlike.models import hf, lora
+from tunixlike.models.testing import write_random_hf_checkpoint
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# init_std large enough that logits are O(1): a wrong or missing weight shows at atol 1e-4.
+TINY = models.tiny_config(vocab_size=128, hidden_size=32, intermediate_size=64, head_dim=8, init_std=0.3,
+                          eos_token_ids=(2,))
+LORA = lora.LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def mesh4():
+  return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tensor"))
+
+
+def perturb_adapters(state, seed=0):
+  """B starts at zero (the adapted model is the base); make it non-zero so the merge matters."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(state.params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  new = [x + 0.2 * jax.random.normal(k, x.shape, x.dtype) if "lora_b" in jax.tree_util.keystr(p) else x
+         for (p, x), k in zip(leaves, keys)]
+  return state.replace(params=jax.tree_util.tree_unflatten(treedef, new))
+
+
+def save_run(workdir, learner, state, cfg, *, lora_cfg=None, hf_path=None, save_frozen=True, step=3):
+  meta = {"policy_version": step, "config": {"seed": 0}, "model": dataclasses.asdict(cfg),
+          "lora": None if lora_cfg is None else {"rank": lora_cfg.rank, "alpha": lora_cfg.alpha,
+                                                 "targets": list(lora_cfg.targets)}}
+  if hf_path is not None:
+    meta["hf_path"] = str(hf_path)
+  with ckpt_lib.Checkpointer(ckpt_lib.workdir_checkpoints(workdir), save_frozen=save_frozen) as ck:
+    assert ck.save(step, state, meta, force=True)
+
+
+def assert_transformers_matches(out, ours_model, vocab):
+  toks = np.random.default_rng(0).integers(0, vocab, size=(2, 11)).astype(np.int32)
+  ours = np.asarray(ours_model(jnp.asarray(toks)))
+  theirs_model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+  with torch.no_grad():
+    theirs = theirs_model(torch.tensor(toks, dtype=torch.long)).logits.numpy()
+  assert np.abs(theirs).max() > 1.0
+  np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("use_lora", [False, True])
+def test_export_matches_transformers(mesh4, tmp_path, use_lora):
+  model = models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0)
+  if use_lora:
+    model = lora.apply_lora(model, LORA, seed=1, mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
+  learner = Learner(model, LearnerConfig(), mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
+  state = perturb_adapters(learner.state) if use_lora else learner.state
+  save_run(tmp_path / "run", learner, state, TINY, lora_cfg=LORA if use_lora else None)
+
+  out = export_lib.export(tmp_path / "run", tmp_path / "hf")
+  ours = learner.model(state)
+  if use_lora:  # the merge must matter: the base alone differs
+    base = learner.model(state.replace(params=lora.zero_adapters(state.params)))
+    toks = jnp.arange(10)[None]
+    assert float(jnp.abs(ours(toks) - base(toks)).max()) > 1e-2
+  assert_transformers_matches(out, ours, TINY.vocab_size)
+  # Built-in tasks: the char tokenizer goes along, and reads back the same.
+  tok = tokenizer_lib.load(str(out))
+  assert tok.encode("12+7=") == char_tokenizer.build().encode("12+7=")
+  assert hf.from_pretrained(out).cfg.eos_token_ids == (2,)
+
+
+def test_export_lora_over_hf_base_without_saved_base(mesh4, tmp_path):
+  """save_frozen=False: the checkpoint holds adapters only; export reads the base from hf_path."""
+  base_dir = write_random_hf_checkpoint(tmp_path / "base", "qwen2", vocab_size=128)
+  char_tokenizer.build().save(str(base_dir))  # the run's tokenizer lives in its HF directory
+  model = hf.from_pretrained(base_dir, mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
+  model = lora.apply_lora(model, LORA, seed=1, mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
+  learner = Learner(model, LearnerConfig(), mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
+  state = perturb_adapters(learner.state)
+  save_run(tmp_path / "run", learner, state, model.cfg, lora_cfg=LORA, hf_path=base_dir, save_frozen=False)
+  with ckpt_lib.Checkpointer(ckpt_lib.workdir_checkpoints(tmp_path / "run"), read_only=True) as ck:
+    assert ck.layout()["frozen_saved"] is False
+
+  out = export_lib.export(tmp_path / "run", tmp_path / "hf")
+  assert_transformers_matches(out, learner.model(state), 128)
+  assert sorted(f for f in os.listdir(out) if f.startswith("tokenizer")) == ["tokenizer.json",
+                                                                              "tokenizer_config.json"]
+
+
+def run_cli(*args):
+  return subprocess.run([sys.executable, "-m", "tunixlike.export", *args], capture_output=True, text=True,
+                        cwd=REPO, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+@pytest.mark.slow
+def test_cli_help_and_errors(mesh4, tmp_path):
+  r = run_cli("--help")
+  assert r.returncode == 0 and "Hugging Face" in r.stdout and "--workdir" in r.stdout and "--step" in r.stdout
+
+  r = run_cli("--workdir", str(tmp_path / "empty"), "--out", str(tmp_path / "hf"))
+  assert r.returncode == 2
+  assert r.stderr.strip().splitlines()[-1] == f"export: error: {tmp_path / 'empty'}: no complete checkpoint found"
+  assert not (tmp_path / "empty").exists() and not (tmp_path / "hf").exists()
+
+  learner = Learner(models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0), LearnerConfig(),
+                    mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
+  save_run(tmp_path / "run", learner, learner.state, TINY)
+  r = run_cli("--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--step", "7")
+  assert r.returncode == 2
+  last = r.stderr.strip().splitlines()[-1]
+  assert last.startswith("export: error: ") and "no complete checkpoint at step 7" in last and "[3]" in last
+
+  r = run_cli("--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "hf"))
+  assert r.returncode == 0, r.stderr
+  assert (tmp_path / "hf" / "model.safetensors").is_file()
+  np.testing.assert_allclose(np.asarray(hf.from_pretrained(tmp_path / "hf")(jnp.arange(6)[None])),
+                             np.asarray(learner.model(learner.state)(jnp.arange(6)[None])), atol=1e-5)
+
+
+def test_bad_meta_names_the_problem(mesh4, tmp_path):
+  learner = Learner(models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0), LearnerConfig(),
+                    mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
+  with ckpt_lib.Checkpointer(tmp_path / "a") as ck:
+    ck.save(1, learner.state, {"config": {}}, force=True)
+  with pytest.raises(export_lib.ExportError, match=r"1: meta has no 'model'"):
+    export_lib.export(tmp_path / "a", tmp_path / "hf")
+  bad = {**dataclasses.asdict(TINY), "hidden_size": -1}
+  with ckpt_lib.Checkpointer(tmp_path / "b") as ck:
+    ck.save(1, learner.state, {"model": bad, "lora": None}, force=True)
+  with pytest.raises(export_lib.ExportError, match=r"not a valid ModelConfig \(ModelConfig.hidden_size=-1"):
+    export_lib.export(tmp_path / "b", tmp_path / "hf")
+  wrong = {**dataclasses.asdict(TINY), "hidden_size": 64}  # meta and arrays disagree
+  with ckpt_lib.Checkpointer(tmp_path / "c") as ck:
+    ck.save(1, learner.state, {"model": wrong, "lora": None}, force=True)
+  with pytest.raises(ckpt_lib.CheckpointError, match=r"params/embed_tokens/embedding has shape \[128, 32\]"):
+    export_lib.export(tmp_path / "c", tmp_path / "hf")

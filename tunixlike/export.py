@@ -1,0 +1,153 @@
+"""Export a run's checkpoint as a Hugging Face model directory (LoRA merged into the weights).
+
+    python -m tunixlike.export --workdir DIR --out HF_DIR [--step N]
+
+Reads the checkpoint in DIR/checkpoints (or DIR itself), rebuilds the model from the checkpoint's
+`meta["model"]` (the ModelConfig fields), restores only the weights (not the optimizer state)
+onto one CPU device, merges LoRA adapters (`meta["lora"]`), and writes config.json +
+model.safetensors that `transformers.AutoModelForCausalLM.from_pretrained` loads, plus the
+tokenizer the run used: the files of `meta["hf_path"]`, or the character tokenizer of the
+built-in tasks. Base weights left out of the checkpoint (save_frozen=False) are read from
+`meta["hf_path"]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import shutil
+import sys
+
+import jax
+from flax import nnx
+
+from tunixlike import checkpoint as ckpt_lib
+from tunixlike.models import hf, lora as lora_lib
+from tunixlike.models.config import ModelConfig, RopeScaling
+from tunixlike.models.transformer import Transformer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+class ExportError(ValueError):
+  """The checkpoint's meta does not describe a model this code can rebuild."""
+
+
+def model_config_from_meta(fields: dict, *, where: str) -> ModelConfig:
+  """ModelConfig from its fields as stored in JSON (tuples became lists, RopeScaling a dict)."""
+  if not isinstance(fields, dict):
+    raise ExportError(f"{where}: meta['model'] is {type(fields).__name__}, expected the ModelConfig fields as a dict")
+  known = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(fields) - known)
+  if unknown:
+    raise ExportError(f"{where}: meta['model'] has unknown field(s) {unknown}")
+  kw = dict(fields)
+  if isinstance(kw.get("rope_scaling"), dict):
+    kw["rope_scaling"] = RopeScaling(**kw["rope_scaling"])
+  if isinstance(kw.get("eos_token_ids"), list):
+    kw["eos_token_ids"] = tuple(kw["eos_token_ids"])
+  try:
+    return ModelConfig(**kw)
+  except (TypeError, ValueError) as e:
+    raise ExportError(f"{where}: meta['model'] is not a valid ModelConfig ({e})") from None
+
+
+def lora_config_from_meta(fields, *, where: str) -> lora_lib.LoRAConfig | None:
+  if not fields:
+    return None
+  try:
+    return lora_lib.LoRAConfig(rank=fields["rank"], alpha=fields["alpha"], targets=tuple(fields["targets"]))
+  except (KeyError, TypeError, ValueError) as e:
+    raise ExportError(f"{where}: meta['lora']={fields!r} is not a LoRA config ({type(e).__name__}: {e})") from None
+
+
+def find_checkpoints(workdir) -> str:
+  """DIR/checkpoints when it exists, else DIR itself (a checkpoint directory given directly)."""
+  sub = ckpt_lib.workdir_checkpoints(workdir)
+  return sub if os.path.isdir(sub) else os.fspath(workdir)
+
+
+def _save_tokenizer(meta: dict, out: pathlib.Path) -> str:
+  hf_path = meta.get("hf_path")
+  if hf_path:
+    if not os.path.isdir(hf_path):
+      print(f"export: warning: tokenizer not written: the run's hf_path {hf_path} is not a directory",
+            file=sys.stderr)
+      return "none"
+    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_path, name))]
+    for name in copied:
+      shutil.copyfile(os.path.join(hf_path, name), out / name)
+    return f"copied {copied} from {hf_path}"
+  from tunixlike.data import char_tokenizer  # the built-in tasks' tokenizer, as the trainer builds it
+  char_tokenizer.build().save(str(out))
+  return "char tokenizer"
+
+
+def export(workdir, out, step: int | None = None) -> pathlib.Path:
+  """Writes the checkpoint of run `workdir` at `step` (default: newest) as an HF directory `out`."""
+  directory = find_checkpoints(workdir)
+  cpu = jax.local_devices(backend="cpu")[0]
+  with ckpt_lib.Checkpointer(directory, read_only=True) as ck:
+    if ck.latest_step() is None:
+      raise ckpt_lib.CheckpointError(f"{directory}: no complete checkpoint found")
+    step = ck.latest_step() if step is None else step
+    where = ck.step_dir(step)
+    meta = ck.read_meta(step)
+    if "model" not in meta:
+      raise ExportError(f"{where}: meta has no 'model' (the ModelConfig fields); keys are {sorted(meta)}")
+    cfg = model_config_from_meta(meta["model"], where=where)
+    lora_cfg = lora_config_from_meta(meta.get("lora"), where=where)
+    with jax.default_device(cpu):
+      hf_path = meta.get("hf_path")
+      frozen_saved = ck.layout(step).get("frozen_saved", True)
+      if frozen_saved:
+        build = lambda: Transformer(cfg, rngs=nnx.Rngs(0))
+        if lora_cfg is not None:
+          build = lambda b=build: lora_lib.apply_lora(b(), lora_cfg)
+        model = nnx.eval_shape(build)  # shapes only: every weight comes from the checkpoint
+      else:
+        if not hf_path or not os.path.isdir(hf_path):
+          raise ExportError(f"{where}: the checkpoint holds no base weights (save_frozen=False) and the run's "
+                            f"hf_path {hf_path!r} is not a directory to read them from")
+        model = hf.from_pretrained(hf_path, dtype=cfg.param_dtype)
+        if lora_cfg is not None:
+          model = lora_lib.apply_lora(model, lora_cfg)
+      trainable = nnx.LoRAParam if lora_cfg is not None else nnx.Param
+      graphdef, params, frozen = nnx.split(model, trainable, ...)
+      sharding = jax.sharding.SingleDeviceSharding(cpu)
+      to_target = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), t)
+      target = {"params": to_target(params), "frozen": to_target(frozen) if frozen_saved else frozen}
+      state, _ = ck.restore(step, abstract_state=target, partial=True)
+      model = nnx.merge(graphdef, state["params"], state["frozen"])
+      if lora_cfg is not None:
+        model = lora_lib.merge_lora(model)
+      out = pathlib.Path(out)
+      hf.save_pretrained(model, out)
+      _save_tokenizer(meta, out)
+  return out
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m tunixlike.export",
+      description="Write a run's checkpoint as a Hugging Face model directory (config.json, model.safetensors "
+                  "and tokenizer files) that transformers.AutoModelForCausalLM.from_pretrained loads. LoRA "
+                  "adapters are merged into the base weights.")
+  parser.add_argument("--workdir", required=True, help="the run's --workdir (its checkpoints/ subdirectory is read)")
+  parser.add_argument("--out", required=True, help="output directory for the Hugging Face checkpoint")
+  parser.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the newest)")
+  args = parser.parse_args(argv)
+  try:
+    out = export(args.workdir, args.out, step=args.step)
+  except (ckpt_lib.CheckpointError, ExportError, hf.CheckpointError, OSError) as e:
+    print("export: error: " + " ".join(str(e).split()), file=sys.stderr)
+    return 2
+  print(f"export: wrote {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
