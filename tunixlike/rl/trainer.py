@@ -230,7 +230,8 @@ def evaluate(parts: Parts) -> dict[str, Any]:
                              parts.tok, version=parts.policy.version)
 
 
-def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None) -> AsyncRuntime:
+def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None,
+                 on_step=lambda version: None) -> AsyncRuntime:
   cfg, tok, tracer = parts.cfg, parts.tok, parts.tracer
   params, _ = parts.policy.sampler_weights()
 
@@ -251,7 +252,7 @@ def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None) -
       RuntimeConfig(num_steps=r.num_steps, prompts_per_step=r.prompts_per_step, max_staleness=r.max_staleness,
                     sync_mode=r.sync_mode, reward_workers=r.reward_workers, max_nonfinite_steps=r.max_nonfinite_steps,
                     wait_timeout_s=r.wait_timeout_s, dynamic_sampling=cfg.algo.dynamic_sampling),
-      driver_factory=driver_factory, learner=parts.policy, score=score, log=log)
+      driver_factory=driver_factory, learner=parts.policy, score=score, log=log, on_step=on_step)
 
 
 def run(cfg: Config, workdir: str) -> dict[str, Any]:
@@ -275,7 +276,13 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
     return out["eval/accuracy"]
 
   acc_before = run_eval()
-  runtime = make_runtime(parts, PromptStream(iter(parts.train_pipe)), log=logger.write)
+
+  def on_step(version: int):
+    every = cfg.eval.every_steps
+    if every and version % every == 0 and version < cfg.rl.num_steps:
+      run_eval()  # the sampler keeps decoding meanwhile; only the learner waits
+
+  runtime = make_runtime(parts, PromptStream(iter(parts.train_pipe)), log=logger.write, on_step=on_step)
   try:
     summary = runtime.run()
   finally:
