@@ -49,7 +49,7 @@ def build_task(cfg: Config):
 def build_model(cfg: Config, tok, mesh) -> nnx.Module:
   m = cfg.model
   if m.hf_path:
-    return models.hf.from_pretrained(m.hf_path, mesh=mesh, rules=mesh_lib.LEARNER_RULES, dtype=m.param_dtype)
+    return models.from_pretrained(m.hf_path, mesh=mesh, rules=mesh_lib.LEARNER_RULES, dtype=m.param_dtype)
   model_cfg = models.ModelConfig(
       vocab_size=tok.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, intermediate_size=m.intermediate_size,

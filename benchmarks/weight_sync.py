@@ -1,0 +1,224 @@
+"""Weight sync learner -> sampler: full vs the memcpy floor, full vs LoRA-only, and the alternatives.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/weight_sync.py [--out FILE] [--quick]
+
+Prints one JSON object (and writes it to --out). On 4 learner + 4 sampler devices it builds a model
+born sharded on the learner submesh (LEARNER_RULES, fsdp) and times `tunixlike.rl.weight_sync.sync`
+to the sampler shardings (SAMPLER_RULES), exactly as `PolicyLearner.sampler_weights` does, for two
+sampler layouts:
+  * `replicated`: sampler_tensor=1, the default config: every one of the 4 decode replicas holds a
+    whole copy, so a sync must deliver 4x the model's bytes;
+  * `tensor`: sampler_tensor=4: one copy split over the 4 sampler devices (model bytes delivered).
+The floor is `np.copyto` of the same bytes into a preallocated buffer in the same run, both of the
+model's bytes and of the bytes the sync delivers. LoRA-only sync (rank 8, all projections) moves
+`adapter_params` only. Alternatives to the library's one-call `device_put` are timed too, to say
+which change to weight_sync.py would be fastest: per-leaf device_put, an explicit host round trip
+(device_get + device_put), and a two-step reshard (jit all-gather on the learner devices into the
+sampler's layout, then a same-layout device-to-device copy).
+
+Every repetition syncs freshly computed learner arrays (a jitted copy, as after a train step): a jax
+Array caches its host value, so re-syncing the same arrays would time a cache hit, not a transfer.
+Figures are medians over repetitions after warm-up; the machine may be shared, so the load average
+is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+
+def _parse(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--out", default=None, help="also write the JSON object to this file")
+  p.add_argument("--repeats", type=int, default=9, help="timed repetitions per method (after warm-up)")
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--quick", action="store_true", help="tiny model and few repetitions (smoke test)")
+  return p.parse_args(argv)
+
+
+ARGS = _parse()
+if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+
+from tunixlike import mesh as mesh_lib, models  # noqa: E402
+from tunixlike.models import lora as lora_lib  # noqa: E402
+from tunixlike.rl import weight_sync  # noqa: E402
+
+# ~15.9M fp32 params = 63 MB: 4 layers, d_model 512, ffn 2048, vocab 256 (tied embeddings).
+FULL = dict(vocab_size=256, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64,
+            intermediate_size=2048)
+QUICK = dict(vocab_size=256, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+             intermediate_size=512)
+LORA_RANK = 8
+
+
+def model_config(sizes) -> models.ModelConfig:
+  return models.ModelConfig(**sizes, rope_theta=1e4, rms_norm_eps=1e-6, qkv_bias=False, qk_norm=False,
+                            tie_embeddings=True, rope_scaling=None, param_dtype="float32", dtype="float32",
+                            remat=False)
+
+
+class Fresh:
+  """Hands out new learner-side arrays each call (same values, same shardings, new buffers)."""
+
+  def __init__(self, tree):
+    leaves, self.treedef = jax.tree.flatten(tree)
+    self._copy = jax.jit(lambda xs: [x * 1 for x in xs], out_shardings=[x.sharding for x in leaves])
+    self._leaves = leaves
+
+  def __call__(self):
+    self._leaves = jax.block_until_ready(self._copy(self._leaves))
+    return jax.tree.unflatten(self.treedef, self._leaves)
+
+
+def timed(fn, fresh, repeats: int, warmup: int) -> dict:
+  """Median / min / max milliseconds of fn(fresh_tree), blocking on the result."""
+  times = []
+  for i in range(warmup + repeats):
+    tree = fresh()
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(tree))
+    dt = (time.perf_counter() - t0) * 1e3
+    del out
+    if i >= warmup:
+      times.append(dt)
+  return {"median_ms": float(np.median(times)), "min_ms": float(np.min(times)), "max_ms": float(np.max(times))}
+
+
+def memcpy_ms(nbytes: int, repeats: int, warmup: int) -> float:
+  src = np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)
+  dst = np.empty_like(src)
+  times = []
+  for i in range(warmup + repeats):
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    if i >= warmup:
+      times.append((time.perf_counter() - t0) * 1e3)
+  return float(np.median(times))
+
+
+def delivered_bytes(tree) -> int:
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards)
+
+
+def staging_shardings(flat_targets, learner_mesh: Mesh):
+  """The sampler's layout on the learner devices: same mesh shape, axis names and specs."""
+  sampler_mesh = flat_targets[0].mesh
+  mesh = Mesh(np.array(list(learner_mesh.devices.flat)).reshape(sampler_mesh.devices.shape),
+              sampler_mesh.axis_names)
+  return [NamedSharding(mesh, s.spec) for s in flat_targets]
+
+
+def check_equal(out, ref_tree, targets):
+  for a, b, s in zip(jax.tree.leaves(out), jax.tree.leaves(ref_tree), jax.tree.leaves(targets)):
+    assert a.sharding == s, (a.sharding, s)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def bench_layout(sampler_tensor: int, sizes, repeats: int, warmup: int) -> dict:
+  meshes = mesh_lib.make_meshes(4, 4, sampler_tensor=sampler_tensor)
+  model = models.create_sharded(model_config(sizes), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
+  params = nnx.state(model, nnx.Param)
+  targets = models.state_shardings(params, meshes.sampler, mesh_lib.SAMPLER_RULES)
+  flat_targets = jax.tree.leaves(targets)
+  model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  fresh = Fresh(params)
+
+  synced, _ = weight_sync.sync(fresh(), targets)
+  check_equal(synced, params, targets)
+  out_bytes = delivered_bytes(synced)
+  del synced
+
+  stage = staging_shardings(flat_targets, meshes.learner)
+  regather = jax.jit(lambda xs: xs, out_shardings=stage)
+
+  def two_step(tree):
+    return jax.device_put(regather(jax.tree.leaves(tree)), flat_targets)
+
+  check_equal(jax.tree.unflatten(jax.tree.structure(params), two_step(fresh())), params, targets)
+  methods = {
+      "library_sync": lambda t: weight_sync.sync(t, targets)[0],
+      "per_leaf_device_put": lambda t: [jax.device_put(x, s) for x, s in zip(jax.tree.leaves(t), flat_targets)],
+      "host_round_trip": lambda t: jax.device_put(jax.device_get(jax.tree.leaves(t)), flat_targets),
+      "two_step_regather": two_step,
+  }
+  times = {name: timed(fn, fresh, repeats, warmup) for name, fn in methods.items()}
+  # The library's own timer (what the runtime logs as sync/ms), on fresh arrays too.
+  lib_ms = []
+  for i in range(warmup + repeats):
+    _, ms = weight_sync.sync(fresh(), targets)
+    if i >= warmup:
+      lib_ms.append(ms)
+  mem_model = memcpy_ms(model_bytes, repeats, warmup)
+  mem_out = memcpy_ms(out_bytes, repeats, warmup)
+  full = times["library_sync"]["median_ms"]
+
+  # LoRA-only: rank-8 adapters on every projection, synced to their sampler shardings.
+  lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=LORA_RANK), seed=0, mesh=meshes.learner,
+                      rules=mesh_lib.LEARNER_RULES)
+  adapters = lora_lib.adapter_params(model)
+  lora_targets = models.state_shardings(adapters, meshes.sampler, mesh_lib.SAMPLER_RULES)
+  lora_fresh = Fresh(adapters)
+  lora = timed(lambda t: weight_sync.sync(t, lora_targets)[0], lora_fresh, repeats, warmup)
+  lora_bytes = sum(x.nbytes for x in jax.tree.leaves(adapters))
+  return {
+      "sampler_mesh": dict(meshes.sampler.shape), "learner_mesh": dict(meshes.learner.shape),
+      "num_params": int(n_params), "model_bytes": int(model_bytes), "delivered_bytes": int(out_bytes),
+      "num_leaves": len(flat_targets),
+      "full_sync_ms": full, "full_sync_ms_library_timer": float(np.median(lib_ms)),
+      "memcpy_model_bytes_ms": mem_model, "memcpy_delivered_bytes_ms": mem_out,
+      "full_vs_memcpy_model_bytes": full / mem_model, "full_vs_memcpy_delivered_bytes": full / mem_out,
+      "sync_GBps_delivered": out_bytes / full / 1e6, "memcpy_GBps": model_bytes / mem_model / 1e6,
+      "lora_rank": LORA_RANK, "lora_bytes": int(lora_bytes), "lora_sync_ms": lora["median_ms"],
+      "full_vs_lora": full / lora["median_ms"],
+      "methods_ms": times,
+  }
+
+
+def main():
+  sizes = QUICK if ARGS.quick else FULL
+  repeats, warmup = (3, 1) if ARGS.quick else (ARGS.repeats, ARGS.warmup)
+  load_before = os.getloadavg()
+  t0 = time.time()
+  layouts = {"replicated": bench_layout(1, sizes, repeats, warmup), "tensor": bench_layout(4, sizes, repeats, warmup)}
+  main_layout = layouts["replicated"]  # the default config's sampler layout
+  result = {
+      "benchmark": "weight_sync", "quick": ARGS.quick, "devices": jax.device_count(),
+      "backend": jax.default_backend(), "model_sizes": sizes, "repeats": repeats, "warmup": warmup,
+      "headline_layout": "replicated (default config: mesh.sampler_tensor=1, 4 decode replicas)",
+      "full_sync_ms": main_layout["full_sync_ms"],
+      # "The same bytes": what the sync physically writes (4 replicas) ...
+      "memcpy_ms": main_layout["memcpy_delivered_bytes_ms"],
+      "full_vs_memcpy": main_layout["full_vs_memcpy_delivered_bytes"],
+      # ... and the strict reading: one copy of the model's bytes.
+      "memcpy_model_bytes_ms": main_layout["memcpy_model_bytes_ms"],
+      "full_vs_memcpy_model_bytes": main_layout["full_vs_memcpy_model_bytes"],
+      "lora_sync_ms": main_layout["lora_sync_ms"], "full_vs_lora": main_layout["full_vs_lora"],
+      "model_bytes": main_layout["model_bytes"], "delivered_bytes": main_layout["delivered_bytes"],
+      "lora_bytes": main_layout["lora_bytes"], "num_params": main_layout["num_params"],
+      "layouts": layouts,
+      "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()),
+      "wall_s": time.time() - t0,
+  }
+  text = json.dumps(result, indent=1, sort_keys=False)
+  print(text)
+  if ARGS.out:
+    with open(ARGS.out, "w") as f:
+      f.write(text + "\n")
+
+
+if __name__ == "__main__":
+  main()
