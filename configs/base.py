@@ -129,6 +129,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   g.trace = False  # write WORKDIR/trace.json (Chrome / Perfetto) of sampler, learner, sync, reward spans
 
   c.checkpoint = k = ml_collections.ConfigDict()
-  k.every_steps = 0  # 0 = only at the end / on preemption
+  k.every_steps = 50  # also saved at the end, on preemption (SIGTERM / Ctrl-C) and on a crash
+  k.every_seconds = 0.0  # 0 = off; e.g. 600 on preemptible TPU VMs
   k.keep = 2
   return c

@@ -235,11 +235,12 @@ class LogSection:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSection:
-  every_steps: int = 0
+  every_steps: int = 50
+  every_seconds: float = 0.0
   keep: int = 2
 
   def __post_init__(self):
-    _positive(self, "checkpoint", "every_steps", allow_zero=True)
+    _positive(self, "checkpoint", "every_steps", "every_seconds", allow_zero=True)
     _positive(self, "checkpoint", "keep")
 
 

@@ -32,7 +32,8 @@ class Stopped(RuntimeError):
 
 class RolloutQueue:
 
-  def __init__(self, batch_groups: int, max_staleness: int, stop_event: threading.Event | None = None):
+  def __init__(self, batch_groups: int, max_staleness: int, stop_event: threading.Event | None = None,
+               on_drop: Callable[[RolloutGroup], None] = lambda group: None):
     if batch_groups < 1:
       raise ValueError(f"batch_groups={batch_groups}: must be >= 1")
     if max_staleness < 0:
@@ -40,6 +41,7 @@ class RolloutQueue:
     self.batch_groups = batch_groups
     self.max_staleness = max_staleness
     self.stop_event = stop_event or threading.Event()
+    self._on_drop = on_drop  # dropped groups are counted and reported, never silently lost
     self._cond = threading.Condition()
     self._ready: collections.deque[RolloutGroup] = collections.deque()
     self.admitted = 0  # groups ever admitted
@@ -114,6 +116,7 @@ class RolloutQueue:
         else:
           batch.append(group)
           continue
+        self._on_drop(group)
         self._cond.notify_all()  # a drop frees an admission
       self.trained += len(batch)
     return batch

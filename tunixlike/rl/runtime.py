@@ -67,15 +67,23 @@ class AsyncRuntime:
 
   def __init__(self, cfg: RuntimeConfig, *, driver_factory: Callable[..., Any], learner: Learner,
                score: Callable[[RolloutGroup], None], log: Callable[[int, dict], None] = lambda s, m: None,
-               on_step: Callable[[int], None] = lambda step: None):
+               on_step: Callable[[int], None] = lambda step: None,
+               on_batch: Callable[[int, list, list], None] = lambda step, trained, dropped: None,
+               should_stop: Callable[[], bool] = lambda: False):
     """`driver_factory(sink, may_start_group)` builds the RolloutDriver (not started).
 
     `score(group)` fills `group.rewards` (runs in the reward pool); `log(step, metrics)` is called
-    once per learner step; `on_step(version)` after every weight sync (checkpoint hooks).
+    once per learner step; `on_batch(step, trained, dropped)` with the groups trained and dropped
+    in that step (prompt accounting); `on_step(version)` after every weight sync (checkpoints,
+    evals); `should_stop()` is polled between steps (preemption: stop cleanly after this step).
     """
     self.cfg, self.learner, self._score, self._log, self._on_step = cfg, learner, score, log, on_step
+    self._on_batch, self._should_stop = on_batch, should_stop
+    self._dropped: list[RolloutGroup] = []
     self.stop_event = threading.Event()
-    self.queue = RolloutQueue(cfg.prompts_per_step, cfg.max_staleness, self.stop_event)
+    self.queue = RolloutQueue(cfg.prompts_per_step, cfg.max_staleness, self.stop_event,
+                              on_drop=self._dropped.append)
+    self.preempted = False
     self._errors: list[BaseException] = []
     self._pool = concurrent.futures.ThreadPoolExecutor(cfg.reward_workers, thread_name_prefix="reward")
     self.driver = driver_factory(sink=self._on_group,
@@ -130,6 +138,9 @@ class AsyncRuntime:
       self.driver.start()
     try:
       for _ in range(cfg.num_steps):
+        if self._should_stop():
+          self.preempted = True
+          break
         self._check()
         t0 = time.monotonic()
         if not threaded:
@@ -171,6 +182,8 @@ class AsyncRuntime:
         for name in sorted({k for g in groups for k in g.reward_metrics}):
           values = [g.reward_metrics[name] for g in groups if name in g.reward_metrics]
           metrics[name] = float(np.mean(values)) if "failures" not in name else float(np.sum(values))
+        dropped, self._dropped[:] = list(self._dropped), []
+        self._on_batch(version, groups, dropped)
         self._log(version, metrics)
         self._on_step(self.learner.version)
         last = metrics
@@ -183,4 +196,4 @@ class AsyncRuntime:
       self._pool.shutdown(wait=False, cancel_futures=True)
     self._check()
     wall = time.monotonic() - t_start
-    return {**last, "wall_s": wall, "steps": cfg.num_steps}
+    return {**last, "wall_s": wall, "preempted": self.preempted}

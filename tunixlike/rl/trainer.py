@@ -8,7 +8,9 @@ import itertools
 import logging
 import os
 import threading
-from typing import Any, Iterator
+import json
+import signal
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -16,6 +18,7 @@ from flax import nnx
 
 from tunixlike import mesh as mesh_lib
 from tunixlike import metrics as metrics_lib
+from tunixlike import checkpoint as checkpoint_lib
 from tunixlike import models, rewards, trace as trace_lib
 from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokenizer_lib
@@ -80,28 +83,55 @@ def sampler_config(cfg: Config, tok) -> SamplerConfig:
 
 
 class PromptStream:
-  """Prompt records -> PromptRequests for the driver, numbered in the order they are handed out.
+  """Prompt records -> PromptRequests for the driver, numbered by their index in the data stream.
 
-  `stream_index` orders a batch deterministically whatever order rewards finish in; `position` is
-  what a checkpoint stores to resume the data exactly.
+  `stream_index` orders a batch deterministically whatever order rewards finish in. A checkpoint
+  stores `position` (the next index) and `outstanding` (indices handed out but neither trained nor
+  dropped: in flight at the time); resuming replays the outstanding prompts first, so no prompt is
+  skipped or trained twice.
   """
 
-  def __init__(self, records: Iterator[dict], start_index: int = 0):
-    self._records = records
+  def __init__(self, pipe, position: int = 0, replay: Sequence[int] = ()):
+    self._pipe = pipe
     self._lock = threading.Lock()
-    self.position = start_index
+    self._replay = list(replay)
+    self.replayed = len(self._replay)
+    self.position = position
+    self._it = iter(pipe)
+    if position:
+      self._it.set_state({"next_index": position})
+    self.outstanding: set[int] = set()
+
+  def _record_at(self, index: int) -> dict:
+    it = iter(self._pipe)
+    it.set_state({"next_index": index})
+    return next(it)
 
   def __iter__(self):
     return self
 
   def __next__(self) -> PromptRequest:
     with self._lock:
-      r = next(self._records)
-      index, self.position = self.position, self.position + 1
+      if self._replay:
+        index = self._replay.pop(0)
+        r = self._record_at(index)
+      else:
+        r = next(self._it)
+        index, self.position = self.position, self.position + 1
+      self.outstanding.add(index)
     columns = {k: v for k, v in r.items() if k not in ("prompt_token_ids", "prompt_text", "id", "prompt")}
     columns["stream_index"] = index
     return PromptRequest(prompt_id=r["id"], token_ids=np.asarray(r["prompt_token_ids"], np.int32),
                          columns=columns, prompt_text=r["prompt_text"])
+
+  def done(self, groups: Sequence[RolloutGroup]):
+    with self._lock:
+      for g in groups:
+        self.outstanding.discard(g.columns["stream_index"])
+
+  def state(self) -> dict[str, Any]:
+    with self._lock:
+      return {"position": self.position, "outstanding": sorted(self.outstanding | set(self._replay))}
 
 
 def requests_for(records) -> list[PromptRequest]:
@@ -231,7 +261,8 @@ def evaluate(parts: Parts) -> dict[str, Any]:
 
 
 def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None,
-                 on_step=lambda version: None) -> AsyncRuntime:
+                 on_step=lambda version: None, on_batch=lambda step, trained, dropped: None,
+                 should_stop=lambda: False, num_steps: int | None = None) -> AsyncRuntime:
   cfg, tok, tracer = parts.cfg, parts.tok, parts.tracer
   params, _ = parts.policy.sampler_weights()
 
@@ -249,22 +280,76 @@ def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None,
 
   r = cfg.rl
   return AsyncRuntime(
-      RuntimeConfig(num_steps=r.num_steps, prompts_per_step=r.prompts_per_step, max_staleness=r.max_staleness,
+      RuntimeConfig(num_steps=r.num_steps if num_steps is None else num_steps, prompts_per_step=r.prompts_per_step, max_staleness=r.max_staleness,
                     sync_mode=r.sync_mode, reward_workers=r.reward_workers, max_nonfinite_steps=r.max_nonfinite_steps,
                     wait_timeout_s=r.wait_timeout_s, dynamic_sampling=cfg.algo.dynamic_sampling),
-      driver_factory=driver_factory, learner=parts.policy, score=score, log=log, on_step=on_step)
+      driver_factory=driver_factory, learner=parts.policy, score=score, log=log, on_step=on_step,
+      on_batch=on_batch, should_stop=should_stop)
+
+
+def checkpoint_meta(parts: Parts, stream: PromptStream, counters: dict) -> dict[str, Any]:
+  """Everything besides arrays that resuming (and export) needs, as plain JSON."""
+  cfg, model_cfg = parts.cfg, parts.policy.learner.model(parts.policy.learner.state).cfg
+  return json.loads(json.dumps({
+      "version": parts.policy.version, "stream": stream.state(), "counters": counters,
+      "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(model_cfg),
+      "lora": ({"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets)}
+               if cfg.lora.rank else None),
+      **({"hf_path": cfg.model.hf_path} if cfg.model.hf_path else {})}))
+
+
+class Preemption:
+  """SIGTERM (TPU VM preemption) and SIGINT (Ctrl-C): finish the current step, save, exit 0."""
+
+  def __init__(self, say=print):
+    self.requested, self._say, self._old = False, say, {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._old[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    if self.requested:  # a second Ctrl-C: stop waiting
+      raise KeyboardInterrupt
+    self.requested = True
+    self._say(f"received {signal.Signals(signum).name}: finishing the current step, saving a checkpoint")
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
+def _truncate_jsonl(path: str, below_step: int):
+  """Drops records of steps >= below_step (they were lost with the crash and will be redone)."""
+  if not os.path.exists(path):
+    return
+  with open(path, encoding="utf-8") as f:
+    keep = [l for l in f if l.strip() and json.loads(l).get("step", 0) < below_step]
+  with open(path, "w", encoding="utf-8") as f:
+    f.writelines(keep)
 
 
 def run(cfg: Config, workdir: str) -> dict[str, Any]:
+  """Trains (or resumes the run in `workdir`); returns a summary. See the module docstring."""
   os.makedirs(workdir, exist_ok=True)
+  ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), keep=cfg.checkpoint.keep,
+                                     save_every_steps=cfg.checkpoint.every_steps,
+                                     save_every_seconds=cfg.checkpoint.every_seconds,
+                                     save_frozen=not (cfg.model.hf_path and cfg.lora.rank))
+  latest = ckpt.latest_step()
+  prompts_log = os.path.join(workdir, "prompts.jsonl")
+  if latest is not None:
+    _truncate_jsonl(prompts_log, latest)
   logger = metrics_lib.MetricsLogger(workdir, total_steps=cfg.rl.num_steps, tensorboard=cfg.log.tensorboard,
-                                     progress_bar=cfg.log.progress_bar)
+                                     progress_bar=cfg.log.progress_bar, initial_step=latest or 0)
   say = logger.info
   parts = build(cfg, workdir, say=say)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(parts.model, nnx.Param)))
   say(f"tunixlike: task {cfg.data.task}, {n_params:,} params, sampler {dict(parts.meshes.sampler.shape)}, "
       f"learner {dict(parts.meshes.learner.shape)}")
-  if cfg.warm_start.max_steps:
+  if latest is None and cfg.warm_start.max_steps:
     logger.write(0, warm_start(parts), advance=False)
   build_rl(parts)
 
@@ -275,17 +360,61 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
         f"{out['eval/num_prompts']} held-out prompts")
     return out["eval/accuracy"]
 
-  acc_before = run_eval()
+  counters = {"groups_trained": 0, "groups_dropped": 0, "groups_regenerated": 0}
+  if latest is None:
+    acc_before = run_eval()
+    stream = PromptStream(parts.train_pipe)
+  else:
+    learner = parts.policy.learner
+    learner.state, meta = ckpt.restore(latest, abstract_state=learner.state)
+    parts.policy.version = meta["version"]
+    counters.update(meta["counters"])
+    stream = PromptStream(parts.train_pipe, meta["stream"]["position"], replay=meta["stream"]["outstanding"])
+    counters["groups_regenerated"] += stream.replayed
+    first_eval = [r for r in metrics_lib.read_jsonl(logger.path) if "eval/accuracy" in r][:1]
+    acc_before = first_eval[0]["eval/accuracy"] if first_eval else float("nan")
+    say(f"resumed from {ckpt.step_dir(latest)} at step {latest}; regenerating {stream.replayed} prompts that "
+        "were in flight")
+
+  def save(force: bool = False):
+    version = parts.policy.version
+    if force or ckpt.should_save(version):
+      ckpt.save(version, parts.policy.learner.state, checkpoint_meta(parts, stream, counters), force=force)
 
   def on_step(version: int):
+    save()
     every = cfg.eval.every_steps
     if every and version % every == 0 and version < cfg.rl.num_steps:
       run_eval()  # the sampler keeps decoding meanwhile; only the learner waits
 
-  runtime = make_runtime(parts, PromptStream(iter(parts.train_pipe)), log=logger.write, on_step=on_step)
+  def on_batch(step: int, trained: list, dropped: list):
+    stream.done(trained + dropped)
+    counters["groups_trained"] += len(trained)
+    counters["groups_dropped"] += len(dropped)
+    with open(prompts_log, "a", encoding="utf-8") as f:
+      f.write(json.dumps({"step": step, "trained": [g.columns["stream_index"] for g in trained],
+                          "dropped": [g.columns["stream_index"] for g in dropped]}) + "\n")
+
   try:
-    summary = runtime.run()
+    with Preemption(say) as preemption:
+      runtime = make_runtime(parts, stream, log=logger.write, on_step=on_step, on_batch=on_batch,
+                             should_stop=lambda: preemption.requested,
+                             num_steps=max(cfg.rl.num_steps - parts.policy.version, 0))
+      try:
+        summary = runtime.run()
+      except BaseException:
+        say("run failed: saving the last good learner state before re-raising")
+        save(force=True)
+        raise
+    if runtime.preempted:
+      save(force=True)
+      ckpt.close()
+      say(f"stopped at step {parts.policy.version}; checkpoint saved; run again with the same --workdir to resume")
+      logger.close()
+      return {**summary, "preempted": True, "step": parts.policy.version}
+    save(force=True)
   finally:
+    ckpt.close()
     parts.tracer.close()
   acc_after = run_eval()
   say(f"held-out accuracy {acc_before:.3f} -> {acc_after:.3f} ({100 * (acc_after - acc_before):+.1f} points) "
@@ -293,4 +422,4 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
   logger.close()
   plot = metrics_lib.plot(logger.path, os.path.join(workdir, "reward.png"))
   return {**summary, "eval/accuracy_before": acc_before, "eval/accuracy_after": acc_after, "plot": plot,
-          "wall_s_total": logger.elapsed_s}
+          "wall_s_total": logger.elapsed_s, **counters}

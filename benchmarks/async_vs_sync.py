@@ -1,0 +1,237 @@
+"""Async vs sync RL: the same config and learner steps at max_staleness=0 (sync) and >= 1 (async).
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/async_vs_sync.py [--out FILE] [--quick]
+
+Prints one JSON object (and writes it to --out). Both modes run the real runtime
+(`trainer.build` -> `build_rl` -> `make_runtime` -> `AsyncRuntime.run(threaded=True)`) on 4 sampler +
+4 learner CPU devices; sync mode is the same code with `rl.max_staleness=0` (one batch in flight).
+Two workloads:
+  (a) long_tail: completion lengths with a geometric tail. The model is untrained (no warm start),
+      so each token is <eos> with probability about 1/vocab and completions end at EOS at
+      geometrically distributed lengths, cut at `sampler.max_new_tokens`. The reward is the
+      registered `stopped` (1 if the completion ended at EOS): it varies within a group, so GRPO
+      has a signal and the weights move. In sync mode every batch waits for its longest
+      completion while the freed slots sit idle; async refills them with the next batch's groups.
+  (b) slow_reward: 2-digit addition from a model warm-started once (supervised) to about 20%
+      held-out accuracy; the reward is exact match behind a verifier that takes 50-200 ms per call
+      (one call per group of G completions, seeded by the prompt id, like a tool call or remote
+      grader; it sleeps, so it costs latency, not CPU). The reward pool has `rl.reward_workers`
+      threads.
+Both modes of a workload start from the same weights and seed. Timing skips the first
+`--skip-steps` learner steps (XLA compilation) and covers the rest; busy fractions are the
+runtime's own `learner/busy_frac` and `sampler/busy_frac` of the last step (cumulative over the
+run); final reward is the mean `reward/mean` of the last `--final-steps` steps; staleness is the
+max of `staleness/max` over all steps. The machine may be shared: `os.getloadavg()` is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import zlib
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+
+def _parse(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--out", default=None, help="also write the JSON object to this file")
+  p.add_argument("--quick", action="store_true", help="tiny sizes, few steps (smoke test, not the figures)")
+  p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 12; quick 3)")
+  p.add_argument("--skip-steps", type=int, default=None, help="steps excluded from timing (compilation)")
+  p.add_argument("--final-steps", type=int, default=4, help="steps averaged for the final reward")
+  p.add_argument("--async-staleness", type=int, default=1, help="rl.max_staleness of the async mode")
+  p.add_argument("--workloads", default="long_tail,slow_reward")
+  return p.parse_args(argv)
+
+
+ARGS = _parse()
+if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from configs import addition_grpo  # noqa: E402
+from tunixlike import config as config_lib, rewards  # noqa: E402
+from tunixlike.rewards import basic  # noqa: E402
+from tunixlike.rl import trainer  # noqa: E402
+
+SLOW_MIN_S, SLOW_MAX_S = 0.05, 0.2
+_LENGTHS: list[int] = []  # completion lengths seen by the long-tail reward (to describe the tail)
+_LENGTHS_LOCK = threading.Lock()
+
+
+@rewards.register("bench_stopped")
+def bench_stopped(prompts, completions, *, finish_reasons, completion_lengths, **_):
+  """`stopped` (1 if the completion ended at EOS), recording the lengths for the report."""
+  with _LENGTHS_LOCK:
+    _LENGTHS.extend(int(n) for n in completion_lengths)
+  return basic.stopped(prompts, completions, finish_reasons=finish_reasons)
+
+
+@rewards.register("bench_slow_exact_match")
+def bench_slow_exact_match(prompts, completions, *, answer, prompt_ids, **kw):
+  """Exact match behind a 50-200 ms verifier call; the latency is seeded by the prompt id."""
+  u = zlib.crc32(str(prompt_ids[0]).encode()) / 2**32
+  time.sleep(SLOW_MIN_S + (SLOW_MAX_S - SLOW_MIN_S) * u)
+  return basic.exact_match(prompts, completions, answer=answer)
+
+
+def workload_config(name: str, steps: int, quick: bool):
+  cfg = config_lib.from_config_dict(addition_grpo.get_config())
+  common = dict(log=dict(progress_bar=False, tensorboard=False, trace=False), eval=dict(every_steps=0))
+  if name == "long_tail":
+    # 8 prompts x 8 samples = 64 completions per step on 64 slots: sync starts a whole batch at once
+    # and waits for the longest; the random model's EOS rate (~1/83 per token) gives a mean length
+    # near 60 and a tail to max_new_tokens.
+    new = 48 if quick else 160
+    return config_lib.replace(
+        cfg, data=dict(task="reverse", num_eval_examples=8, max_prompt_length=16),
+        warm_start=dict(max_steps=0),
+        sampler=dict(max_concurrent_decodes=16 if quick else 64, max_new_tokens=new, max_prefill_length=16,
+                     steps_per_call=8),
+        rl=dict(num_steps=steps, prompts_per_step=2 if quick else 8, reward_workers=4), **common)
+  if name == "slow_reward":
+    # Short completions (<= 4 tokens), so generation and training are cheap and the verifier's
+    # latency is the larger part of a synchronous step, as with tool calls on a small model.
+    return config_lib.replace(
+        cfg, data=dict(digits=2, num_eval_examples=64 if quick else 200),
+        warm_start=dict(max_steps=10 if quick else 1500, eval_every=10 if quick else 20),
+        sampler=dict(max_concurrent_decodes=16 if quick else 64),
+        rl=dict(num_steps=steps, prompts_per_step=2 if quick else 8, reward_workers=8), **common)
+  raise ValueError(f"unknown workload {name!r} (long_tail | slow_reward)")
+
+
+def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, final: int) -> dict:
+  cfg = config_lib.replace(cfg, rl=dict(max_staleness=staleness))
+  parts = trainer.build(cfg, say=lambda *a: None)
+  if init_params is not None:
+    nnx.update(parts.model, init_params)
+  trainer.build_rl(parts)
+  parts.train_reward = rewards.CombinedReward([reward_name], timeout_s=cfg.rl.reward_timeout_s)
+  records = []
+  runtime = trainer.make_runtime(parts, trainer.PromptStream(iter(parts.train_pipe)),
+                                 log=lambda step, m: records.append((time.monotonic(), step, dict(m))))
+  with _LENGTHS_LOCK:
+    _LENGTHS.clear()
+  t0 = time.monotonic()
+  runtime.run(threaded=True)
+  total = time.monotonic() - t0
+  times = [t for t, _, _ in records]
+  timed_steps = len(records) - skip
+  wall = times[-1] - times[skip - 1] if skip else times[-1] - t0
+  last = records[-1][2]
+  rewards_per_step = [m["reward/mean"] for _, _, m in records]
+  out = {
+      "max_staleness_config": staleness,
+      "wall_s": wall, "timed_steps": timed_steps, "s_per_step": wall / timed_steps, "wall_s_total": total,
+      "learner_busy_frac": last["learner/busy_frac"], "sampler_busy_frac": last["sampler/busy_frac"],
+      "final_reward": float(np.mean(rewards_per_step[-final:])),
+      "reward_per_step": [round(r, 4) for r in rewards_per_step],
+      "max_staleness": int(max(m["staleness/max"] for _, _, m in records)),
+      "mean_staleness": float(np.mean([m["staleness/mean"] for _, _, m in records])),
+      "dropped_stale": int(last["queue/dropped_stale"]),
+      "sampler_tokens_per_s": last["sampler/tokens_per_s"], "slot_occupancy": last["sampler/slot_occupancy"],
+      "learner_step_s_mean": float(np.mean([m["learner/step_s"] for _, _, m in records[skip:]])),
+      "learner_wait_s_mean": float(np.mean([m["learner/wait_s"] for _, _, m in records[skip:]])),
+      "sync_ms_mean": float(np.mean([m["sync/ms"] for _, _, m in records])),
+      "steps": len(records), "learner_version": parts.policy.version,
+  }
+  with _LENGTHS_LOCK:
+    if _LENGTHS:
+      n = np.asarray(_LENGTHS)
+      out["completion_length"] = {"mean": float(n.mean()), "p50": float(np.median(n)),
+                                  "p90": float(np.percentile(n, 90)), "max": int(n.max()),
+                                  "frac_at_limit": float(np.mean(n >= cfg.sampler.max_new_tokens))}
+  return out
+
+
+def warm_started_params(cfg):
+  """Warm-start once; both modes then start from these weights (host copy)."""
+  parts = trainer.build(cfg, say=lambda *a: None)
+  t0 = time.monotonic()
+  info = trainer.warm_start(parts)
+  return jax.device_get(nnx.state(parts.model)), {**{k: float(v) for k, v in info.items()},
+                                                  "warm_start_s": time.monotonic() - t0}
+
+
+def bench_workload(name: str, steps: int, skip: int, final: int, staleness: int, quick: bool) -> dict:
+  cfg = workload_config(name, steps, quick)
+  init, extra = None, {}
+  if name == "slow_reward":
+    init, extra = warm_started_params(cfg)
+    cfg = config_lib.replace(cfg, warm_start=dict(max_steps=0))
+  reward = "bench_stopped" if name == "long_tail" else "bench_slow_exact_match"
+  sync = run_mode(cfg, 0, init, reward, skip, final)
+  async_ = run_mode(cfg, staleness, init, reward, skip, final)
+  s, c = cfg.sampler, cfg.rl
+  return {
+      "speedup": sync["wall_s"] / async_["wall_s"],
+      "sync": sync, "async": async_,
+      "setup": {"task": cfg.data.task, "reward": reward, "prompts_per_step": c.prompts_per_step,
+                "group_size": cfg.algo.group_size, "slots": s.max_concurrent_decodes,
+                "max_new_tokens": s.max_new_tokens, "reward_workers": c.reward_workers, "steps": steps,
+                "skip_steps": skip, "model": {"hidden": cfg.model.hidden_size, "layers": cfg.model.num_layers},
+                **({"reward_latency_s": [SLOW_MIN_S, SLOW_MAX_S], "latency_per": "call (one per group)"}
+                   if name == "slow_reward" else {"lengths": "untrained model: EOS ~1/vocab per token "
+                                                            "(geometric), cut at max_new_tokens"}),
+                **extra},
+  }
+
+
+def main():
+  steps = ARGS.steps or (3 if ARGS.quick else 12)
+  skip = ARGS.skip_steps if ARGS.skip_steps is not None else (1 if ARGS.quick else 2)
+  if not 0 <= skip < steps:
+    raise ValueError(f"--skip-steps={skip} must be in [0, --steps={steps})")
+  names = [n for n in ARGS.workloads.split(",") if n]
+  load_before = os.getloadavg()
+  t0 = time.time()
+  detail = {n: bench_workload(n, steps, skip, ARGS.final_steps, ARGS.async_staleness, ARGS.quick) for n in names}
+  result: dict = {"benchmark": "async_vs_sync", "quick": ARGS.quick, "devices": jax.device_count(),
+                  "async_max_staleness_config": ARGS.async_staleness}
+  for n in names:
+    result[f"speedup_{n}"] = detail[n]["speedup"]
+  runs = [detail[n][m] for n in names for m in ("sync", "async")]
+  result["final_reward_sync"] = {n: detail[n]["sync"]["final_reward"] for n in names}
+  result["final_reward_async"] = {n: detail[n]["async"]["final_reward"] for n in names}
+  result["max_staleness"] = max(r["max_staleness"] for r in runs)
+  result["workloads"] = detail
+  result["loadavg_before"] = list(load_before)
+  result["loadavg_after"] = list(os.getloadavg())
+  result["wall_s"] = time.time() - t0
+  result["notes"] = notes(result, names)
+  text = json.dumps(result, indent=1)
+  print(text)
+  if ARGS.out:
+    with open(ARGS.out, "w") as f:
+      f.write(text + "\n")
+
+
+def notes(result, names) -> list[str]:
+  """What the figures mean against the targets (filled from the measurements, not assumed)."""
+  out = [f"machine: 2 CPU cores shared with other jobs (loadavg {result['loadavg_before'][0]:.1f} -> "
+         f"{result['loadavg_after'][0]:.1f}); sampler and learner submeshes share those cores, so async "
+         "overlaps latency (idle slots, reward waits) but not compute."]
+  targets = {"long_tail": 1.5, "slow_reward": 1.8}
+  for n in names:
+    d = result["workloads"][n]
+    sp, sy, asy = d["speedup"], d["sync"], d["async"]
+    verdict = "meets" if sp >= targets.get(n, 0) else "below"
+    out.append(f"{n}: speedup {sp:.2f} ({verdict} target {targets.get(n)}); sync {sy['s_per_step']:.2f} s/step "
+               f"(sampler busy {sy['sampler_busy_frac']:.2f}, learner busy {sy['learner_busy_frac']:.2f}), "
+               f"async {asy['s_per_step']:.2f} s/step (sampler busy {asy['sampler_busy_frac']:.2f}, learner busy "
+               f"{asy['learner_busy_frac']:.2f}); final reward sync {sy['final_reward']:.3f} vs async "
+               f"{asy['final_reward']:.3f}; max staleness {asy['max_staleness']}.")
+  return out
+
+
+if __name__ == "__main__":
+  main()
