@@ -18,9 +18,10 @@ Two workloads:
       grader; it sleeps, so it costs latency, not CPU). The reward pool has `rl.reward_workers`
       threads.
 Both modes of a workload start from the same weights and seed. Timing skips the first
-`--skip-steps` learner steps (XLA compilation) and covers the rest; busy fractions are the
-runtime's own `learner/busy_frac` and `sampler/busy_frac` of the last step (cumulative over the
-run); final reward is the mean `reward/mean` of the last `--final-steps` steps; staleness is the
+`--skip-steps` learner steps (XLA compilation) and covers the rest; busy fractions are
+the runtime's `learner/busy_frac` and `sampler/busy_frac` taken over the timed window (learner:
+train step + weight sync; the runtime's cumulative figures, compilation included, are kept as
+`*_runtime`); final reward is the mean `reward/mean` of the last `--final-steps` steps; staleness is the
 max of `staleness/max` over all steps. The machine may be shared: `os.getloadavg()` is recorded.
 """
 
@@ -91,7 +92,7 @@ def workload_config(name: str, steps: int, quick: bool):
     # 8 prompts x 8 samples = 64 completions per step on 64 slots: sync starts a whole batch at once
     # and waits for the longest; the random model's EOS rate (~1/83 per token) gives a mean length
     # near 60 and a tail to max_new_tokens.
-    new = 48 if quick else 160
+    new = 24 if quick else 160
     return config_lib.replace(
         cfg, data=dict(task="reverse", num_eval_examples=8, max_prompt_length=16),
         warm_start=dict(max_steps=0),
@@ -103,7 +104,7 @@ def workload_config(name: str, steps: int, quick: bool):
     # latency is the larger part of a synchronous step, as with tool calls on a small model.
     return config_lib.replace(
         cfg, data=dict(digits=2, num_eval_examples=64 if quick else 200),
-        warm_start=dict(max_steps=10 if quick else 1500, eval_every=10 if quick else 20),
+        warm_start=dict(max_steps=2 if quick else 1500, eval_every=10 if quick else 20),
         sampler=dict(max_concurrent_decodes=16 if quick else 64),
         rl=dict(num_steps=steps, prompts_per_step=2 if quick else 8, reward_workers=8), **common)
   raise ValueError(f"unknown workload {name!r} (long_tail | slow_reward)")
@@ -128,11 +129,17 @@ def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, fina
   timed_steps = len(records) - skip
   wall = times[-1] - times[skip - 1] if skip else times[-1] - t0
   last = records[-1][2]
+  # Busy fractions over the timed window (the runtime's are cumulative from the start, compile included).
+  t_a = times[skip - 1] if skip else t0
+  m_a = records[skip - 1][2] if skip else {"sampler/busy_frac": 0.0}
+  sampler_busy_s = last["sampler/busy_frac"] * (times[-1] - t0) - m_a["sampler/busy_frac"] * (t_a - t0)
+  learner_busy_s = sum(m["learner/step_s"] + m["sync/ms"] / 1e3 for _, _, m in records[skip:])
   rewards_per_step = [m["reward/mean"] for _, _, m in records]
   out = {
       "max_staleness_config": staleness,
       "wall_s": wall, "timed_steps": timed_steps, "s_per_step": wall / timed_steps, "wall_s_total": total,
-      "learner_busy_frac": last["learner/busy_frac"], "sampler_busy_frac": last["sampler/busy_frac"],
+      "learner_busy_frac": learner_busy_s / wall, "sampler_busy_frac": sampler_busy_s / wall,
+      "learner_busy_frac_runtime": last["learner/busy_frac"], "sampler_busy_frac_runtime": last["sampler/busy_frac"],
       "final_reward": float(np.mean(rewards_per_step[-final:])),
       "reward_per_step": [round(r, 4) for r in rewards_per_step],
       "max_staleness": int(max(m["staleness/max"] for _, _, m in records)),
@@ -187,7 +194,7 @@ def bench_workload(name: str, steps: int, skip: int, final: int, staleness: int,
 
 
 def main():
-  steps = ARGS.steps or (3 if ARGS.quick else 12)
+  steps = ARGS.steps or (2 if ARGS.quick else 12)
   skip = ARGS.skip_steps if ARGS.skip_steps is not None else (1 if ARGS.quick else 2)
   if not 0 <= skip < steps:
     raise ValueError(f"--skip-steps={skip} must be in [0, --steps={steps})")

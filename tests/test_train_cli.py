@@ -40,3 +40,11 @@ def test_missing_config_file_and_bad_variant():
   assert out.returncode == 2 and "configs/does_not_exist.py" in out.stderr
   out = run_cli("--config", "configs/addition_grpo.py:size=huge", "--check_only")
   assert out.returncode == 2 and "unknown variant" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_submesh_sizes_that_do_not_add_up_to_the_devices(tmp_path):
+  out = run_cli("--config", "configs/addition_grpo.py", "--config.mesh.learner_devices=8",
+                "--config.warm_start.max_steps=0", f"--workdir={tmp_path}")
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines()[-1] == ("tunixlike.train: error: mesh.sampler_devices=4 + "
+                                                "mesh.learner_devices=8 = 12, but there are 8 devices")

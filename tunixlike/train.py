@@ -67,8 +67,12 @@ def main(argv: list[str] | None = None):
     return
   if workdir is None:
     _fail("--workdir is required")
+  from tunixlike import checkpoint, mesh
   from tunixlike.rl import trainer  # heavy imports only once the config is known to be good
-  trainer.run(cfg, workdir)
+  try:
+    trainer.run(cfg, workdir)
+  except (mesh.MeshError, checkpoint.CheckpointError, config_lib.ConfigError) as e:
+    _fail(str(e))
 
 
 if __name__ == "__main__":

@@ -342,10 +342,10 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
   prompts_log = os.path.join(workdir, "prompts.jsonl")
   if latest is not None:
     _truncate_jsonl(prompts_log, latest)
+  parts = build(cfg, workdir)  # fails fast on bad meshes or data, before any output
   logger = metrics_lib.MetricsLogger(workdir, total_steps=cfg.rl.num_steps, tensorboard=cfg.log.tensorboard,
                                      progress_bar=cfg.log.progress_bar, initial_step=latest or 0)
-  say = logger.info
-  parts = build(cfg, workdir, say=say)
+  say = parts.say = logger.info
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(parts.model, nnx.Param)))
   say(f"tunixlike: task {cfg.data.task}, {n_params:,} params, sampler {dict(parts.meshes.sampler.shape)}, "
       f"learner {dict(parts.meshes.learner.shape)}")

@@ -1,0 +1,66 @@
+"""Smoke tests of the benchmarks: each runs end to end with --quick and writes a sane JSON object."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_benchmark(name: str, tmp_path) -> dict:
+  out = tmp_path / f"{name}.json"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, os.path.join("benchmarks", f"{name}.py"), "--quick", "--out", str(out)],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  printed = json.loads(proc.stdout)  # stdout is exactly one JSON object
+  written = json.loads(out.read_text())
+  assert printed == written
+  return written
+
+
+def assert_positive(d: dict, *keys: str):
+  for k in keys:
+    v = d[k]
+    assert isinstance(v, (int, float)) and math.isfinite(v) and v > 0, (k, v)
+
+
+@pytest.mark.slow
+def test_weight_sync_benchmark(tmp_path):
+  r = run_benchmark("weight_sync", tmp_path)
+  assert_positive(r, "full_sync_ms", "memcpy_ms", "full_vs_memcpy", "lora_sync_ms", "full_vs_lora", "model_bytes",
+                  "delivered_bytes", "lora_bytes", "memcpy_model_bytes_ms", "full_vs_memcpy_model_bytes")
+  assert r["full_vs_memcpy"] == pytest.approx(r["full_sync_ms"] / r["memcpy_ms"])
+  assert r["full_vs_lora"] == pytest.approx(r["full_sync_ms"] / r["lora_sync_ms"])
+  # The default sampler layout replicates the weights on its 4 replicas: 4x the model's bytes arrive.
+  assert r["delivered_bytes"] >= 4 * r["model_bytes"] * 0.99
+  assert r["lora_bytes"] < r["model_bytes"]
+  assert len(r["loadavg_before"]) == 3
+  for layout in r["layouts"].values():
+    for method in layout["methods_ms"].values():
+      assert_positive(method, "median_ms", "min_ms", "max_ms")
+
+
+@pytest.mark.slow
+def test_async_vs_sync_benchmark(tmp_path):
+  r = run_benchmark("async_vs_sync", tmp_path)
+  assert_positive(r, "speedup_long_tail", "speedup_slow_reward")
+  assert set(r["final_reward_sync"]) == set(r["final_reward_async"]) == {"long_tail", "slow_reward"}
+  for v in [*r["final_reward_sync"].values(), *r["final_reward_async"].values()]:
+    assert math.isfinite(v) and 0.0 <= v <= 1.0
+  # Sync mode is staleness 0 by construction; async never exceeds its configured bound.
+  assert 0 <= r["max_staleness"] <= r["async_max_staleness_config"]
+  for name in ("long_tail", "slow_reward"):
+    w = r["workloads"][name]
+    assert w["speedup"] == pytest.approx(w["sync"]["wall_s"] / w["async"]["wall_s"])
+    assert w["sync"]["max_staleness"] == 0
+    for mode in ("sync", "async"):
+      m = w[mode]
+      assert_positive(m, "wall_s", "s_per_step", "learner_busy_frac", "sampler_busy_frac", "sampler_tokens_per_s")
+      assert m["learner_version"] == m["steps"] == w["setup"]["steps"]
+  assert r["workloads"]["long_tail"]["sync"]["completion_length"]["max"] >= 1
+  assert isinstance(r["notes"], list) and r["notes"]

@@ -1,0 +1,202 @@
+"""Evaluate a run's checkpoint with the sampler: accuracy (greedy) and pass@k (k samples), as JSON.
+
+  python -m tunixlike.eval --config configs/addition_grpo.py --checkpoint runs/addition
+  python -m tunixlike.eval --checkpoint runs/addition --split test --num_examples 200 \
+      --samples 8 --temperature 1.0 --out runs/addition/eval.json
+
+The run's parts are built from the config exactly as training builds them (meshes, tokenizer, task,
+model, LoRA, learner, sampler); the learner state is restored from the checkpoint into the live,
+sharded state, its weights are synced to the sampler, and the split's first `--num_examples`
+prompts (in file order, no shuffle) are decoded:
+
+  accuracy          greedy decoding, one completion per prompt, scored by the task's 0/1 verifier
+                    (exact match, GSM8K answer check), not by the shaped training reward;
+  pass@K            with --samples K > 1: the fraction of prompts with at least one correct
+                    completion among K sampled at --temperature (sampled_accuracy: mean over all).
+
+Without --config the run's own config (saved in the checkpoint's meta) is used. `--checkpoint` is
+the run's --workdir (its checkpoints/ is read) or a checkpoint directory itself. The JSON goes to
+stdout (and to --out); progress lines go to stderr. Bad input (no checkpoint, an unknown config key,
+a bad value, a checkpoint of another model) prints one line naming it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from absl import flags
+from ml_collections import config_flags
+
+from tunixlike import checkpoint as checkpoint_lib
+from tunixlike import config as config_lib
+
+SPLITS = ("train", "test")
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file (configs/*.py[:variant]); any key can then be overridden with "
+    "--config.section.key=value. Default: the config saved with the checkpoint.", lock_config=True)
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "The run's --workdir (WORKDIR/checkpoints is read) or a "
+                                  "checkpoint directory holding numbered step directories. Required.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest complete one).")
+_SPLIT = flags.DEFINE_enum("split", "test", SPLITS, "Dataset split to evaluate on.")
+_NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None, "Number of prompts (the split's first N in file "
+                                     "order). Default: data.num_eval_examples of the config.")
+_SAMPLES = flags.DEFINE_integer("samples", 1, "Completions per prompt for pass@k (K > 1 also reports "
+                                "pass@K and sampled_accuracy). Accuracy is always greedy.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature of the --samples K > 1 "
+                                  "completions (top-k / top-p off).")
+_OUT = flags.DEFINE_string("out", None, "Also write the JSON result to this file.")
+
+
+class EvalError(ValueError):
+  """Bad input to the evaluation (the message names the flag, key or directory)."""
+
+
+def checkpoint_dir(path: str) -> str:
+  """WORKDIR/checkpoints when it exists, else `path` (a checkpoint directory given directly)."""
+  sub = checkpoint_lib.workdir_checkpoints(path)
+  return sub if os.path.isdir(sub) else os.fspath(path)
+
+
+def evaluate_checkpoint(cfg: config_lib.Config | None, checkpoint: str, *, step: int | None = None,
+                        split: str = "test", num_examples: int | None = None, samples: int = 1,
+                        temperature: float = 1.0, say=print) -> dict[str, Any]:
+  """Restores `checkpoint` into the parts built from `cfg` (None: the checkpoint's own config) and
+  returns {"accuracy", "num_prompts", ..., and with samples > 1 "pass@K", "sampled_accuracy"}."""
+  if split not in SPLITS:
+    raise EvalError(f"split={split!r}: must be one of {list(SPLITS)}")
+  if samples < 1:
+    raise EvalError(f"samples={samples}: must be >= 1")
+  if not temperature >= 0.0:
+    raise EvalError(f"temperature={temperature}: must be >= 0")
+  if num_examples is not None and num_examples < 1:
+    raise EvalError(f"num_examples={num_examples}: must be >= 1")
+  directory = checkpoint_dir(checkpoint)
+  if not os.path.isdir(directory) and "://" not in directory:
+    raise EvalError(f"checkpoint {checkpoint}: no such directory")
+  ckpt = checkpoint_lib.Checkpointer(directory, read_only=True)
+  try:
+    if ckpt.latest_step() is None:
+      raise checkpoint_lib.CheckpointError(f"{directory}: no complete checkpoint found")
+    step = ckpt.latest_step() if step is None else step
+    if cfg is None:
+      meta = ckpt.read_meta(step)
+      if "config" not in meta:
+        raise EvalError(f"{ckpt.step_dir(step)}: meta holds no 'config'; pass --config")
+      cfg = config_lib.from_config_dict(meta["config"])
+    if samples > cfg.sampler.max_concurrent_decodes:
+      raise EvalError(f"samples={samples} is larger than sampler.max_concurrent_decodes="
+                      f"{cfg.sampler.max_concurrent_decodes}: raise it with --config.sampler.max_concurrent_decodes")
+    return _evaluate(cfg, ckpt, step, split, num_examples or cfg.data.num_eval_examples, samples, temperature,
+                     say)
+  finally:
+    ckpt.close()
+
+
+def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -> dict[str, Any]:
+  import jax
+
+  from tunixlike.data import pipeline
+  from tunixlike.rl import evaluate as eval_lib, trainer
+  from tunixlike.sampler.engine import Engine
+
+  start = time.monotonic()
+  parts = trainer.build_rl(trainer.build(cfg, workdir=None, say=say))
+  policy = parts.policy
+  policy.learner.state, meta = ckpt.restore(step, abstract_state=policy.learner.state)
+  policy.version = int(meta.get("version", step))
+  say(f"restored {ckpt.step_dir(step)} (policy version {policy.version}) in {time.monotonic() - start:.1f} s")
+
+  pipe_cfg = pipeline.PipelineConfig(seed=cfg.data.shuffle_seed, shuffle=False, num_epochs=1,
+                                     max_prompt_tokens=cfg.data.max_prompt_length)
+  records = list(itertools.islice(iter(pipeline.from_task(parts.task, parts.tok, split=split, config=pipe_cfg)),
+                                  num_examples))
+  requests = trainer.requests_for(records)
+  params, _ = policy.sampler_weights()
+
+  greedy = eval_lib.evaluate(parts.eval_engine, params, requests, parts.correctness, parts.tok,
+                             version=policy.version)
+  out: dict[str, Any] = {
+      "checkpoint": ckpt.step_dir(step), "step": step, "policy_version": policy.version, "split": split,
+      "task": cfg.data.task, "num_prompts": greedy["eval/num_prompts"], "accuracy": greedy["eval/accuracy"],
+      "mean_completion_tokens": greedy["eval/mean_completion_tokens"], "samples": samples}
+  if samples > 1:
+    s_cfg = eval_lib.eval_sampler_config(trainer.sampler_config(cfg, parts.tok), samples=samples,
+                                         temperature=temperature)
+    engine = Engine(policy.learner.model(policy.learner.state), s_cfg, mesh=parts.meshes.sampler)
+    sampled = eval_lib.evaluate(engine, params, requests, parts.correctness, parts.tok, version=policy.version)
+    out.update({"temperature": temperature, f"pass@{samples}": sampled[f"eval/pass@{samples}"],
+                "sampled_accuracy": sampled["eval/accuracy"],
+                "sampled_mean_completion_tokens": sampled["eval/mean_completion_tokens"]})
+  out["wall_s"] = round(time.monotonic() - start, 3)
+  out["devices"] = f"{jax.device_count()} x {jax.devices()[0].platform}"
+  return out
+
+
+# ---- the command line --------------------------------------------------------------------------------
+def _fail(message: str):
+  print(f"tunixlike.eval: error: {' '.join(str(message).split())}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _config_error(e: BaseException, argv: list[str]) -> str:
+  """One line for a config that failed to load: the offending key / file, not the loader's traceback."""
+  if isinstance(e, (KeyError, AttributeError)):  # ml_collections: an override of a key the config lacks
+    while e.args and isinstance(e.args[0], KeyError):
+      e = e.args[0]
+    key = str(e.args[0]).strip("'\"") if e.args else "?"
+    bad = [a for a in argv if a.startswith("--config.") and key in a.split("=")[0].split(".")]
+    return f"unknown config key {key!r} in {' '.join(bad) or 'the config file'}"
+  lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()]
+  if any(l.startswith("Traceback") for l in lines):  # the config file itself raised
+    head = lines[0].split("Error whilst parsing")[0].strip(" :")
+    return f"{head}: {lines[-1]}" if head else lines[-1]
+  return " ".join(lines)
+
+
+def usage() -> str:
+  flag_help = flags.FLAGS.module_help(sys.modules[__name__]) or flags.FLAGS.main_module_help()
+  return f"{__doc__}\nflags:\n{flag_help}\n"
+
+
+def parse(argv: list[str]) -> tuple[config_lib.Config | None, dict[str, Any]]:
+  """Flags -> (validated config or None, keyword arguments of `evaluate_checkpoint`); exits 2 on bad input."""
+  sys.path.insert(0, os.getcwd())  # config files import `configs.base` from the project root
+  try:
+    flags.FLAGS(argv)
+    raw = _CONFIG.value
+    cfg = None if raw is None else config_lib.from_config_dict(raw)
+  except (KeyError, AttributeError, flags.Error, ValueError, TypeError, OSError) as e:
+    _fail(_config_error(e, argv))
+  if _CHECKPOINT.value is None:
+    _fail("--checkpoint is required (the run's --workdir or its checkpoints/ directory)")
+  return cfg, dict(checkpoint=_CHECKPOINT.value, step=_STEP.value, split=_SPLIT.value,
+                   num_examples=_NUM_EXAMPLES.value, samples=_SAMPLES.value, temperature=_TEMPERATURE.value)
+
+
+def main(argv: list[str] | None = None):
+  argv = list(sys.argv if argv is None else argv)
+  if any(a in ("--help", "-h", "--helpshort", "-help") for a in argv[1:]):
+    print(usage())
+    return
+  cfg, kwargs = parse(argv)
+  say = lambda message: print(message, file=sys.stderr, flush=True)
+  try:
+    result = evaluate_checkpoint(cfg, say=say, **kwargs)
+  except (EvalError, checkpoint_lib.CheckpointError, config_lib.ConfigError, FileNotFoundError) as e:
+    _fail(str(e))
+  text = json.dumps(result, indent=2)
+  if _OUT.value:
+    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+    with open(_OUT.value, "w", encoding="utf-8") as f:
+      f.write(text + "\n")
+  print(text)
+
+
+if __name__ == "__main__":
+  main()
