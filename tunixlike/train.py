@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None):
   from tunixlike.rl import trainer  # heavy imports only once the config is known to be good
   try:
     trainer.run(cfg, workdir)
-  except (mesh.MeshError, checkpoint.CheckpointError, config_lib.ConfigError) as e:
+  except (mesh.MeshError, checkpoint.CheckpointError, config_lib.ConfigError, trainer.SetupError) as e:
     _fail(str(e))
 
 

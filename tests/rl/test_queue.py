@@ -64,11 +64,16 @@ def test_waits_time_out_and_stop():
 
 @settings(max_examples=30, deadline=None)
 @given(batch=st.integers(1, 3), staleness=st.integers(0, 2), steps=st.integers(1, 4),
-       producer_delay=st.sampled_from([0.0, 0.001, 0.003]), consumer_delay=st.sampled_from([0.0, 0.002]))
-def test_threads_never_deadlock_and_never_train_stale_data(batch, staleness, steps, producer_delay,
-                                                         consumer_delay):
-  """A producer thread (admit -> tag with the current version -> put) and a consumer (the learner)."""
-  q = RolloutQueue(batch_groups=batch, max_staleness=staleness)
+       producer_delay=st.sampled_from([0.0, 0.001, 0.003]), consumer_delay=st.sampled_from([0.0, 0.002]),
+       drop_every=st.sampled_from([0, 2, 3]))
+def test_threads_never_deadlock_never_train_stale_data_and_lose_nothing(batch, staleness, steps, producer_delay,
+                                                                         consumer_delay, drop_every):
+  """A producer thread (admit -> tag with the current version -> put) and a consumer (the learner)
+  that drops some groups by a filter: every admitted group ends trained, dropped (and reported) or
+  still in flight."""
+  dropped_ids = []
+  q = RolloutQueue(batch_groups=batch, max_staleness=staleness, on_drop=lambda g: dropped_ids.append(g.prompt_id))
+  keep = (lambda g: g.prompt_id % drop_every != 0) if drop_every else None
   errors = []
   sampler_version = [0]
 
@@ -85,9 +90,11 @@ def test_threads_never_deadlock_and_never_train_stale_data(batch, staleness, ste
 
   t = threading.Thread(target=produce, daemon=True)
   t.start()
+  trained_ids = []
   try:
     for step in range(steps):
-      for g in q.get_batch(step, timeout_s=5):
+      for g in q.get_batch(step, timeout_s=5, keep=keep):
+        trained_ids.append(g.prompt_id)
         if step - g.min_version > staleness:
           errors.append((step, g.min_version))
       time.sleep(consumer_delay)
@@ -97,4 +104,7 @@ def test_threads_never_deadlock_and_never_train_stale_data(batch, staleness, ste
     t.join(timeout=5)
   assert not errors
   assert not t.is_alive()
-  assert q.trained == steps * batch
+  assert q.trained == len(trained_ids) == steps * batch
+  assert q.dropped_stale + q.dropped_filtered == len(dropped_ids)
+  assert not set(trained_ids) & set(dropped_ids)
+  assert q.admitted == len(trained_ids) + len(dropped_ids) + q.in_flight

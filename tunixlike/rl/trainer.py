@@ -298,6 +298,10 @@ def checkpoint_meta(parts: Parts, stream: PromptStream, counters: dict) -> dict[
       **({"hf_path": cfg.model.hf_path} if cfg.model.hf_path else {})}))
 
 
+class SetupError(ValueError):
+  """Bad input found while building the run (mesh sizes, model files, data): one clear line."""
+
+
 class Preemption:
   """SIGTERM (TPU VM preemption) and SIGINT (Ctrl-C): finish the current step, save, exit 0."""
 
@@ -340,9 +344,10 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
                                      save_frozen=not (cfg.model.hf_path and cfg.lora.rank))
   latest = ckpt.latest_step()
   prompts_log = os.path.join(workdir, "prompts.jsonl")
-  if latest is not None:
-    _truncate_jsonl(prompts_log, latest)
-  parts = build(cfg, workdir)  # fails fast on bad meshes or data, before any output
+  try:  # fails fast on bad meshes, model files or data, before any output
+    parts = build(cfg, workdir)
+  except (ValueError, OSError, models.CheckpointError) as e:
+    raise SetupError(str(e)) from e
   logger = metrics_lib.MetricsLogger(workdir, total_steps=cfg.rl.num_steps, tensorboard=cfg.log.tensorboard,
                                      progress_bar=cfg.log.progress_bar, initial_step=latest or 0)
   say = parts.say = logger.info
@@ -366,8 +371,10 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
     stream = PromptStream(parts.train_pipe)
   else:
     learner = parts.policy.learner
-    learner.state, meta = ckpt.restore(latest, abstract_state=learner.state)
-    parts.policy.version = meta["version"]
+    # step=None: the newest *readable* checkpoint (a damaged newest one falls back, with a warning).
+    learner.state, meta = ckpt.restore(abstract_state=learner.state)
+    parts.policy.version = latest = meta["version"]
+    _truncate_jsonl(prompts_log, latest)
     counters.update(meta["counters"])
     stream = PromptStream(parts.train_pipe, meta["stream"]["position"], replay=meta["stream"]["outstanding"])
     counters["groups_regenerated"] += stream.replayed
