@@ -128,6 +128,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   g.progress_bar = True
   g.trace = False  # write WORKDIR/trace.json (Chrome / Perfetto) of sampler, learner, sync, reward spans
 
+  # Several hosts (multi-controller JAX). Unset keys fall back to JAX_COORDINATOR_ADDRESS,
+  # JAX_NUM_PROCESSES, JAX_PROCESS_ID; with none of them set the run is single-process.
+  c.distributed = dd = ml_collections.ConfigDict()
+  dd.coordinator_address = placeholder(str)  # host:port of process 0, reachable from every host
+  dd.num_processes = placeholder(int)
+  dd.process_id = placeholder(int)
+  dd.auto_detect = False  # Cloud TPU pod slices, SLURM, Open MPI: let JAX find the cluster itself
+  dd.timeout_s = 300  # wait this long for every process to connect
+
   c.checkpoint = k = ml_collections.ConfigDict()
   k.every_steps = 50  # also saved at the end, on preemption (SIGTERM / Ctrl-C) and on a crash
   k.every_seconds = 0.0  # 0 = off; e.g. 600 on preemptible TPU VMs

@@ -245,6 +245,24 @@ class CheckpointSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedSection:
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  auto_detect: bool = False
+  timeout_s: int = 300
+
+  def __post_init__(self):
+    _check(self.num_processes is None or self.num_processes >= 1, "distributed.num_processes",
+           self.num_processes, "must be >= 1")
+    _check(self.process_id is None or self.process_id >= 0, "distributed.process_id", self.process_id,
+           "must be >= 0")
+    _check(self.process_id is None or self.num_processes is None or self.process_id < self.num_processes,
+           "distributed.process_id", self.process_id, f"must be < distributed.num_processes={self.num_processes}")
+    _positive(self, "distributed", "timeout_s")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   seed: int = 0
   model: ModelSection = ModelSection()
@@ -259,6 +277,7 @@ class Config:
   eval: EvalSection = EvalSection()
   log: LogSection = LogSection()
   checkpoint: CheckpointSection = CheckpointSection()
+  distributed: DistributedSection = DistributedSection()
 
   def __post_init__(self):
     # Cross-section checks.

@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 from absl import flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from tunixlike import checkpoint as checkpoint_lib
@@ -83,6 +84,9 @@ def evaluate_checkpoint(cfg: config_lib.Config | None, checkpoint: str, *, step:
   try:
     if ckpt.latest_step() is None:
       raise checkpoint_lib.CheckpointError(f"{directory}: no complete checkpoint found")
+    if step is not None and step not in ckpt.all_steps():
+      raise EvalError(f"step={step}: no complete checkpoint at that step in {directory} "
+                      f"(steps: {ckpt.all_steps()})")
     step = ckpt.latest_step() if step is None else step
     if cfg is None:
       meta = ckpt.read_meta(step)
@@ -185,6 +189,8 @@ def main(argv: list[str] | None = None):
     print(usage())
     return
   cfg, kwargs = parse(argv)
+  # orbax logs a warning per read-only manager option; a user reading one error line needs none of them.
+  absl_logging.set_verbosity(absl_logging.ERROR)
   say = lambda message: print(message, file=sys.stderr, flush=True)
   try:
     result = evaluate_checkpoint(cfg, say=say, **kwargs)

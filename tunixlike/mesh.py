@@ -5,6 +5,9 @@ Learner axes: ('fsdp', 'tensor'): fully-sharded data parallelism x tensor parall
 With several processes (hosts) the split is made per host: every host gives its first local devices
 to the sampler and the rest to the learner, so that weight sync never crosses hosts (multi-controller
 JAX refuses a cross-host device_put between different device sets; see DESIGN "Weight sync").
+The learner mesh then spans every host (FSDP collectives cross hosts; all processes step it in
+lockstep), while each process's sampler mesh holds only its own sampler devices: the sampler's
+computations stay on one host, so its timing can never desynchronise the processes.
 """
 
 from __future__ import annotations
@@ -53,8 +56,13 @@ class MeshError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Meshes:
-  sampler: Mesh
-  learner: Mesh
+  sampler: Mesh  # this process's sampler devices only (all of them with one process)
+  learner: Mesh  # every process's learner devices
+
+  @property
+  def num_processes(self) -> int:
+    """How many processes the learner mesh spans (1: single-controller, plain device_put sync)."""
+    return len({d.process_index for d in self.learner.devices.flat})
 
 
 def split_devices(sampler_devices: int, learner_devices: int,
@@ -91,6 +99,17 @@ def make_meshes(sampler_devices: int = 4, learner_devices: int = 4, sampler_tens
       raise MeshError(f"mesh.{name}={n} must be >= 1 and divide mesh.{name.split('_')[0]}_devices={of}")
   devices = list(jax.devices() if devices is None else devices)
   sampler, learner = split_devices(sampler_devices, learner_devices, devices)
+  n_proc = len({d.process_index for d in devices})
+  if n_proc > 1:
+    # Each host decodes on its own sampler devices; a tensor group must not straddle hosts on
+    # either side (a learner one would give two hosts the same batch rows).
+    for name, n, of in (("sampler_tensor", sampler_tensor, sampler_devices),
+                        ("learner_tensor", learner_tensor, learner_devices)):
+      if (of // n_proc) % n:
+        raise MeshError(f"mesh.{name}={n} must divide the {of // n_proc} {name.split('_')[0]} devices "
+                        f"per host ({of} over {n_proc} processes)")
+    sampler = [d for d in sampler if d.process_index == jax.process_index()]
+    sampler_devices = len(sampler)
   # The tensor axis is innermost so a replica's tensor shards sit on one host's neighbouring devices.
   s_shape = (sampler_devices // sampler_tensor, sampler_tensor)
   l_shape = (learner_devices // learner_tensor, learner_tensor)

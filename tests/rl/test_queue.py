@@ -34,21 +34,39 @@ def test_staleness_zero_is_one_batch_at_a_time():
 
 def test_version_rejection_drops_stale_groups_and_frees_admission():
   q = RolloutQueue(batch_groups=1, max_staleness=1)
-  assert q.try_admit(0) and q.try_admit(0) and not q.try_admit(0)
+  assert q.try_admit(0) and q.try_admit(2)
   q.put(group("old", 0))
   q.put(group("new", 2))
   batch = q.get_batch(learner_version=2, timeout_s=1)
   assert [g.prompt_id for g in batch] == ["new"]
   assert q.dropped_stale == 1
-  assert q.try_admit(0)  # the drop made room for a replacement
+  assert q.admitted - q.dropped_stale == 1 and q.try_admit(0)  # the drop made room for a replacement
 
 
 def test_filter_drops_zero_variance_groups():
-  q = RolloutQueue(batch_groups=1, max_staleness=0)
+  q = RolloutQueue(batch_groups=1, max_staleness=1)
+  assert q.try_admit(0) and q.try_admit(0)
   q.put(group("flat", 0, rewards=(1.0, 1.0)))
   q.put(group("useful", 0, rewards=(0.0, 1.0)))
   batch = q.get_batch(0, timeout_s=1, keep=lambda g: float(np.std(g.rewards)) > 0)
   assert [g.prompt_id for g in batch] == ["useful"] and q.dropped_filtered == 1
+
+
+def test_learner_waits_for_the_oldest_running_group_instead_of_rejecting_it():
+  """Long tails: a group started at version 0 still decoding must be trained at step 1 (s=1)."""
+  q = RolloutQueue(batch_groups=2, max_staleness=1)
+  assert q.try_admit(0) and q.try_admit(0)  # "slow" and "a"
+  q.put(group("a", 0))
+  assert q.try_admit(0) and q.try_admit(0)
+  q.put(group("b", 0))
+  q.put(group("c", 0))
+  assert [g.prompt_id for g in q.get_batch(0, timeout_s=1)] == ["a", "b"]
+  assert q.try_admit(1)
+  q.put(group("d", 1))
+  threading.Timer(0.2, lambda: q.put(group("slow", 0))).start()
+  batch = q.get_batch(1, timeout_s=5)  # "d" and "c" are ready, but "slow" would be too old at step 2
+  assert sorted(g.prompt_id for g in batch) == ["c", "slow"]
+  assert q.dropped_stale == 0
 
 
 def test_waits_time_out_and_stop():

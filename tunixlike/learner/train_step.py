@@ -100,7 +100,13 @@ class Learner:
   # ------------------------------------------------------------------ batches
 
   def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """Checks a host batch, splits it into [M, B/M, ...] micro-batches and places it on the mesh."""
+    """Checks a host batch, splits it into [M, B/M, ...] micro-batches and places it on the mesh.
+
+    When the learner mesh spans several processes, `batch` is this process's share of the rows
+    (every process passes the same number of rows and the same T): the global batch is assembled
+    from every process's share with `jax.make_array_from_process_local_data`, so each micro-batch
+    holds rows of every process and the rows are sharded over the batch axis.
+    """
     for k in BATCH_KEYS:
       if k not in batch:
         raise ValueError(f"batch is missing {k!r} (has {sorted(batch)})")
@@ -113,10 +119,13 @@ class Learner:
     m = self.cfg.optim.micro_batches
     if b % m:
       raise ValueError(f"batch of {b} rows does not divide into optim.micro_batches={m}")
-    n_dev = 1 if self.mesh is None else self.mesh.shape[self.cfg.batch_axis]
+    n_proc = 1 if self.mesh is None else len({d.process_index for d in self.mesh.devices.flat})
+    n_dev = 1 if self.mesh is None else self.mesh.shape[self.cfg.batch_axis] // n_proc
     if (b // m) % n_dev:
+      where = f"the {n_dev} devices of learner mesh axis {self.cfg.batch_axis!r}" + (
+          " on this process" if n_proc > 1 else "")
       raise ValueError(f"micro-batch of {b // m} rows (batch {b} / optim.micro_batches={m}) does not divide "
-                       f"over the {n_dev} devices of learner mesh axis {self.cfg.batch_axis!r}")
+                       f"over {where}")
     out = {}
     for k, v in batch.items():
       if k not in BATCH_KEYS and k not in TOKEN_KEYS:
@@ -125,8 +134,12 @@ class Learner:
       if self.mesh is None:
         out[k] = jnp.asarray(v)
       else:
-        spec = P(None, self.cfg.batch_axis, *([None] * (v.ndim - 2)))
-        out[k] = jax.device_put(v, NamedSharding(self.mesh, spec))
+        sharding = NamedSharding(self.mesh, P(None, self.cfg.batch_axis, *([None] * (v.ndim - 2))))
+        if n_proc > 1:
+          global_shape = (m, v.shape[1] * n_proc) + v.shape[2:]
+          out[k] = jax.make_array_from_process_local_data(sharding, v, global_shape)
+        else:
+          out[k] = jax.device_put(v, sharding)
     return out
 
   # ------------------------------------------------------------------ the math

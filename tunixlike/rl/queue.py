@@ -9,6 +9,12 @@ version rejection (oldest token older than version - max_staleness) or by a batc
 DAPO dynamic sampling, and each drop frees an admission so the sampler regenerates the work.
 With max_staleness=0 this is exactly the synchronous loop: one batch in flight at a time.
 
+Long-tailed generation finishes groups out of order, so counting alone would let a slow group fall
+behind and be rejected (the bias toward short rollouts again). The learner therefore takes the
+oldest ready groups first and, before training version L, waits for every group started at a
+version <= L - max_staleness: that is the only wait the staleness bound requires, and with
+oldest-first selection those groups always fit in one batch.
+
 Every wait has a timeout and a stop event, so a dead peer surfaces as an error, never a hang.
 """
 
@@ -43,7 +49,8 @@ class RolloutQueue:
     self.stop_event = stop_event or threading.Event()
     self._on_drop = on_drop  # dropped groups are counted and reported, never silently lost
     self._cond = threading.Condition()
-    self._ready: collections.deque[RolloutGroup] = collections.deque()
+    self._ready: list[RolloutGroup] = []
+    self._running: collections.Counter[int] = collections.Counter()  # start version -> groups not yet put
     self.admitted = 0  # groups ever admitted
     self.dropped_stale = 0
     self.dropped_filtered = 0
@@ -70,6 +77,7 @@ class RolloutQueue:
         return False
       if self.admitted - self.dropped_stale - self.dropped_filtered < self._capacity(sampler_version):
         self.admitted += 1
+        self._running[sampler_version] += 1
         return True
       return False
 
@@ -77,6 +85,7 @@ class RolloutQueue:
     """A finished (and scored) group enters the queue. Never blocks: admission bounded it."""
     with self._cond:
       self._ready.append(group)
+      self._running[group.min_version] -= 1  # its first token was sampled at admission
       self._cond.notify_all()
 
   def release(self, n: int = 1):
@@ -88,36 +97,43 @@ class RolloutQueue:
   # ---- learner side -------------------------------------------------------------------------
   def get_batch(self, learner_version: int, timeout_s: float,
                 keep: Callable[[RolloutGroup], bool] | None = None) -> list[RolloutGroup]:
-    """Blocks until `batch_groups` acceptable groups are ready; returns them.
+    """Blocks until a batch for `learner_version` is ready; returns the `batch_groups` oldest groups.
 
-    Groups whose oldest token is older than learner_version - max_staleness are dropped (version
-    rejection); groups that fail `keep` (e.g. zero reward variance) are dropped too. Both are
-    counted and free their admission so the sampler makes replacements.
+    Waits for every group started at a version <= learner_version - max_staleness (this is its
+    last chance to be trained). Groups older than the bound anyway are dropped (version rejection);
+    groups that fail `keep` (e.g. zero reward variance) are dropped too. Both are counted, reported
+    and free their admission so the sampler makes replacements.
     """
     deadline = time.monotonic() + timeout_s
-    batch: list[RolloutGroup] = []
+    last_chance = learner_version - self.max_staleness
+    checked: set[int] = set()  # ids of groups `keep` already passed
     with self._cond:
-      while len(batch) < self.batch_groups:
-        while not self._ready:
-          if self.stop_event.is_set():
-            raise Stopped("rollout queue stopped")
-          remaining = deadline - time.monotonic()
-          if remaining <= 0:
-            raise QueueTimeout(
-                f"waited {timeout_s:.0f}s for rollouts (have {len(batch)} of {self.batch_groups}; "
-                f"in flight {self.in_flight}); is the sampler stuck? "
-                "(rl.wait_timeout_s)")
-          self._cond.wait(min(remaining, 0.5))
-        group = self._ready.popleft()
-        if group.min_version < learner_version - self.max_staleness:
-          self.dropped_stale += 1
-        elif keep is not None and not keep(group):
-          self.dropped_filtered += 1
-        else:
-          batch.append(group)
-          continue
-        self._on_drop(group)
-        self._cond.notify_all()  # a drop frees an admission
+      while True:
+        for group in list(self._ready):
+          if group.min_version < last_chance:
+            self.dropped_stale += 1
+          elif keep is not None and id(group) not in checked and not keep(group):
+            self.dropped_filtered += 1
+          else:
+            checked.add(id(group))
+            continue
+          self._ready.remove(group)
+          self._on_drop(group)
+          self._cond.notify_all()  # a drop frees an admission
+        waiting_old = sum(max(n, 0) for v, n in self._running.items() if v <= last_chance)
+        if not waiting_old and len(self._ready) >= self.batch_groups:
+          break
+        if self.stop_event.is_set():
+          raise Stopped("rollout queue stopped")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+          raise QueueTimeout(
+              f"waited {timeout_s:.0f}s for rollouts (ready {len(self._ready)} of {self.batch_groups}, "
+              f"{waiting_old} old groups still running; in flight {self.in_flight}); is the sampler stuck? "
+              "(rl.wait_timeout_s)")
+        self._cond.wait(min(remaining, 0.5))
+      self._ready.sort(key=lambda g: g.min_version)  # stable: arrival order within a version
+      batch, self._ready = self._ready[:self.batch_groups], self._ready[self.batch_groups:]
       self.trained += len(batch)
     return batch
 
@@ -130,3 +146,4 @@ class RolloutQueue:
       return {"queue/depth": len(self._ready), "queue/in_flight": self.in_flight,
               "queue/dropped_stale": self.dropped_stale, "queue/dropped_filtered": self.dropped_filtered,
               "queue/admitted": self.admitted}
+

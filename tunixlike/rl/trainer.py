@@ -1,5 +1,13 @@
 """`run(config, workdir)`: builds meshes, task, model, learner, sampler and runtime from the typed
-config, then warm start -> eval -> async RL -> eval, with metrics, TensorBoard, trace and a plot."""
+config, then warm start -> eval -> async RL -> eval, with metrics, TensorBoard, trace and a plot.
+
+Several processes (hosts, `tunixlike.distributed`): every process runs this same program. The
+learner loop runs in lockstep on all of them (each contributes its own share of every batch,
+`prompts_per_step / process_count` groups from its own sampler and data shard); each sampler decodes
+on its own host; evals combine every host's shard; process 0 writes WORKDIR/metrics.jsonl and the
+plot, process i > 0 writes its own logs under WORKDIR/process_i/. Decisions that lead to global
+computations and depend on local state (preemption, time-based checkpoints) are agreed on first.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +24,14 @@ import jax
 import numpy as np
 from flax import nnx
 
+from tunixlike import distributed
 from tunixlike import mesh as mesh_lib
 from tunixlike import metrics as metrics_lib
 from tunixlike import checkpoint as checkpoint_lib
 from tunixlike import models, rewards, trace as trace_lib
 from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokenizer_lib
-from tunixlike.learner.batch import assemble_batch
+from tunixlike.learner.batch import assemble_batch, pick_bucket
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
 from tunixlike.learner.train_step import Learner
 from tunixlike.models import lora as lora_lib
@@ -74,8 +83,10 @@ def learner_config(cfg: Config) -> LearnerConfig:
 
 
 def sampler_config(cfg: Config, tok) -> SamplerConfig:
+  """This process's sampler: the decode slots of sampler.max_concurrent_decodes are split over the hosts."""
   s = cfg.sampler
-  return SamplerConfig(max_concurrent_decodes=s.max_concurrent_decodes, max_prefill_length=s.max_prefill_length,
+  slots = s.max_concurrent_decodes // jax.process_count()
+  return SamplerConfig(max_concurrent_decodes=slots, max_prefill_length=s.max_prefill_length,
                        max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                        eos_ids=tuple(tok.stop_ids), stop_strings=tuple(s.stop_strings),
                        steps_per_call=s.steps_per_call, record_sampling_mask=s.record_sampling_mask,
@@ -145,7 +156,10 @@ class PolicyLearner:
   def __init__(self, learner: Learner, engine: Engine, cfg: Config, pad_id: int, *, tracer=trace_lib.NULL_TRACER):
     self.learner, self.engine, self.cfg, self.pad_id, self.tracer = learner, engine, cfg, pad_id, tracer
     self.version = 0
-    self.num_rows = cfg.rl.prompts_per_step * cfg.algo.group_size
+    mesh = learner.mesh
+    self.num_processes = 1 if mesh is None else len({d.process_index for d in mesh.devices.flat})
+    # This process's rows of each batch (all of them with one process).
+    self.num_rows = cfg.rl.prompts_per_step * cfg.algo.group_size // self.num_processes
     longest = cfg.sampler.max_prefill_length + cfg.sampler.max_new_tokens
     self.seq_buckets = tuple(sorted({min(b, longest) for b in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
                                     | {longest}))
@@ -155,7 +169,11 @@ class PolicyLearner:
 
   def train(self, groups: list[RolloutGroup]) -> dict[str, float]:
     a = self.cfg.algo
-    batch = assemble_batch(groups, num_rows=self.num_rows, seq_buckets=self.seq_buckets, advantage=a.advantage,
+    buckets = self.seq_buckets
+    if self.num_processes > 1:  # every process's share must have the same length T: the longest bucket
+      longest = max((len(g.prompt_token_ids) + c.num_tokens for g in groups for c in g.completions), default=1)
+      buckets = (distributed.max_over_processes(pick_bucket(longest, self.seq_buckets)),)
+    batch = assemble_batch(groups, num_rows=self.num_rows, seq_buckets=buckets, advantage=a.advantage,
                            pad_id=self.pad_id, overlong_max_length=self.cfg.sampler.max_new_tokens,
                            overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty)
     with self.tracer.span("train_step", cat="learner", version=self.version):
@@ -168,10 +186,17 @@ class PolicyLearner:
     metrics["skipped"] = metrics.get("nonfinite", 0.0)
     return metrics
 
+  @property
+  def synced_params(self) -> Any:
+    """The params last handed to the sampler (on this process's sampler devices), or None."""
+    return self._sampler_params
+
   def full_params(self) -> nnx.State:
     return nnx.split(self.learner.model(self.learner.state))[1]
 
   def sampler_weights(self) -> tuple[Any, float]:
+    """(params on this process's sampler devices, sync ms). On several processes every process
+    must call this at the same point (the learner arrays are all-gathered across hosts)."""
     with self.tracer.span("weight_sync", cat="sync", version=self.version, lora=self.lora):
       if not self.lora or self._sampler_params is None:
         params, ms = weight_sync.sync(self.full_params(), self.engine.param_shardings, dtype=self.cfg.rl.sync_dtype)
@@ -195,7 +220,7 @@ class Parts:
   task: Any
   model: nnx.Module
   train_pipe: Any
-  eval_records: list
+  eval_records: list  # this process's share of the held-out prompts
   tracer: Any
   say: Any = print
   policy: PolicyLearner | None = None
@@ -203,36 +228,74 @@ class Parts:
   eval_engine: Engine | None = None
   train_reward: Any = None
   correctness: Any = None
+  warm_start_records: list | None = None  # held-out set of the warm start: the same on every process
+
+
+def _check_process_split(cfg: Config, n: int):
+  """Keys that are totals over all hosts must split evenly across the `n` processes."""
+  if n == 1:
+    return
+  if cfg.rl.prompts_per_step % n:
+    raise ValueError(f"rl.prompts_per_step={cfg.rl.prompts_per_step} must be divisible by the {n} processes "
+                     "(each host samples its share of every batch)")
+  slots = cfg.sampler.max_concurrent_decodes // n
+  if cfg.sampler.max_concurrent_decodes % n or slots < cfg.algo.group_size:
+    raise ValueError(f"sampler.max_concurrent_decodes={cfg.sampler.max_concurrent_decodes} must split over the "
+                     f"{n} processes into at least algo.group_size={cfg.algo.group_size} slots each")
+
+
+def local_dir(workdir: str) -> str:
+  """Where this process writes its own logs: WORKDIR for process 0, WORKDIR/process_i otherwise."""
+  i = jax.process_index()
+  return workdir if i == 0 else os.path.join(workdir, f"process_{i}")
+
+
+def initialize_distributed(cfg: Config) -> bool:
+  """`jax.distributed` from the config's `distributed` section (or JAX_* env vars); see distributed.py."""
+  d = cfg.distributed
+  return distributed.initialize(distributed.DistributedConfig(
+      coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id,
+      auto_detect=d.auto_detect, timeout_s=d.timeout_s))
 
 
 def build(cfg: Config, workdir: str | None = None, say=print) -> Parts:
   """Meshes, tokenizer, task, data and the (not yet warm-started) model on the learner submesh."""
+  initialize_distributed(cfg)
+  _check_process_split(cfg, jax.process_count())
   meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices, cfg.mesh.sampler_tensor,
                                 cfg.mesh.learner_tensor)
   tok, task = build_task(cfg)
-  tracer = trace_lib.Tracer(os.path.join(workdir, "trace.json") if cfg.log.trace and workdir else None)
+  tracer = trace_lib.Tracer(os.path.join(local_dir(workdir), "trace.json") if cfg.log.trace and workdir else None)
   model = build_model(cfg, tok, meshes.learner)
   pipe_cfg = pipeline.PipelineConfig(seed=cfg.data.shuffle_seed, shard_index=jax.process_index(),
                                      shard_count=jax.process_count(), max_prompt_tokens=cfg.data.max_prompt_length)
   train_pipe = pipeline.from_task(task, tok, split="train", config=pipe_cfg)
   eval_pipe = pipeline.from_task(task, tok, split="test", config=dataclasses.replace(pipe_cfg, shuffle=False,
                                                                                       num_epochs=1))
-  eval_records = list(itertools.islice(iter(eval_pipe), cfg.data.num_eval_examples))
+  # Each process evaluates its shard; together they cover data.num_eval_examples prompts.
+  n_local = len(range(jax.process_index(), cfg.data.num_eval_examples, jax.process_count()))
+  eval_records = list(itertools.islice(iter(eval_pipe), n_local))
+  warm_records = None
+  if jax.process_count() > 1 and cfg.warm_start.max_steps:
+    # The warm start is a learner (global) computation: its held-out batch must be the same everywhere.
+    whole = pipeline.from_task(task, tok, split="test", config=dataclasses.replace(
+        pipe_cfg, shuffle=False, num_epochs=1, shard_index=0, shard_count=1))
+    warm_records = list(itertools.islice(iter(whole), cfg.data.num_eval_examples))
   if train_pipe.num_filtered:
     say(f"data: {train_pipe.num_filtered} train prompts longer than data.max_prompt_length dropped")
-  return Parts(cfg, meshes, tok, task, model, train_pipe, eval_records, tracer, say)
+  return Parts(cfg, meshes, tok, task, model, train_pipe, eval_records, tracer, say,
+               warm_start_records=warm_records)
 
 
 def warm_start(parts: Parts) -> dict[str, float]:
   """Supervised warm start of `parts.model` (synthetic tasks: the answers are known)."""
-  cfg, w = parts.cfg, parts.cfg.warm_start
+  cfg = parts.cfg
   source = parts.task.source("train")
   records = (source[i % len(source)] for i in itertools.count(cfg.seed * 7919))
-  return warm_start_lib.warm_start(
-      parts.model, records, parts.eval_records, parts.tok,
-      warm_start_lib.WarmStartConfig(max_steps=w.max_steps, batch_size=w.batch_size, learning_rate=w.learning_rate,
-                                     target_accuracy=w.target_accuracy, eval_every=w.eval_every),
-      mesh=parts.meshes.learner, length=cfg.data.max_prompt_length + cfg.sampler.max_new_tokens, log=parts.say)
+  held_out = parts.eval_records if parts.warm_start_records is None else parts.warm_start_records
+  return warm_start_lib.warm_start(parts.model, records, held_out, parts.tok, cfg.warm_start,
+                                   mesh=parts.meshes.learner,
+                                   length=cfg.data.max_prompt_length + cfg.sampler.max_new_tokens, log=parts.say)
 
 
 def build_rl(parts: Parts) -> Parts:
@@ -254,10 +317,20 @@ def build_rl(parts: Parts) -> Parts:
 
 
 def evaluate(parts: Parts) -> dict[str, Any]:
+  """Held-out accuracy; on several processes each evaluates its shard and the numbers are combined
+  (weighted by prompts), so every process reports the same result."""
   params, _ = parts.policy.sampler_weights()
   with parts.tracer.span("eval", cat="eval", version=parts.policy.version):
-    return eval_lib.evaluate(parts.eval_engine, params, requests_for(parts.eval_records), parts.correctness,
-                             parts.tok, version=parts.policy.version)
+    out = eval_lib.evaluate(parts.eval_engine, params, requests_for(parts.eval_records), parts.correctness,
+                            parts.tok, version=parts.policy.version)
+  if jax.process_count() == 1:
+    return out
+  keys = sorted(k for k in out if k != "eval/num_prompts")
+  n = out["eval/num_prompts"]
+  rows = distributed.allgather(np.array([n] + [out[k] * n for k in keys], np.float32))
+  total = float(rows[:, 0].sum())
+  return {"eval/num_prompts": int(total), **{k: float(rows[:, 1 + i].sum() / max(total, 1.0))
+                                             for i, k in enumerate(keys)}}
 
 
 def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None,
@@ -279,19 +352,28 @@ def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None,
         group.reward_metrics["accuracy"] = group.reward_metrics[primary]
 
   r = cfg.rl
+  n_proc = parts.policy.num_processes
+  stop = should_stop
+  if n_proc > 1:  # a signal reaches the hosts at different times: stop only when all agree
+    stop = lambda: distributed.any_process(should_stop())
   return AsyncRuntime(
-      RuntimeConfig(num_steps=r.num_steps if num_steps is None else num_steps, prompts_per_step=r.prompts_per_step, max_staleness=r.max_staleness,
+      # Each process's queue admits its own share of every batch.
+      RuntimeConfig(num_steps=r.num_steps if num_steps is None else num_steps,
+                    prompts_per_step=r.prompts_per_step // n_proc, max_staleness=r.max_staleness,
                     sync_mode=r.sync_mode, reward_workers=r.reward_workers, max_nonfinite_steps=r.max_nonfinite_steps,
                     wait_timeout_s=r.wait_timeout_s, dynamic_sampling=cfg.algo.dynamic_sampling),
       driver_factory=driver_factory, learner=parts.policy, score=score, log=log, on_step=on_step,
-      on_batch=on_batch, should_stop=should_stop)
+      on_batch=on_batch, should_stop=stop)
 
 
 def checkpoint_meta(parts: Parts, stream: PromptStream, counters: dict) -> dict[str, Any]:
   """Everything besides arrays that resuming (and export) needs, as plain JSON."""
   cfg, model_cfg = parts.cfg, parts.policy.learner.model(parts.policy.learner.state).cfg
+  # Each process reads its own data shard: keep every process's stream position (in process order).
+  streams = distributed.allgather_json(stream.state()) if jax.process_count() > 1 else None
   return json.loads(json.dumps({
-      "version": parts.policy.version, "stream": stream.state(), "counters": counters,
+      "version": parts.policy.version, "stream": stream.state() if streams is None else streams[0],
+      **({"streams": streams} if streams is not None else {}), "counters": counters,
       "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(model_cfg),
       "lora": ({"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets)}
                if cfg.lora.rank else None),
@@ -337,19 +419,25 @@ def _truncate_jsonl(path: str, below_step: int):
 
 def run(cfg: Config, workdir: str) -> dict[str, Any]:
   """Trains (or resumes the run in `workdir`); returns a summary. See the module docstring."""
-  os.makedirs(workdir, exist_ok=True)
+  try:  # before anything touches a JAX backend (the checkpointer does)
+    initialize_distributed(cfg)
+  except ValueError as e:
+    raise SetupError(str(e)) from e
+  multi, pid = jax.process_count() > 1, jax.process_index()
+  mine = local_dir(workdir)  # this process's logs (WORKDIR itself on process 0)
+  os.makedirs(mine, exist_ok=True)
   ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), keep=cfg.checkpoint.keep,
                                      save_every_steps=cfg.checkpoint.every_steps,
                                      save_every_seconds=cfg.checkpoint.every_seconds,
                                      save_frozen=not (cfg.model.hf_path and cfg.lora.rank))
   latest = ckpt.latest_step()
-  prompts_log = os.path.join(workdir, "prompts.jsonl")
+  prompts_log = os.path.join(mine, "prompts.jsonl")
   try:  # fails fast on bad meshes, model files or data, before any output
     parts = build(cfg, workdir)
   except (ValueError, OSError, models.CheckpointError) as e:
     raise SetupError(str(e)) from e
-  logger = metrics_lib.MetricsLogger(workdir, total_steps=cfg.rl.num_steps, tensorboard=cfg.log.tensorboard,
-                                     progress_bar=cfg.log.progress_bar, initial_step=latest or 0)
+  logger = metrics_lib.MetricsLogger(mine, total_steps=cfg.rl.num_steps, tensorboard=cfg.log.tensorboard and pid == 0,
+                                     progress_bar=cfg.log.progress_bar and pid == 0, initial_step=latest or 0)
   say = parts.say = logger.info
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(parts.model, nnx.Param)))
   say(f"tunixlike: task {cfg.data.task}, {n_params:,} params, sampler {dict(parts.meshes.sampler.shape)}, "
@@ -376,7 +464,12 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
     parts.policy.version = latest = meta["version"]
     _truncate_jsonl(prompts_log, latest)
     counters.update(meta["counters"])
-    stream = PromptStream(parts.train_pipe, meta["stream"]["position"], replay=meta["stream"]["outstanding"])
+    streams = meta.get("streams", [meta["stream"]])  # one per process (each reads its own data shard)
+    if len(streams) != jax.process_count():
+      raise SetupError(f"{ckpt.step_dir(latest)} was saved by {len(streams)} processes; resuming needs the same "
+                       f"number, not {jax.process_count()}")
+    mine_stream = streams[pid]
+    stream = PromptStream(parts.train_pipe, mine_stream["position"], replay=mine_stream["outstanding"])
     counters["groups_regenerated"] += stream.replayed
     first_eval = [r for r in metrics_lib.read_jsonl(logger.path) if "eval/accuracy" in r][:1]
     acc_before = first_eval[0]["eval/accuracy"] if first_eval else float("nan")
@@ -385,8 +478,11 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
 
   def save(force: bool = False):
     version = parts.policy.version
-    if force or ckpt.should_save(version):
-      ckpt.save(version, parts.policy.learner.state, checkpoint_meta(parts, stream, counters), force=force)
+    due = force or ckpt.should_save(version)
+    if multi:  # a save is a collective: the time-based rule must not fire on one host only
+      due = distributed.any_process(due)
+    if due:
+      ckpt.save(version, parts.policy.learner.state, checkpoint_meta(parts, stream, counters), force=True)
 
   def on_step(version: int):
     save()
@@ -410,8 +506,11 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
       try:
         summary = runtime.run()
       except BaseException:
-        say("run failed: saving the last good learner state before re-raising")
-        save(force=True)
+        if multi:  # a save needs every process, and the others may be gone: rely on periodic saves
+          say(f"run failed on process {pid}; not saving (a multi-process save needs every process)")
+        else:
+          say("run failed: saving the last good learner state before re-raising")
+          save(force=True)
         raise
     if runtime.preempted:
       save(force=True)
@@ -427,6 +526,6 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
   say(f"held-out accuracy {acc_before:.3f} -> {acc_after:.3f} ({100 * (acc_after - acc_before):+.1f} points) "
       f"in {logger.elapsed_s:.0f} s; metrics in {logger.path}")
   logger.close()
-  plot = metrics_lib.plot(logger.path, os.path.join(workdir, "reward.png"))
+  plot = metrics_lib.plot(logger.path, os.path.join(workdir, "reward.png")) if pid == 0 else None
   return {**summary, "eval/accuracy_before": acc_before, "eval/accuracy_after": acc_after, "plot": plot,
           "wall_s_total": logger.elapsed_s, **counters}

@@ -9,7 +9,6 @@ given the gold prefix, which is exactly "greedy decoding reproduces the answer".
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Iterable, Iterator, Sequence
 
 import jax
@@ -19,20 +18,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tunixlike.config import WarmStartSection
 from tunixlike.data.tokenizer import Tokenizer
-
-
-@dataclasses.dataclass(frozen=True)
-class WarmStartConfig:
-  max_steps: int = 200
-  batch_size: int = 64
-  learning_rate: float = 1e-3
-  target_accuracy: float = 0.2
-  eval_every: int = 25
-
-  def __post_init__(self):
-    if self.max_steps < 0 or self.batch_size < 1 or self.eval_every < 1 or self.learning_rate <= 0:
-      raise ValueError(f"invalid WarmStartConfig {self}")
 
 
 def encode_pairs(records: Sequence[dict], tokenizer: Tokenizer, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -83,7 +70,7 @@ def teacher_forced_accuracy(model, tokens: np.ndarray, mask: np.ndarray, shardin
 
 
 def warm_start(model, records: Iterator[dict], held_out: Sequence[dict], tokenizer: Tokenizer,
-               cfg: WarmStartConfig, *, mesh: jax.sharding.Mesh | None = None, length: int = 32,
+               cfg: WarmStartSection, *, mesh: jax.sharding.Mesh | None = None, length: int = 32,
                log: Callable[[str], None] = print) -> dict[str, float]:
   """Trains `model` in place until held-out accuracy >= target or max_steps. Returns a summary."""
   sharding = NamedSharding(mesh, P("fsdp")) if mesh is not None else None

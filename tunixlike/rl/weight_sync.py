@@ -4,6 +4,13 @@ One device_put over the whole pytree moves every array to its sampler sharding i
 runtime batches the transfers: no per-parameter round-trips, the overhead FIELD.md warns about).
 An optional dtype cast (e.g. a bf16 sampler) happens on the learner devices first so that half the
 bytes cross. LoRA-only sync passes just the adapter pytree. Every sync is timed.
+
+Several processes (multi-controller JAX, no Pathways) refuse a device_put between different device
+sets across hosts. There the learner arrays span every host and each host's sampler mesh is local
+(`mesh.make_meshes`), so `sync` first all-gathers the learner arrays within the learner mesh, a
+bucket of at most `bucket_bytes` at a time to bound the extra memory, which leaves a full copy on
+each host's learner devices; then every host copies that to its own sampler devices: a local
+device_put that never leaves the host. Every process must call `sync` at the same point.
 """
 
 from __future__ import annotations
@@ -30,17 +37,81 @@ def _cast(tree: Any, dtype) -> Any:
   return tree if dtype is None else _cast_floats(tree, jnp.dtype(dtype).name)
 
 
-def sync(tree: Any, shardings: Any, *, dtype=None, block: bool = True) -> tuple[Any, float]:
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+def spans_processes(tree: Any) -> bool:
+  """True if any array of `tree` has shards on other processes (multi-controller learner params)."""
+  return any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in jax.tree.leaves(tree))
+
+
+def sync(tree: Any, shardings: Any, *, dtype=None, block: bool = True,
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[Any, float]:
   """Returns (the tree on the sampler shardings, milliseconds taken).
 
   `block=True` waits for the copy: the learner's next step donates its buffers, and the time
-  measured is then the real transfer time, not the dispatch time.
+  measured is then the real transfer time, not the dispatch time. `bucket_bytes` bounds the
+  all-gathered bytes held at once on several hosts (unused on one).
   """
   start = time.perf_counter()
-  out = jax.device_put(_cast(tree, dtype), shardings)
+  if spans_processes(tree):
+    out = _sync_across_hosts(tree, shardings, dtype, bucket_bytes, block)
+  else:
+    out = jax.device_put(_cast(tree, dtype), shardings)
   if block:
     out = jax.block_until_ready(out)
   return out, (time.perf_counter() - start) * 1e3
+
+
+def buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
+  """Consecutive index groups whose sizes sum to <= bucket_bytes (an oversized array goes alone)."""
+  if bucket_bytes <= 0:
+    raise ValueError(f"weight sync bucket_bytes={bucket_bytes} must be > 0")
+  out, size = [[]], 0
+  for i, n in enumerate(nbytes):
+    if out[-1] and size + n > bucket_bytes:
+      out.append([])
+      size = 0
+    out[-1].append(i)
+    size += n
+  return [b for b in out if b]
+
+
+@functools.lru_cache(maxsize=64)
+def _gatherer(out_shardings: tuple, dtype: str | None):
+  """A jitted cast + all-gather: every output replicated over the learner mesh (compiled once per bucket)."""
+  def gather(xs):
+    return [x.astype(dtype) if dtype and jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs]
+  return jax.jit(gather, out_shardings=list(out_shardings))
+
+
+def _sync_across_hosts(tree: Any, shardings: Any, dtype, bucket_bytes: int, block: bool) -> Any:
+  leaves, treedef = jax.tree.flatten(tree)
+  targets = treedef.flatten_up_to(shardings)
+  for x, t in zip(leaves, targets):
+    if not t.is_fully_addressable:
+      raise ValueError(f"weight sync on {jax.process_count()} processes: the sampler sharding {t} spans "
+                       "other hosts; each host's sampler mesh must hold only its own devices "
+                       "(tunixlike.mesh.make_meshes)")
+  dtype_name = None if dtype is None else jnp.dtype(dtype).name
+  out = [None] * len(leaves)
+  sizes = [x.size * (jnp.dtype(dtype_name).itemsize if dtype_name else x.dtype.itemsize) for x in leaves]
+  spread = [i for i, x in enumerate(leaves) if not x.is_fully_addressable]
+  for i in sorted(set(range(len(leaves))) - set(spread)):  # already on this host: a local copy
+    out[i] = jax.device_put(_cast(leaves[i], dtype), targets[i])
+  for bucket in buckets([sizes[i] for i in spread], bucket_bytes):
+    bucket = [spread[j] for j in bucket]
+    xs = [leaves[i] for i in bucket]
+    replicated = tuple(jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec())
+                       for x in xs)
+    gathered = _gatherer(replicated, dtype_name)(xs)
+    for i, g in zip(bucket, gathered):
+      # A full copy on one of this host's learner devices -> this host's sampler devices.
+      out[i] = jax.device_put(g.addressable_shards[0].data, targets[i])
+    if block:  # free the gathered bucket before the next one: peak extra memory ~ one bucket
+      jax.block_until_ready([out[i] for i in bucket])
+    del gathered
+  return jax.tree.unflatten(treedef, out)
 
 
 def subtree_like(full: Any, part: Any) -> Any:

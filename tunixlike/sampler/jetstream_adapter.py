@@ -69,6 +69,7 @@ class IdTokenizer(tokenizer_api.Tokenizer):
     return set(self._eos)
 
 
+@jax.jit
 def _result_columns(tokens_ks, valid_ks, num_generated_s):
   """[K,S] tokens, [K,S] valid, [S] count after the call -> int32 [S, 2K+1] (JetStream's layout).
 
@@ -77,9 +78,6 @@ def _result_columns(tokens_ks, valid_ks, num_generated_s):
   valid_ks = valid_ks.astype(jnp.int32)
   lengths_s = num_generated_s - valid_ks.sum(axis=0)
   return jnp.concatenate([tokens_ks.T, valid_ks.T, lengths_s[:, None]], axis=1)
-
-
-_result_columns = jax.jit(_result_columns)
 
 
 class JetStreamEngine(engine_api.Engine):

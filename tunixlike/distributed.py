@@ -1,0 +1,127 @@
+"""Multi-controller JAX: start `jax.distributed` and the few cross-process agreements a run needs.
+
+With several processes (hosts) every process runs the same program and must issue the same global
+computations (those over the learner mesh, which spans every host) in the same order, while threads
+and timing differ between processes. So any decision that leads to a global computation and depends
+on local state (a timer, a signal, a local batch's length) is first agreed on with the small host
+collectives below. The sampler only ever computes on its own host's devices, so it needs none.
+
+    python -m tunixlike.train ... --config.distributed.coordinator_address=10.0.0.1:1234 \
+        --config.distributed.num_processes=2 --config.distributed.process_id=0
+    # or the same through JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID;
+    # on Cloud TPU pod slices (and SLURM, ...) `distributed.auto_detect=True` finds everything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """Unset fields fall back to the environment variables above; one process needs none of them."""
+
+  coordinator_address: str | None = None  # host:port of process 0
+  num_processes: int | None = None
+  process_id: int | None = None
+  auto_detect: bool = False  # plain jax.distributed.initialize(): Cloud TPU pods, SLURM, Open MPI
+  timeout_s: int = 300  # how long to wait for every process to connect
+
+  def __post_init__(self):
+    if self.num_processes is not None and self.num_processes < 1:
+      raise ValueError(f"distributed.num_processes={self.num_processes}: must be >= 1")
+    if self.process_id is not None and self.num_processes is not None and not (
+        0 <= self.process_id < self.num_processes):
+      raise ValueError(f"distributed.process_id={self.process_id}: must be in [0, "
+                       f"distributed.num_processes={self.num_processes})")
+    if self.timeout_s < 1:
+      raise ValueError(f"distributed.timeout_s={self.timeout_s}: must be >= 1")
+
+
+def _env_int(name: str) -> int | None:
+  value = os.environ.get(name)
+  if value in (None, ""):
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def resolve(cfg: DistributedConfig) -> DistributedConfig:
+  """`cfg` with unset fields taken from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID."""
+  return DistributedConfig(
+      coordinator_address=cfg.coordinator_address or os.environ.get(ENV_COORDINATOR) or None,
+      num_processes=cfg.num_processes if cfg.num_processes is not None else _env_int(ENV_NUM_PROCESSES),
+      process_id=cfg.process_id if cfg.process_id is not None else _env_int(ENV_PROCESS_ID),
+      auto_detect=cfg.auto_detect, timeout_s=cfg.timeout_s)
+
+
+def initialize(cfg: DistributedConfig = DistributedConfig()) -> bool:
+  """Starts multi-controller JAX when configured; returns True if this is a multi-process run.
+
+  Must run before anything touches a JAX backend (`jax.devices()`, any array). A no-op for a
+  single process and when already initialized (tests, notebooks, a second `run`).
+  """
+  if jax.distributed.is_initialized():
+    return jax.process_count() > 1
+  cfg = resolve(cfg)
+  if cfg.num_processes is not None and cfg.num_processes > 1:
+    missing = [n for n, v in (("distributed.coordinator_address / " + ENV_COORDINATOR, cfg.coordinator_address),
+                              ("distributed.process_id / " + ENV_PROCESS_ID, cfg.process_id)) if v is None]
+    if missing:
+      raise ValueError(f"distributed.num_processes={cfg.num_processes} also needs {' and '.join(missing)}")
+    if not 0 <= cfg.process_id < cfg.num_processes:
+      raise ValueError(f"distributed.process_id={cfg.process_id}: must be in [0, {cfg.num_processes})")
+    jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes,
+                               process_id=cfg.process_id, initialization_timeout=cfg.timeout_s)
+  elif cfg.auto_detect:
+    jax.distributed.initialize(initialization_timeout=cfg.timeout_s)
+  else:
+    return False
+  return jax.process_count() > 1
+
+
+def is_multiprocess() -> bool:
+  return jax.process_count() > 1
+
+
+# ---- host collectives (every process must call them at the same point of the program) -----------
+def allgather(values: Sequence[float] | np.ndarray) -> np.ndarray:
+  """[process_count, n]: every process's `values` (a small 1-D numeric vector)."""
+  x = np.asarray(values)
+  if not is_multiprocess():
+    return x[None]
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x))
+
+
+def any_process(flag: bool) -> bool:
+  """True on every process if `flag` is True on any (a stop request, a time-based checkpoint)."""
+  return bool(allgather(np.array([int(bool(flag))], np.int32)).max())
+
+
+def max_over_processes(value: int) -> int:
+  return int(allgather(np.array([int(value)], np.int32)).max())
+
+
+def allgather_json(obj: Any) -> list[Any]:
+  """Every process's JSON-able `obj`, in process order (e.g. each host's data-stream position)."""
+  if not is_multiprocess():
+    return [obj]
+  data = np.frombuffer(json.dumps(obj).encode("utf-8"), np.uint8)
+  longest = max_over_processes(len(data))
+  padded = np.zeros((longest + 1,), np.int32)  # int32: process_allgather keeps the dtype exactly
+  padded[0], padded[1:1 + len(data)] = len(data), data
+  rows = allgather(padded)
+  return [json.loads(bytes(r[1:1 + r[0]].astype(np.uint8)).decode("utf-8")) for r in rows]

@@ -1,0 +1,421 @@
+"""Multi-turn episodes: decoding interleaved with environment steps, no slot ever waiting on a tool.
+
+`EpisodeDriver` is a `RolloutDriver` whose completions are conversations with an environment
+(`tunixlike.rewards.envs.Env`). For each prompt it runs G episodes, each with its own Env:
+
+  1. `env.reset(record)` runs on a worker thread; its text (if any) is appended to the prompt;
+  2. the episode waits for a free decode slot, prefills its whole conversation so far (with the
+     current weights) and decodes one policy turn, which ends at EOS, at a stop string
+     (`EpisodeConfig.action_stop_strings`, by default `</tool_call>`) or at the turn's token limit;
+  3. the slot is freed at once for other work and `env.step(turn_text)` runs on a worker thread
+     (`EnvRunner`, with a timeout); meanwhile the other slots keep decoding;
+  4. when the step returns, its observation tokens are appended (loss_mask 0, logprob 0) and the
+     episode waits for a slot again (back to 2), until the env says done, `max_turns` policy
+     turns are used, or the conversation no longer fits (`max_prefill_length`, `max_episode_tokens`).
+
+An episode's `Completion` holds everything after the prompt: policy turns (loss_mask 1, their
+sampling logprobs and per-token policy versions) and environment text (loss_mask 0, logprob 0,
+version = the sampler's version when it was appended, so it never makes a group look older).
+Weights can change between any two generate calls (`update_params`): a turn in flight keeps
+decoding on its KV with the new weights (mixed versions, recorded per token); every later turn
+re-prefills its conversation with the weights current then. The episode reward aggregates the
+step rewards (`reward_aggregation`); an env that raises, times out or returns garbage ends only
+its own episode (finish_reason "aborted", reward `failure_reward`), never the run. Each finished
+group goes to the sink as a `RolloutGroup` with `rewards` already filled (G episode rewards) and
+`reward_metrics` (episode statistics, means over the group).
+
+Future work: keep the KV of a parked episode (or a prefix cache keyed by tokens and weight
+version) instead of re-prefilling the whole conversation every turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+import math
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import numpy as np
+
+from tunixlike.rewards.envs import base as env_base
+from tunixlike.rewards.envs import tool_calls
+from tunixlike.rewards.envs.runner import EnvRunner, EnvTimeout
+from tunixlike.rollout import Completion, RolloutGroup
+from tunixlike.sampler.driver import DriverError, DriverStats, PromptRequest, RolloutDriver
+from tunixlike.sampler.engine import Engine
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeConfig:
+  max_turns: int = 4  # policy turns per episode
+  # Tokens per policy turn (None = sampler.max_new_tokens, which also caps it).
+  max_turn_tokens: int | None = None
+  # Completion tokens per episode, policy and environment together (None = only the prefill limit:
+  # prompt + completion must fit sampler.max_prefill_length before every turn).
+  max_episode_tokens: int | None = None
+  # Strings that end a policy turn (besides EOS and sampler.stop_strings): the end of an action.
+  action_stop_strings: tuple[str, ...] = (tool_calls.CALL_CLOSE,)
+  step_timeout_s: float = 30.0  # per reset / step call, from when a worker starts it
+  env_workers: int = 8  # threads running env calls (a timed-out call's thread is replaced)
+  failure_reward: float = 0.0  # reward of an episode whose env raised, timed out or misbehaved
+  reward_aggregation: str = "sum"  # episode reward from step rewards: sum, last or mean
+  # Episodes started and not finished (decoding, parked or waiting on the env); None = 2 x slots.
+  max_episodes_in_flight: int | None = None
+
+  def __post_init__(self):
+    def positive_int(name, value, allow_none=False):
+      if allow_none and value is None:
+        return
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"episodes.{name}={value!r}: must be an int >= 1" + (" or None" if allow_none else ""))
+
+    positive_int("max_turns", self.max_turns)
+    positive_int("env_workers", self.env_workers)
+    for name in ("max_turn_tokens", "max_episode_tokens", "max_episodes_in_flight"):
+      positive_int(name, getattr(self, name), allow_none=True)
+    if not isinstance(self.action_stop_strings, tuple) or not all(
+        isinstance(s, str) and s for s in self.action_stop_strings):
+      raise ValueError(f"episodes.action_stop_strings={self.action_stop_strings!r}: must be a tuple of "
+                       "non-empty strings")
+    if not isinstance(self.step_timeout_s, (int, float)) or not self.step_timeout_s > 0:
+      raise ValueError(f"episodes.step_timeout_s={self.step_timeout_s!r}: must be > 0")
+    if not isinstance(self.failure_reward, (int, float)) or not math.isfinite(self.failure_reward):
+      raise ValueError(f"episodes.failure_reward={self.failure_reward!r}: must be a finite number")
+    if self.reward_aggregation not in env_base.REWARD_AGGREGATIONS:
+      raise ValueError(f"episodes.reward_aggregation={self.reward_aggregation!r}: expected one of "
+                       f"{env_base.REWARD_AGGREGATIONS}")
+
+
+@dataclasses.dataclass
+class EpisodeStats(DriverStats):
+  episodes: int = 0  # finished episodes (also counted in `completions`)
+  policy_turns: int = 0
+  env_calls: int = 0  # reset + step calls that returned
+  env_tokens: int = 0  # observation tokens appended
+  env_timeouts: int = 0
+  env_errors: int = 0  # env raised or returned something that is not a StepResult / str
+  aborted_episodes: int = 0
+  truncated_episodes: int = 0  # finish_reason "length": out of turns or room, or cut mid-turn
+
+
+@dataclasses.dataclass
+class _EpisodeGroup:
+  seq: int
+  request: PromptRequest
+  prompt_ids: np.ndarray
+  record: dict[str, Any]
+  completions: list[Completion | None]
+  rewards: list[float]
+  metrics: list[dict[str, float]]
+  first_prefix: dict = dataclasses.field(default_factory=dict)  # (ids, version) -> Prefix, turn 0 only
+
+
+@dataclasses.dataclass
+class _Episode:
+  group: _EpisodeGroup
+  index: int
+  env: Any
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+  loss_mask: list[int] = dataclasses.field(default_factory=list)
+  masks: list[np.ndarray] = dataclasses.field(default_factory=list)
+  step_rewards: list[float] = dataclasses.field(default_factory=list)
+  metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+  turns: int = 0  # policy turns started
+  turn_start: int = 0  # index in `tokens` where the current turn began
+  turn_finish: str = "length"  # how the last policy turn ended
+  out_of_budget: bool = False  # the last turn used up the episode's token budget
+
+
+@dataclasses.dataclass
+class _EpisodeSlot:
+  episode: _Episode
+  max_new: int
+
+
+@jax.jit
+def _turn_key(base, group_seq, index, turn):
+  """Noise key of one policy turn: set by its group's start order, episode index and turn number."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, group_seq), index), turn)
+
+
+class EpisodeDriver(RolloutDriver):
+  """Runs G env episodes per prompt over an `Engine`; see the module docstring.
+
+  Control from other threads is the RolloutDriver's: `start` / `stop` / `update_params` /
+  `set_draining` / `may_start_group`. `is_idle` also waits for parked and env-waiting episodes.
+  """
+
+  def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None], sink,
+               make_env: Callable[[], Any], tokenize: Callable[[str], Sequence[int]],
+               detokenize: Callable[[Sequence[int]], str], episode_config: EpisodeConfig = EpisodeConfig(),
+               version: int = 0, may_start_group: Callable[[], bool] | None = None):
+    """`make_env()` builds one Env per episode. `tokenize(text)` must add no special tokens (it
+    encodes observations appended mid-conversation); `detokenize(ids)` gives a turn's text."""
+    if not isinstance(episode_config, EpisodeConfig):
+      raise TypeError(f"episode_config must be an EpisodeConfig, got {type(episode_config).__name__}")
+    if not callable(make_env) or not callable(tokenize) or detokenize is None:
+      raise ValueError("EpisodeDriver needs make_env, tokenize and detokenize callables")
+    super().__init__(engine, params, source=source, sink=sink, version=version, may_start_group=may_start_group,
+                     detokenize=detokenize)
+    self.episode_config = ec = episode_config
+    self._make_env, self._tokenize = make_env, tokenize
+    self.stats = EpisodeStats()
+    self._runner = EnvRunner(num_workers=ec.env_workers, timeout_s=ec.step_timeout_s, name="env")
+    self._tickets: dict[int, _Episode] = {}  # env call in progress -> its episode
+    self._ready: list[tuple[int, int, _Episode]] = []  # heap by (group seq, index): oldest group first
+    self._live_episodes = 0
+    self._max_in_flight = ec.max_episodes_in_flight or 2 * engine.max_concurrent_decodes
+    self._stops = tuple(self.config.stop_strings) + ec.action_stop_strings
+    self._turn_limit = min(ec.max_turn_tokens or self.config.max_new_tokens, self.config.max_new_tokens)
+    self._mask_width = -(-engine.vocab_size // 8)
+
+  # ------------------------------------------------------------------ state
+
+  @property
+  def is_idle(self) -> bool:
+    return self._live_episodes == 0 and all(s is None for s in self._slots)
+
+  @property
+  def episodes_waiting_on_env(self) -> int:
+    """Episodes whose env reset / step is running or queued."""
+    return len(self._tickets)
+
+  @property
+  def episodes_decoding(self) -> int:
+    """Episodes holding a decode slot."""
+    return sum(s is not None for s in self._slots)
+
+  def stop(self, timeout_s: float = 60.0) -> None:
+    try:
+      super().stop(timeout_s)
+    finally:
+      self._runner.close()
+
+  # ------------------------------------------------------------------ one step
+
+  def step(self) -> bool:
+    """Swap params if asked, take env results, start groups, refill slots, run one generate call."""
+    self._maybe_swap_params()
+    self._poll_env()
+    self._start_groups()
+    self._refill()
+    if not any(s is not None for s in self._slots):
+      return False
+    t0 = time.perf_counter()
+    self._state, result = self.engine.generate(self._params, self._state)
+    host = jax.device_get(result)
+    self.stats.busy_time_s += time.perf_counter() - t0
+    self.stats.generate_calls += 1
+    self._collect(host)
+    return True
+
+  def _start_groups(self) -> None:
+    """Starts groups while ready episodes cannot fill the free slots and the in-flight bound allows."""
+    g = self.config.group_size
+    while (len(self._ready) < sum(s is None for s in self._slots) and not self._exhausted
+           and self._live_episodes + g <= self._max_in_flight and not self._admission_closed()
+           and self._may_start()):
+      try:
+        request = next(self._source)
+      except StopIteration:
+        self._exhausted = True
+        return
+      if request is None:
+        return
+      ids = self._check_prompt(request)
+      record = dict(request.columns)
+      record.setdefault("prompt_id", request.prompt_id)
+      record.setdefault("prompt_text", request.prompt_text)
+      group = _EpisodeGroup(seq=self._next_seq, request=request, prompt_ids=ids, record=record,
+                            completions=[None] * g, rewards=[0.0] * g, metrics=[{}] * g)
+      self._next_seq += 1
+      self._in_flight[group.seq] = group
+      for i in range(g):
+        episode = _Episode(group=group, index=i, env=self._make_env())
+        self._live_episodes += 1
+        self._tickets[self._runner.submit(episode.env.reset, dict(record))] = episode
+
+  def _poll_env(self) -> None:
+    for ticket, value, error in self._runner.poll():
+      episode = self._tickets.pop(ticket)
+      if error is None:
+        self.stats.env_calls += 1
+        if episode.turns == 0:
+          error = self._after_reset(episode, value)
+        else:
+          error = self._after_step(episode, value)
+      if error is not None:
+        self._fail(episode, error)
+
+  def _after_reset(self, episode: _Episode, text) -> BaseException | None:
+    if text is None:
+      text = ""
+    if not isinstance(text, str):
+      return TypeError(f"Env.reset returned {type(text).__name__}, expected str")
+    self._continue(episode, text)
+    return None
+
+  def _after_step(self, episode: _Episode, result) -> BaseException | None:
+    if not isinstance(result, env_base.StepResult):
+      return TypeError(f"Env.step returned {type(result).__name__}, expected StepResult")
+    episode.step_rewards.append(float(result.reward))
+    for k, v in result.info.items():
+      if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        episode.metrics[f"env/{k}"] = episode.metrics.get(f"env/{k}", 0.0) + float(v)
+    if result.done:
+      self._finish_episode(episode, episode.turn_finish)
+    elif episode.out_of_budget or episode.turns >= self.episode_config.max_turns:
+      self._finish_episode(episode, "length")
+    else:
+      self._continue(episode, result.observation or "")
+    return None
+
+  def _continue(self, episode: _Episode, observation: str) -> None:
+    """Appends the observation (if it fits with room for a turn) and queues the episode for a slot."""
+    ids = [int(i) for i in self._tokenize(observation)] if observation else []
+    n = len(episode.group.prompt_ids) + len(episode.tokens) + len(ids)
+    budget = self.episode_config.max_episode_tokens
+    if n > self.engine.max_prefill_length or (budget is not None and len(episode.tokens) + len(ids) >= budget):
+      self._finish_episode(episode, "length")
+      return
+    if ids and (min(ids) < 0 or max(ids) >= self.engine.vocab_size):
+      self._fail(episode, ValueError(f"tokenize gave ids outside [0, {self.engine.vocab_size}) for the observation "
+                                     f"{observation[:80]!r}"))
+      return
+    episode.tokens += ids
+    episode.logprobs += [0.0] * len(ids)
+    episode.versions += [self._version] * len(ids)
+    episode.loss_mask += [0] * len(ids)
+    if self.config.record_sampling_mask:
+      episode.masks += [np.zeros((self._mask_width,), np.uint8)] * len(ids)
+    self.stats.env_tokens += len(ids)
+    heapq.heappush(self._ready, (episode.group.seq, episode.index, episode))
+
+  def _refill(self) -> None:
+    for slot in [i for i, s in enumerate(self._slots) if s is None]:
+      if not self._ready:
+        return
+      _, _, episode = heapq.heappop(self._ready)
+      group = episode.group
+      ids = np.concatenate([group.prompt_ids, np.asarray(episode.tokens, group.prompt_ids.dtype)])
+      limit = self._turn_limit
+      if group.request.max_new_tokens is not None:
+        limit = min(limit, group.request.max_new_tokens)
+      if self.episode_config.max_episode_tokens is not None:
+        limit = min(limit, self.episode_config.max_episode_tokens - len(episode.tokens))
+      t0 = time.perf_counter()
+      cache_key = (ids.tobytes(), self._version)
+      prefix = group.first_prefix.get(cache_key) if episode.turns == 0 else None
+      if prefix is None:  # re-prefill of the whole conversation with the current weights
+        prefix = self.engine.prefill(self._params, ids, version=self._version)
+        self.stats.prefills += 1
+        if episode.turns == 0 and self.config.group_size > 1:
+          group.first_prefix = {cache_key: prefix}  # the G episodes usually start alike
+      key = _turn_key(self._base_key, group.seq, episode.index, episode.turns)
+      self._state = self.engine.insert(prefix, self._state, slot, key=key, max_new_tokens=limit)
+      self.stats.busy_time_s += time.perf_counter() - t0
+      episode.turns += 1
+      episode.turn_start = len(episode.tokens)
+      self._slots[slot] = _EpisodeSlot(episode, limit)
+
+  # ------------------------------------------------------------------ results
+
+  def _collect(self, host) -> None:
+    tokens_ks, logprobs_ks, valid_ks = host.tokens_ks, host.logprobs_ks, host.valid_ks
+    version = int(host.version)
+    eos = set(self.config.eos_ids)
+    k_steps, n_slots = tokens_ks.shape
+    self.stats.total_slot_steps += k_steps * n_slots
+    self.stats.live_slot_steps += int(valid_ks.sum())
+    for s, info in enumerate(self._slots):
+      if info is None:
+        continue
+      ep, finish = info.episode, None
+      for k in np.flatnonzero(valid_ks[:, s]):
+        if finish is not None:  # decoded past a host-side stop string in this call
+          self.stats.tokens_discarded += 1
+          continue
+        token = int(tokens_ks[k, s])
+        ep.tokens.append(token)
+        ep.logprobs.append(float(logprobs_ks[k, s]))
+        ep.versions.append(version)
+        ep.loss_mask.append(1)
+        if host.mask_ksw is not None:
+          ep.masks.append(host.mask_ksw[k, s])
+        turn_len = len(ep.tokens) - ep.turn_start
+        if token in eos:
+          finish = "eos"
+        elif self._stops and any(x in self._turn_text(ep) for x in self._stops):
+          finish = "stop"
+        elif turn_len >= info.max_new:
+          finish = "length"
+      if finish is None:
+        if host.done_s[s]:
+          raise DriverError(f"slot {s}: device reports done after {len(ep.tokens) - ep.turn_start} turn tokens, "
+                            "host saw no stop")
+        continue
+      if finish == "stop" and not host.done_s[s]:
+        self._state = self.engine.release(self._state, s)
+      self._slots[s] = None
+      self._end_turn(ep, finish)
+    self._state = self.engine.mark_finished(self._state, host.done_s)
+
+  def _turn_text(self, episode: _Episode) -> str:
+    return self._detokenize(episode.tokens[episode.turn_start:])
+
+  def _end_turn(self, episode: _Episode, finish: str) -> None:
+    """The slot is already free; the env step runs on a worker while decoding goes on."""
+    self.stats.policy_turns += 1
+    self.stats.tokens_generated += len(episode.tokens) - episode.turn_start
+    episode.turn_finish = finish
+    budget = self.episode_config.max_episode_tokens
+    episode.out_of_budget = budget is not None and len(episode.tokens) >= budget
+    self._tickets[self._runner.submit(episode.env.step, self._turn_text(episode))] = episode
+
+  def _fail(self, episode: _Episode, error: BaseException) -> None:
+    if isinstance(error, EnvTimeout):
+      self.stats.env_timeouts += 1
+    else:
+      self.stats.env_errors += 1
+    _log.warning("episode %d of prompt %r aborted: %r", episode.index, episode.group.request.prompt_id, error)
+    episode.metrics["env/failed"] = 1.0
+    self._finish_episode(episode, "aborted", reward=self.episode_config.failure_reward)
+
+  def _finish_episode(self, episode: _Episode, reason: str, reward: float | None = None) -> None:
+    if reward is None:
+      reward = env_base.aggregate_rewards(episode.step_rewards, self.episode_config.reward_aggregation)
+    n = len(episode.tokens)
+    completion = Completion(
+        token_ids=np.asarray(episode.tokens, np.int32).reshape(n),
+        logprobs=np.asarray(episode.logprobs, np.float32).reshape(n),
+        policy_versions=np.asarray(episode.versions, np.int32).reshape(n),
+        finish_reason=reason,
+        loss_mask=np.asarray(episode.loss_mask, np.int32).reshape(n),
+        sampling_mask=np.stack(episode.masks) if episode.masks else None,
+        text=self._detokenize(episode.tokens))
+    self._live_episodes -= 1
+    self.stats.completions += 1
+    self.stats.episodes += 1
+    self.stats.aborted_episodes += reason == "aborted"
+    self.stats.truncated_episodes += reason == "length"
+    group = episode.group
+    group.completions[episode.index] = completion
+    group.rewards[episode.index] = float(reward)
+    group.metrics[episode.index] = dict(episode.metrics, **{"episode/turns": float(episode.turns),
+                                                            "episode/env_tokens": float(n - sum(episode.loss_mask))})
+    if all(c is not None for c in group.completions):
+      del self._in_flight[group.seq]
+      names = sorted({k for m in group.metrics for k in m})
+      metrics = {k: float(np.mean([m.get(k, 0.0) for m in group.metrics])) for k in names}
+      req = group.request
+      self._emit(RolloutGroup(prompt_id=req.prompt_id, prompt_token_ids=group.prompt_ids.astype(np.int32),
+                              completions=list(group.completions), columns=dict(req.columns),
+                              prompt_text=req.prompt_text, rewards=np.asarray(group.rewards, np.float32),
+                              reward_metrics=metrics))
