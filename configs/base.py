@@ -110,6 +110,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   r.reward_timeout_s = 10.0
   r.max_nonfinite_steps = 3  # stop after this many non-finite losses in a row
   r.wait_timeout_s = 300.0  # no wait without a timeout
+  # Multi-turn: episodes interleave decoding with environment steps (tool calls) in a thread pool.
+  r.env = placeholder(str)  # "calculator" = the built-in tool environment; None = single-turn
+  r.env_max_turns = 4
+  r.env_step_timeout_s = 30.0  # a tool slower than this costs its episode, not the run
 
   # Supervised warm start before RL (stops once held-out accuracy reaches the target).
   c.warm_start = w = ml_collections.ConfigDict()

@@ -190,10 +190,14 @@ class RLSection:
   reward_timeout_s: float = 10.0
   max_nonfinite_steps: int = 3
   wait_timeout_s: float = 300.0
+  env: str | None = None
+  env_max_turns: int = 4
+  env_step_timeout_s: float = 30.0
 
   def __post_init__(self):
     _positive(self, "rl", "num_steps", "prompts_per_step", "reward_workers", "reward_timeout_s",
-              "max_nonfinite_steps", "wait_timeout_s")
+              "max_nonfinite_steps", "wait_timeout_s", "env_max_turns", "env_step_timeout_s")
+    _check(self.env in (None, "calculator"), "rl.env", self.env, "must be None or 'calculator'")
     _positive(self, "rl", "max_staleness", allow_zero=True)
     _one_of(self, "rl", "sync_mode", ("soft_pause", "drain"))
     _check(self.sync_dtype in (None,) + DTYPES, "rl.sync_dtype", self.sync_dtype, f"must be one of {DTYPES}")

@@ -73,3 +73,13 @@ def test_an_error_in_the_reward_thread_surfaces_with_its_original_type():
 
   with pytest.raises(TypeError):
     run_steps(tiny_config(max_staleness=1), threaded=True, before=before)
+
+
+@pytest.mark.slow
+def test_multi_turn_calculator_episodes_train_through_the_runtime():
+  cfg = tiny_config(max_staleness=1, env="calculator", env_max_turns=2)
+  cfg = config_lib.replace(cfg, rl=dict(num_steps=2), data=dict(max_prompt_length=16),
+                           sampler=dict(max_prefill_length=512, max_concurrent_decodes=16))
+  records, parts = run_steps(cfg, threaded=True)
+  assert [s for s, _ in records] == [0, 1]
+  assert all(np.isfinite(m["loss"]) and 0.0 <= m["reward/mean"] <= 1.0 for _, m in records)

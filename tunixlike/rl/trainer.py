@@ -41,6 +41,8 @@ from tunixlike.rollout import RolloutGroup
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.sampler.driver import PromptRequest, RolloutDriver
 from tunixlike.sampler.engine import Engine
+from tunixlike.sampler.episodes import EpisodeConfig, EpisodeDriver
+from tunixlike.rewards.envs import CalculatorEnv
 
 log = logging.getLogger("tunixlike")
 
@@ -340,12 +342,20 @@ def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None,
   params, _ = parts.policy.sampler_weights()
 
   def driver_factory(sink, may_start_group):
-    return RolloutDriver(parts.engine, params, source=stream, sink=sink, version=parts.policy.version,
-                         may_start_group=may_start_group, detokenize=tok.decode)
+    common = dict(source=stream, sink=sink, version=parts.policy.version, may_start_group=may_start_group,
+                  detokenize=tok.decode)
+    if cfg.rl.env is None:
+      return RolloutDriver(parts.engine, params, **common)
+    return EpisodeDriver(parts.engine, params, make_env=CalculatorEnv,
+                         tokenize=lambda text: tok.encode(text, add_special_tokens=False),
+                         episode_config=EpisodeConfig(max_turns=cfg.rl.env_max_turns,
+                                                      step_timeout_s=cfg.rl.env_step_timeout_s), **common)
 
   primary = f"rewards/{parts.task.default_rewards[0]}"
 
   def score(group: RolloutGroup):
+    if group.rewards is not None:  # episodes carry their environment's reward
+      return
     with tracer.span("reward", cat="reward", prompt=str(group.prompt_id)):
       rewards.score_groups(parts.train_reward, [group], tokenizer=tok)
       if primary in group.reward_metrics:
