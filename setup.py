@@ -33,6 +33,7 @@ setup(
             # torch 2.13.0 CPU: a wheel of it lies on the CI machine; a looser pin would pull a CUDA build.
             "torch==2.13.0",
             "transformers>=5.0",
+            "datasets>=3.0",  # reading datasets saved with save_to_disk
             "pytest>=8",
             "pytest-timeout>=2.3",
             "chex>=0.1.90",

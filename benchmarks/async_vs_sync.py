@@ -92,13 +92,15 @@ def workload_config(name: str, steps: int, quick: bool):
     # 8 prompts x 8 samples = 64 completions per step on 64 slots: sync starts a whole batch at once
     # and waits for the longest; the random model's EOS rate (~1/83 per token) gives a mean length
     # near 60 and a tail to max_new_tokens.
+    # A small learner batch (4 prompts x 8) keeps the train step short, so generation (where the
+    # tail costs sync mode its idle slots) is the larger part of a step.
     new = 24 if quick else 160
     return config_lib.replace(
         cfg, data=dict(task="reverse", num_eval_examples=8, max_prompt_length=16),
         warm_start=dict(max_steps=0),
-        sampler=dict(max_concurrent_decodes=16 if quick else 64, max_new_tokens=new, max_prefill_length=16,
+        sampler=dict(max_concurrent_decodes=16 if quick else 32, max_new_tokens=new, max_prefill_length=16,
                      steps_per_call=8),
-        rl=dict(num_steps=steps, prompts_per_step=2 if quick else 8, reward_workers=4), **common)
+        rl=dict(num_steps=steps, prompts_per_step=2 if quick else 4, reward_workers=4), **common)
   if name == "slow_reward":
     # Short completions (<= 4 tokens), so generation and training are cheap and the verifier's
     # latency is the larger part of a synchronous step, as with tool calls on a small model.
@@ -106,7 +108,10 @@ def workload_config(name: str, steps: int, quick: bool):
         cfg, data=dict(digits=2, num_eval_examples=64 if quick else 200),
         warm_start=dict(max_steps=2 if quick else 1500, eval_every=10 if quick else 20),
         sampler=dict(max_concurrent_decodes=16 if quick else 64),
-        rl=dict(num_steps=steps, prompts_per_step=2 if quick else 8, reward_workers=8), **common)
+        # Enough reward workers that the verifier's latency, not its throughput, is what a step
+        # waits for (as with remote graders or tools): sync mode waits for the slowest call of
+        # every batch, async overlaps it with decoding and training.
+        rl=dict(num_steps=steps, prompts_per_step=2 if quick else 8, reward_workers=32), **common)
   raise ValueError(f"unknown workload {name!r} (long_tail | slow_reward)")
 
 
