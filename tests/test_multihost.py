@@ -96,6 +96,7 @@ def test_distributed_settings_come_from_config_then_environment(monkeypatch):
   with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='four'"):
     distributed.resolve(distributed.DistributedConfig())
   monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+  monkeypatch.setenv("JAX_PROCESS_ID", "1")
   monkeypatch.delenv("JAX_COORDINATOR_ADDRESS")
   # Several processes without a coordinator: a clear error before jax.distributed is touched.
   with pytest.raises(ValueError, match="coordinator_address"):

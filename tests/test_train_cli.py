@@ -48,3 +48,10 @@ def test_submesh_sizes_that_do_not_add_up_to_the_devices(tmp_path):
   assert out.returncode == 2
   assert out.stderr.strip().splitlines()[-1] == ("tunixlike.train: error: mesh.sampler_devices=4 + "
                                                 "mesh.learner_devices=8 = 12, but there are 8 devices")
+
+
+def test_help_explains_the_command_and_its_flags():
+  out = run_cli("--help")
+  assert out.returncode == 0
+  assert "python -m tunixlike.train --config configs/addition_grpo.py" in out.stdout
+  assert "--workdir" in out.stdout and "check_only" in out.stdout

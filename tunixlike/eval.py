@@ -34,8 +34,10 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from tunixlike import checkpoint as checkpoint_lib
+from tunixlike import cli
 from tunixlike import config as config_lib
 
+PROG = "tunixlike.eval"
 SPLITS = ("train", "test")
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -143,50 +145,19 @@ def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -
 
 
 # ---- the command line --------------------------------------------------------------------------------
-def _fail(message: str):
-  print(f"tunixlike.eval: error: {' '.join(str(message).split())}", file=sys.stderr)
-  sys.exit(2)
-
-
-def _config_error(e: BaseException, argv: list[str]) -> str:
-  """One line for a config that failed to load: the offending key / file, not the loader's traceback."""
-  if isinstance(e, (KeyError, AttributeError)):  # ml_collections: an override of a key the config lacks
-    while e.args and isinstance(e.args[0], KeyError):
-      e = e.args[0]
-    key = str(e.args[0]).strip("'\"") if e.args else "?"
-    bad = [a for a in argv if a.startswith("--config.") and key in a.split("=")[0].split(".")]
-    return f"unknown config key {key!r} in {' '.join(bad) or 'the config file'}"
-  lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()]
-  if any(l.startswith("Traceback") for l in lines):  # the config file itself raised
-    head = lines[0].split("Error whilst parsing")[0].strip(" :")
-    return f"{head}: {lines[-1]}" if head else lines[-1]
-  return " ".join(lines)
-
-
-def usage() -> str:
-  flag_help = flags.FLAGS.module_help(sys.modules[__name__]) or flags.FLAGS.main_module_help()
-  return f"{__doc__}\nflags:\n{flag_help}\n"
-
-
 def parse(argv: list[str]) -> tuple[config_lib.Config | None, dict[str, Any]]:
   """Flags -> (validated config or None, keyword arguments of `evaluate_checkpoint`); exits 2 on bad input."""
-  sys.path.insert(0, os.getcwd())  # config files import `configs.base` from the project root
-  try:
-    flags.FLAGS(argv)
-    raw = _CONFIG.value
-    cfg = None if raw is None else config_lib.from_config_dict(raw)
-  except (KeyError, AttributeError, flags.Error, ValueError, TypeError, OSError) as e:
-    _fail(_config_error(e, argv))
+  cfg = cli.parse_config(PROG, argv, _CONFIG)
   if _CHECKPOINT.value is None:
-    _fail("--checkpoint is required (the run's --workdir or its checkpoints/ directory)")
+    cli.fail(PROG, "--checkpoint is required (the run's --workdir or its checkpoints/ directory)")
   return cfg, dict(checkpoint=_CHECKPOINT.value, step=_STEP.value, split=_SPLIT.value,
                    num_examples=_NUM_EXAMPLES.value, samples=_SAMPLES.value, temperature=_TEMPERATURE.value)
 
 
 def main(argv: list[str] | None = None):
   argv = list(sys.argv if argv is None else argv)
-  if any(a in ("--help", "-h", "--helpshort", "-help") for a in argv[1:]):
-    print(usage())
+  if cli.wants_help(argv):
+    print(cli.usage(sys.modules[__name__]))
     return
   cfg, kwargs = parse(argv)
   # orbax logs a warning per read-only manager option; a user reading one error line needs none of them.
@@ -195,7 +166,7 @@ def main(argv: list[str] | None = None):
   try:
     result = evaluate_checkpoint(cfg, say=say, **kwargs)
   except (EvalError, checkpoint_lib.CheckpointError, config_lib.ConfigError, FileNotFoundError) as e:
-    _fail(str(e))
+    cli.fail(PROG, str(e))
   text = json.dumps(result, indent=2)
   if _OUT.value:
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)

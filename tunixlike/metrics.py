@@ -89,12 +89,14 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
 
 def plot(metrics_path: str, out_path: str) -> str:
   """PNG of reward mean and eval accuracy against wall-clock time."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  # A Figure with its own Agg canvas: no pyplot state, so a notebook's backend is left alone.
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
 
   records = read_jsonl(metrics_path)
-  fig, ax = plt.subplots(figsize=(7, 4))
+  fig = Figure(figsize=(7, 4))
+  FigureCanvasAgg(fig)
+  ax = fig.subplots()
   train = [(r["time_s"], r["reward/mean"]) for r in records if "reward/mean" in r]
   evals = [(r["time_s"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
   if train:
@@ -109,5 +111,4 @@ def plot(metrics_path: str, out_path: str) -> str:
   ax.set_title(os.path.basename(os.path.dirname(os.path.abspath(metrics_path))) or "run")
   fig.tight_layout()
   fig.savefig(out_path, dpi=110)
-  plt.close(fig)
   return out_path
