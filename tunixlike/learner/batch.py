@@ -13,6 +13,9 @@ with `tokens` (index t describes token t); the train step shifts to next-token t
   rewards             float32 [B]
   group_ids           int32   [B]     index of the group in this batch, -1 for padding rows
   prompt_lengths, completion_lengths  int32 [B]
+  sampling_mask       uint8   [B, T, W]  only with sampling_mask=True ("Keep Sampling Mask"): the
+                                      sampler's packed kept-token set of each completion token
+                                      (W = ceil(V/8)); all-zero rows (prompt, padding) keep every token
 Padding rows have an all-zero loss mask and so contribute nothing to the loss or the metrics.
 """
 
@@ -25,6 +28,7 @@ import numpy as np
 
 from tunixlike.learner import advantages as advantages_lib
 from tunixlike.learner import dapo
+from tunixlike.learner import sampling_mask as sampling_mask_lib
 from tunixlike.rollout import RolloutGroup
 
 
@@ -38,11 +42,14 @@ def pick_bucket(length: int, buckets: Sequence[int]) -> int:
 
 def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets: Sequence[int],
                    advantage: str = "grpo", pad_id: int = 0, overlong_max_length: int = 0,
-                   overlong_buffer: int = 0, overlong_penalty: float = 1.0) -> dict[str, np.ndarray]:
+                   overlong_buffer: int = 0, overlong_penalty: float = 1.0,
+                   sampling_mask: bool = False) -> dict[str, np.ndarray]:
   """Pad `groups` into one batch of exactly `num_rows` rows and a bucketed length T.
 
   With overlong_buffer > 0, DAPO's soft overlong penalty (`dapo.overlong_penalty`, in completion
   tokens) is added to each reward before the advantages are computed; `rewards` holds the result.
+  With sampling_mask=True every completion must carry `Completion.sampling_mask` (the sampler's
+  `record_sampling_mask`), and each token the policy produced must be in its own kept set.
   """
   buckets = sorted(int(b) for b in seq_buckets)
   if not buckets or buckets[0] <= 0:
@@ -62,6 +69,7 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
                        "completion token needs a prompt token to be predicted from")
     lengths += [len(g.prompt_token_ids) + c.num_tokens for c in g.completions]
   t = pick_bucket(max(lengths, default=1), buckets)
+  width = _check_sampling_masks(groups) if sampling_mask else 0
 
   batch = {
       "tokens": np.full((num_rows, t), pad_id, np.int32),
@@ -74,6 +82,8 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
       "prompt_lengths": np.zeros((num_rows,), np.int32),
       "completion_lengths": np.zeros((num_rows,), np.int32),
   }
+  if sampling_mask:  # [B, T, W] bytes: the largest array of the batch (V / 8 bytes per token)
+    batch["sampling_mask"] = np.zeros((num_rows, t, width), np.uint8)
   row = 0
   for gi, g in enumerate(groups):
     rewards_g = np.asarray(g.rewards, np.float32)
@@ -90,6 +100,8 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
       batch["loss_mask"][row, p:p + n] = 1.0 if c.loss_mask is None else np.asarray(c.loss_mask, np.float32)
       batch["behaviour_logprobs"][row, p:p + n] = c.logprobs
       batch["versions"][row, p:p + n] = c.policy_versions
+      if sampling_mask:
+        batch["sampling_mask"][row, p:p + n] = c.sampling_mask
       batch["advantages"][row] = adv_g[ci]
       batch["rewards"][row] = rewards_g[ci]
       batch["group_ids"][row] = gi
@@ -97,3 +109,30 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
       batch["completion_lengths"][row] = n
       row += 1
   return batch
+
+
+def _check_sampling_masks(groups: Sequence[RolloutGroup]) -> int:
+  """The packed width W shared by every completion's sampling mask; errors name the bad completion."""
+  width = None
+  for g in groups:
+    for ci, c in enumerate(g.completions):
+      where = f"RolloutGroup(prompt_id={g.prompt_id!r}).completions[{ci}].sampling_mask"
+      m = c.sampling_mask
+      if m is None:
+        raise ValueError(f"{where} is None, but the batch asks for sampling masks (algo.keep_sampling_mask): "
+                         "the sampler must record them (sampler.record_sampling_mask=True)")
+      m = np.asarray(m)
+      if m.dtype != np.uint8 or m.ndim != 2:
+        raise ValueError(f"{where} has dtype {m.dtype} and shape {m.shape}, expected uint8 [T, ceil(V/8)]")
+      width = m.shape[1] if width is None else width
+      if m.shape[1] != width:
+        raise ValueError(f"{where} has {m.shape[1]} bytes per token, other completions have {width}")
+      if c.num_tokens and int(np.max(c.token_ids)) >= 8 * width:
+        raise ValueError(f"{where} covers {8 * width} token ids, but the completion holds id {int(np.max(c.token_ids))}")
+      produced = np.ones(c.num_tokens, bool) if c.loss_mask is None else np.asarray(c.loss_mask) > 0
+      outside = produced & ~sampling_mask_lib.tokens_in_mask(m, c.token_ids)
+      if outside.any():
+        t = int(np.argmax(outside))
+        raise ValueError(f"{where}: token {t} (id {int(c.token_ids[t])}) is not in its own kept set; the mask "
+                         "does not belong to this completion")
+  return width or 0

@@ -29,6 +29,12 @@ class AlgoConfig:
   is_cap: float = 2.0  # tis cap
   is_low: float = 0.5  # mis band
   is_high: float = 2.0
+  # "Keep Sampling Mask": score tokens under the sampler's recorded top-k / top-p kept set, so the
+  # behaviour and learner distributions have the same support (batch needs 'sampling_mask').
+  keep_sampling_mask: bool = False
+  # The sampler's temperature: learner logprobs are log softmax(logits / T), the distribution the
+  # behaviour logprobs were taken under.
+  sampling_temperature: float = 1.0
 
   def __post_init__(self):
     advantages.get_advantage_fn(self.advantage)
@@ -51,6 +57,11 @@ class AlgoConfig:
       _bad("algo.is_low", self.is_low, f"must be in [0, algo.is_high={self.is_high})")
     if self.resolved_aggregation == "seq_mean_token_sum_norm" and self.norm_length <= 0:
       _bad("algo.norm_length", self.norm_length, "seq_mean_token_sum_norm needs a positive constant length")
+    if not isinstance(self.keep_sampling_mask, bool):
+      _bad("algo.keep_sampling_mask", self.keep_sampling_mask, "must be a bool")
+    if not (isinstance(self.sampling_temperature, (int, float)) and 0 < self.sampling_temperature < float("inf")):
+      _bad("algo.sampling_temperature", self.sampling_temperature,
+           "must be a finite number > 0 (a greedy sampler has no distribution to train on)")
     if not self.decoupled and self.is_mode != "none":
       _bad("algo.is_mode", self.is_mode,
            "needs algo.decoupled=True (the IS weight corrects behaviour -> proximal); use 'none'")

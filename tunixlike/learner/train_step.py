@@ -27,12 +27,18 @@ from tunixlike.models import sharding as sharding_lib
 
 BATCH_KEYS = ("tokens", "loss_mask", "behaviour_logprobs", "versions", "advantages")
 TOKEN_KEYS = ("tokens", "loss_mask", "behaviour_logprobs", "versions", "proximal_logprobs")
+PACKED_TOKEN_KEYS = ("sampling_mask",)  # per-token packed bits, [B, T, W] ("Keep Sampling Mask")
 
 
 def _next(x_bt, fill=0):
   """Shift a per-token array so index t describes token t+1 (the one position t predicts)."""
   pad = jnp.full(x_bt.shape[:-1] + (1,), fill, x_bt.dtype)
   return jnp.concatenate([x_bt[..., 1:], pad], axis=-1)
+
+
+def _next_rows(x_btw):
+  """`_next` for per-token rows [B, T, W]: the last position gets an all-zero row."""
+  return jnp.concatenate([x_btw[:, 1:], jnp.zeros_like(x_btw[:, :1])], axis=1)
 
 
 class Learner:
@@ -113,7 +119,9 @@ class Learner:
     b, t = np.shape(batch["tokens"])
     for k, v in batch.items():
       want = (b, t) if k in TOKEN_KEYS else (b,)
-      if k in TOKEN_KEYS or k in BATCH_KEYS:
+      if k in PACKED_TOKEN_KEYS:
+        want = (b, t, np.shape(v)[-1] if np.ndim(v) == 3 else "W")
+      if k in TOKEN_KEYS or k in BATCH_KEYS or k in PACKED_TOKEN_KEYS:
         if tuple(np.shape(v)) != want:
           raise ValueError(f"batch[{k!r}] has shape {np.shape(v)}, expected {want}")
     m = self.cfg.optim.micro_batches
@@ -128,7 +136,7 @@ class Learner:
                        f"over {where}")
     out = {}
     for k, v in batch.items():
-      if k not in BATCH_KEYS and k not in TOKEN_KEYS:
+      if k not in BATCH_KEYS and k not in TOKEN_KEYS and k not in PACKED_TOKEN_KEYS:
         continue  # host-only columns (rewards, group ids, ...) stay on the host
       v = np.asarray(v).reshape((m, b // m) + np.shape(v)[1:])
       if self.mesh is None:
@@ -144,15 +152,28 @@ class Learner:
 
   # ------------------------------------------------------------------ the math
 
-  def _policy_logprobs(self, params, frozen, tokens_bt, with_entropy: bool):
+  def _policy_logprobs(self, params, frozen, tokens_bt, with_entropy: bool, mask_btw=None):
+    """Next-token logprobs at the sampling temperature; with `mask_btw` (packed, aligned with
+    tokens) renormalised over the sampler's kept set of each token (`sampling_mask`)."""
     model = nnx.merge(self.graphdef, params, frozen)
     h_btd = model.hidden_states(tokens_bt)
+    next_mask = None if mask_btw is None else _next_rows(mask_btw)
     return logprobs_lib.chunked_token_logprobs(h_btd, _next(tokens_bt), model.unembed,
-                                               self.cfg.logprob_chunk_size, with_entropy=with_entropy)
+                                               self.cfg.logprob_chunk_size, with_entropy=with_entropy,
+                                               temperature=self.cfg.algo.sampling_temperature, mask_btw=next_mask)
 
-  def _ref_logprobs(self, state: TrainState, params, tokens_bt):
+  def _sampling_mask(self, mb):
+    """The batch's packed sampling masks when algo.keep_sampling_mask is on, else None."""
+    if not self.cfg.algo.keep_sampling_mask:
+      return None
+    if "sampling_mask" not in mb:
+      raise ValueError("algo.keep_sampling_mask=True but the batch has no 'sampling_mask': record it in the "
+                       "sampler (sampler.record_sampling_mask=True) and pass assemble_batch(..., sampling_mask=True)")
+    return mb["sampling_mask"]
+
+  def _ref_logprobs(self, state: TrainState, params, tokens_bt, mask_btw=None):
     ref_params = lora_lib.zero_adapters(params) if self.lora else state.ref_params
-    logp, _ = self._policy_logprobs(jax.lax.stop_gradient(ref_params), state.frozen, tokens_bt, False)
+    logp, _ = self._policy_logprobs(jax.lax.stop_gradient(ref_params), state.frozen, tokens_bt, False, mask_btw)
     return jax.lax.stop_gradient(logp)
 
   def _micro_loss(self, params, state: TrainState, mb, denom):
@@ -160,7 +181,7 @@ class Learner:
     a = self.cfg.algo
     mask = _next(mb["loss_mask"]).astype(jnp.float32)
     behav = _next(mb["behaviour_logprobs"]).astype(jnp.float32)
-    logp, entropy = self._policy_logprobs(params, state.frozen, mb["tokens"], True)
+    logp, entropy = self._policy_logprobs(params, state.frozen, mb["tokens"], True, self._sampling_mask(mb))
     if "proximal_logprobs" in mb:  # computed before a series of updates (several minibatches per batch)
       prox = _next(mb["proximal_logprobs"]).astype(jnp.float32)
     else:  # one update per batch: the proximal policy is the current one
@@ -182,7 +203,7 @@ class Learner:
     tw = losses.token_weights(mask, a.resolved_aggregation, a.norm_length)
     sums = {"pg_loss": (pg_bt * tw).sum() / denom}
     if a.kl_coef > 0:
-      kl_bt = self.kl_fn(logp, self._ref_logprobs(state, params, mb["tokens"]))
+      kl_bt = self.kl_fn(logp, self._ref_logprobs(state, params, mb["tokens"], self._sampling_mask(mb)))
       loss_bt = loss_bt + a.kl_coef * kl_bt
       stats["kl"] = kl_bt
     loss = (loss_bt * tw).sum() / denom
@@ -253,10 +274,11 @@ class Learner:
 
   def _token_logprobs(self, state: TrainState, batch):
     """log pi(token t) aligned with `tokens` (0 at t = 0), [M, b, T]: the proximal logprobs."""
-    def one(mb_tokens):
-      logp, _ = self._policy_logprobs(state.params, state.frozen, mb_tokens, False)
+    def one(mb):
+      logp, _ = self._policy_logprobs(state.params, state.frozen, mb["tokens"], False, self._sampling_mask(mb))
       return jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp[:, :-1]], axis=-1)
-    return jax.lax.map(one, batch["tokens"])
+    keys = ("tokens", "sampling_mask") if self.cfg.algo.keep_sampling_mask else ("tokens",)
+    return jax.lax.map(one, {k: batch[k] for k in keys if k in batch})
 
   # ------------------------------------------------------------------ public
 

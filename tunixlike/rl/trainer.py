@@ -433,19 +433,20 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
     initialize_distributed(cfg)
   except ValueError as e:
     raise SetupError(str(e)) from e
-  multi, pid = jax.process_count() > 1, jax.process_index()
-  mine = local_dir(workdir)  # this process's logs (WORKDIR itself on process 0)
-  os.makedirs(mine, exist_ok=True)
+  os.makedirs(workdir, exist_ok=True)
+  try:  # fails fast on bad meshes, model files or data, before any output (and before orbax's threads)
+    parts = build(cfg, workdir)
+  except (ValueError, OSError, models.CheckpointError) as e:
+    raise SetupError(str(e)) from e
   ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), keep=cfg.checkpoint.keep,
                                      save_every_steps=cfg.checkpoint.every_steps,
                                      save_every_seconds=cfg.checkpoint.every_seconds,
                                      save_frozen=not (cfg.model.hf_path and cfg.lora.rank))
   latest = ckpt.latest_step()
+  multi, pid = jax.process_count() > 1, jax.process_index()
+  mine = local_dir(workdir)  # this process's logs (WORKDIR itself on process 0)
+  os.makedirs(mine, exist_ok=True)
   prompts_log = os.path.join(mine, "prompts.jsonl")
-  try:  # fails fast on bad meshes, model files or data, before any output
-    parts = build(cfg, workdir)
-  except (ValueError, OSError, models.CheckpointError) as e:
-    raise SetupError(str(e)) from e
   logger = metrics_lib.MetricsLogger(mine, total_steps=cfg.rl.num_steps, tensorboard=cfg.log.tensorboard and pid == 0,
                                      progress_bar=cfg.log.progress_bar and pid == 0, initial_step=latest or 0)
   say = parts.say = logger.info

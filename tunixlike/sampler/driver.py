@@ -216,6 +216,7 @@ class RolloutDriver:
   def step(self) -> bool:
     """Swap params if asked, refill slots, run one generate call. Returns False if nothing ran."""
     self._maybe_swap_params()
+    self._prepare()
     self._refill()
     if not any(s is not None for s in self._slots):
       return False
@@ -226,6 +227,9 @@ class RolloutDriver:
     self.stats.generate_calls += 1
     self._collect(host)
     return True
+
+  def _prepare(self) -> None:
+    """Runs before slots are refilled: subclasses bring in other work (EpisodeDriver: env results)."""
 
   def _maybe_swap_params(self) -> None:
     with self._lock:

@@ -200,21 +200,10 @@ class EpisodeDriver(RolloutDriver):
 
   # ------------------------------------------------------------------ one step
 
-  def step(self) -> bool:
-    """Swap params if asked, take env results, start groups, refill slots, run one generate call."""
-    self._maybe_swap_params()
+  def _prepare(self) -> None:
+    """Before each refill: take environment results, then start new groups (episodes)."""
     self._poll_env()
     self._start_groups()
-    self._refill()
-    if not any(s is not None for s in self._slots):
-      return False
-    t0 = time.perf_counter()
-    self._state, result = self.engine.generate(self._params, self._state)
-    host = jax.device_get(result)
-    self.stats.busy_time_s += time.perf_counter() - t0
-    self.stats.generate_calls += 1
-    self._collect(host)
-    return True
 
   def _start_groups(self) -> None:
     """Starts groups while ready episodes cannot fill the free slots and the in-flight bound allows."""

@@ -1,0 +1,146 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
+from tunixlike.learner.ppo import PPOConfig, PPOLearner
+from tunixlike.learner.value import PolicyWithValue, ValueHead
+from tunixlike.mesh import LEARNER_RULES
+
+
+def _cfg(micro=1, lr=1e-3, **algo):
+  return LearnerConfig(algo=AlgoConfig(**algo), optim=OptimConfig(learning_rate=lr, micro_batches=micro),
+                       logprob_chunk_size=8)
+
+
+def _leaf(tree, *path):
+  for p in path:
+    tree = tree[p]
+  return np.asarray(jax.device_get(tree.get_value()))
+
+
+def test_value_head_shapes_and_axes(tiny_model):
+  model = PolicyWithValue.create(tiny_model())
+  h = model.hidden_states(jnp.ones((2, 5), jnp.int32))
+  v = model.values(h)
+  assert v.shape == (2, 5) and v.dtype == jnp.float32
+  assert model.value_head.proj.kernel.get_metadata()["out_sharding"] == ("embed", None)
+  assert np.abs(np.asarray(model.value_head.proj.kernel.get_value())).max() > 0  # non-zero: trunk gets gradient
+  with pytest.raises(ValueError, match="hidden_size"):
+    ValueHead(0, rngs=nnx.Rngs(0))
+
+
+def test_ppo_config_rejects_bad_values(tiny_model):
+  with pytest.raises(ValueError, match="algo.gamma"):
+    PPOConfig(gamma=1.2)
+  with pytest.raises(ValueError, match="algo.gae_lambda"):
+    PPOConfig(gae_lambda=-0.5)
+  with pytest.raises(ValueError, match="algo.vf_clip"):
+    PPOConfig(vf_clip=0.0)
+  with pytest.raises(ValueError, match="algo.kl_reward_estimator"):
+    PPOConfig(kl_reward_estimator="k9")
+  with pytest.raises(ValueError, match="algo.loss='gspo'"):
+    PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(loss="gspo"))
+  with pytest.raises(ValueError, match="PolicyWithValue"):
+    PPOLearner(tiny_model(), _cfg())
+
+
+def test_prepare_matches_gae_by_hand(tiny_model, host_batch):
+  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(micro=2),
+                       PPOConfig(gamma=0.9, gae_lambda=0.8, whiten_advantages=False))
+  host = host_batch(8)
+  batch, stats = learner.prepare(learner.state, learner.put_batch(host))
+  model = learner.model(learner.state)
+  values = np.asarray(model.values(model.hidden_states(jnp.asarray(host["tokens"]))))  # index t -> token t+1
+  mask = host["loss_mask"]
+  want_adv = np.zeros_like(mask)
+  for b in range(8):  # token t's decision is made at position t-1; reward on the last completion token
+    idx = np.flatnonzero(mask[b])
+    a, v_next = 0.0, 0.0
+    for t in idx[::-1]:
+      r = host["rewards"][b] if t == idx[-1] else 0.0
+      a = r + 0.9 * v_next - values[b, t - 1] + 0.72 * a
+      v_next = values[b, t - 1]
+      want_adv[b, t] = a
+  got = np.asarray(batch["token_advantages"]).reshape(8, -1)
+  np.testing.assert_allclose(got, want_adv, rtol=1e-4, atol=1e-5)
+  ret = np.asarray(batch["returns"]).reshape(8, -1)
+  old = np.asarray(batch["old_values"]).reshape(8, -1)
+  np.testing.assert_allclose(ret, (want_adv + old) * mask, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(stats["return_mean"], ret.sum() / mask.sum(), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_policy_and_value_train_together_without_recompiling(tiny_model, host_batch):
+  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(micro=2, lr=3e-3),
+                       PPOConfig(gamma=1.0, gae_lambda=1.0, kl_reward_coef=0.05))
+  state = learner.state
+  head0 = _leaf(state.params, "value_head", "proj", "kernel")
+  emb0 = _leaf(state.params, "policy", "embed_tokens", "embedding")
+  batch, _ = learner.prepare(state, learner.put_batch(host_batch(8, seed=0)))
+  state, m0 = learner.train_step(state, batch, jax.random.key(0))
+  compiles = []
+  listener = lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    for seed in (1, 2, 3):
+      batch, stats = learner.prepare(state, learner.put_batch(host_batch(8, seed=seed)))
+      state, metrics = learner.train_step(state, batch, jax.random.fold_in(jax.random.key(0), seed))
+    jax.block_until_ready(metrics)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert compiles == []
+  assert learner.num_traces == 1
+  assert int(state.step) == 4
+  for k in ("loss", "pg_loss", "vf_loss", "vf_clip_frac", "entropy", "token_advantage_abs"):
+    assert np.isfinite(float(metrics[k])), k
+  assert float(stats["kl_reward"]) != 0.0  # the policy moved away from the reference
+  assert not np.allclose(_leaf(state.params, "value_head", "proj", "kernel"), head0)
+  assert not np.allclose(_leaf(state.params, "policy", "embed_tokens", "embedding"), emb0)
+  assert learner.policy(state) is not None
+
+
+@pytest.mark.slow
+def test_value_loss_falls_on_a_fixed_batch(tiny_model, host_batch):
+  # gamma = lambda = 1: the value targets are Monte-Carlo returns, fixed whatever the critic says;
+  # vf_coef large and lr high so that a handful of steps must reduce the critic's error.
+  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(lr=1e-2),
+                       PPOConfig(gamma=1.0, gae_lambda=1.0, vf_coef=1.0, vf_clip=None))
+  placed = learner.put_batch(host_batch(8, seed=3))
+  state, vf = learner.state, []
+  for i in range(12):
+    batch, _ = learner.prepare(state, placed)
+    state, metrics = learner.train_step(state, batch, jax.random.key(i))
+    vf.append(float(metrics["vf_loss"]))
+  assert vf[-1] < 0.5 * vf[0], vf
+  assert all(np.isfinite(vf))
+
+
+@pytest.mark.slow
+def test_ppo_step_on_a_sharded_mesh_equals_unsharded(tiny_model, host_batch, mesh4):
+  host = host_batch(8)
+  plain = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(micro=2))
+  sharded = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(micro=2), mesh=mesh4, rules=LEARNER_RULES)
+  kern = sharded.state.params["value_head"]["proj"]["kernel"].get_value()
+  assert kern.sharding.spec[0] == "fsdp"  # ('embed', None) under the learner rules
+  b1, _ = plain.prepare(plain.state, plain.put_batch(host))
+  b2, _ = sharded.prepare(sharded.state, sharded.put_batch(host))
+  assert b2["rewards"].sharding.spec[1] == "fsdp"
+  s1, m1 = plain.train_step(plain.state, b1, jax.random.key(0))
+  s2, m2 = sharded.train_step(sharded.state, b2, jax.random.key(0))
+  for k in ("loss", "vf_loss", "grad_norm"):
+    np.testing.assert_allclose(m2[k], m1[k], rtol=5e-5, err_msg=k)
+  np.testing.assert_allclose(_leaf(s2.params, "value_head", "proj", "kernel"),
+                             _leaf(s1.params, "value_head", "proj", "kernel"), rtol=1e-4, atol=2e-6)
+
+
+def test_train_step_needs_prepare_and_rewards(tiny_model, host_batch):
+  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg())
+  host = host_batch(8)
+  with pytest.raises(ValueError, match="prepare"):
+    learner.train_step(learner.state, learner.put_batch(host), jax.random.key(0))
+  del host["rewards"]
+  with pytest.raises(ValueError, match="'rewards'"):
+    learner.put_batch(host)

@@ -1,0 +1,217 @@
+"""PPO with a critic on the learner submesh: policy and value head trained together in one step.
+
+`PPOLearner` is the GRPO-family `Learner` (same state, sharding, micro-batching, decoupled IS
+correction, no-recompile step) with two changes:
+
+  1. `prepare(state, batch)` (jitted) runs the critic over the batch once, before the updates:
+     the sequence reward goes on the last loss token, an optional per-token KL penalty is folded
+     in, and GAE gives per-token advantages and value targets (`gae.py`). These are data for the
+     step, like the proximal logprobs: several updates on one batch all use the same targets.
+  2. the per-micro-batch loss is the token-level clip loss plus vf_coef * the clipped value loss,
+     from one trunk forward pass (`value.PolicyWithValue`).
+
+Batch (from `batch.assemble_batch`, placed with `put_batch`): the GRPO keys plus `rewards` [B];
+`prepare` adds `old_values`, `returns`, `token_advantages` [B, T], aligned with `tokens` like every
+per-token array (index t describes token t; 0 at t = 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tunixlike.learner import gae as gae_lib, is_correction, kl as kl_lib, logprobs as logprobs_lib, losses
+from tunixlike.learner.config import LearnerConfig
+from tunixlike.learner.state import TrainState
+from tunixlike.learner.train_step import Learner, _next
+from tunixlike.learner.value import PolicyWithValue
+
+ROW_KEYS = ("rewards",)  # [B] extra host columns the PPO step needs on device
+PREPARED_KEYS = ("old_values", "returns", "token_advantages")  # [B, T], written by `prepare`
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+  """Critic settings (the policy loss, IS correction and optimizer stay in LearnerConfig)."""
+
+  gamma: float = 1.0  # no discount inside one completion: the reward comes at its end
+  gae_lambda: float = 0.95  # bias/variance trade-off of the advantage (1 = Monte Carlo)
+  vf_coef: float = 0.5  # weight of the value loss in the shared trunk's objective
+  vf_clip: float | None = 0.2  # trust region of the critic around the prepared values; None = off
+  kl_reward_coef: float = 0.0  # beta of the KL penalty folded into the rewards; 0 skips the reference
+  kl_reward_estimator: str = "k1"  # per-token KL estimate in the reward (k1 as in InstructGPT)
+  whiten_advantages: bool = True  # normalise GAE advantages over the batch's loss tokens
+
+  def __post_init__(self):
+    gae_lib.check_discounts(self.gamma, self.gae_lambda)
+    if not self.vf_coef >= 0:
+      raise ValueError(f"algo.vf_coef={self.vf_coef!r}: must be >= 0")
+    if self.vf_clip is not None and not self.vf_clip > 0:
+      raise ValueError(f"algo.vf_clip={self.vf_clip!r}: must be > 0 (or None for no clipping)")
+    if not self.kl_reward_coef >= 0:
+      raise ValueError(f"algo.kl_reward_coef={self.kl_reward_coef!r}: must be >= 0")
+    if self.kl_reward_estimator not in kl_lib.KL_ESTIMATORS:
+      raise ValueError(f"algo.kl_reward_estimator={self.kl_reward_estimator!r}: choose one of "
+                       f"{sorted(kl_lib.KL_ESTIMATORS)}")
+
+
+def _shift_right(x_bt):
+  """Inverse of `_next`: from "index t predicts token t+1" back to "index t describes token t"."""
+  return jnp.concatenate([jnp.zeros_like(x_bt[..., :1]), x_bt[..., :-1]], axis=-1)
+
+
+class PPOLearner(Learner):
+  """A `Learner` for `PolicyWithValue`: the policy and its value head share one optimizer and step."""
+
+  def __init__(self, model: PolicyWithValue, cfg: LearnerConfig, ppo: PPOConfig = PPOConfig(),
+               mesh: jax.sharding.Mesh | None = None, rules=()):
+    if not isinstance(model, PolicyWithValue):
+      raise ValueError(f"PPOLearner needs a value.PolicyWithValue model, got {type(model).__name__}")
+    if cfg.algo.loss not in gae_lib.TOKEN_LEVEL_LOSSES:
+      raise ValueError(f"algo.loss={cfg.algo.loss!r} cannot take per-token (GAE) advantages; choose one of "
+                       f"{gae_lib.TOKEN_LEVEL_LOSSES}")
+    self.ppo = ppo
+    super().__init__(model, cfg, mesh, rules)
+    if self.lora:  # the head's nnx.Param would sit in `frozen` and never train
+      raise ValueError("PPO with a value head on the trunk does not support LoRA yet (the value head would be frozen)")
+    if ppo.kl_reward_coef > 0 and self.state.ref_params is None:
+      # the reference for the reward's KL: a frozen copy of the initial weights, laid out like them
+      ref = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.state_shardings.params)(self.state.params)
+      self.state = self.state.replace(ref_params=ref)
+      self.state_shardings = self.state_shardings.replace(ref_params=self.state_shardings.params)
+      self._step = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=(self.state_shardings, None))
+    self._prepare = jax.jit(self._prepare_fn)
+
+  # ------------------------------------------------------------------ batches
+
+  def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """`Learner.put_batch` plus the PPO columns (`rewards`, and prepared targets if given), placed
+    with the same micro-batch split and row sharding as `advantages` / `tokens`."""
+    for k in ROW_KEYS:
+      if k not in batch:
+        raise ValueError(f"batch is missing {k!r} (has {sorted(batch)}); PPO needs the per-completion rewards")
+    out = super().put_batch(batch)
+    b, t = np.shape(batch["tokens"])
+    m = self.cfg.optim.micro_batches
+    for k in ROW_KEYS + PREPARED_KEYS:
+      if k not in batch:
+        continue
+      like = out["advantages"] if k in ROW_KEYS else out["tokens"]
+      want = (b,) if k in ROW_KEYS else (b, t)
+      if tuple(np.shape(batch[k])) != want:
+        raise ValueError(f"batch[{k!r}] has shape {np.shape(batch[k])}, expected {want}")
+      v = np.asarray(batch[k], np.float32).reshape((m, b // m) + want[1:])
+      if self.mesh is None:
+        out[k] = jnp.asarray(v)
+      elif like.is_fully_addressable:
+        out[k] = jax.device_put(v, like.sharding)
+      else:  # several processes: `v` is this process's share of the rows, as for the other keys
+        out[k] = jax.make_array_from_process_local_data(like.sharding, v, like.shape)
+    return out
+
+  # ------------------------------------------------------------------ prepare: critic + GAE
+
+  def _prepare_fn(self, state: TrainState, batch):
+    p = self.ppo
+    model = nnx.merge(self.graphdef, state.params, state.frozen)
+
+    def one(mb_tokens):  # [b, T] -> values [b, T] (and KL [b, T]) in "index t predicts t+1" alignment
+      h_btd = model.hidden_states(mb_tokens)
+      values = model.values(h_btd)
+      if p.kl_reward_coef > 0:
+        logp, _ = logprobs_lib.chunked_token_logprobs(h_btd, _next(mb_tokens), model.unembed,
+                                                      self.cfg.logprob_chunk_size, with_entropy=False)
+        return values, logp, self._ref_logprobs(state, state.params, mb_tokens)
+      return values, values, values  # placeholders, unused
+
+    values, logp, ref_logp = jax.lax.map(one, batch["tokens"])  # [M, b, T]
+    m, b, t = values.shape
+    flat = lambda x: x.reshape(m * b, t)
+    mask = flat(_next(batch["loss_mask"]).astype(jnp.float32))
+    rewards = gae_lib.scores_to_token_rewards(batch["rewards"].reshape(m * b), mask)
+    stats = {}
+    n_tokens = jnp.maximum(mask.sum(), 1.0)
+    if p.kl_reward_coef > 0:
+      rewards, kl_bt = gae_lib.kl_penalized_rewards(rewards, flat(logp), flat(ref_logp), mask,
+                                                    kl_coef=p.kl_reward_coef, estimator=p.kl_reward_estimator)
+      stats["kl_reward"] = kl_bt.sum() / n_tokens
+    adv, returns = gae_lib.gae(rewards, flat(values), mask, gamma=p.gamma, gae_lambda=p.gae_lambda)
+    stats["value_mean"] = (flat(values) * mask).sum() / n_tokens
+    stats["return_mean"] = returns.sum() / n_tokens
+    if p.whiten_advantages:
+      adv = gae_lib.masked_whiten(adv, mask)
+    out = dict(batch)
+    for k, x in (("old_values", flat(values) * mask), ("returns", returns), ("token_advantages", adv)):
+      out[k] = _shift_right(x).reshape(m, b, t)
+    return out, stats
+
+  def prepare(self, state: TrainState, batch: dict[str, jax.Array]):
+    """(batch with old_values / returns / token_advantages, stats). Call once per batch, before its
+    updates; the stats (value_mean, return_mean, kl_reward) stay on device."""
+    return self._prepare(state, batch)
+
+  # ------------------------------------------------------------------ the loss
+
+  def _micro_loss(self, params, state: TrainState, mb, denom):
+    a, p = self.cfg.algo, self.ppo
+    mask = _next(mb["loss_mask"]).astype(jnp.float32)
+    behav = _next(mb["behaviour_logprobs"]).astype(jnp.float32)
+    model = nnx.merge(self.graphdef, params, state.frozen)
+    h_btd = model.hidden_states(mb["tokens"])  # one trunk pass for the policy and the critic
+    logp, entropy = logprobs_lib.chunked_token_logprobs(h_btd, _next(mb["tokens"]), model.unembed,
+                                                        self.cfg.logprob_chunk_size, with_entropy=True)
+    values = model.values(h_btd)
+    if "proximal_logprobs" in mb:
+      prox = _next(mb["proximal_logprobs"]).astype(jnp.float32)
+    else:
+      prox = jax.lax.stop_gradient(logp)
+    stats = {}
+    if a.decoupled:
+      old = prox
+      is_w, is_stats = is_correction.importance_weights(prox, behav, mask, mode=a.is_mode, level=a.is_level,
+                                                        cap=a.is_cap, low=a.is_low, high=a.is_high)
+      stats.update(is_stats)
+    else:
+      old, is_w = behav, None
+      stats["mismatch_kl"] = jnp.exp(prox - behav) - 1.0 - (prox - behav)
+    adv = _next(mb["token_advantages"])
+    pg_bt, loss_stats = gae_lib.token_policy_loss(a.loss, logp, old, adv, mask, eps_low=a.eps_low_value,
+                                                  eps_high=a.eps_high_value, is_weights_bt=is_w)
+    vf_bt, vf_stats = gae_lib.value_loss(values, _next(mb["old_values"]), _next(mb["returns"]), mask,
+                                         clip_eps=p.vf_clip)
+    stats.update(clip_frac=loss_stats["clip_frac"], entropy=entropy, vf_loss=vf_bt,
+                 vf_clip_frac=vf_stats["vf_clip_frac"], token_advantage_abs=jnp.abs(adv))
+    loss_bt = pg_bt + p.vf_coef * vf_bt
+    tw = losses.token_weights(mask, a.resolved_aggregation, a.norm_length)
+    sums = {"pg_loss": (pg_bt * tw).sum() / denom}
+    if a.kl_coef > 0:
+      kl_bt = self.kl_fn(logp, self._ref_logprobs(state, params, mb["tokens"]))
+      loss_bt = loss_bt + a.kl_coef * kl_bt
+      stats["kl"] = kl_bt
+    loss = (loss_bt * tw).sum() / denom
+    for k, v in stats.items():
+      v = jax.lax.stop_gradient(v)
+      sums[k] = jnp.where(mask > 0, v, -jnp.inf).max() if k.endswith("_max") else (v * mask).sum()
+    assert set(sums) == set(self._stat_keys()), (sorted(sums), self._stat_keys())
+    return loss, sums
+
+  def _stat_keys(self) -> tuple[str, ...]:
+    return super()._stat_keys() + ("vf_loss", "vf_clip_frac", "token_advantage_abs")
+
+  # ------------------------------------------------------------------ public
+
+  def train_step(self, state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
+    """(state, prepared batch, rng) -> (state, metrics); metrics add vf_loss (token mean of
+    1/2 (V - R)^2, clipped), vf_clip_frac and token_advantage_abs. `state` is donated."""
+    missing = [k for k in PREPARED_KEYS if k not in batch]
+    if missing:
+      raise ValueError(f"batch lacks {missing}: call PPOLearner.prepare(state, batch) before train_step")
+    return super().train_step(state, batch, rng)
+
+  def policy(self, state: TrainState) -> nnx.Module:
+    """The policy alone (for weight sync to the sampler, eval and export)."""
+    return self.model(state).policy

@@ -1,0 +1,63 @@
+"""A critic for PPO: a linear value head on the policy's trunk.
+
+The head reads the same final hidden states the unembedding reads (`model.hidden_states`), so one
+trunk forward pass gives both the token log-probs and the values, and the value loss also shapes
+the shared trunk (the actor-critic recipe of Stiennon et al. 2020 / Ouyang et al. 2022 with a shared
+body). `PolicyWithValue` bundles policy and head into one nnx Module so the learner splits, shards,
+optimizes and checkpoints them as one set of parameters; the policy alone is `.policy` (weight sync
+to the sampler, export).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+
+class ValueHead(nnx.Module):
+  """V(h_t) = h_t . w + b, [B, T, D] -> float32 [B, T].
+
+  The kernel has logical axes ('embed', None) so it shards like the rows of the embedding. It
+  starts small but non-zero: a zero kernel would send no value-loss gradient into the trunk.
+  """
+
+  def __init__(self, hidden_size: int, *, rngs: nnx.Rngs, init_std: float = 0.02, param_dtype: str = "float32"):
+    if hidden_size <= 0:
+      raise ValueError(f"ValueHead hidden_size={hidden_size!r}: must be > 0")
+    self.proj = nnx.Linear(
+        hidden_size, 1, use_bias=True, dtype=jnp.float32, param_dtype=jnp.dtype(param_dtype),
+        kernel_init=nnx.with_partitioning(nnx.initializers.normal(init_std), ("embed", None), eager_sharding=False),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), (None,), eager_sharding=False),
+        rngs=rngs)
+
+  def __call__(self, h_btd):
+    # float32: value targets are returns of order 1 whose small differences (advantages) matter.
+    return self.proj(h_btd.astype(jnp.float32))[..., 0]
+
+
+class PolicyWithValue(nnx.Module):
+  """The policy plus a value head on its trunk, with the policy's `hidden_states` / `unembed`, so the
+  learner's log-prob code runs on it unchanged."""
+
+  def __init__(self, policy: nnx.Module, value_head: ValueHead):
+    self.policy = policy
+    self.value_head = value_head
+
+  @classmethod
+  def create(cls, policy: nnx.Module, *, seed: int = 0, init_std: float = 0.02) -> "PolicyWithValue":
+    """A fresh value head sized from `policy.cfg.hidden_size`, in the policy's parameter dtype."""
+    cfg = policy.cfg
+    return cls(policy, ValueHead(cfg.hidden_size, rngs=nnx.Rngs(seed), init_std=init_std,
+                                 param_dtype=cfg.param_dtype))
+
+  def hidden_states(self, tokens_bt, positions_bt=None, **kw):
+    return self.policy.hidden_states(tokens_bt, positions_bt, **kw)
+
+  def unembed(self, h_btd):
+    return self.policy.unembed(h_btd)
+
+  def values(self, h_btd):
+    return self.value_head(h_btd)
+
+  def __call__(self, tokens_bt):
+    return self.policy(tokens_bt)
