@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tunixlike.learner import gae as gae_lib, is_correction, kl as kl_lib, logprobs as logprobs_lib, losses
 from tunixlike.learner.config import LearnerConfig
@@ -147,6 +148,8 @@ class PPOLearner(Learner):
     out = dict(batch)
     for k, x in (("old_values", flat(values) * mask), ("returns", returns), ("token_advantages", adv)):
       out[k] = _shift_right(x).reshape(m, b, t)
+      if self.mesh is not None:  # rows sharded like `tokens`, so the step sees one input layout
+        out[k] = jax.lax.with_sharding_constraint(out[k], NamedSharding(self.mesh, P(None, self.cfg.batch_axis, None)))
     return out, stats
 
   def prepare(self, state: TrainState, batch: dict[str, jax.Array]):
