@@ -145,7 +145,7 @@ class AlgoSection:
     _one_of(self, "algo", "is_mode", ("none", "tis", "mis"))
     _one_of(self, "algo", "is_level", ("token", "sequence"))
     _positive(self, "algo", "is_cap", "is_high")
-    _check(0 <= self.is_low < self.is_high, "algo.is_low", self.is_low, f"must be in [0, algo.is_high)")
+    _check(0 <= self.is_low < self.is_high, "algo.is_low", self.is_low, "must be in [0, algo.is_high)")
 
 
 @dataclasses.dataclass(frozen=True)

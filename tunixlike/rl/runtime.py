@@ -18,7 +18,7 @@ import dataclasses
 import math
 import threading
 import time
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -128,7 +128,6 @@ class AsyncRuntime:
     if not threaded and cfg.max_staleness != 0:
       raise ValueError("run(threaded=False) is the synchronous loop: it needs max_staleness=0")
     keep = _has_variance if cfg.dynamic_sampling else None
-    start_version = self.learner.version
     t_start = time.monotonic()
     tokens_before = self.driver.stats.tokens_generated
     busy_before = self.driver.stats.busy_time_s

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import os
-import threading
-import json
-import signal
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -29,20 +27,22 @@ from tunixlike import mesh as mesh_lib
 from tunixlike import metrics as metrics_lib
 from tunixlike import checkpoint as checkpoint_lib
 from tunixlike import models, rewards, trace as trace_lib
+from tunixlike.rewards.envs import CalculatorEnv
 from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokenizer_lib
-from tunixlike.learner.batch import assemble_batch, pick_bucket
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
 from tunixlike.learner.train_step import Learner
 from tunixlike.models import lora as lora_lib
-from tunixlike.rl import evaluate as eval_lib, warm_start as warm_start_lib, weight_sync
+from tunixlike.rl import evaluate as eval_lib, warm_start as warm_start_lib
+from tunixlike.rl.policy import PolicyLearner
+from tunixlike.rl.preemption import Preemption
+from tunixlike.rl.prompts import PromptStream, requests_for
 from tunixlike.rl.runtime import AsyncRuntime, RuntimeConfig
 from tunixlike.rollout import RolloutGroup
 from tunixlike.sampler.config import SamplerConfig
-from tunixlike.sampler.driver import PromptRequest, RolloutDriver
+from tunixlike.sampler.driver import RolloutDriver
 from tunixlike.sampler.engine import Engine
 from tunixlike.sampler.episodes import EpisodeConfig, EpisodeDriver
-from tunixlike.rewards.envs import CalculatorEnv
 
 log = logging.getLogger("tunixlike")
 
@@ -93,122 +93,6 @@ def sampler_config(cfg: Config, tok) -> SamplerConfig:
                        eos_ids=tuple(tok.stop_ids), stop_strings=tuple(s.stop_strings),
                        steps_per_call=s.steps_per_call, record_sampling_mask=s.record_sampling_mask,
                        group_size=cfg.algo.group_size, attend_bucket=s.attend_bucket, seed=cfg.seed)
-
-
-class PromptStream:
-  """Prompt records -> PromptRequests for the driver, numbered by their index in the data stream.
-
-  `stream_index` orders a batch deterministically whatever order rewards finish in. A checkpoint
-  stores `position` (the next index) and `outstanding` (indices handed out but neither trained nor
-  dropped: in flight at the time); resuming replays the outstanding prompts first, so no prompt is
-  skipped or trained twice.
-  """
-
-  def __init__(self, pipe, position: int = 0, replay: Sequence[int] = ()):
-    self._pipe = pipe
-    self._lock = threading.Lock()
-    self._replay = list(replay)
-    self.replayed = len(self._replay)
-    self.position = position
-    self._it = iter(pipe)
-    if position:
-      self._it.set_state({"next_index": position})
-    self.outstanding: set[int] = set()
-
-  def _record_at(self, index: int) -> dict:
-    it = iter(self._pipe)
-    it.set_state({"next_index": index})
-    return next(it)
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> PromptRequest:
-    with self._lock:
-      if self._replay:
-        index = self._replay.pop(0)
-        r = self._record_at(index)
-      else:
-        r = next(self._it)
-        index, self.position = self.position, self.position + 1
-      self.outstanding.add(index)
-    columns = {k: v for k, v in r.items() if k not in ("prompt_token_ids", "prompt_text", "id", "prompt")}
-    columns["stream_index"] = index
-    return PromptRequest(prompt_id=r["id"], token_ids=np.asarray(r["prompt_token_ids"], np.int32),
-                         columns=columns, prompt_text=r["prompt_text"])
-
-  def done(self, groups: Sequence[RolloutGroup]):
-    with self._lock:
-      for g in groups:
-        self.outstanding.discard(g.columns["stream_index"])
-
-  def state(self) -> dict[str, Any]:
-    with self._lock:
-      return {"position": self.position, "outstanding": sorted(self.outstanding | set(self._replay))}
-
-
-def requests_for(records) -> list[PromptRequest]:
-  return [PromptRequest(prompt_id=r["id"], token_ids=np.asarray(r["prompt_token_ids"], np.int32),
-                        columns={"answer": r["answer"]}, prompt_text=r["prompt_text"]) for r in records]
-
-
-class PolicyLearner:
-  """The runtime's view of the learner: train on groups, hand weights to the sampler."""
-
-  def __init__(self, learner: Learner, engine: Engine, cfg: Config, pad_id: int, *, tracer=trace_lib.NULL_TRACER):
-    self.learner, self.engine, self.cfg, self.pad_id, self.tracer = learner, engine, cfg, pad_id, tracer
-    self.version = 0
-    mesh = learner.mesh
-    self.num_processes = 1 if mesh is None else len({d.process_index for d in mesh.devices.flat})
-    # This process's rows of each batch (all of them with one process).
-    self.num_rows = cfg.rl.prompts_per_step * cfg.algo.group_size // self.num_processes
-    longest = cfg.sampler.max_prefill_length + cfg.sampler.max_new_tokens
-    self.seq_buckets = tuple(sorted({min(b, longest) for b in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
-                                    | {longest}))
-    self._rng = jax.random.PRNGKey(cfg.seed)
-    self.lora = learner.lora
-    self._sampler_params = None  # LoRA sync keeps the sampler's base weights and swaps adapters only
-
-  def train(self, groups: list[RolloutGroup]) -> dict[str, float]:
-    a = self.cfg.algo
-    buckets = self.seq_buckets
-    if self.num_processes > 1:  # every process's share must have the same length T: the longest bucket
-      longest = max((len(g.prompt_token_ids) + c.num_tokens for g in groups for c in g.completions), default=1)
-      buckets = (distributed.max_over_processes(pick_bucket(longest, self.seq_buckets)),)
-    batch = assemble_batch(groups, num_rows=self.num_rows, seq_buckets=buckets, advantage=a.advantage,
-                           pad_id=self.pad_id, overlong_max_length=self.cfg.sampler.max_new_tokens,
-                           overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty)
-    with self.tracer.span("train_step", cat="learner", version=self.version):
-      placed = self.learner.put_batch(batch)
-      rng = jax.random.fold_in(self._rng, self.version)
-      self.learner.state, metrics = self.learner.train_step(self.learner.state, placed, rng)
-      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    if not metrics.get("nonfinite", 0.0):
-      self.version += 1
-    metrics["skipped"] = metrics.get("nonfinite", 0.0)
-    return metrics
-
-  @property
-  def synced_params(self) -> Any:
-    """The params last handed to the sampler (on this process's sampler devices), or None."""
-    return self._sampler_params
-
-  def full_params(self) -> nnx.State:
-    return nnx.split(self.learner.model(self.learner.state))[1]
-
-  def sampler_weights(self) -> tuple[Any, float]:
-    """(params on this process's sampler devices, sync ms). On several processes every process
-    must call this at the same point (the learner arrays are all-gathered across hosts)."""
-    with self.tracer.span("weight_sync", cat="sync", version=self.version, lora=self.lora):
-      if not self.lora or self._sampler_params is None:
-        params, ms = weight_sync.sync(self.full_params(), self.engine.param_shardings, dtype=self.cfg.rl.sync_dtype)
-      else:
-        adapters = self.learner.state.params
-        shardings = weight_sync.subtree_like(self.engine.param_shardings, adapters)
-        synced, ms = weight_sync.sync(adapters, shardings, dtype=self.cfg.rl.sync_dtype)
-        params = weight_sync.replace_leaves(self._sampler_params, synced)
-      self._sampler_params = params
-    return params, ms
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -392,29 +276,6 @@ def checkpoint_meta(parts: Parts, stream: PromptStream, counters: dict) -> dict[
 
 class SetupError(ValueError):
   """Bad input found while building the run (mesh sizes, model files, data): one clear line."""
-
-
-class Preemption:
-  """SIGTERM (TPU VM preemption) and SIGINT (Ctrl-C): finish the current step, save, exit 0."""
-
-  def __init__(self, say=print):
-    self.requested, self._say, self._old = False, say, {}
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        self._old[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    if self.requested:  # a second Ctrl-C: stop waiting
-      raise KeyboardInterrupt
-    self.requested = True
-    self._say(f"received {signal.Signals(signum).name}: finishing the current step, saving a checkpoint")
-
-  def __exit__(self, *exc):
-    for sig, old in self._old.items():
-      signal.signal(sig, old)
 
 
 def _truncate_jsonl(path: str, below_step: int):

@@ -9,7 +9,7 @@ given the gold prefix, which is exactly "greedy decoding reproduces the answer".
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp

@@ -1,0 +1,75 @@
+"""The runtime's view of the learner: train on rollout groups, hand weights to the sampler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+
+from tunixlike import distributed, trace as trace_lib
+from tunixlike.config import Config
+from tunixlike.learner.batch import assemble_batch, pick_bucket
+from tunixlike.learner.train_step import Learner
+from tunixlike.rl import weight_sync
+from tunixlike.rollout import RolloutGroup
+from tunixlike.sampler.engine import Engine
+
+
+class PolicyLearner:
+  """The runtime's view of the learner: train on groups, hand weights to the sampler."""
+
+  def __init__(self, learner: Learner, engine: Engine, cfg: Config, pad_id: int, *, tracer=trace_lib.NULL_TRACER):
+    self.learner, self.engine, self.cfg, self.pad_id, self.tracer = learner, engine, cfg, pad_id, tracer
+    self.version = 0
+    mesh = learner.mesh
+    self.num_processes = 1 if mesh is None else len({d.process_index for d in mesh.devices.flat})
+    # This process's rows of each batch (all of them with one process).
+    self.num_rows = cfg.rl.prompts_per_step * cfg.algo.group_size // self.num_processes
+    longest = cfg.sampler.max_prefill_length + cfg.sampler.max_new_tokens
+    self.seq_buckets = tuple(sorted({min(b, longest) for b in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
+                                    | {longest}))
+    self._rng = jax.random.PRNGKey(cfg.seed)
+    self.lora = learner.lora
+    self._sampler_params = None  # LoRA sync keeps the sampler's base weights and swaps adapters only
+
+  def train(self, groups: list[RolloutGroup]) -> dict[str, float]:
+    a = self.cfg.algo
+    buckets = self.seq_buckets
+    if self.num_processes > 1:  # every process's share must have the same length T: the longest bucket
+      longest = max((len(g.prompt_token_ids) + c.num_tokens for g in groups for c in g.completions), default=1)
+      buckets = (distributed.max_over_processes(pick_bucket(longest, self.seq_buckets)),)
+    batch = assemble_batch(groups, num_rows=self.num_rows, seq_buckets=buckets, advantage=a.advantage,
+                           pad_id=self.pad_id, overlong_max_length=self.cfg.sampler.max_new_tokens,
+                           overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty)
+    with self.tracer.span("train_step", cat="learner", version=self.version):
+      placed = self.learner.put_batch(batch)
+      rng = jax.random.fold_in(self._rng, self.version)
+      self.learner.state, metrics = self.learner.train_step(self.learner.state, placed, rng)
+      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if not metrics.get("nonfinite", 0.0):
+      self.version += 1
+    metrics["skipped"] = metrics.get("nonfinite", 0.0)
+    return metrics
+
+  @property
+  def synced_params(self) -> Any:
+    """The params last handed to the sampler (on this process's sampler devices), or None."""
+    return self._sampler_params
+
+  def full_params(self) -> nnx.State:
+    return nnx.split(self.learner.model(self.learner.state))[1]
+
+  def sampler_weights(self) -> tuple[Any, float]:
+    """(params on this process's sampler devices, sync ms). On several processes every process
+    must call this at the same point (the learner arrays are all-gathered across hosts)."""
+    with self.tracer.span("weight_sync", cat="sync", version=self.version, lora=self.lora):
+      if not self.lora or self._sampler_params is None:
+        params, ms = weight_sync.sync(self.full_params(), self.engine.param_shardings, dtype=self.cfg.rl.sync_dtype)
+      else:
+        adapters = self.learner.state.params
+        shardings = weight_sync.subtree_like(self.engine.param_shardings, adapters)
+        synced, ms = weight_sync.sync(adapters, shardings, dtype=self.cfg.rl.sync_dtype)
+        params = weight_sync.replace_leaves(self._sampler_params, synced)
+      self._sampler_params = params
+    return params, ms

@@ -1,0 +1,68 @@
+"""Prompts for the sampler, numbered by their place in the data stream so a resume loses none."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from tunixlike.rollout import RolloutGroup
+from tunixlike.sampler.driver import PromptRequest
+
+
+class PromptStream:
+  """Prompt records -> PromptRequests for the driver, numbered by their index in the data stream.
+
+  `stream_index` orders a batch deterministically whatever order rewards finish in. A checkpoint
+  stores `position` (the next index) and `outstanding` (indices handed out but neither trained nor
+  dropped: in flight at the time); resuming replays the outstanding prompts first, so no prompt is
+  skipped or trained twice.
+  """
+
+  def __init__(self, pipe, position: int = 0, replay: Sequence[int] = ()):
+    self._pipe = pipe
+    self._lock = threading.Lock()
+    self._replay = list(replay)
+    self.replayed = len(self._replay)
+    self.position = position
+    self._it = iter(pipe)
+    if position:
+      self._it.set_state({"next_index": position})
+    self.outstanding: set[int] = set()
+
+  def _record_at(self, index: int) -> dict:
+    it = iter(self._pipe)
+    it.set_state({"next_index": index})
+    return next(it)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> PromptRequest:
+    with self._lock:
+      if self._replay:
+        index = self._replay.pop(0)
+        r = self._record_at(index)
+      else:
+        r = next(self._it)
+        index, self.position = self.position, self.position + 1
+      self.outstanding.add(index)
+    columns = {k: v for k, v in r.items() if k not in ("prompt_token_ids", "prompt_text", "id", "prompt")}
+    columns["stream_index"] = index
+    return PromptRequest(prompt_id=r["id"], token_ids=np.asarray(r["prompt_token_ids"], np.int32),
+                         columns=columns, prompt_text=r["prompt_text"])
+
+  def done(self, groups: Sequence[RolloutGroup]):
+    with self._lock:
+      for g in groups:
+        self.outstanding.discard(g.columns["stream_index"])
+
+  def state(self) -> dict[str, Any]:
+    with self._lock:
+      return {"position": self.position, "outstanding": sorted(self.outstanding | set(self._replay))}
+
+
+def requests_for(records) -> list[PromptRequest]:
+  return [PromptRequest(prompt_id=r["id"], token_ids=np.asarray(r["prompt_token_ids"], np.int32),
+                        columns={"answer": r["answer"]}, prompt_text=r["prompt_text"]) for r in records]
