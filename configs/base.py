@@ -79,6 +79,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a.is_low = 0.5  # MIS band
   a.is_high = 2.0
   a.dynamic_sampling = False  # DAPO: drop zero-variance groups and refill
+  # "Keep Sampling Mask": the learner renormalises over the sampler's recorded top-k/top-p set
+  # (needs sampler.record_sampling_mask), so the IS ratio is exactly 1 at staleness 0.
+  a.keep_sampling_mask = False
   a.overlong_buffer = 0  # DAPO soft overlong penalty over the last N tokens before max_new_tokens; 0 = off
   a.overlong_penalty = 1.0
 

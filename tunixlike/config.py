@@ -135,6 +135,7 @@ class AlgoSection:
   is_low: float = 0.5
   is_high: float = 2.0
   dynamic_sampling: bool = False
+  keep_sampling_mask: bool = False
   overlong_buffer: int = 0
   overlong_penalty: float = 1.0
 
@@ -285,6 +286,8 @@ class Config:
 
   def __post_init__(self):
     # Cross-section checks.
+    _check(not self.algo.keep_sampling_mask or self.sampler.record_sampling_mask, "algo.keep_sampling_mask",
+           True, "needs sampler.record_sampling_mask=True (the sampler must ship the masks)")
     _check(self.sampler.max_concurrent_decodes >= self.algo.group_size, "sampler.max_concurrent_decodes",
            self.sampler.max_concurrent_decodes, f"must be >= algo.group_size={self.algo.group_size}")
     _check(self.sampler.max_concurrent_decodes % (self.mesh.sampler_devices // self.mesh.sampler_tensor) == 0,

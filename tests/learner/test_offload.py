@@ -67,3 +67,23 @@ def test_memory_helpers():
   assert offload_lib.tree_bytes({"a": np.zeros((3, 4), np.float32), "b": np.zeros(5, np.int8)}) == 53
   peak = offload_lib.peak_device_memory(jax.devices()[:1])
   assert peak is None or peak > 0
+
+
+@pytest.mark.slow
+def test_offloaded_ppo_step_equals_plain_step(tiny_model, host_batch):
+  from tunixlike.learner.ppo import PPOConfig, PPOLearner
+  from tunixlike.learner.value import PolicyWithValue
+  ppo = PPOConfig(kl_reward_coef=0.1)  # prepare reads the (offloaded) reference
+  plain = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(kl_coef=0.0), ppo)
+  other = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(kl_coef=0.0), ppo)
+  off = offload_lib.HostOffload(other, ("opt_state", "ref_params"))
+  s_plain, s_off = plain.state, off.offload(other.state)
+  for seed in range(2):
+    batch = host_batch(8, seed=seed)
+    s_plain, m_plain = plain.train_step(s_plain, plain.put_batch(batch), jax.random.key(seed))
+    s_off, m_off = off.train_step(s_off, other.put_batch(batch), jax.random.key(seed))
+  assert _kinds(s_off.ref_params) == {"pinned_host"}
+  for k in ("loss", "vf_loss", "kl_reward", "value_mean"):
+    np.testing.assert_allclose(m_off[k], m_plain[k], rtol=1e-5, err_msg=k)
+  for x, y in zip(jax.tree.leaves(jax.device_get(s_off.params)), jax.tree.leaves(jax.device_get(s_plain.params))):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)

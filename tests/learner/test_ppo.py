@@ -136,11 +136,21 @@ def test_ppo_on_a_sharded_mesh(tiny_model, host_batch, mesh4):
   assert s2.params["value_head"]["proj"]["kernel"].get_value().sharding.is_equivalent_to(kern.sharding, 2)
 
 
-def test_train_step_needs_prepare_and_rewards(tiny_model, host_batch):
+def test_train_step_prepares_an_unprepared_batch(tiny_model, host_batch):
   learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg())
+  assert learner.model(learner.state).cfg is learner.policy(learner.state).cfg
   host = host_batch(8)
-  with pytest.raises(ValueError, match="prepare"):
-    learner.train_step(learner.state, learner.put_batch(host), jax.random.key(0))
+  placed = learner.put_batch(host)
+  twin = jax.tree.map(jnp.copy, learner.state)
+  prepared, stats = learner.prepare(twin, placed)
+  s1, m1 = learner.train_step(learner.state, placed, jax.random.key(0))  # prepares inside
+  s2, m2 = learner.train_step(twin, prepared, jax.random.key(0))
+  assert learner.num_traces == 1
+  np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
+  np.testing.assert_allclose(m1["value_mean"], stats["value_mean"], rtol=1e-6)
+  assert "value_mean" not in m2
+  with pytest.raises(ValueError, match="not all of"):
+    learner.train_step(s2, {**placed, "returns": prepared["returns"]}, jax.random.key(0))
   del host["rewards"]
   with pytest.raises(ValueError, match="'rewards'"):
     learner.put_batch(host)

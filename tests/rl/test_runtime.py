@@ -1,11 +1,13 @@
 """The async runtime end to end on the 4 + 4 CPU submeshes (real engine, learner, threads, rewards)."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
 
 from configs import addition_grpo
-from tunixlike import config as config_lib, rewards
+from tunixlike import config as config_lib, rewards, trace
 from tunixlike.rl import trainer
 
 
@@ -16,13 +18,14 @@ def tiny_config(**rl):
                             sampler=dict(max_concurrent_decodes=16), rl=dict(num_steps=3, prompts_per_step=4, **rl))
 
 
-def run_steps(cfg, threaded, before=lambda parts: None):
-  parts = trainer.build_rl(trainer.build(cfg))
+def run_steps(cfg, threaded, before=lambda parts: None, workdir=None):
+  parts = trainer.build_rl(trainer.build(cfg, workdir))
   before(parts)
   records = []
   runtime = trainer.make_runtime(parts, trainer.PromptStream(iter(parts.train_pipe)),
                                  log=lambda step, m: records.append((step, m)))
   runtime.run(threaded=threaded)
+  parts.tracer.close()
   return records, parts
 
 
@@ -39,8 +42,8 @@ def test_async_at_staleness_zero_equals_the_synchronous_loop():
 
 
 @pytest.mark.slow
-def test_staleness_bound_holds_and_weights_reach_the_sampler():
-  cfg = tiny_config(max_staleness=1)
+def test_staleness_bound_holds_and_weights_reach_the_sampler(tmp_path):
+  cfg = config_lib.replace(tiny_config(max_staleness=1), log=dict(trace=True))
   initial = {}
 
   def before(parts):
@@ -49,8 +52,15 @@ def test_staleness_bound_holds_and_weights_reach_the_sampler():
     # groups have variance and the weights move.
     parts.train_reward = rewards.CombinedReward(["stopped"])
 
-  records, parts = run_steps(cfg, threaded=True, before=before)
+  records, parts = run_steps(cfg, threaded=True, before=before, workdir=str(tmp_path))
   assert all(m["staleness/max"] <= 1 for _, m in records)
+  # The trace has a span of every kind, each on the track of the thread that ran it.
+  events = json.load(open(tmp_path / "trace.json"))["traceEvents"]
+  spans = {(e["cat"], e["name"]) for e in events if e["ph"] == "X"}
+  assert {("sampler", "generate"), ("sampler", "prefill"), ("learner", "train_step"), ("sync", "weight_sync"),
+          ("reward", "reward")} <= spans
+  busy = trace.busy_fractions(str(tmp_path / "trace.json"))
+  assert len(busy) >= 3 and all(0 < f <= 1 for f in busy.values())
   assert all(m["sync/ms"] > 0 for _, m in records)
   assert parts.policy.version == 3
   # The synced copy equals the learner's latest weights, lives on the sampler devices, and differs
@@ -83,3 +93,13 @@ def test_multi_turn_calculator_episodes_train_through_the_runtime():
   records, parts = run_steps(cfg, threaded=True)
   assert [s for s, _ in records] == [0, 1]
   assert all(np.isfinite(m["loss"]) and 0.0 <= m["reward/mean"] <= 1.0 for _, m in records)
+
+
+@pytest.mark.slow
+def test_keep_sampling_mask_makes_the_is_ratio_one_at_staleness_zero():
+  cfg = tiny_config(max_staleness=0)
+  cfg = config_lib.replace(cfg, sampler=dict(top_p=0.8, record_sampling_mask=True),
+                           algo=dict(keep_sampling_mask=True), rl=dict(num_steps=2))
+  records, _ = run_steps(cfg, threaded=True)
+  for _, m in records:
+    assert m["mismatch_kl"] < 1e-6 and m["is_weight"] == pytest.approx(1.0, abs=1e-4)

@@ -115,8 +115,20 @@ class HostOffload:
     return self.learner._train_step(on_device, batch, rng)
 
   def train_step(self, state: TrainState, batch, rng):
-    """(host-offloaded state, batch, rng) -> (host-offloaded state, metrics); `state` is donated."""
+    """(host-offloaded state, batch, rng) -> (host-offloaded state, metrics); `state` is donated.
+
+    A learner with a `prepare` step (PPOLearner) gets its batch prepared first, with the
+    reference streamed in for it (the KL reward reads it)."""
+    stats = {}
+    needs_prepare = getattr(self.learner, "needs_prepare", None)
+    if needs_prepare is not None and needs_prepare(batch):
+      view = state
+      if "ref_params" in self.components:
+        view = state.replace(ref_params=jax.device_put(state.ref_params, self.device_shardings.ref_params))
+      batch, stats = self.learner.prepare(view, batch)
     if self.memory_kind is not None:
-      return self._step(state, batch, rng)
-    new_state, metrics = self.learner.train_step(self.fetch(state), batch, rng)
-    return self.offload(new_state), metrics
+      new_state, metrics = self._step(state, batch, rng)
+    else:
+      new_state, metrics = self.learner.train_step(self.fetch(state), batch, rng)
+      new_state = self.offload(new_state)
+    return new_state, {**metrics, **stats}

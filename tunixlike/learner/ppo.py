@@ -207,13 +207,27 @@ class PPOLearner(Learner):
 
   # ------------------------------------------------------------------ public
 
+  def needs_prepare(self, batch) -> bool:
+    """True when `batch` has none of the prepared targets; an error when it has only some."""
+    present = [k for k in PREPARED_KEYS if k in batch]
+    if present and len(present) < len(PREPARED_KEYS):
+      raise ValueError(f"batch has {present} but not all of {PREPARED_KEYS}: pass the whole output of "
+                       "PPOLearner.prepare (or none of it)")
+    return not present
+
   def train_step(self, state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
-    """(state, prepared batch, rng) -> (state, metrics); metrics add vf_loss (token mean of
-    1/2 (V - R)^2, clipped), vf_clip_frac and token_advantage_abs. `state` is donated."""
-    missing = [k for k in PREPARED_KEYS if k not in batch]
-    if missing:
-      raise ValueError(f"batch lacks {missing}: call PPOLearner.prepare(state, batch) before train_step")
-    return super().train_step(state, batch, rng)
+    """(state, batch, rng) -> (state, metrics); `state` is donated.
+
+    A batch without the prepared targets is prepared first from `state` (one update per batch,
+    the runtime's default); for several updates on one batch, `prepare` once and pass the result
+    each time. Metrics add vf_loss (token mean of the clipped 1/2 (V - R)^2), vf_clip_frac,
+    token_advantage_abs and, when prepared here, value_mean / return_mean (/ kl_reward).
+    """
+    stats = {}
+    if self.needs_prepare(batch):
+      batch, stats = self.prepare(state, batch)
+    state, metrics = super().train_step(state, batch, rng)
+    return state, {**metrics, **stats}
 
   def policy(self, state: TrainState) -> nnx.Module:
     """The policy alone (for weight sync to the sampler, eval and export)."""

@@ -50,6 +50,11 @@ class PolicyWithValue(nnx.Module):
     return cls(policy, ValueHead(cfg.hidden_size, rngs=nnx.Rngs(seed), init_std=init_std,
                                  param_dtype=cfg.param_dtype))
 
+  @property
+  def cfg(self):
+    """The policy's ModelConfig (the runtime reads model sizes from `learner.model(state).cfg`)."""
+    return self.policy.cfg
+
   def hidden_states(self, tokens_bt, positions_bt=None, **kw):
     return self.policy.hidden_states(tokens_bt, positions_bt, **kw)
 

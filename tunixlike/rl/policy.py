@@ -41,7 +41,8 @@ class PolicyLearner:
       buckets = (distributed.max_over_processes(pick_bucket(longest, self.seq_buckets)),)
     batch = assemble_batch(groups, num_rows=self.num_rows, seq_buckets=buckets, advantage=a.advantage,
                            pad_id=self.pad_id, overlong_max_length=self.cfg.sampler.max_new_tokens,
-                           overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty)
+                           overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty,
+                           sampling_mask=a.keep_sampling_mask)
     with self.tracer.span("train_step", cat="learner", version=self.version):
       placed = self.learner.put_batch(batch)
       rng = jax.random.fold_in(self._rng, self.version)

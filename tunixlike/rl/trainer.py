@@ -77,7 +77,9 @@ def learner_config(cfg: Config) -> LearnerConfig:
   algo = AlgoConfig(advantage=a.advantage, loss=a.loss, aggregation=a.aggregation, eps_low=a.eps_low,
                     eps_high=a.eps_high, norm_length=a.norm_length, kl_coef=a.kl_coef,
                     kl_estimator=a.kl_estimator, decoupled=a.decoupled, is_mode=a.is_mode, is_level=a.is_level,
-                    is_cap=a.is_cap, is_low=a.is_low, is_high=a.is_high)
+                    is_cap=a.is_cap, is_low=a.is_low, is_high=a.is_high, keep_sampling_mask=a.keep_sampling_mask,
+                    # The behaviour logprobs are at the sampler's temperature; the learner's must match.
+                    sampling_temperature=cfg.sampler.temperature if cfg.sampler.temperature > 0 else 1.0)
   optim = OptimConfig(learning_rate=o.learning_rate, warmup_steps=o.warmup_steps, schedule=o.schedule,
                       total_steps=cfg.rl.num_steps, grad_clip=o.grad_clip, weight_decay=o.weight_decay,
                       b1=o.b1, b2=o.b2, micro_batches=o.micro_batches)
@@ -227,7 +229,7 @@ def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None,
 
   def driver_factory(sink, may_start_group):
     common = dict(source=stream, sink=sink, version=parts.policy.version, may_start_group=may_start_group,
-                  detokenize=tok.decode)
+                  detokenize=tok.decode, tracer=tracer)
     if cfg.rl.env is None:
       return RolloutDriver(parts.engine, params, **common)
     return EpisodeDriver(parts.engine, params, make_env=CalculatorEnv,

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import jax
 import numpy as np
 
+from tunixlike import trace as trace_lib
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler.engine import Engine, PromptError
 
@@ -101,7 +102,7 @@ class RolloutDriver:
                sink: Callable[[RolloutGroup], None] | Any, version: int = 0,
                may_start_group: Callable[[], bool] | None = None,
                detokenize: Callable[[Sequence[int]], str] | None = None,
-               static_batching: bool = False):
+               static_batching: bool = False, tracer: trace_lib.Tracer = trace_lib.NULL_TRACER):
     """`source` yields PromptRequests (None = nothing available yet, try later; exhaustion ends it).
 
     `sink` is a callable or a queue with put(item, timeout). `static_batching=True` waits for all
@@ -117,6 +118,7 @@ class RolloutDriver:
     self._may_start = may_start_group or (lambda: True)
     self._detokenize = detokenize
     self._static = static_batching
+    self.tracer = tracer  # spans of prefill / generate on the sampler thread's track
     self._state = engine.init_decode_state(self._version)
     self._slots: list[_Slot | None] = [None] * engine.max_concurrent_decodes
     self._pending_group: _Group | None = None  # admitted, not all samples inserted yet
@@ -221,8 +223,9 @@ class RolloutDriver:
     if not any(s is not None for s in self._slots):
       return False
     t0 = time.perf_counter()
-    self._state, result = self.engine.generate(self._params, self._state)
-    host = jax.device_get(result)
+    with self.tracer.span("generate", cat="sampler", version=self._version):
+      self._state, result = self.engine.generate(self._params, self._state)
+      host = jax.device_get(result)
     self.stats.busy_time_s += time.perf_counter() - t0
     self.stats.generate_calls += 1
     self._collect(host)
@@ -259,7 +262,8 @@ class RolloutDriver:
       if self._pending_prefix is None or self._pending_prefix.version != self._version:
         # A prefix is never reused across weight versions: recompute it with the current params.
         t0 = time.perf_counter()
-        self._pending_prefix = self.engine.prefill(self._params, group.prompt_ids, version=self._version)
+        with self.tracer.span("prefill", cat="sampler", version=self._version):
+          self._pending_prefix = self.engine.prefill(self._params, group.prompt_ids, version=self._version)
         self.stats.busy_time_s += time.perf_counter() - t0
         self.stats.prefills += 1
       g = group.started

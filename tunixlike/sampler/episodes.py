@@ -155,7 +155,7 @@ class EpisodeDriver(RolloutDriver):
   def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None], sink,
                make_env: Callable[[], Any], tokenize: Callable[[str], Sequence[int]],
                detokenize: Callable[[Sequence[int]], str], episode_config: EpisodeConfig = EpisodeConfig(),
-               version: int = 0, may_start_group: Callable[[], bool] | None = None):
+               version: int = 0, may_start_group: Callable[[], bool] | None = None, tracer=None):
     """`make_env()` builds one Env per episode. `tokenize(text)` must add no special tokens (it
     encodes observations appended mid-conversation); `detokenize(ids)` gives a turn's text."""
     if not isinstance(episode_config, EpisodeConfig):
@@ -163,7 +163,7 @@ class EpisodeDriver(RolloutDriver):
     if not callable(make_env) or not callable(tokenize) or detokenize is None:
       raise ValueError("EpisodeDriver needs make_env, tokenize and detokenize callables")
     super().__init__(engine, params, source=source, sink=sink, version=version, may_start_group=may_start_group,
-                     detokenize=detokenize)
+                     detokenize=detokenize, **({} if tracer is None else {"tracer": tracer}))
     self.episode_config = ec = episode_config
     self._make_env, self._tokenize = make_env, tokenize
     self.stats = EpisodeStats()
