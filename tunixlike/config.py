@@ -229,13 +229,9 @@ class EvalSection:
 
 @dataclasses.dataclass(frozen=True)
 class LogSection:
-  every_steps: int = 1
   tensorboard: bool = True
   progress_bar: bool = True
   trace: bool = False
-
-  def __post_init__(self):
-    _positive(self, "log", "every_steps")
 
 
 @dataclasses.dataclass(frozen=True)
