@@ -8,9 +8,8 @@ Prints one JSON object (and writes it to --out). Both modes run the real runtime
 Two workloads:
   (a) long_tail: completion lengths with a geometric tail. The model is untrained (no warm start),
       so each token is <eos> with probability about 1/vocab and completions end at EOS at
-      geometrically distributed lengths, cut at `sampler.max_new_tokens`. The reward is the
-      registered `stopped` (1 if the completion ended at EOS): it varies within a group, so GRPO
-      has a signal and the weights move. In sync mode every batch waits for its longest
+      geometrically distributed lengths, cut at `sampler.max_new_tokens`. The reward is exact
+      match on the reverse task, which the untrained model cannot solve, so the tail stays. In sync mode every batch waits for its longest
       completion while the freed slots sit idle; async refills them with the next batch's groups.
   (b) slow_reward: 2-digit addition from a model warm-started once (supervised) to about 20%
       held-out accuracy; the reward is exact match behind a verifier that takes 50-200 ms per call
@@ -69,12 +68,12 @@ _LENGTHS: list[int] = []  # completion lengths seen by the long-tail reward (to 
 _LENGTHS_LOCK = threading.Lock()
 
 
-@rewards.register("bench_stopped")
-def bench_stopped(prompts, completions, *, finish_reasons, completion_lengths, **_):
-  """`stopped` (1 if the completion ended at EOS), recording the lengths for the report."""
+@rewards.register("bench_exact_match")
+def bench_exact_match(prompts, completions, *, answer, completion_lengths, **_):
+  """`exact_match`, recording the lengths for the report."""
   with _LENGTHS_LOCK:
     _LENGTHS.extend(int(n) for n in completion_lengths)
-  return basic.stopped(prompts, completions, finish_reasons=finish_reasons)
+  return basic.exact_match(prompts, completions, answer=answer)
 
 
 @rewards.register("bench_slow_exact_match")
@@ -106,12 +105,12 @@ def workload_config(name: str, steps: int, quick: bool):
     # latency is the larger part of a synchronous step, as with tool calls on a small model.
     return config_lib.replace(
         cfg, data=dict(digits=2, num_eval_examples=64 if quick else 200),
-        warm_start=dict(max_steps=2 if quick else 1500, eval_every=10 if quick else 20),
+        warm_start=dict(max_steps=2 if quick else 1500, eval_every=10 if quick else 20, target_accuracy=0.3),
         sampler=dict(max_concurrent_decodes=16 if quick else 64),
         # Enough reward workers that the verifier's latency, not its throughput, is what a step
         # waits for (as with remote graders or tools): sync mode waits for the slowest call of
         # every batch, async overlaps it with decoding and training.
-        rl=dict(num_steps=steps, prompts_per_step=2 if quick else 8, reward_workers=32), **common)
+        rl=dict(num_steps=steps, prompts_per_step=2 if quick else 16, reward_workers=48), **common)
   raise ValueError(f"unknown workload {name!r} (long_tail | slow_reward)")
 
 
@@ -180,7 +179,10 @@ def bench_workload(name: str, steps: int, skip: int, final: int, staleness: int,
   if name == "slow_reward":
     init, extra = warm_started_params(cfg)
     cfg = config_lib.replace(cfg, warm_start=dict(max_steps=0))
-  reward = "bench_stopped" if name == "long_tail" else "bench_slow_exact_match"
+  # long_tail scores the reverse task by exact match: the untrained model cannot solve it, so its
+  # EOS-driven lengths stay long-tailed for the whole run (rewarding stopping would erase the tail
+  # within a few steps and measure something else).
+  reward = "bench_exact_match" if name == "long_tail" else "bench_slow_exact_match"
   sync = run_mode(cfg, 0, init, reward, skip, final)
   async_ = run_mode(cfg, staleness, init, reward, skip, final)
   s, c = cfg.sampler, cfg.rl
