@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tunixlike.learner import gae as gae_lib, is_correction, kl as kl_lib, logprobs as logprobs_lib, losses
+from tunixlike.learner import gae as gae_lib, kl as kl_lib, logprobs as logprobs_lib, losses
 from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.state import TrainState
 from tunixlike.learner.train_step import Learner, _next
@@ -168,19 +168,7 @@ class PPOLearner(Learner):
     logp, entropy = logprobs_lib.chunked_token_logprobs(h_btd, _next(mb["tokens"]), model.unembed,
                                                         self.cfg.logprob_chunk_size, with_entropy=True)
     values = model.values(h_btd)
-    if "proximal_logprobs" in mb:
-      prox = _next(mb["proximal_logprobs"]).astype(jnp.float32)
-    else:
-      prox = jax.lax.stop_gradient(logp)
-    stats = {}
-    if a.decoupled:
-      old = prox
-      is_w, is_stats = is_correction.importance_weights(prox, behav, mask, mode=a.is_mode, level=a.is_level,
-                                                        cap=a.is_cap, low=a.is_low, high=a.is_high)
-      stats.update(is_stats)
-    else:
-      old, is_w = behav, None
-      stats["mismatch_kl"] = jnp.exp(prox - behav) - 1.0 - (prox - behav)
+    old, is_w, stats = self._off_policy(logp, behav, mask, mb)
     adv = _next(mb["token_advantages"])
     pg_bt, loss_stats = gae_lib.token_policy_loss(a.loss, logp, old, adv, mask, eps_low=a.eps_low_value,
                                                   eps_high=a.eps_high_value, is_weights_bt=is_w)

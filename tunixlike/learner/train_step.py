@@ -176,25 +176,28 @@ class Learner:
     logp, _ = self._policy_logprobs(jax.lax.stop_gradient(ref_params), state.frozen, tokens_bt, False, mask_btw)
     return jax.lax.stop_gradient(logp)
 
+  def _off_policy(self, logp, behav, mask, mb):
+    """(old logprobs of the clip, behaviour -> proximal IS weights or None, stats) of the decoupled
+    objective (DESIGN "Staleness"): the trust region is around the learner's proximal policy and the
+    IS weight corrects for the sampler's behaviour policy."""
+    a = self.cfg.algo
+    if "proximal_logprobs" in mb:  # computed before a series of updates (several minibatches per batch)
+      prox = _next(mb["proximal_logprobs"]).astype(jnp.float32)
+    else:  # one update per batch: the proximal policy is the current one
+      prox = jax.lax.stop_gradient(logp)
+    if not a.decoupled:
+      return behav, None, {"mismatch_kl": jnp.exp(prox - behav) - 1.0 - (prox - behav)}
+    is_w, stats = is_correction.importance_weights(prox, behav, mask, mode=a.is_mode, level=a.is_level,
+                                                   cap=a.is_cap, low=a.is_low, high=a.is_high)
+    return prox, is_w, dict(stats)
+
   def _micro_loss(self, params, state: TrainState, mb, denom):
     """Loss contribution of one micro-batch (already divided by the whole batch's normaliser)."""
     a = self.cfg.algo
     mask = _next(mb["loss_mask"]).astype(jnp.float32)
     behav = _next(mb["behaviour_logprobs"]).astype(jnp.float32)
     logp, entropy = self._policy_logprobs(params, state.frozen, mb["tokens"], True, self._sampling_mask(mb))
-    if "proximal_logprobs" in mb:  # computed before a series of updates (several minibatches per batch)
-      prox = _next(mb["proximal_logprobs"]).astype(jnp.float32)
-    else:  # one update per batch: the proximal policy is the current one
-      prox = jax.lax.stop_gradient(logp)
-    stats = {}
-    if a.decoupled:
-      old = prox
-      is_w, is_stats = is_correction.importance_weights(prox, behav, mask, mode=a.is_mode, level=a.is_level,
-                                                        cap=a.is_cap, low=a.is_low, high=a.is_high)
-      stats.update(is_stats)
-    else:
-      old, is_w = behav, None
-      stats["mismatch_kl"] = jnp.exp(prox - behav) - 1.0 - (prox - behav)
+    old, is_w, stats = self._off_policy(logp, behav, mask, mb)
     pg_bt, loss_stats = self.loss.fn(logp, old, mb["advantages"].astype(jnp.float32), mask,
                                      eps_low=a.eps_low_value, eps_high=a.eps_high_value, is_weights_bt=is_w)
     stats["clip_frac"] = loss_stats["clip_frac"]
