@@ -3,7 +3,8 @@
 One device_put over the whole pytree moves every array to its sampler sharding in a single call (the
 runtime batches the transfers: no per-parameter round-trips, the overhead FIELD.md warns about).
 An optional dtype cast (e.g. a bf16 sampler) happens on the learner devices first so that half the
-bytes cross. LoRA-only sync passes just the adapter pytree. Every sync is timed.
+bytes cross. LoRA-only sync passes just the adapter pytree, packed into one buffer (many small
+arrays would each pay a fixed per-transfer cost). Every sync is timed.
 
 Several processes (multi-controller JAX, no Pathways) refuse a device_put between different device
 sets across hosts. There the learner arrays span every host and each host's sampler mesh is local
@@ -21,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def target_shardings(tree: Any, mesh: jax.sharding.Mesh, specs: Any) -> Any:
@@ -56,11 +58,61 @@ def sync(tree: Any, shardings: Any, *, dtype=None, block: bool = True,
   start = time.perf_counter()
   if spans_processes(tree):
     out = _sync_across_hosts(tree, shardings, dtype, bucket_bytes, block)
+  elif _packable(tree, shardings):
+    out = _sync_packed(_cast(tree, dtype), shardings)
   else:
     out = jax.device_put(_cast(tree, dtype), shardings)
   if block:
     out = jax.block_until_ready(out)
   return out, (time.perf_counter() - start) * 1e3
+
+
+# Many small arrays (LoRA adapters: A and B of every projection) cost a fixed overhead each when
+# moved one by one; packed into one buffer they cross in a single transfer.
+PACK_MAX_BYTES = 16 * 2**20  # above this, per-array overhead is small next to the bytes
+PACK_MIN_LEAVES = 8
+
+
+def _mesh_of(sharding):
+  return getattr(sharding, "mesh", None)
+
+
+def _packable(tree: Any, shardings: Any) -> bool:
+  leaves = jax.tree.leaves(tree)
+  if len(leaves) < PACK_MIN_LEAVES or sum(x.nbytes for x in leaves) > PACK_MAX_BYTES:
+    return False
+  targets = jax.tree.leaves(shardings)
+  sources = [getattr(x, "sharding", None) for x in leaves]
+  return (len({x.dtype for x in leaves}) == 1 and None not in {_mesh_of(t) for t in sources + targets}
+          and len({_mesh_of(t) for t in sources}) == 1 and len({_mesh_of(t) for t in targets}) == 1)
+
+
+@functools.lru_cache(maxsize=32)
+def _packer(out_sharding):
+  return jax.jit(lambda xs: jnp.concatenate([x.reshape(-1) for x in xs]), out_shardings=out_sharding)
+
+
+@functools.lru_cache(maxsize=32)
+def _unpacker(shapes: tuple, out_shardings: tuple):
+  def unpack(flat):
+    out, start = [], 0
+    for shape in shapes:
+      size = int(np.prod(shape))
+      out.append(flat[start:start + size].reshape(shape))
+      start += size
+    return out
+  return jax.jit(unpack, out_shardings=list(out_shardings))
+
+
+def _sync_packed(tree: Any, shardings: Any) -> Any:
+  """Concatenate on the learner, one transfer, split on the sampler (three dispatches in all)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  targets = tuple(treedef.flatten_up_to(shardings))
+  replicated = jax.sharding.PartitionSpec()
+  flat = _packer(jax.sharding.NamedSharding(_mesh_of(leaves[0].sharding), replicated))(leaves)
+  flat = jax.device_put(flat, jax.sharding.NamedSharding(_mesh_of(targets[0]), replicated))
+  out = _unpacker(tuple(x.shape for x in leaves), targets)(flat)
+  return jax.tree.unflatten(treedef, out)
 
 
 def buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
