@@ -143,12 +143,16 @@ def test_should_save_by_steps_and_time_and_keep(run, tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["4", "6"]
   ck.close()
 
-  timed = ckpt_lib.Checkpointer(tmp_path / "t", save_every_seconds=0.3)
+  # A controlled clock: a loaded CI machine can stall longer than any real interval we would wait.
+  clock = [1000.0]
+  timed = ckpt_lib.Checkpointer(tmp_path / "t", save_every_seconds=30, clock=lambda: clock[0])
   assert not timed.should_save(1)
-  time.sleep(0.35)
+  clock[0] += 31
   assert timed.should_save(1)
   assert timed.save(1, state, meta_for(1))
   assert not timed.should_save(2)  # the clock restarts at each save
+  clock[0] += 31
+  assert timed.should_save(2)
   timed.close()
 
   with pytest.raises(ValueError, match="keep=0"):
@@ -165,7 +169,10 @@ def test_lora_saves_adapters_and_optimizer_without_frozen_base(mesh4, tmp_path):
   with ckpt_lib.Checkpointer(tmp_path / "full") as ck:
     ck.save(1, state, meta_for(1), force=True)
   size = lambda d: sum(os.path.getsize(f) for f in glob.glob(f"{d}/**", recursive=True) if os.path.isfile(f))
-  assert size(tmp_path / "small") < size(tmp_path / "full") / 2  # the base weights dominate
+  # The base weights are left out (orbax metadata is a sizable share at this tiny size, so compare loosely).
+  assert size(tmp_path / "small") < 0.8 * size(tmp_path / "full")
+  with ckpt_lib.Checkpointer(tmp_path / "small", read_only=True) as ck:
+    assert ck.layout(1)["frozen_saved"] is False
 
   # Resume: the base weights come from the live model (as from hf_path), the adapters from disk.
   fresh = make_learner(mesh4, seed=0, lora_rank=4, lora_seed=1)  # same base, other adapters

@@ -111,7 +111,7 @@ class Checkpointer:
   """
 
   def __init__(self, directory, *, keep: int = 2, save_every_steps: int = 0, save_every_seconds: float = 0,
-               save_frozen: bool = True, read_only: bool = False):
+               save_frozen: bool = True, read_only: bool = False, clock=time.monotonic):
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
       raise ValueError(f"Checkpointer keep={keep!r} must be an int >= 1")
     if not isinstance(save_every_steps, int) or isinstance(save_every_steps, bool) or save_every_steps < 0:
@@ -123,7 +123,8 @@ class Checkpointer:
     self.directory = directory if "://" in directory else os.path.abspath(directory)
     self.keep, self.save_frozen, self.read_only = keep, save_frozen, read_only
     self.save_every_steps, self.save_every_seconds = save_every_steps, float(save_every_seconds)
-    self._last_save_time = time.monotonic()
+    self._clock = clock  # seconds; tests pass a controlled one
+    self._last_save_time = clock()
     self._last_saved_step: int | None = None
     self._manager: ocp.CheckpointManager | None = None
     if read_only and not epath.Path(self.directory).is_dir():
@@ -175,7 +176,7 @@ class Checkpointer:
       return False
     if self.save_every_steps and step % self.save_every_steps == 0:
       return True
-    return bool(self.save_every_seconds) and time.monotonic() - self._last_save_time >= self.save_every_seconds
+    return bool(self.save_every_seconds) and self._clock() - self._last_save_time >= self.save_every_seconds
 
   def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
     """Starts an asynchronous save of `state` (a pytree of jax.Arrays) and `meta` (JSON) at `step`.
@@ -206,7 +207,7 @@ class Checkpointer:
     except Exception as e:
       raise CheckpointError(f"{self.step_dir(step)}: saving failed ({type(e).__name__}: {e})") from e
     self._last_saved_step = step
-    self._last_save_time = time.monotonic()
+    self._last_save_time = self._clock()
     return bool(saved)
 
   def wait(self) -> None:
