@@ -33,3 +33,4 @@ def test_warm_start_learns_and_teacher_forced_accuracy_equals_greedy_decoding():
                                                   tokens, mask)
   assert greedy == pytest.approx(forced, abs=1e-9)
   assert np.isclose(forced, summary["warm_start/accuracy"])
+

@@ -16,6 +16,8 @@ import itertools
 import json
 import logging
 import os
+import re
+import tempfile
 from typing import Any
 
 import jax
@@ -132,10 +134,36 @@ def _check_process_split(cfg: Config, n: int):
                      f"{n} processes into at least algo.group_size={cfg.algo.group_size} slots each")
 
 
+def is_remote(workdir: str) -> bool:
+  return "://" in workdir
+
+
 def local_dir(workdir: str) -> str:
-  """Where this process writes its own logs: WORKDIR for process 0, WORKDIR/process_i otherwise."""
+  """Where this process writes its own logs: WORKDIR for process 0, WORKDIR/process_i otherwise.
+
+  A remote WORKDIR (gs://...) holds the checkpoints (orbax writes there directly); logs, which are
+  appended to line by line, go to a local mirror that `upload_logs` copies to WORKDIR/logs.
+  """
+  root = workdir
+  if is_remote(workdir):
+    root = os.path.join(tempfile.gettempdir(), "tunixlike_logs", re.sub(r"[^\w.-]+", "_", workdir))
   i = jax.process_index()
-  return workdir if i == 0 else os.path.join(workdir, f"process_{i}")
+  return root if i == 0 else os.path.join(root, f"process_{i}")
+
+
+def upload_logs(workdir: str, say=print):
+  """Copies this process's local log mirror to WORKDIR/logs (remote workdirs only)."""
+  if not is_remote(workdir):
+    return
+  from etils import epath
+  local = local_dir(workdir)
+  for root, _, files in os.walk(local):
+    for name in files:
+      path = os.path.join(root, name)
+      target = epath.Path(workdir) / "logs" / os.path.relpath(path, local)
+      target.parent.mkdir(parents=True, exist_ok=True)
+      target.write_bytes(open(path, "rb").read())
+  say(f"logs copied from {local} to {workdir}/logs")
 
 
 def initialize_distributed(cfg: Config) -> bool:
@@ -296,7 +324,8 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
     initialize_distributed(cfg)
   except ValueError as e:
     raise SetupError(str(e)) from e
-  os.makedirs(workdir, exist_ok=True)
+  if not is_remote(workdir):
+    os.makedirs(workdir, exist_ok=True)
   try:  # fails fast on bad meshes, model files or data, before any output (and before orbax's threads)
     parts = build(cfg, workdir)
   except (ValueError, OSError, models.CheckpointError) as e:
@@ -391,6 +420,7 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
       ckpt.close()
       say(f"stopped at step {parts.policy.version}; checkpoint saved; run again with the same --workdir to resume")
       logger.close()
+      upload_logs(workdir, say)
       return {**summary, "preempted": True, "step": parts.policy.version}
     save(force=True)
   finally:
@@ -400,6 +430,7 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
   say(f"held-out accuracy {acc_before:.3f} -> {acc_after:.3f} ({100 * (acc_after - acc_before):+.1f} points) "
       f"in {logger.elapsed_s:.0f} s; metrics in {logger.path}")
   logger.close()
-  plot = metrics_lib.plot(logger.path, os.path.join(workdir, "reward.png")) if pid == 0 else None
+  plot = metrics_lib.plot(logger.path, os.path.join(mine, "reward.png")) if pid == 0 else None
+  upload_logs(workdir, say)
   return {**summary, "eval/accuracy_before": acc_before, "eval/accuracy_after": acc_after, "plot": plot,
           "wall_s_total": logger.elapsed_s, **counters}
