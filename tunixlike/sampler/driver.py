@@ -335,25 +335,35 @@ class RolloutDriver:
           self.stats.tokens_discarded += 1
           continue
         token = int(tokens_ks[k, s])
-        info.tokens.append(token)
-        info.logprobs.append(float(logprobs_ks[k, s]))
-        info.versions.append(version)
-        if host.mask_ksw is not None:
-          info.masks.append(host.mask_ksw[k, s])
-        if token in eos:
-          finish = "eos"
-        elif self._hit_stop_string(info.tokens):
-          finish = "stop"
-        elif len(info.tokens) >= info.max_new:
-          finish = "length"
+        self._record(info, token, float(logprobs_ks[k, s]), version,
+                     None if host.mask_ksw is None else host.mask_ksw[k, s])
+        finish = self._stop_reason(info, token, eos)
       if finish is None:
         if host.done_s[s]:
-          raise DriverError(f"slot {s}: device reports done after {len(info.tokens)} tokens, host saw no stop")
+          raise DriverError(f"slot {s}: the device reports it done but the host saw no stop")
         continue
       if finish == "stop" and not host.done_s[s]:
         self._state = self.engine.release(self._state, s)
       self._finish(s, info, finish)
     self._state = self.engine.mark_finished(self._state, host.done_s)
+
+  def _record(self, info: _Slot, token: int, logprob: float, version: int, mask) -> None:
+    """Appends one sampled token to what the slot is producing (EpisodeDriver: to the episode)."""
+    info.tokens.append(token)
+    info.logprobs.append(logprob)
+    info.versions.append(version)
+    if mask is not None:
+      info.masks.append(mask)
+
+  def _stop_reason(self, info: _Slot, token: int, eos: set[int]) -> str | None:
+    """Why the slot's sequence ends at `token` (eos / stop / length), or None to go on."""
+    if token in eos:
+      return "eos"
+    if self._hit_stop_string(info.tokens):
+      return "stop"
+    if len(info.tokens) >= info.max_new:
+      return "length"
+    return None
 
   def _hit_stop_string(self, tokens: list[int]) -> bool:
     if not self.config.stop_strings:

@@ -44,7 +44,7 @@ from tunixlike.rewards.envs import base as env_base
 from tunixlike.rewards.envs import tool_calls
 from tunixlike.rewards.envs.runner import EnvRunner, EnvTimeout
 from tunixlike.rollout import Completion, RolloutGroup
-from tunixlike.sampler.driver import DriverError, DriverStats, PromptRequest, RolloutDriver
+from tunixlike.sampler.driver import DriverStats, PromptRequest, RolloutDriver
 from tunixlike.sampler.engine import Engine
 
 _log = logging.getLogger(__name__)
@@ -316,45 +316,29 @@ class EpisodeDriver(RolloutDriver):
 
   # ------------------------------------------------------------------ results
 
-  def _collect(self, host) -> None:
-    tokens_ks, logprobs_ks, valid_ks = host.tokens_ks, host.logprobs_ks, host.valid_ks
-    version = int(host.version)
-    eos = set(self.config.eos_ids)
-    k_steps, n_slots = tokens_ks.shape
-    self.stats.total_slot_steps += k_steps * n_slots
-    self.stats.live_slot_steps += int(valid_ks.sum())
-    for s, info in enumerate(self._slots):
-      if info is None:
-        continue
-      ep, finish = info.episode, None
-      for k in np.flatnonzero(valid_ks[:, s]):
-        if finish is not None:  # decoded past a host-side stop string in this call
-          self.stats.tokens_discarded += 1
-          continue
-        token = int(tokens_ks[k, s])
-        ep.tokens.append(token)
-        ep.logprobs.append(float(logprobs_ks[k, s]))
-        ep.versions.append(version)
-        ep.loss_mask.append(1)
-        if host.mask_ksw is not None:
-          ep.masks.append(host.mask_ksw[k, s])
-        turn_len = len(ep.tokens) - ep.turn_start
-        if token in eos:
-          finish = "eos"
-        elif self._stops and any(x in self._turn_text(ep) for x in self._stops):
-          finish = "stop"
-        elif turn_len >= info.max_new:
-          finish = "length"
-      if finish is None:
-        if host.done_s[s]:
-          raise DriverError(f"slot {s}: device reports done after {len(ep.tokens) - ep.turn_start} turn tokens, "
-                            "host saw no stop")
-        continue
-      if finish == "stop" and not host.done_s[s]:
-        self._state = self.engine.release(self._state, s)
-      self._slots[s] = None
-      self._end_turn(ep, finish)
-    self._state = self.engine.mark_finished(self._state, host.done_s)
+  def _record(self, info: _EpisodeSlot, token: int, logprob: float, version: int, mask) -> None:
+    ep = info.episode
+    ep.tokens.append(token)
+    ep.logprobs.append(logprob)
+    ep.versions.append(version)
+    ep.loss_mask.append(1)
+    if mask is not None:
+      ep.masks.append(mask)
+
+  def _stop_reason(self, info: _EpisodeSlot, token: int, eos: set[int]) -> str | None:
+    """A turn ends at EOS, at an action stop string (a tool call) or at its token limit."""
+    ep = info.episode
+    if token in eos:
+      return "eos"
+    if self._stops and any(x in self._turn_text(ep) for x in self._stops):
+      return "stop"
+    if len(ep.tokens) - ep.turn_start >= info.max_new:
+      return "length"
+    return None
+
+  def _finish(self, slot: int, info: _EpisodeSlot, reason: str) -> None:
+    self._slots[slot] = None
+    self._end_turn(info.episode, reason)
 
   def _turn_text(self, episode: _Episode) -> str:
     return self._detokenize(episode.tokens[episode.turn_start:])
