@@ -88,12 +88,6 @@ class RolloutQueue:
       self._running[group.min_version] -= 1  # its first token was sampled at admission
       self._cond.notify_all()
 
-  def release(self, n: int = 1):
-    """An admitted group that will never arrive (aborted): frees its admission."""
-    with self._cond:
-      self.dropped_filtered += n
-      self._cond.notify_all()
-
   # ---- learner side -------------------------------------------------------------------------
   def get_batch(self, learner_version: int, timeout_s: float,
                 keep: Callable[[RolloutGroup], bool] | None = None) -> list[RolloutGroup]:

@@ -25,11 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def target_shardings(tree: Any, mesh: jax.sharding.Mesh, specs: Any) -> Any:
-  """NamedShardings on `mesh` for a pytree of PartitionSpecs (same structure as `tree`)."""
-  return jax.tree.map(lambda _, spec: jax.sharding.NamedSharding(mesh, spec), tree, specs)
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def _cast_floats(tree: Any, dtype: str) -> Any:
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
