@@ -61,6 +61,10 @@ FULL = dict(vocab_size=256, hidden_size=512, num_layers=4, num_heads=8, num_kv_h
             intermediate_size=2048)
 QUICK = dict(vocab_size=256, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
              intermediate_size=512)
+# ~63M fp32 params = 252 MB: the LoRA-vs-full ratio grows with the model (the adapters grow with
+# the hidden size only, the full model with its square), so it is reported at both sizes.
+LARGE = dict(vocab_size=256, hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=8, head_dim=64,
+             intermediate_size=4096)
 LORA_RANK = 8
 
 
@@ -188,6 +192,24 @@ def bench_layout(sampler_tensor: int, sizes, repeats: int, warmup: int) -> dict:
   }
 
 
+def lora_vs_full(sizes, repeats: int, warmup: int) -> dict:
+  """Full vs LoRA-only (rank 8) sync of one model, default sampler layout (4 replicas)."""
+  meshes = mesh_lib.make_meshes(4, 4, sampler_tensor=1)
+  model = models.create_sharded(model_config(sizes), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
+  params = nnx.state(model, nnx.Param)
+  targets = models.state_shardings(params, meshes.sampler, mesh_lib.SAMPLER_RULES)
+  full = timed(lambda t: weight_sync.sync(t, targets)[0], Fresh(params), repeats, warmup)["median_ms"]
+  model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  del params
+  lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=LORA_RANK), seed=0, mesh=meshes.learner,
+                      rules=mesh_lib.LEARNER_RULES)
+  adapters = lora_lib.adapter_params(model)
+  lora_targets = models.state_shardings(adapters, meshes.sampler, mesh_lib.SAMPLER_RULES)
+  lora = timed(lambda t: weight_sync.sync(t, lora_targets)[0], Fresh(adapters), repeats, warmup)["median_ms"]
+  return {"model_mb": model_bytes / 2**20, "lora_mb": sum(x.nbytes for x in jax.tree.leaves(adapters)) / 2**20,
+          "full_sync_ms": full, "lora_sync_ms": lora, "full_vs_lora": full / lora}
+
+
 def main():
   sizes = QUICK if ARGS.quick else FULL
   repeats, warmup = (3, 1) if ARGS.quick else (ARGS.repeats, ARGS.warmup)
@@ -195,6 +217,7 @@ def main():
   t0 = time.time()
   layouts = {"replicated": bench_layout(1, sizes, repeats, warmup), "tensor": bench_layout(4, sizes, repeats, warmup)}
   main_layout = layouts["replicated"]  # the default config's sampler layout
+  larger = lora_vs_full(QUICK if ARGS.quick else LARGE, repeats, warmup)
   result = {
       "benchmark": "weight_sync", "quick": ARGS.quick, "devices": jax.device_count(),
       "backend": jax.default_backend(), "model_sizes": sizes, "repeats": repeats, "warmup": warmup,
@@ -209,6 +232,8 @@ def main():
       "lora_sync_ms": main_layout["lora_sync_ms"], "full_vs_lora": main_layout["full_vs_lora"],
       "model_bytes": main_layout["model_bytes"], "delivered_bytes": main_layout["delivered_bytes"],
       "lora_bytes": main_layout["lora_bytes"], "num_params": main_layout["num_params"],
+      # The same comparison on a 4x larger model: LoRA sync is a fixed cost of dispatches here.
+      "full_vs_lora_larger_model": larger["full_vs_lora"], "larger_model": larger,
       "layouts": layouts,
       "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()),
       "wall_s": time.time() - t0,
