@@ -1,5 +1,5 @@
-"""Train-inference mismatch at staleness 0: importance ratios pi_learner / mu_sampler, with and
-without "Keep Sampling Mask".
+"""Train-inference mismatch: importance ratios pi_learner / mu_sampler, with and without "Keep
+Sampling Mask", and MoE routing disagreement with and without "Keep Routing" (routing replay).
 
   python benchmarks/mismatch.py [--prompts 16] [--group 4] [--new-tokens 64] [--quick] [--out FILE]
 
@@ -18,8 +18,20 @@ Model: the sampler benchmark's Qwen2-style shape (4 layers, hidden 256, vocab 51
 weights; --quick uses a 2-layer, vocab-128 model and a few prompts (a smoke test, not the figures).
 Random weights give flat next-token distributions, so top_p=0.8 keeps most of the vocabulary and
 drops about 20% of the mass on every token: a worst case for the unmasked ratio (a trained model
-concentrates its mass and the truncated tail is lighter). MoE routing disagreement is not measured
-here yet.
+concentrates its mass and the truncated tail is lighter).
+
+Routing (key "routing"): a random MoE model of the same shape (top-2 of 16 experts; --quick: of 8)
+samples with `sampler.record_routing`; the fp32 learner then scores the batch with and without
+replaying the recorded experts (algo.keep_routing), in three settings:
+  float32_sampler/staleness=0:  same weights, same precision (decode with a KV cache vs full forward);
+  bfloat16_sampler/staleness=0: bf16 sampler weights + activations (router logits stay fp32 math on
+                                bf16 weights), fp32 learner;
+  float32_sampler/staleness=1:  the learner is one Adam step (--lr) ahead of the sampler's weights.
+Per setting: routing disagreement (fraction of (token, MoE layer) whose learner top-k set differs
+from the sampler's, and of tokens with at least one such layer; `learner.routing.disagreement` over
+positions that predict a completion token, as the train step reports it) and the IS-ratio statistics
+above. With replay the learner runs the sampler's experts, so its disagreement is counterfactual
+(how often replay overrode the router).
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ def _parse():
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--top-k", type=int, default=0, help="top-k applied together with top_p (0 = off)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--lr", type=float, default=5e-4, help="Adam step of the staleness=1 routing setting")
   p.add_argument("--quick", action="store_true", help="tiny model and workload: a smoke test")
   p.add_argument("--out", default=None, help="also write the JSON object to this file")
   return p.parse_args()
@@ -53,7 +66,8 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from tunixlike import models  # noqa: E402
-from tunixlike.learner import AlgoConfig, Learner, LearnerConfig  # noqa: E402
+from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig  # noqa: E402
+from tunixlike.learner import routing as routing_lib  # noqa: E402
 from tunixlike.learner.batch import assemble_batch  # noqa: E402
 from tunixlike.sampler import Engine, PromptRequest, RolloutDriver, SamplerConfig  # noqa: E402
 
@@ -61,6 +75,8 @@ SIZES = dict(vocab_size=512, hidden_size=256, intermediate_size=1024, num_layers
              num_kv_heads=2, head_dim=64, max_position_embeddings=1024)
 QUICK_SIZES = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+MOE = dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=128, qk_norm=True)
+QUICK_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, qk_norm=True)
 PROMPT_LEN = 16
 TOP_PS = (1.0, 0.8)
 BAND = (0.9, 1.1)
@@ -82,6 +98,71 @@ def sample(model, params, cfg: SamplerConfig, prompts) -> list:
   for g in out:
     g.rewards = np.zeros(g.group_size, np.float32)  # the ratios do not depend on rewards
   return sorted(out, key=lambda g: g.prompt_id)
+
+
+def _cast(params, dtype):
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def routing_mismatch(a, sizes, prompts) -> dict:
+  """Routing disagreement and IS ratios with and without Keep Routing (see the module docstring)."""
+  cfg = models.ModelConfig(**sizes, **(QUICK_MOE if a.quick else MOE))
+  make = lambda: models.Transformer(cfg, rngs=nnx.Rngs(a.seed))
+  params = nnx.split(make())[1]
+  rows, seq = a.prompts * a.group, PROMPT_LEN + a.new_tokens
+  learners = {keep: Learner(make(), LearnerConfig(algo=AlgoConfig(keep_routing=keep, sampling_temperature=a.temperature),
+                                                  optim=OptimConfig(learning_rate=a.lr), logprob_chunk_size=64))
+              for keep in (False, True)}
+
+  @jax.jit
+  def router_logits(state, tokens_bt, routing_btlk):
+    model = nnx.merge(learners[False].graphdef, state.params, state.frozen)
+    return model.hidden_states(tokens_bt, routing_btlk=routing_btlk, return_aux=True)[1].router_logits_btlx
+
+  def score(batch, state) -> dict:
+    m_bt = batch["loss_mask"] > 0
+    predicts_bt = np.concatenate([m_bt[:, 1:], np.zeros_like(m_bt[:, :1])], axis=1)  # position t predicts t+1
+    entry, logps = dict(tokens=int(m_bt.sum())), {}
+    for keep, learner in learners.items():
+      name = "with_replay" if keep else "without_replay"
+      logps[keep] = np.asarray(learner.token_logprobs(state, learner.put_batch(batch)))[0]
+      logits = router_logits(state, batch["tokens"], batch["routing"] if keep else None)
+      layer_frac, any_layer = map(np.asarray, routing_lib.disagreement(logits, jnp.asarray(batch["routing"])))
+      entry[name] = dict(routing_disagreement=float(layer_frac[predicts_bt].mean()),
+                         routing_token_disagreement=float(any_layer[predicts_bt].mean()),
+                         **ratio_stats((logps[keep] - batch["behaviour_logprobs"])[m_bt]))
+      if not keep:  # completion tokens whose forward ran other experts than the sampler's (token t <- position t-1)
+        flipped_bt = np.concatenate([np.zeros_like(m_bt[:, :1]), any_layer[:, :-1] > 0], axis=1) & m_bt
+    # What replay changes: the learner's log-prob of the same token, replayed vs not.
+    effect = np.abs(logps[True] - logps[False])
+    entry["replay_effect"] = dict(
+        flipped_tokens=int(flipped_bt.sum()), mean_abs_logp_change=float(effect[m_bt].mean()),
+        max_abs_logp_change=float(effect[m_bt].max()),
+        mean_abs_logp_change_flipped=float(effect[flipped_bt].mean()) if flipped_bt.any() else 0.0)
+    return entry
+
+  def batch_from(dtype):
+    s_model = models.Transformer(cfg.replace(dtype=dtype, param_dtype=dtype), rngs=nnx.Rngs(a.seed))
+    s_cfg = SamplerConfig(max_concurrent_decodes=min(rows, 16), max_prefill_length=PROMPT_LEN,
+                          max_new_tokens=a.new_tokens, temperature=a.temperature, record_routing=True,
+                          group_size=a.group, steps_per_call=8, attend_bucket=32, seed=a.seed)
+    groups = sample(s_model, _cast(params, dtype), s_cfg, prompts)
+    for g in groups:  # rewards 0..G-1: non-zero advantages for the staleness=1 step
+      g.rewards = np.arange(g.group_size, dtype=np.float32)
+    return assemble_batch(groups, num_rows=rows, seq_buckets=(seq,), routing=True)
+
+  out = {}
+  f32 = batch_from("float32")
+  state0 = learners[True].state
+  out["float32_sampler/staleness=0"] = score(f32, state0)
+  out["bfloat16_sampler/staleness=0"] = score(batch_from("bfloat16"), state0)
+  # One Adam step on the sampled batch (replayed routing), then score the same batch.
+  state1, metrics = learners[True].train_step(state0, learners[True].put_batch(f32), jax.random.PRNGKey(a.seed))
+  out["float32_sampler/staleness=1"] = score(f32, state1)
+  out["float32_sampler/staleness=1"]["train_step_routing_disagreement"] = float(metrics["routing_disagreement"])
+  return dict(settings=out, model=dict(sizes, **(QUICK_MOE if a.quick else MOE),
+                                       params=sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))),
+              learner="fp32 Learner.token_logprobs, with and without algo.keep_routing", lr=a.lr)
 
 
 def main():
@@ -128,7 +209,7 @@ def main():
       settings=settings,
       headline={f"{d}_sampler/top_p=0.8/{m}/frac_outside_band": settings[f"{d}_sampler"]["top_p=0.8"][m][
           "frac_outside_band"] for d in ("float32", "bfloat16") for m in ("without_mask", "with_mask")},
-      routing="not measured yet",
+      routing=routing_mismatch(a, sizes, prompts),
       setup=dict(model=dict(sizes, params=n_params, weights=f"random init (seed {a.seed})"),
                  learner="fp32 Learner.token_logprobs (chunked unembedding), same weights as the sampler",
                  band=list(BAND), temperature=a.temperature, top_k=a.top_k, top_ps=list(TOP_PS), prompts=a.prompts,

@@ -16,6 +16,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Model: either a local Hugging Face directory (hf_path) or a fresh random model of these sizes.
   c.model = m = ml_collections.ConfigDict()
   m.hf_path = placeholder(str)  # local HF checkpoint dir; when set, the sizes below are ignored
+  m.teacher_path = placeholder(str)  # on-policy distillation (algo.advantage="distill"): frozen teacher's HF dir
+  m.critic_path = placeholder(str)  # PPO: HF dir of a separate critic model (same vocab); None = head on the policy trunk
   m.hidden_size = 64  # tiny defaults: the built-in tasks learn on a CPU in minutes
   m.num_layers = 2  # two layers suffice for reversed-digit addition
   m.num_heads = 4  # query heads
@@ -57,8 +59,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.top_p = 1.0  # 1 = off; with < 1 consider algo.keep_sampling_mask
   s.steps_per_call = 4  # decode steps per host round-trip (stop conditions stay exact)
   s.record_sampling_mask = False  # "Keep Sampling Mask" payload
+  s.record_routing = False  # "Keep Routing" payload: the experts each MoE layer chose (MoE models only)
   s.stop_strings = ()  # completions also end at these strings (checked on the host)
   s.attend_bucket = 32  # decode attends the filled cache rounded up to this many positions
+  s.slot_groups = 1  # slot groups with their own attention windows (2: long sequences kept together)
 
   # Algorithm: GRPO family.
   c.algo = a = ml_collections.ConfigDict()
@@ -81,8 +85,23 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a.dynamic_sampling = False  # DAPO: drop zero-variance groups and refill
   # "Keep Sampling Mask" (needs sampler.record_sampling_mask): the IS ratio is exactly 1 at staleness 0.
   a.keep_sampling_mask = False  # renormalise over the sampler's recorded top-k/top-p set
+  # "Keep Routing" (needs sampler.record_routing): MoE experts that would flip cannot move the IS ratio.
+  a.keep_routing = False  # force the sampler's recorded experts in the learner's forward (routing replay)
   a.overlong_buffer = 0  # DAPO soft overlong penalty over the last N tokens before max_new_tokens; 0 = off
   a.overlong_penalty = 1.0  # the penalty at max_new_tokens (linear over the buffer)
+  # Process rewards: a registered PRM scores each step's prefix while the completion still decodes.
+  a.process_reward = placeholder(str)  # name of a registered process reward (rewards/process.py); None = off
+  a.process_reward_coef = 1.0  # weight of the process-supervised per-token advantage next to the outcome one
+  a.step_delimiter = "\n"  # a token completing this string ends a step ("" = off)
+  a.step_every_tokens = 0  # also end a step every N tokens (0 = off)
+  # PPO with a learned critic (algo.estimator="ppo"): per-token GAE advantages instead of group baselines.
+  a.estimator = "grpo_family"  # grpo_family (algo.advantage from group rewards) | ppo (critic + GAE)
+  a.gamma = 1.0  # PPO discount inside a completion; 1 = the end reward counts fully at every token
+  a.gae_lambda = 0.95  # PPO GAE bias/variance trade-off (1 = Monte Carlo returns, 0 = one-step TD)
+  a.vf_coef = 0.5  # PPO weight of the value loss next to the policy loss
+  a.vf_clip = 0.2  # PPO value clipping around the pre-update values; 0 = off
+  a.kl_reward_coef = 0.0  # PPO token-level KL-to-reference penalty folded into the rewards; 0 = off
+  a.whiten_advantages = True  # PPO: normalise the GAE advantages over the batch's tokens
 
   # Optimizer.
   c.optim = o = ml_collections.ConfigDict()
@@ -94,6 +113,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   o.b1 = 0.9  # Adam first-moment decay
   o.b2 = 0.99  # faster than 0.999: RL gradients are non-stationary
   o.micro_batches = 1  # exact token-weighted gradient accumulation
+
+  # Learner memory: components kept in host memory between steps and streamed in for each step.
+  c.learner = ln = ml_collections.ConfigDict()
+  ln.offload = ()  # any of "reference", "optimizer", "critic" (the separate model of model.critic_path)
 
   # LoRA (rank 0 = full fine-tuning).
   c.lora = l = ml_collections.ConfigDict()

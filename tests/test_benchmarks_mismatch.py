@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/mismatch.py: --quick runs end to end and the mask closes the gap."""
+"""Smoke test of benchmarks/mismatch.py: --quick runs end to end, the mask closes the gap, routing is measured."""
 
 import json
 import math
@@ -20,7 +20,19 @@ def test_mismatch_benchmark(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(proc.stdout)
   assert r == json.loads(out.read_text())
-  assert r["routing"] == "not measured yet"
+  routing = r["routing"]["settings"]
+  same = routing["float32_sampler/staleness=0"]
+  assert same["with_replay"]["max_abs_log_ratio"] < 1e-4  # fp32 rounding only
+  stale = routing["float32_sampler/staleness=1"]
+  for entry in routing.values():
+    for mode in ("with_replay", "without_replay"):
+      stats = entry[mode]
+      assert all(math.isfinite(v) for v in stats.values())
+      assert 0 <= stats["routing_disagreement"] <= stats["routing_token_disagreement"] <= 1
+  # One Adam step flips some routers; replay then changes the learner's log-probs of those tokens.
+  assert stale["without_replay"]["routing_token_disagreement"] > 0 and stale["replay_effect"]["flipped_tokens"] > 0
+  assert stale["replay_effect"]["mean_abs_logp_change_flipped"] > 0
+  assert abs(stale["train_step_routing_disagreement"] - same["with_replay"]["routing_disagreement"]) < 1e-6
   for dtype in ("float32_sampler", "bfloat16_sampler"):
     full, trunc = r["settings"][dtype]["top_p=1.0"], r["settings"][dtype]["top_p=0.8"]
     assert full["kept_vocab_frac"] == 1.0 and 0 < trunc["kept_vocab_frac"] < 1

@@ -17,7 +17,9 @@ from tunixlike import mesh as mesh_lib
 from tunixlike import models
 from tunixlike.data import char_tokenizer, tokenizer as tokenizer_lib
 from tunixlike.learner.config import LearnerConfig
+from tunixlike.learner.ppo import PPOLearner
 from tunixlike.learner.train_step import Learner
+from tunixlike.learner.value import PolicyWithValue
 from tunixlike.models import hf, lora
 from tunixlike.models.testing import write_random_hf_checkpoint
 
@@ -45,8 +47,10 @@ def perturb_adapters(state, seed=0):
   return state.replace(params=jax.tree_util.tree_unflatten(treedef, new))
 
 
-def save_run(workdir, learner, state, cfg, *, lora_cfg=None, hf_path=None, save_frozen=True, step=3):
-  meta = {"policy_version": step, "config": {"seed": 0}, "model": dataclasses.asdict(cfg),
+def save_run(workdir, learner, state, cfg, *, lora_cfg=None, hf_path=None, save_frozen=True, step=3,
+             estimator="grpo_family"):
+  meta = {"policy_version": step, "config": {"seed": 0, "algo": {"estimator": estimator}},
+          "model": dataclasses.asdict(cfg),
           "lora": None if lora_cfg is None else {"rank": lora_cfg.rank, "alpha": lora_cfg.alpha,
                                                  "targets": list(lora_cfg.targets)}}
   if hf_path is not None:
@@ -85,6 +89,15 @@ def test_export_matches_transformers(mesh4, tmp_path, use_lora):
   tok = tokenizer_lib.load(str(out))
   assert tok.encode("12+7=") == char_tokenizer.build().encode("12+7=")
   assert hf.from_pretrained(out).cfg.eos_token_ids == (2,)
+
+
+def test_export_ppo_checkpoint_keeps_the_policy_and_drops_the_value_head(mesh4, tmp_path):
+  policy = models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0)
+  learner = PPOLearner(PolicyWithValue.create(policy, seed=1), LearnerConfig(), mesh=mesh4,
+                       rules=mesh_lib.LEARNER_RULES)
+  save_run(tmp_path / "run", learner, learner.state, TINY, estimator="ppo")
+  out = export_lib.export(tmp_path / "run", tmp_path / "hf")
+  assert_transformers_matches(out, learner.model(learner.state).policy, TINY.vocab_size)
 
 
 def test_export_lora_over_hf_base_without_saved_base(mesh4, tmp_path):

@@ -39,6 +39,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
   hf_path: str | None = None
+  critic_path: str | None = None
+  teacher_path: str | None = None
   hidden_size: int = 64
   num_layers: int = 2
   num_heads: int = 4
@@ -107,14 +109,21 @@ class SamplerSection:
   top_p: float = 1.0
   steps_per_call: int = 4
   record_sampling_mask: bool = False
+  record_routing: bool = False
   stop_strings: tuple[str, ...] = ()
   attend_bucket: int = 32
+  slot_groups: int = 1
 
   def __post_init__(self):
     _positive(self, "sampler", "max_concurrent_decodes", "max_prefill_length", "max_new_tokens",
-              "steps_per_call", "attend_bucket")
+              "steps_per_call", "attend_bucket", "slot_groups")
     _positive(self, "sampler", "temperature", "top_k", allow_zero=True)
     _check(0.0 < self.top_p <= 1.0, "sampler.top_p", self.top_p, "must be in (0, 1]")
+
+
+ESTIMATORS = ("grpo_family", "ppo")
+PPO_LOSSES = ("ppo_clip", "dapo")  # gspo's ratio is per sequence: it cannot take per-token advantages
+OFFLOAD_COMPONENTS = ("reference", "optimizer", "critic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,10 +145,28 @@ class AlgoSection:
   is_high: float = 2.0
   dynamic_sampling: bool = False
   keep_sampling_mask: bool = False
+  keep_routing: bool = False
   overlong_buffer: int = 0
   overlong_penalty: float = 1.0
+  estimator: str = "grpo_family"
+  gamma: float = 1.0
+  gae_lambda: float = 0.95
+  vf_coef: float = 0.5
+  vf_clip: float = 0.2
+  kl_reward_coef: float = 0.0
+  whiten_advantages: bool = True
+  process_reward: str | None = None
+  process_reward_coef: float = 1.0
+  step_delimiter: str = "\n"
+  step_every_tokens: int = 0
 
   def __post_init__(self):
+    _one_of(self, "algo", "estimator", ESTIMATORS)
+    for n in ("gamma", "gae_lambda"):
+      _check(0.0 <= getattr(self, n) <= 1.0, f"algo.{n}", getattr(self, n), "must be in [0, 1]")
+    _positive(self, "algo", "vf_coef", "vf_clip", "kl_reward_coef", allow_zero=True)
+    _check(self.estimator != "ppo" or self.loss in PPO_LOSSES, "algo.loss", self.loss,
+           f"algo.estimator='ppo' needs a token-level loss, one of {list(PPO_LOSSES)}")
     _check(self.group_size >= 2, "algo.group_size", self.group_size, "must be >= 2 (group baselines)")
     _positive(self, "algo", "kl_coef", "norm_length", "overlong_buffer", "overlong_penalty", allow_zero=True)
     _one_of(self, "algo", "kl_estimator", ("k1", "k2", "k3"))
@@ -166,6 +193,16 @@ class OptimSection:
     _one_of(self, "optim", "schedule", ("constant", "cosine"))
     for n in ("b1", "b2"):
       _check(0.0 <= getattr(self, n) < 1.0, f"optim.{n}", getattr(self, n), "must be in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerSection:
+  offload: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    for c in self.offload:
+      _check(c in OFFLOAD_COMPONENTS, "learner.offload", self.offload,
+             f"{c!r} is not a component that can be offloaded; choose from {list(OFFLOAD_COMPONENTS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +309,7 @@ class Config:
   sampler: SamplerSection = SamplerSection()
   algo: AlgoSection = AlgoSection()
   optim: OptimSection = OptimSection()
+  learner: LearnerSection = LearnerSection()
   lora: LoraSection = LoraSection()
   rl: RLSection = RLSection()
   warm_start: WarmStartSection = WarmStartSection()
@@ -282,8 +320,26 @@ class Config:
 
   def __post_init__(self):
     # Cross-section checks.
+    ppo = self.algo.estimator == "ppo"
+    _check(ppo or self.model.critic_path is None, "model.critic_path", self.model.critic_path,
+           "a critic is only used with algo.estimator='ppo'")
+    _check(not ppo or self.lora.rank == 0, "lora.rank", self.lora.rank,
+           "algo.estimator='ppo' trains the value head with the policy and does not support LoRA yet")
+    has_ref = self.lora.rank == 0 and (self.algo.kl_coef > 0 or (ppo and self.algo.kl_reward_coef > 0))
+    _check("reference" not in self.learner.offload or has_ref, "learner.offload", self.learner.offload,
+           "'reference' does not exist: the reference copy is kept only with algo.kl_coef > 0 (or PPO's "
+           "algo.kl_reward_coef > 0) and lora.rank=0")
+    _check("critic" not in self.learner.offload or (ppo and self.model.critic_path is not None), "learner.offload",
+           self.learner.offload, "'critic' does not exist: only a separate critic model (algo.estimator='ppo' with "
+           "model.critic_path) can be offloaded")
+    self._check_token_advantages()
     _check(not self.algo.keep_sampling_mask or self.sampler.record_sampling_mask, "algo.keep_sampling_mask",
            True, "needs sampler.record_sampling_mask=True (the sampler must ship the masks)")
+    _check(not self.algo.keep_routing or self.sampler.record_routing, "algo.keep_routing",
+           True, "needs sampler.record_routing=True (the sampler must ship the experts it chose)")
+    _check(not self.sampler.record_routing or (self.rl.env is None and self.algo.estimator != "ppo"),
+           "sampler.record_routing", True, "is supported for single-turn GRPO-family runs only (not rl.env "
+           "episodes, whose environment tokens the decode loop never routes, nor algo.estimator='ppo')")
     _check(self.sampler.max_concurrent_decodes >= self.algo.group_size, "sampler.max_concurrent_decodes",
            self.sampler.max_concurrent_decodes, f"must be >= algo.group_size={self.algo.group_size}")
     _check(self.sampler.max_concurrent_decodes % (self.mesh.sampler_devices // self.mesh.sampler_tensor) == 0,
@@ -297,6 +353,31 @@ class Config:
            f"learner fsdp devices = {self.optim.micro_batches} * {fsdp}")
     _check(self.sampler.max_prefill_length >= self.data.max_prompt_length, "data.max_prompt_length",
            self.data.max_prompt_length, f"must be <= sampler.max_prefill_length={self.sampler.max_prefill_length}")
+
+  def _check_token_advantages(self):
+    """Process rewards and on-policy distillation: per-token advantages in the GRPO-family step."""
+    a, s = self.algo, self.sampler
+    distill = a.advantage == "distill"
+    _check(distill == (self.model.teacher_path is not None), "model.teacher_path", self.model.teacher_path,
+           "on-policy distillation needs both algo.advantage='distill' and model.teacher_path (the teacher's HF dir)")
+    if a.process_reward is not None:
+      from tunixlike.rewards import process  # the PRM registry (a leaf module: numpy only)
+      _check(a.process_reward in process.process_reward_names(), "algo.process_reward", a.process_reward,
+             f"not a registered process reward; choose one of {process.process_reward_names()}")
+      _check(a.process_reward_coef > 0, "algo.process_reward_coef", a.process_reward_coef, "must be > 0")
+      _check(bool(a.step_delimiter) or a.step_every_tokens > 0, "algo.step_delimiter", a.step_delimiter,
+             "a process reward needs step boundaries: a delimiter or algo.step_every_tokens > 0")
+    _check(a.step_every_tokens >= 0, "algo.step_every_tokens", a.step_every_tokens, "must be >= 0")
+    if not (distill or a.process_reward is not None):
+      return
+    what = "algo.advantage='distill'" if distill else "algo.process_reward"
+    _check(a.loss in PPO_LOSSES, "algo.loss", a.loss, f"{what} gives per-token advantages: use one of {list(PPO_LOSSES)}")
+    _check(a.estimator == "grpo_family", "algo.estimator", a.estimator, f"{what} works with 'grpo_family' only")
+    _check(self.rl.env is None, "rl.env", self.rl.env, f"{what} is single-turn only")
+    if distill:  # the sampler's logprobs must be the student's own distribution for r_t to be the reverse KL
+      _check(s.temperature == 1.0, "sampler.temperature", s.temperature, "distillation samples at temperature 1")
+      _check(s.top_k == 0 and s.top_p == 1.0, "sampler.top_k" if s.top_k else "sampler.top_p",
+             s.top_k or s.top_p, "distillation samples the full distribution (top_k=0, top_p=1)")
 
 
 def _is_instance(value: Any, hint: Any) -> bool:

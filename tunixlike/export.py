@@ -119,9 +119,13 @@ def export(workdir, out, step: int | None = None) -> pathlib.Path:
       graphdef, params, frozen = nnx.split(model, trainable, ...)
       sharding = jax.sharding.SingleDeviceSharding(cpu)
       to_target = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), t)
-      target = {"params": to_target(params), "frozen": to_target(frozen) if frozen_saved else frozen}
+      # PPO trains a PolicyWithValue: the policy's weights sit under "policy" (the value head is left out).
+      ppo = meta.get("config", {}).get("algo", {}).get("estimator") == "ppo"
+      wrap = lambda t: {"policy": t} if ppo and jax.tree.leaves(t) else t
+      unwrap = lambda t: t["policy"] if ppo and jax.tree.leaves(t) else t
+      target = {"params": wrap(to_target(params)), "frozen": wrap(to_target(frozen)) if frozen_saved else frozen}
       state, _ = ck.restore(step, abstract_state=target, partial=True)
-      model = nnx.merge(graphdef, state["params"], state["frozen"])
+      model = nnx.merge(graphdef, unwrap(state["params"]), unwrap(state["frozen"]) if frozen_saved else frozen)
       if lora_cfg is not None:
         model = lora_lib.merge_lora(model)
       out = pathlib.Path(out)

@@ -27,16 +27,31 @@ class Completion:
   loss_mask: np.ndarray | None = None  # int32 [T]
   # Vocabulary truncation used for each token ("Keep Sampling Mask"): np.packbits over V.
   sampling_mask: np.ndarray | None = None  # uint8 [T, ceil(V / 8)]
-  # MoE experts chosen per token and layer ("Keep Routing").
+  # MoE experts chosen per token and layer ("Keep Routing"). Row t is the routing of the forward
+  # pass that produced token t (like logprobs[t]): the experts of its *input* position, i.e. the
+  # last prompt token for t = 0 and token t-1 after that.
   expert_routing: np.ndarray | None = None  # int32 [T, L, k]
+  # The prefill's experts for prompt[:-1] (with expert_routing, every position whose K/V the
+  # completion attended). Completions sharing a prefill share the array.
+  prompt_routing: np.ndarray | None = None  # int32 [P-1, L, k]
+  # Process rewards (rewards/process.py): step j ends at token step_ends[j] (inclusive, strictly
+  # increasing) and a process reward model scored the prefix token_ids[:step_ends[j] + 1].
+  step_rewards: np.ndarray | None = None  # float32 [S]
+  step_ends: np.ndarray | None = None  # int32 [S]
+  # On-policy distillation (rl/distill.py): log p_teacher(token t | prompt, tokens < t).
+  teacher_logprobs: np.ndarray | None = None  # float32 [T]
   text: str | None = None
 
   def __post_init__(self):
     n = len(self.token_ids)
-    for name in ("logprobs", "policy_versions", "loss_mask", "sampling_mask", "expert_routing"):
+    for name in ("logprobs", "policy_versions", "loss_mask", "sampling_mask", "expert_routing", "teacher_logprobs"):
       value = getattr(self, name)
       if value is not None and len(value) != n:
         raise ValueError(f"Completion.{name} has length {len(value)}, token_ids has {n}")
+    for name in ("expert_routing", "prompt_routing"):
+      value = getattr(self, name)
+      if value is not None and np.ndim(value) != 3:
+        raise ValueError(f"Completion.{name} has shape {np.shape(value)}, expected [tokens, L, k]")
     if self.finish_reason not in FINISH_REASONS:
       raise ValueError(f"Completion.finish_reason={self.finish_reason!r}, expected one of {FINISH_REASONS}")
 

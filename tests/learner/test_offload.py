@@ -23,7 +23,7 @@ def test_offloaded_step_equals_plain_step(tiny_model, host_batch, mesh4, mode):
   mesh, rules = (mesh4, LEARNER_RULES) if mode == "pinned_sharded" else (None, ())
   plain = Learner(tiny_model(), _cfg(), mesh=mesh, rules=rules)
   other = Learner(tiny_model(), _cfg(), mesh=mesh, rules=rules)
-  off = offload_lib.HostOffload(other, ("opt_state", "ref_params"), force_numpy=(mode == "numpy"))
+  off = offload_lib.HostOffload(other, ("optimizer", "reference"), force_numpy=(mode == "numpy"))
   assert off.memory_kind == (None if mode == "numpy" else "pinned_host")  # CPU has a pinned_host space
   s_plain, s_off = plain.state, off.offload(other.state)
   if mode == "numpy":
@@ -55,11 +55,13 @@ def test_offloaded_step_equals_plain_step(tiny_model, host_batch, mesh4, mode):
 
 def test_offload_rejects_unknown_or_missing_components(tiny_model):
   learner = Learner(tiny_model(), _cfg(kl_coef=0.0))  # no reference copy without a KL term
-  with pytest.raises(ValueError, match="'critic' is not an offloadable component"):
+  with pytest.raises(ValueError, match=r"learner.offload=\('gpu',\): 'gpu' is not an offloadable component"):
+    offload_lib.HostOffload(learner, ("gpu",))
+  with pytest.raises(ValueError, match="'reference' does not exist"):
+    offload_lib.HostOffload(learner, ("reference",))
+  with pytest.raises(ValueError, match="'critic' does not exist.*model.critic_path"):
     offload_lib.HostOffload(learner, ("critic",))
-  with pytest.raises(ValueError, match="'ref_params' does not exist"):
-    offload_lib.HostOffload(learner, ("ref_params",))
-  assert offload_lib.HostOffload(learner, ("opt_state",)).components == ("opt_state",)
+  assert offload_lib.HostOffload(learner, ("optimizer", "optimizer")).components == ("optimizer",)
 
 
 def test_memory_helpers():
@@ -76,7 +78,7 @@ def test_offloaded_ppo_step_equals_plain_step(tiny_model, host_batch):
   ppo = PPOConfig(kl_reward_coef=0.1)  # prepare reads the (offloaded) reference
   plain = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(kl_coef=0.0), ppo)
   other = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(kl_coef=0.0), ppo)
-  off = offload_lib.HostOffload(other, ("opt_state", "ref_params"))
+  off = offload_lib.HostOffload(other, ("optimizer", "reference"))
   s_plain, s_off = plain.state, off.offload(other.state)
   for seed in range(2):
     batch = host_batch(8, seed=seed)

@@ -69,7 +69,15 @@ def rloo(rewards_ng: np.ndarray) -> np.ndarray:
   return (r - loo_mean).astype(np.float32)
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}
+def distill(rewards_ng: np.ndarray) -> np.ndarray:
+  """On-policy distillation: no outcome term (A_i = 0); the whole advantage is per token, the
+  teacher's reverse-KL reward log p_teacher(y_t) - log p_student(y_t) (`token_advantages.distill`).
+  The outcome rewards are still computed and logged, they just do not train the policy."""
+  r = _check_groups(rewards_ng, "distill", 1)
+  return np.zeros_like(r)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "distill": distill}
 
 
 def get_advantage_fn(name: str) -> AdvantageFn:

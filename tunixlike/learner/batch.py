@@ -16,6 +16,8 @@ with `tokens` (index t describes token t); the train step shifts to next-token t
   sampling_mask       uint8   [B, T, W]  only with sampling_mask=True ("Keep Sampling Mask"): the
                                       sampler's packed kept-token set of each completion token
                                       (W = ceil(V/8)); all-zero rows (prompt, padding) keep every token
+  routing             int32   [B, T, L, k]  only with routing=True ("Keep Routing", `routing.py`): the
+                                      MoE experts the sampler used at each position; -1 = not recorded
 Padding rows have an all-zero loss mask and so contribute nothing to the loss or the metrics.
 """
 
@@ -28,7 +30,9 @@ import numpy as np
 
 from tunixlike.learner import advantages as advantages_lib
 from tunixlike.learner import dapo
+from tunixlike.learner import routing as routing_lib
 from tunixlike.learner import sampling_mask as sampling_mask_lib
+from tunixlike.learner import token_advantages as token_adv_lib
 from tunixlike.rollout import RolloutGroup
 
 
@@ -43,13 +47,18 @@ def pick_bucket(length: int, buckets: Sequence[int]) -> int:
 def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets: Sequence[int],
                    advantage: str = "grpo", pad_id: int = 0, overlong_max_length: int = 0,
                    overlong_buffer: int = 0, overlong_penalty: float = 1.0,
-                   sampling_mask: bool = False) -> dict[str, np.ndarray]:
+                   sampling_mask: bool = False, routing: bool = False,
+                   token_advantages: token_adv_lib.TokenAdvantageConfig | None = None) -> dict[str, np.ndarray]:
   """Pad `groups` into one batch of exactly `num_rows` rows and a bucketed length T.
 
   With overlong_buffer > 0, DAPO's soft overlong penalty (`dapo.overlong_penalty`, in completion
   tokens) is added to each reward before the advantages are computed; `rewards` holds the result.
   With sampling_mask=True every completion must carry `Completion.sampling_mask` (the sampler's
   `record_sampling_mask`), and each token the policy produced must be in its own kept set.
+  With routing=True every completion must carry `expert_routing` and `prompt_routing` (the
+  sampler's `record_routing`).
+  With token_advantages (process rewards, distillation: `token_advantages.py`) the batch also holds
+  `token_advantages` float32 [B, T] (0 off the completion), which the loss uses instead of `advantages`.
   """
   buckets = sorted(int(b) for b in seq_buckets)
   if not buckets or buckets[0] <= 0:
@@ -70,6 +79,7 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
     lengths += [len(g.prompt_token_ids) + c.num_tokens for c in g.completions]
   t = pick_bucket(max(lengths, default=1), buckets)
   width = _check_sampling_masks(groups) if sampling_mask else 0
+  layers_k = routing_lib.routing_shape(groups) if routing else None
 
   batch = {
       "tokens": np.full((num_rows, t), pad_id, np.int32),
@@ -84,6 +94,10 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
   }
   if sampling_mask:  # [B, T, W] bytes: the largest array of the batch (V / 8 bytes per token)
     batch["sampling_mask"] = np.zeros((num_rows, t, width), np.uint8)
+  if routing:
+    batch["routing"] = np.full((num_rows, t) + tuple(layers_k), -1, np.int32)
+  if token_advantages is not None:
+    batch["token_advantages"] = np.zeros((num_rows, t), np.float32)
   row = 0
   for gi, g in enumerate(groups):
     rewards_g = np.asarray(g.rewards, np.float32)
@@ -92,6 +106,7 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
       rewards_g = rewards_g + dapo.overlong_penalty(lengths_g, overlong_max_length, overlong_buffer,
                                                     overlong_penalty)
     adv_g = advantage_fn(rewards_g[None, :])[0]
+    tok_adv_g = None if token_advantages is None else token_adv_lib.group_token_advantages(g, adv_g, token_advantages)
     p = len(g.prompt_token_ids)
     for ci, c in enumerate(g.completions):
       n = c.num_tokens
@@ -102,7 +117,11 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
       batch["versions"][row, p:p + n] = c.policy_versions
       if sampling_mask:
         batch["sampling_mask"][row, p:p + n] = c.sampling_mask
+      if routing:
+        routing_lib.fill_row(batch["routing"][row], g, ci)
       batch["advantages"][row] = adv_g[ci]
+      if tok_adv_g is not None:
+        batch["token_advantages"][row, p:p + n] = tok_adv_g[ci]
       batch["rewards"][row] = rewards_g[ci]
       batch["group_ids"][row] = gi
       batch["prompt_lengths"][row] = p

@@ -32,6 +32,9 @@ class AlgoConfig:
   # "Keep Sampling Mask": score tokens under the sampler's recorded top-k / top-p kept set, so the
   # behaviour and learner distributions have the same support (batch needs 'sampling_mask').
   keep_sampling_mask: bool = False
+  # "Keep Routing" (MoE): force the experts the sampler recorded in every MoE layer (batch needs
+  # 'routing'), so a router that would flip its top-k cannot change which experts run.
+  keep_routing: bool = False
   # The sampler's temperature: learner logprobs are log softmax(logits / T), the distribution the
   # behaviour logprobs were taken under.
   sampling_temperature: float = 1.0
@@ -59,6 +62,8 @@ class AlgoConfig:
       _bad("algo.norm_length", self.norm_length, "seq_mean_token_sum_norm needs a positive constant length")
     if not isinstance(self.keep_sampling_mask, bool):
       _bad("algo.keep_sampling_mask", self.keep_sampling_mask, "must be a bool")
+    if not isinstance(self.keep_routing, bool):
+      _bad("algo.keep_routing", self.keep_routing, "must be a bool")
     if not (isinstance(self.sampling_temperature, (int, float)) and 0 < self.sampling_temperature < float("inf")):
       _bad("algo.sampling_temperature", self.sampling_temperature,
            "must be a finite number > 0 (a greedy sampler has no distribution to train on)")

@@ -122,7 +122,7 @@ class PPOLearner(Learner):
 
     def one(mb_tokens):  # [b, T] -> values [b, T] (and KL [b, T]) in "index t predicts t+1" alignment
       h_btd = model.hidden_states(mb_tokens)
-      values = model.values(h_btd)
+      values = model.values(h_btd, mb_tokens)
       if p.kl_reward_coef > 0:
         logp, _ = logprobs_lib.chunked_token_logprobs(h_btd, _next(mb_tokens), model.unembed,
                                                       self.cfg.logprob_chunk_size, with_entropy=False)
@@ -167,7 +167,7 @@ class PPOLearner(Learner):
     h_btd = model.hidden_states(mb["tokens"])  # one trunk pass for the policy and the critic
     logp, entropy = logprobs_lib.chunked_token_logprobs(h_btd, _next(mb["tokens"]), model.unembed,
                                                         self.cfg.logprob_chunk_size, with_entropy=True)
-    values = model.values(h_btd)
+    values = model.values(h_btd, mb["tokens"])
     old, is_w, stats = self._off_policy(logp, behav, mask, mb)
     adv = _next(mb["token_advantages"])
     pg_bt, loss_stats = gae_lib.token_policy_loss(a.loss, logp, old, adv, mask, eps_low=a.eps_low_value,

@@ -20,14 +20,20 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tunixlike.learner import is_correction, kl as kl_lib, logprobs as logprobs_lib, losses, optimizer
+from tunixlike.learner import gae as gae_lib
+from tunixlike.learner import routing as routing_lib
 from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.state import TrainState
 from tunixlike.models import lora as lora_lib
 from tunixlike.models import sharding as sharding_lib
 
 BATCH_KEYS = ("tokens", "loss_mask", "behaviour_logprobs", "versions", "advantages")
-TOKEN_KEYS = ("tokens", "loss_mask", "behaviour_logprobs", "versions", "proximal_logprobs")
-PACKED_TOKEN_KEYS = ("sampling_mask",)  # per-token packed bits, [B, T, W] ("Keep Sampling Mask")
+# token_advantages (optional, process rewards / distillation): the loss then takes A_t per token.
+TOKEN_KEYS = ("tokens", "loss_mask", "behaviour_logprobs", "versions", "proximal_logprobs", "token_advantages")
+# Per-token rows [B, T, ...]: packed bits [B, T, W] ("Keep Sampling Mask"), experts [B, T, L, k] ("Keep Routing").
+PACKED_TOKEN_KEYS = ("sampling_mask", "routing")
+# Reported whenever the batch carries the sampler's routing (replayed or not), see routing.disagreement.
+ROUTING_STAT_KEYS = ("routing_disagreement", "routing_token_disagreement")
 
 
 def _next(x_bt, fill=0):
@@ -120,7 +126,7 @@ class Learner:
     for k, v in batch.items():
       want = (b, t) if k in TOKEN_KEYS else (b,)
       if k in PACKED_TOKEN_KEYS:
-        want = (b, t, np.shape(v)[-1] if np.ndim(v) == 3 else "W")
+        want = (b, t) + (tuple(np.shape(v)[2:]) if np.ndim(v) >= 3 else ("...",))
       if k in TOKEN_KEYS or k in BATCH_KEYS or k in PACKED_TOKEN_KEYS:
         if tuple(np.shape(v)) != want:
           raise ValueError(f"batch[{k!r}] has shape {np.shape(v)}, expected {want}")
@@ -152,15 +158,20 @@ class Learner:
 
   # ------------------------------------------------------------------ the math
 
-  def _policy_logprobs(self, params, frozen, tokens_bt, with_entropy: bool, mask_btw=None):
+  def _policy_logprobs(self, params, frozen, tokens_bt, with_entropy: bool, mask_btw=None, routing_btlk=None,
+                       return_aux: bool = False):
     """Next-token logprobs at the sampling temperature; with `mask_btw` (packed, aligned with
-    tokens) renormalised over the sampler's kept set of each token (`sampling_mask`)."""
+    tokens) renormalised over the sampler's kept set of each token (`sampling_mask`); with
+    `routing_btlk` (aligned with tokens) through the sampler's MoE experts (`routing`).
+    return_aux=True adds the forward's `MoeAux` (router logits) as a third output."""
     model = nnx.merge(self.graphdef, params, frozen)
-    h_btd = model.hidden_states(tokens_bt)
+    h_btd, aux = model.hidden_states(tokens_bt, routing_btlk=routing_btlk, return_aux=True)
     next_mask = None if mask_btw is None else _next_rows(mask_btw)
-    return logprobs_lib.chunked_token_logprobs(h_btd, _next(tokens_bt), model.unembed,
-                                               self.cfg.logprob_chunk_size, with_entropy=with_entropy,
-                                               temperature=self.cfg.algo.sampling_temperature, mask_btw=next_mask)
+    logp, ent = logprobs_lib.chunked_token_logprobs(h_btd, _next(tokens_bt), model.unembed,
+                                                    self.cfg.logprob_chunk_size, with_entropy=with_entropy,
+                                                    temperature=self.cfg.algo.sampling_temperature,
+                                                    mask_btw=next_mask)
+    return (logp, ent, aux) if return_aux else (logp, ent)
 
   def _sampling_mask(self, mb):
     """The batch's packed sampling masks when algo.keep_sampling_mask is on, else None."""
@@ -171,9 +182,19 @@ class Learner:
                        "sampler (sampler.record_sampling_mask=True) and pass assemble_batch(..., sampling_mask=True)")
     return mb["sampling_mask"]
 
-  def _ref_logprobs(self, state: TrainState, params, tokens_bt, mask_btw=None):
+  def _routing(self, mb):
+    """The sampler's experts [b, T, L, k] to force when algo.keep_routing is on, else None."""
+    if not self.cfg.algo.keep_routing:
+      return None
+    if "routing" not in mb:
+      raise ValueError("algo.keep_routing=True but the batch has no 'routing': record it in the sampler "
+                       "(sampler.record_routing=True, an MoE model) and pass assemble_batch(..., routing=True)")
+    return mb["routing"]
+
+  def _ref_logprobs(self, state: TrainState, params, tokens_bt, mask_btw=None, routing_btlk=None):
     ref_params = lora_lib.zero_adapters(params) if self.lora else state.ref_params
-    logp, _ = self._policy_logprobs(jax.lax.stop_gradient(ref_params), state.frozen, tokens_bt, False, mask_btw)
+    logp, _ = self._policy_logprobs(jax.lax.stop_gradient(ref_params), state.frozen, tokens_bt, False, mask_btw,
+                                    routing_btlk)
     return jax.lax.stop_gradient(logp)
 
   def _off_policy(self, logp, behav, mask, mb):
@@ -196,17 +217,27 @@ class Learner:
     a = self.cfg.algo
     mask = _next(mb["loss_mask"]).astype(jnp.float32)
     behav = _next(mb["behaviour_logprobs"]).astype(jnp.float32)
-    logp, entropy = self._policy_logprobs(params, state.frozen, mb["tokens"], True, self._sampling_mask(mb))
+    logp, entropy, aux = self._policy_logprobs(params, state.frozen, mb["tokens"], True, self._sampling_mask(mb),
+                                               self._routing(mb), return_aux=True)
     old, is_w, stats = self._off_policy(logp, behav, mask, mb)
-    pg_bt, loss_stats = self.loss.fn(logp, old, mb["advantages"].astype(jnp.float32), mask,
-                                     eps_low=a.eps_low_value, eps_high=a.eps_high_value, is_weights_bt=is_w)
+    if "routing" in mb:  # position t's routing feeds the log-prob of token t+1, weighted by mask[t]
+      stats["routing_disagreement"], stats["routing_token_disagreement"] = routing_lib.disagreement(
+          aux.router_logits_btlx, mb["routing"])
+    if "token_advantages" in mb:  # one advantage per token (token_advantages.py): the same clip loss per token
+      pg_bt, loss_stats = gae_lib.token_policy_loss(a.loss, logp, old, _next(mb["token_advantages"]).astype(jnp.float32),
+                                                    mask, eps_low=a.eps_low_value, eps_high=a.eps_high_value,
+                                                    is_weights_bt=is_w)
+    else:
+      pg_bt, loss_stats = self.loss.fn(logp, old, mb["advantages"].astype(jnp.float32), mask,
+                                       eps_low=a.eps_low_value, eps_high=a.eps_high_value, is_weights_bt=is_w)
     stats["clip_frac"] = loss_stats["clip_frac"]
     stats["entropy"] = entropy
     loss_bt = pg_bt
     tw = losses.token_weights(mask, a.resolved_aggregation, a.norm_length)
     sums = {"pg_loss": (pg_bt * tw).sum() / denom}
     if a.kl_coef > 0:
-      kl_bt = self.kl_fn(logp, self._ref_logprobs(state, params, mb["tokens"], self._sampling_mask(mb)))
+      kl_bt = self.kl_fn(logp, self._ref_logprobs(state, params, mb["tokens"], self._sampling_mask(mb),
+                                                  self._routing(mb)))
       loss_bt = loss_bt + a.kl_coef * kl_bt
       stats["kl"] = kl_bt
     loss = (loss_bt * tw).sum() / denom
@@ -216,8 +247,12 @@ class Learner:
         sums[k] = jnp.where(mask > 0, v, -jnp.inf).max()
       else:
         sums[k] = (v * mask).sum()
-    assert set(sums) == set(self._stat_keys()), (sorted(sums), self._stat_keys())
+    assert set(sums) == set(self._batch_stat_keys(mb)), (sorted(sums), self._batch_stat_keys(mb))
     return loss, sums
+
+  def _batch_stat_keys(self, batch) -> tuple[str, ...]:
+    """`_stat_keys` plus the routing metrics when the batch carries the sampler's routing."""
+    return self._stat_keys() + (ROUTING_STAT_KEYS if "routing" in batch else ())
 
   def _stat_keys(self) -> tuple[str, ...]:
     """The scalar sums `_micro_loss` returns (static, so the scan carry needs no extra trace)."""
@@ -241,7 +276,7 @@ class Learner:
       return (g_acc, loss_acc + loss, s_acc), None
 
     zeros_g = jax.tree.map(jnp.zeros_like, state.params)
-    s0 = {k: jnp.float32(-jnp.inf if k.endswith("_max") else 0.0) for k in self._stat_keys()}
+    s0 = {k: jnp.float32(-jnp.inf if k.endswith("_max") else 0.0) for k in self._batch_stat_keys(batch)}
     (grads, loss, sums), _ = jax.lax.scan(micro, (zeros_g, jnp.zeros((), jnp.float32), s0), batch)
     return grads, loss, sums
 
@@ -278,9 +313,11 @@ class Learner:
   def _token_logprobs(self, state: TrainState, batch):
     """log pi(token t) aligned with `tokens` (0 at t = 0), [M, b, T]: the proximal logprobs."""
     def one(mb):
-      logp, _ = self._policy_logprobs(state.params, state.frozen, mb["tokens"], False, self._sampling_mask(mb))
+      logp, _ = self._policy_logprobs(state.params, state.frozen, mb["tokens"], False, self._sampling_mask(mb),
+                                      self._routing(mb))
       return jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp[:, :-1]], axis=-1)
-    keys = ("tokens", "sampling_mask") if self.cfg.algo.keep_sampling_mask else ("tokens",)
+    a = self.cfg.algo
+    keys = ("tokens",) + (("sampling_mask",) if a.keep_sampling_mask else ()) + (("routing",) if a.keep_routing else ())
     return jax.lax.map(one, {k: batch[k] for k in keys if k in batch})
 
   # ------------------------------------------------------------------ public

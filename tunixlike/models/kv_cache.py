@@ -64,3 +64,61 @@ def write_rows(cache_bkxs: jax.Array, new_bkx: jax.Array, positions_b: jax.Array
   if seq_axis == 2:  # V: [B, Hkv, S, D]
     return cache_bkxs.at[b, :, positions_b, :].set(new_bkx.astype(cache_bkxs.dtype), mode="drop")
   raise ValueError(f"write_rows: seq_axis={seq_axis} must be 2 (V) or 3 (K)")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class GroupedKVCache:
+  """The decode cache split into slot groups, each with its own length (its attended window).
+
+  Continuous batching holds sequences at mixed positions; with one window every row reads the KV of
+  the longest one. Groups let a group of short sequences read only its own (shorter) window, while
+  the weights are still read once for the whole batch (only attention is split by group).
+
+  Row b of the batch lives in group (b // block) % G at row (b // (G * block)) * block + b % block:
+  groups interleave in blocks of `block` rows, so that with the batch split over R data-parallel
+  replicas (block = B / (R * G)) every replica holds `block` rows of every group and splitting rows
+  by group never moves data between devices.
+  """
+
+  groups: tuple[KVCache, ...]
+  block: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def batch_size(self) -> int:
+    return sum(g.batch_size for g in self.groups)
+
+  @property
+  def windows(self) -> tuple[int, ...]:
+    return tuple(g.max_len for g in self.groups)
+
+  def layer(self, i: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Layer i's (k per group, v per group)."""
+    return tuple(g.k[i] for g in self.groups), tuple(g.v[i] for g in self.groups)
+
+  @classmethod
+  def from_layers(cls, ks, vs, block: int) -> GroupedKVCache:
+    """Inverse of `layer`: ks[i][g], vs[i][g] -> GroupedKVCache."""
+    groups = tuple(KVCache(k=tuple(k[g] for k in ks), v=tuple(v[g] for v in vs)) for g in range(len(ks[0])))
+    return cls(groups=groups, block=block)
+
+
+def group_of_row(b: int, num_groups: int, block: int) -> tuple[int, int]:
+  """(group, row within the group) of batch row b under GroupedKVCache's interleaving."""
+  return (b // block) % num_groups, (b // (num_groups * block)) * block + b % block
+
+
+def split_rows(x_b, num_groups: int, block: int) -> list:
+  """[B, ...] -> num_groups arrays [B / G, ...] (GroupedKVCache's row interleaving)."""
+  b = x_b.shape[0]
+  if b % (num_groups * block):
+    raise ValueError(f"split_rows: batch {b} is not a multiple of groups {num_groups} x block {block}")
+  x = x_b.reshape(b // (num_groups * block), num_groups, block, *x_b.shape[1:])
+  return [x[:, g].reshape(b // num_groups, *x_b.shape[1:]) for g in range(num_groups)]
+
+
+def merge_rows(parts, block: int):
+  """Inverse of split_rows: G arrays [B / G, ...] -> [B, ...]."""
+  n = parts[0].shape[0]
+  x = jnp.stack([p.reshape(n // block, block, *p.shape[1:]) for p in parts], axis=1)
+  return x.reshape(n * len(parts), *parts[0].shape[1:])

@@ -22,7 +22,7 @@ from flax import nnx
 
 from tunixlike.models import sharding as sharding_lib
 from tunixlike.models.config import ModelConfig
-from tunixlike.models.kv_cache import KVCache, write_rows
+from tunixlike.models.kv_cache import GroupedKVCache, KVCache, merge_rows, split_rows, write_rows
 from tunixlike.models.moe import MoeAux, MoeMLP, check_routing
 
 
@@ -118,21 +118,44 @@ class Attention(nnx.Module):
     o = jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(b, t, cfg.num_heads * cfg.head_dim)
     return self.o_proj(o), k, v
 
-  def decode(self, x_bd, cos_bd, sin_bd, positions_b, k_cache, v_cache, attend_len: int):
-    """One new token per row. k_cache [B,Hkv,D,S], v_cache [B,Hkv,S,D]; attends [0, attend_len)."""
+  def decode(self, x_bd, cos_bd, sin_bd, positions_b, k_cache, v_cache, attend_len: int | None,
+             block: int | None = None):
+    """One new token per row. k_cache [B,Hkv,D,S], v_cache [B,Hkv,S,D]; attends [0, attend_len).
+
+    Slot groups (kv_cache.GroupedKVCache): k_cache / v_cache are tuples of per-group caches
+    [B/G, ...] whose rows interleave in blocks of `block`; each group attends its whole cache (its
+    own window), so a group of short sequences does not read the window of the longest one.
+    """
     cfg = self.cfg
     b = x_bd.shape[0]
     q, k, v = self._qkv(x_bd[:, None], cos_bd[:, None], sin_bd[:, None])  # [B,1,H,D] ...
-    k_cache = write_rows(k_cache, k[:, 0], positions_b, seq_axis=3)
-    v_cache = write_rows(v_cache, v[:, 0], positions_b, seq_axis=2)
-    g = cfg.num_heads // cfg.num_kv_heads
-    q = q.reshape(b, cfg.num_kv_heads, g, cfg.head_dim).astype(k_cache.dtype)
-    s = jnp.einsum("bkgd,bkda->bkga", q, k_cache[..., :attend_len],
-                   preferred_element_type=jnp.float32) / math.sqrt(cfg.head_dim)
-    valid = jnp.arange(attend_len)[None, :] <= positions_b[:, None]  # [B, A]
-    p = jax.nn.softmax(jnp.where(valid[:, None, None, :], s, -1e30), axis=-1).astype(v_cache.dtype)
-    o = jnp.einsum("bkga,bkad->bkgd", p, v_cache[:, :, :attend_len]).reshape(b, 1, -1)
-    return self.o_proj(o.astype(x_bd.dtype))[:, 0], k_cache, v_cache
+    q = q.reshape(b, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
+    if block is None:
+      o, k_cache, v_cache = _attend_cache(q, k[:, 0], v[:, 0], positions_b, k_cache, v_cache, attend_len)
+    else:
+      n = len(k_cache)
+      rows = [split_rows(t, n, block) for t in (q, k[:, 0], v[:, 0], positions_b)]
+      parts = [_attend_cache(*(r[i] for r in rows), k_cache[i], v_cache[i], k_cache[i].shape[-1])
+               for i in range(n)]
+      o = merge_rows([p[0] for p in parts], block)
+      k_cache, v_cache = tuple(p[1] for p in parts), tuple(p[2] for p in parts)
+    return self.o_proj(o.reshape(b, 1, -1).astype(x_bd.dtype))[:, 0], k_cache, v_cache
+
+
+def _attend_cache(q_bkgd, k_bkd, v_bkd, positions_b, k_cache, v_cache, attend_len: int):
+  """Writes this step's K/V at positions_b, then attends cache[..., :attend_len] up to each position.
+
+  q [B,Hkv,G,D] (G query heads per KV head); returns (o [B,Hkv,G,D], k_cache, v_cache).
+  """
+  k_cache = write_rows(k_cache, k_bkd, positions_b, seq_axis=3)
+  v_cache = write_rows(v_cache, v_bkd, positions_b, seq_axis=2)
+  q = q_bkgd.astype(k_cache.dtype)
+  s = jnp.einsum("bkgd,bkda->bkga", q, k_cache[..., :attend_len],
+                 preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+  valid = jnp.arange(attend_len)[None, :] <= positions_b[:, None]  # [B, A]
+  p = jax.nn.softmax(jnp.where(valid[:, None, None, :], s, -1e30), axis=-1).astype(v_cache.dtype)
+  o = jnp.einsum("bkga,bkad->bkgd", p, v_cache[:, :, :attend_len])
+  return o, k_cache, v_cache
 
 
 class MLP(nnx.Module):
@@ -166,9 +189,9 @@ class Block(nnx.Module):
     x, routed = self._mlp(x + a, forced)
     return x, k, v, routed
 
-  def decode(self, x, cos, sin, positions_b, k_cache, v_cache, attend_len, forced=None):
+  def decode(self, x, cos, sin, positions_b, k_cache, v_cache, attend_len, forced=None, block=None):
     a, k_cache, v_cache = self.attn.decode(self.input_layernorm(x), cos, sin, positions_b, k_cache, v_cache,
-                                           attend_len)
+                                           attend_len, block)
     x, routed = self._mlp(x + a, forced)
     return x, k_cache, v_cache, routed
 
@@ -275,25 +298,38 @@ class Transformer(nnx.Module):
     out = self.unembed(h), KVCache(k=tuple(ks), v=tuple(vs))
     return (*out, aux.routing_btlk) if return_routing else out
 
-  def decode_step(self, tokens_b, positions_b, cache: KVCache, attend_len: int, *, routing_blk=None,
-                  return_routing: bool = False):
+  def decode_step(self, tokens_b, positions_b, cache: KVCache | GroupedKVCache, attend_len: int | None, *,
+                  routing_blk=None, return_routing: bool = False):
     """One token per row at its own position; attends cache[..., :attend_len] (static int >= max pos + 1).
 
+    With a GroupedKVCache (slot groups) attend_len must be None: each group attends its own cache.
     Returns (logits [B,V] float32, cache with the new K/V written at positions_b), plus the experts
     used, int32 [B,L,k], with return_routing. routing_blk [B,L,k] forces experts (Keep Routing).
     """
-    if not isinstance(attend_len, int) or not 0 < attend_len <= cache.max_len:
-      raise ValueError(f"decode_step: attend_len={attend_len!r} must be a static int in [1, {cache.max_len}]")
+    grouped = isinstance(cache, GroupedKVCache)
+    if grouped:
+      if attend_len is not None:
+        raise ValueError(f"decode_step: attend_len={attend_len!r} must be None with a GroupedKVCache "
+                         "(each slot group attends its own window)")
+      if cache.batch_size != tokens_b.shape[0]:
+        raise ValueError(f"decode_step: batch {tokens_b.shape[0]} != grouped cache batch {cache.batch_size}")
+      layer_kv = [cache.layer(i) for i in range(self.cfg.num_layers)]
+    else:
+      if not isinstance(attend_len, int) or not 0 < attend_len <= cache.max_len:
+        raise ValueError(f"decode_step: attend_len={attend_len!r} must be a static int in [1, {cache.max_len}]")
+      layer_kv = list(zip(cache.k, cache.v))
+    block = cache.block if grouped else None
     cos, sin = rope_cos_sin(positions_b, self.cfg)  # [B, D]
     x = self.embed_tokens(tokens_b)  # [B, E]
     ks, vs, routed = [], [], []
     forced = _forced(routing_blk, self.cfg, tokens_b.shape, "decode_step")
-    for layer, k_cache, v_cache, f in zip(self.layers, cache.k, cache.v, forced):
-      x, k_cache, v_cache, r = layer.decode(x, cos, sin, positions_b, k_cache, v_cache, attend_len, f)
+    for layer, (k_cache, v_cache), f in zip(self.layers, layer_kv, forced):
+      x, k_cache, v_cache, r = layer.decode(x, cos, sin, positions_b, k_cache, v_cache, attend_len, f, block)
       ks.append(k_cache)
       vs.append(v_cache)
       routed.append(r)
-    out = self.unembed(self.norm(x)), KVCache(k=tuple(ks), v=tuple(vs))
+    new_cache = GroupedKVCache.from_layers(ks, vs, block) if grouped else KVCache(k=tuple(ks), v=tuple(vs))
+    out = self.unembed(self.norm(x)), new_cache
     return (*out, _stack_routing(routed, tokens_b.shape, self.cfg).routing_btlk) if return_routing else out
 
 

@@ -9,6 +9,8 @@ from flax import nnx
 
 from tunixlike import distributed, trace as trace_lib
 from tunixlike.config import Config
+from tunixlike.learner import offload as offload_lib, value as value_lib
+from tunixlike.learner import token_advantages as token_adv_lib
 from tunixlike.learner.batch import assemble_batch, pick_bucket
 from tunixlike.learner.train_step import Learner
 from tunixlike.rl import weight_sync
@@ -32,6 +34,14 @@ class PolicyLearner:
     self._rng = jax.random.PRNGKey(cfg.seed)
     self.lora = learner.lora
     self._sampler_params = None  # LoRA sync keeps the sampler's base weights and swaps adapters only
+    # Per-token advantages (process rewards, on-policy distillation), or None for the group advantage.
+    a = cfg.algo
+    process_coef = a.process_reward_coef if a.process_reward is not None else 0.0
+    distill_coef = 1.0 if a.advantage == "distill" else 0.0
+    self.token_advantages = (token_adv_lib.TokenAdvantageConfig(process_coef=process_coef, distill_coef=distill_coef)
+                             if process_coef or distill_coef else None)
+    self._devices = ([jax.devices()[0]] if mesh is None  # this process's learner devices (for memory stats)
+                     else [d for d in mesh.devices.flat if d.process_index == jax.process_index()])
 
   def train(self, groups: list[RolloutGroup]) -> dict[str, float]:
     a = self.cfg.algo
@@ -42,7 +52,8 @@ class PolicyLearner:
     batch = assemble_batch(groups, num_rows=self.num_rows, seq_buckets=buckets, advantage=a.advantage,
                            pad_id=self.pad_id, overlong_max_length=self.cfg.sampler.max_new_tokens,
                            overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty,
-                           sampling_mask=a.keep_sampling_mask)
+                           sampling_mask=a.keep_sampling_mask, routing=self.cfg.sampler.record_routing,
+                           token_advantages=self.token_advantages)
     with self.tracer.span("train_step", cat="learner", version=self.version):
       placed = self.learner.put_batch(batch)
       rng = jax.random.fold_in(self._rng, self.version)
@@ -51,6 +62,9 @@ class PolicyLearner:
     if not metrics.get("nonfinite", 0.0):
       self.version += 1
     metrics["skipped"] = metrics.get("nonfinite", 0.0)
+    peak = offload_lib.peak_device_memory(self._devices)  # None where the backend keeps no stats (CPU)
+    if peak is not None:
+      metrics["learner/peak_bytes"] = float(peak)
     return metrics
 
   @property
@@ -59,7 +73,10 @@ class PolicyLearner:
     return self._sampler_params
 
   def full_params(self) -> nnx.State:
-    return nnx.split(self.learner.model(self.learner.state))[1]
+    model = self.learner.model(self.learner.state)
+    if isinstance(model, value_lib.PolicyWithValue):  # PPO: the sampler gets the policy, not the critic
+      model = model.policy
+    return nnx.split(model)[1]
 
   def sampler_weights(self) -> tuple[Any, float]:
     """(params on this process's sampler devices, sync ms). On several processes every process

@@ -33,9 +33,12 @@ from tunixlike.rewards.envs import CalculatorEnv
 from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokenizer_lib
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
+from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, value as value_lib
 from tunixlike.learner.train_step import Learner
 from tunixlike.models import lora as lora_lib
-from tunixlike.rl import evaluate as eval_lib, warm_start as warm_start_lib
+from tunixlike.rl import distill as distill_lib, evaluate as eval_lib, warm_start as warm_start_lib
+from tunixlike.rewards import process as process_lib
+from tunixlike.sampler.process_driver import ProcessRewardDriver
 from tunixlike.rl.policy import PolicyLearner
 from tunixlike.rl.preemption import Preemption
 from tunixlike.rl.prompts import PromptStream, requests_for
@@ -80,6 +83,7 @@ def learner_config(cfg: Config) -> LearnerConfig:
                     eps_high=a.eps_high, norm_length=a.norm_length, kl_coef=a.kl_coef,
                     kl_estimator=a.kl_estimator, decoupled=a.decoupled, is_mode=a.is_mode, is_level=a.is_level,
                     is_cap=a.is_cap, is_low=a.is_low, is_high=a.is_high, keep_sampling_mask=a.keep_sampling_mask,
+                    keep_routing=a.keep_routing,
                     # The behaviour logprobs are at the sampler's temperature; the learner's must match.
                     sampling_temperature=cfg.sampler.temperature if cfg.sampler.temperature > 0 else 1.0)
   optim = OptimConfig(learning_rate=o.learning_rate, warmup_steps=o.warmup_steps, schedule=o.schedule,
@@ -96,7 +100,9 @@ def sampler_config(cfg: Config, tok) -> SamplerConfig:
                        max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                        eos_ids=tuple(tok.stop_ids), stop_strings=tuple(s.stop_strings),
                        steps_per_call=s.steps_per_call, record_sampling_mask=s.record_sampling_mask,
-                       group_size=cfg.algo.group_size, attend_bucket=s.attend_bucket, seed=cfg.seed)
+                       record_routing=s.record_routing,
+                       group_size=cfg.algo.group_size, attend_bucket=s.attend_bucket,
+                       slot_groups=s.slot_groups, seed=cfg.seed)
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -119,6 +125,9 @@ class Parts:
   train_reward: Any = None
   correctness: Any = None
   warm_start_records: list | None = None  # held-out set of the warm start: the same on every process
+  critic: nnx.Module | None = None  # PPO's separate critic trunk (model.critic_path), on the learner mesh
+  teacher: distill_lib.Teacher | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
+  process_scorer: process_lib.ProcessRewardScorer | None = None  # algo.process_reward's PRM worker threads
 
 
 def _check_process_split(cfg: Config, n: int):
@@ -183,6 +192,14 @@ def build(cfg: Config, workdir: str | None = None, say=print) -> Parts:
   tok, task = build_task(cfg)
   tracer = trace_lib.Tracer(os.path.join(local_dir(workdir), "trace.json") if cfg.log.trace and workdir else None)
   model = build_model(cfg, tok, meshes.learner)
+  critic = None
+  if cfg.model.critic_path:  # loaded (and checked against the policy) before any training starts
+    critic = value_lib.load_critic(cfg.model.critic_path, model, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
+                                   dtype=cfg.model.param_dtype)
+  teacher = None
+  if cfg.model.teacher_path:  # frozen, on the learner submesh; it scores groups in the reward stage
+    teacher = distill_lib.Teacher.load(cfg.model.teacher_path, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
+                                       dtype=cfg.model.param_dtype, vocab_size=model.cfg.vocab_size, pad_id=tok.pad_id)
   pipe_cfg = pipeline.PipelineConfig(seed=cfg.data.shuffle_seed, shard_index=jax.process_index(),
                                      shard_count=jax.process_count(), max_prompt_tokens=cfg.data.max_prompt_length)
   train_pipe = pipeline.from_task(task, tok, split="train", config=pipe_cfg)
@@ -200,7 +217,7 @@ def build(cfg: Config, workdir: str | None = None, say=print) -> Parts:
   if train_pipe.num_filtered:
     say(f"data: {train_pipe.num_filtered} train prompts longer than data.max_prompt_length dropped")
   return Parts(cfg, meshes, tok, task, model, train_pipe, eval_records, tracer, say,
-               warm_start_records=warm_records)
+               warm_start_records=warm_records, critic=critic, teacher=teacher)
 
 
 def warm_start(parts: Parts) -> dict[str, float]:
@@ -214,6 +231,25 @@ def warm_start(parts: Parts) -> dict[str, float]:
                                    length=cfg.data.max_prompt_length + cfg.sampler.max_new_tokens, log=parts.say)
 
 
+def build_learner(cfg: Config, model: nnx.Module, mesh, critic: nnx.Module | None = None):
+  """The GRPO-family Learner, or for algo.estimator='ppo' a PPOLearner over the policy plus a value
+  head (on the policy trunk, or on `critic`); wrapped to keep learner.offload components on the host."""
+  a, rules = cfg.algo, mesh_lib.LEARNER_RULES
+  if a.estimator == "ppo":
+    # The head starts at V = 0 (zero kernel; it gets gradient from the first step on): an untrained
+    # critic's random values would otherwise be the advantage of every failed completion.
+    both = (value_lib.PolicyWithValue.create(model, seed=cfg.seed, init_std=0.0) if critic is None
+            else value_lib.PolicyWithCritic.create(model, critic, seed=cfg.seed, init_std=0.0))
+    ppo = ppo_lib.PPOConfig(gamma=a.gamma, gae_lambda=a.gae_lambda, vf_coef=a.vf_coef, vf_clip=a.vf_clip or None,
+                            kl_reward_coef=a.kl_reward_coef, whiten_advantages=a.whiten_advantages)
+    learner = ppo_lib.PPOLearner(both, learner_config(cfg), ppo, mesh=mesh, rules=rules)
+  else:
+    learner = Learner(model, learner_config(cfg), mesh=mesh, rules=rules)
+  if cfg.learner.offload:
+    learner = offload_lib.OffloadedLearner(learner, cfg.learner.offload)
+  return learner
+
+
 def build_rl(parts: Parts) -> Parts:
   """LoRA (if configured), the learner, the sampler engines and the rewards."""
   cfg, tok, task = parts.cfg, parts.tok, parts.task
@@ -222,13 +258,19 @@ def build_rl(parts: Parts) -> Parts:
     model = lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha,
                                                            targets=tuple(cfg.lora.targets)),
                                 seed=cfg.seed, mesh=parts.meshes.learner, rules=mesh_lib.LEARNER_RULES)
-  learner = Learner(model, learner_config(cfg), mesh=parts.meshes.learner, rules=mesh_lib.LEARNER_RULES)
+  learner = build_learner(cfg, model, parts.meshes.learner, critic=parts.critic)
   s_cfg = sampler_config(cfg, tok)
   parts.engine = Engine(model, s_cfg, mesh=parts.meshes.sampler)
   parts.eval_engine = Engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=parts.meshes.sampler)
   parts.policy = PolicyLearner(learner, parts.engine, cfg, tok.pad_id, tracer=parts.tracer)
   parts.correctness = rewards.CombinedReward([task.default_rewards[0]], timeout_s=cfg.rl.reward_timeout_s)
   parts.train_reward = rewards.CombinedReward(list(task.default_rewards), timeout_s=cfg.rl.reward_timeout_s)
+  a = cfg.algo
+  if a.process_reward is not None:  # PRM calls run on their own daemon threads while the sampler decodes
+    steps = process_lib.StepConfig(delimiter=a.step_delimiter, every_tokens=a.step_every_tokens,
+                                   timeout_s=cfg.rl.reward_timeout_s, workers=cfg.rl.reward_workers)
+    parts.process_scorer = process_lib.ProcessRewardScorer(process_lib.get_process_reward(a.process_reward),
+                                                           name=a.process_reward, steps=steps, tracer=parts.tracer)
   return parts
 
 
@@ -258,6 +300,8 @@ def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None,
   def driver_factory(sink, may_start_group):
     common = dict(source=stream, sink=sink, version=parts.policy.version, may_start_group=may_start_group,
                   detokenize=tok.decode, tracer=tracer)
+    if parts.process_scorer is not None:  # hands step prefixes to the PRM threads while it decodes
+      return ProcessRewardDriver(parts.engine, params, scorer=parts.process_scorer, **common)
     if cfg.rl.env is None:
       return RolloutDriver(parts.engine, params, **common)
     return EpisodeDriver(parts.engine, params, make_env=CalculatorEnv,
@@ -274,6 +318,12 @@ def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None,
       rewards.score_groups(parts.train_reward, [group], tokenizer=tok)
       if primary in group.reward_metrics:
         group.reward_metrics["accuracy"] = group.reward_metrics[primary]
+    if parts.process_scorer is not None:  # waits only for this group's PRM calls still running
+      with tracer.span("process_reward_wait", cat="reward", prompt=str(group.prompt_id)):
+        parts.process_scorer.collect(group)
+    if parts.teacher is not None:
+      with tracer.span("teacher", cat="reward", prompt=str(group.prompt_id)):
+        parts.teacher.score(group)
 
   r = cfg.rl
   n_proc = parts.policy.num_processes

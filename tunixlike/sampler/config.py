@@ -28,6 +28,8 @@ class SamplerConfig:
   # Decode steps per host round-trip; EOS and length stops are applied on device step by step.
   steps_per_call: int = 4
   record_sampling_mask: bool = False  # "Keep Sampling Mask": packed kept-token set per token
+  # "Keep Routing" (MoE models only): the experts every MoE layer chose, per token, for the learner to replay.
+  record_routing: bool = False
   group_size: int = 1  # G completions per prompt, sharing one prefill
   # Prompts longer than max_prefill_length: error (False) or keep their last tokens and count it.
   truncate_long_prompts: bool = False
@@ -35,13 +37,16 @@ class SamplerConfig:
   # The decode cache holds the filled part rounded up to a multiple of this many positions; it
   # grows and shrinks with the longest live sequence (one compiled decode program per size).
   attend_bucket: int = 32
+  # Slot groups, each with its own attended window: long sequences are kept together so a group of
+  # short ones reads only its own window (continuous batching). 1 = one window for all slots.
+  slot_groups: int = 1
   seed: int = 0
   cache_dtype: str | None = None  # KV cache dtype; None = the model's activation dtype
   idle_wait_s: float = 0.01  # how long the driver sleeps when it has nothing to do
 
   def __post_init__(self):
     for name in ("max_concurrent_decodes", "max_prefill_length", "max_new_tokens", "steps_per_call",
-                 "group_size", "min_prefill_bucket", "attend_bucket"):
+                 "group_size", "min_prefill_bucket", "attend_bucket", "slot_groups"):
       value = getattr(self, name)
       if not _is_int(value) or value < 1:
         raise ValueError(f"sampler.{name}={value!r}: must be an int >= 1")

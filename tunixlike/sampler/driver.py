@@ -59,6 +59,9 @@ class _Slot:
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
   masks: list[np.ndarray] = dataclasses.field(default_factory=list)
+  # Keep Routing: experts of each token's forward ([L, k] per token) and the prefill's for the prompt.
+  routing: list[np.ndarray] = dataclasses.field(default_factory=list)
+  prompt_routing: Any = None  # device int32 [bucket, L, k] from the prefix this slot was filled from
 
 
 @dataclasses.dataclass
@@ -68,6 +71,7 @@ class DriverStats:
   live_slot_steps: int = 0  # sum over decode steps of slots holding a live sequence
   total_slot_steps: int = 0  # decode steps x slots
   generate_calls: int = 0
+  moves: int = 0  # live sequences moved between slot groups (Engine.plan_insert)
   prefills: int = 0
   completions: int = 0
   groups_emitted: int = 0
@@ -255,7 +259,7 @@ class RolloutDriver:
     free = [i for i, s in enumerate(self._slots) if s is None]
     if not free or (self._static and len(free) < len(self._slots)):
       return
-    for slot in free:
+    while free:
       group = self._pending_group or self._admit()
       if group is None:
         return
@@ -269,11 +273,19 @@ class RolloutDriver:
       g = group.started
       limit = group.request.max_new_tokens or self.config.max_new_tokens
       t0 = time.perf_counter()
+      # Slot groups: the engine may first move a live sequence so that long ones stay together.
+      slot, move = self.engine.plan_insert(self._state, free)
+      if move is not None:
+        src, dst = move
+        self._state = self.engine.move(self._state, src, dst)
+        self._slots[dst], self._slots[src] = self._slots[src], None
+        self.stats.moves += 1
+      free.remove(dst if move is not None else slot)
       key = _sample_key(self._base_key, group.seq, g)
       self._state = self.engine.insert(self._pending_prefix, self._state, slot, key=key,
                                        max_new_tokens=limit)
       self.stats.busy_time_s += time.perf_counter() - t0
-      self._slots[slot] = _Slot(group=group, index=g, max_new=limit)
+      self._slots[slot] = _Slot(group=group, index=g, max_new=limit, prompt_routing=self._pending_prefix.routing)
       group.started += 1
       if group.started == self.config.group_size:
         self._pending_group, self._pending_prefix = None, None
@@ -337,6 +349,8 @@ class RolloutDriver:
         token = int(tokens_ks[k, s])
         self._record(info, token, float(logprobs_ks[k, s]), version,
                      None if host.mask_ksw is None else host.mask_ksw[k, s])
+        if host.routing_kslk is not None:
+          info.routing.append(host.routing_kslk[k, s])
         finish = self._stop_reason(info, token, eos)
       if finish is None:
         if host.done_s[s]:
@@ -380,6 +394,9 @@ class RolloutDriver:
         finish_reason=reason,
         loss_mask=np.ones((n,), np.int32),
         sampling_mask=np.stack(info.masks) if info.masks else None,
+        expert_routing=np.stack(info.routing).astype(np.int32) if info.routing else None,
+        prompt_routing=(None if info.prompt_routing is None
+                        else np.asarray(info.prompt_routing)[:len(info.group.prompt_ids) - 1]),
         text=self._detokenize(info.tokens) if self._detokenize else None)
     self._slots[slot] = None
     self.stats.tokens_generated += n

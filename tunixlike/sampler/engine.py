@@ -23,6 +23,13 @@ The decode cache is only as long as the longest live sequence needs (rounded up 
 just that window. Slicing a longer cache inside the step instead costs a copy of the window every
 step (XLA materialises the slice before the attention matmul), 2-3x the attention bytes. There is
 one compiled decode program per window size, and one prefill program per power-of-two bucket.
+
+Slot groups (`sampler.slot_groups` = G > 1): the cache is split into G groups of slots, each with its
+own window (`kv_cache.GroupedKVCache`); projections and MLP still run once over all slots, only
+attention is split. `plan_insert` keeps long sequences together: a new sequence goes into the group
+whose oldest live sequence is youngest, moving that sequence (one row copy, `move`) into the free
+slot if needed, so a group of young sequences reads a short window instead of the longest one's.
+There is one decode program per tuple of group windows that occurs.
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ class Prefix:
   last_token: int  # the prompt's last token: the first input of decode
   true_length: int  # prompt length in tokens
   version: int  # policy version of the params that computed the KV
+  # sampler.record_routing ("Keep Routing"): experts the prefill chose for prompt[:-1] (rows past
+  # true_length - 1 are padding), a device array fetched only when the completion is finished.
+  routing: jax.Array | None = None  # int32 [bucket, L, k]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +92,9 @@ class GenerateResult:
   done_s: jax.Array  # bool [S]: slot finished (EOS or its length limit) by the end of the call
   version: jax.Array  # int32 []: policy version of every valid token in this result
   mask_ksw: jax.Array | None  # uint8 [K, S, ceil(V/8)] packed sampling masks, if recorded
+  # Experts each MoE layer used for the step's *input* token (the forward that produced the
+  # step's logprob), if sampler.record_routing.
+  routing_kslk: jax.Array | None = None  # int32 [K, S, L, k]
 
 
 class Engine:
@@ -93,6 +106,9 @@ class Engine:
       raise TypeError(f"Engine config must be a SamplerConfig, got {type(config).__name__}")
     self.config = config
     self.model_config = model.cfg
+    if config.record_routing and not model.cfg.is_moe:
+      raise ValueError("sampler.record_routing=True needs a mixture-of-experts model, but the model is dense "
+                       "(num_experts=0): there is no routing to record")
     vocab = self.model_config.vocab_size
     bad = [i for i in config.eos_ids if i >= vocab]
     if bad:
@@ -110,7 +126,14 @@ class Engine:
     self.mesh, self.rules = mesh, rules
     # Python-side trace counter per jitted body: a retrace is a compilation (tests assert none
     # happen after warm-up beyond the prefill and attention buckets).
-    self.trace_counts = {"prefill": 0, "insert": 0, "release": 0, "generate": 0, "resize": 0}
+    self.trace_counts = {"prefill": 0, "insert": 0, "release": 0, "generate": 0, "resize": 0, "move": 0}
+    if config.max_concurrent_decodes % (replicas * config.slot_groups):
+      raise ValueError(f"sampler.max_concurrent_decodes={config.max_concurrent_decodes} is not divisible by "
+                       f"{replicas} replicas x sampler.slot_groups={config.slot_groups}")
+    self._groups = config.slot_groups
+    # GroupedKVCache interleaving: every replica holds `_block` rows of every group.
+    self._block = config.max_concurrent_decodes // (replicas * config.slot_groups)
+    self._slots_per_replica = config.max_concurrent_decodes // replicas
     self._graphdef, state = nnx.split(model)
     self.param_shardings = sharding_lib.state_shardings(state, mesh, rules)
     self._initial_params = state
@@ -123,8 +146,15 @@ class Engine:
                                out_shardings=self._replicated)
     # PartitionSpecs do not depend on the cache length, so one set serves every window size.
     state_shardings = self._state_shardings(self.config.cache_length)
-    self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state_shardings)
-    self._release_fn = jax.jit(self._release_impl, donate_argnums=(0,), out_shardings=state_shardings)
+    # insert / move touch one group's cache (and the per-slot arrays): their programs depend on that
+    # group's window only, not on the whole tuple of windows.
+    group_sharding = state_shardings["cache"].groups[0]
+    small_shardings = {k: v for k, v in state_shardings.items() if k != "cache"}
+    self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1, 2),
+                              out_shardings=(group_sharding, small_shardings))
+    self._move_fn = jax.jit(self._move_impl, donate_argnums=(1, 2),
+                            out_shardings=(group_sharding, small_shardings))
+    self._release_fn = jax.jit(self._release_impl, donate_argnums=(0,), out_shardings=small_shardings)
     self._generate_fn = jax.jit(self._generate_impl, donate_argnums=(1,),
                                 out_shardings=(state_shardings, self._replicated))
     self._resize_fns = {}
@@ -153,7 +183,7 @@ class Engine:
 
   def init_decode_state(self, version: int = 0) -> DecodeState:
     s = self.max_concurrent_decodes
-    cache = self._empty_cache(s, self.config.attend_window(0))
+    cache = self._empty_grouped((self.config.attend_window(0),) * self._groups)
     arrays = dict(
         cache=cache,
         tokens=jnp.zeros((s,), jnp.int32),  # next input token of each slot
@@ -188,8 +218,8 @@ class Engine:
     bucket = self.prefill_bucket(n - 1)
     padded = np.zeros((1, bucket), np.int32)
     padded[0, :n - 1] = ids[:-1]
-    cache = self._prefill_fn(params, padded, np.asarray([n - 1], np.int32), bucket=bucket)
-    return Prefix(cache=cache, last_token=int(ids[-1]), true_length=n, version=int(version))
+    cache, routing = self._prefill_fn(params, padded, np.asarray([n - 1], np.int32), bucket=bucket)
+    return Prefix(cache=cache, last_token=int(ids[-1]), true_length=n, version=int(version), routing=routing)
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
              key: jax.Array | None = None, max_new_tokens: int | None = None) -> DecodeState:
@@ -211,9 +241,13 @@ class Engine:
     key = jnp.asarray(key, jnp.uint32)
     scalars = np.asarray([slot, prefix.last_token, prefix.true_length - 1, limit], np.int32)
     bucket = prefix.cache.max_len
-    if self._window(decode_state) < bucket:
-      decode_state = self._resize(decode_state, self.config.attend_window(bucket - 1))
-    arrays = self._insert_fn(prefix.cache, decode_state.arrays, scalars, key)
+    group, row = kv_cache_lib.group_of_row(slot, self._groups, self._block)
+    if self._windows(decode_state)[group] < bucket:
+      decode_state = self._resize(decode_state, group, self.config.attend_window(bucket - 1))
+    scalars = np.append(scalars, np.int32(row))
+    cache, small = self._split_arrays(decode_state.arrays)
+    new_group, small = self._insert_fn(prefix.cache, cache.groups[group], small, scalars, key)
+    arrays = self._join_arrays(cache, small, {group: new_group})
     positions = decode_state.host_positions.copy()
     live = decode_state.host_live.copy()
     positions[slot], live[slot] = prefix.true_length - 1, True
@@ -223,11 +257,11 @@ class Engine:
     """Advances every live slot by up to steps_per_call tokens (stopping exactly at EOS / limit)."""
     k = self.config.steps_per_call
     live = decode_state.host_live
-    # Positions fed this call reach host_position + k - 1 for every live slot.
-    top = int(decode_state.host_positions[live].max()) + k - 1 if live.any() else k - 1
-    window = self.config.attend_window(top)
-    if window != self._window(decode_state):
-      decode_state = self._resize(decode_state, window)
+    # Positions fed this call reach host_position + k - 1 for every live slot (per slot group).
+    for group, top in enumerate(self._group_tops(decode_state)):
+      window = self.config.attend_window(max(top, 0) + k - 1)
+      if window != self._windows(decode_state)[group]:
+        decode_state = self._resize(decode_state, group, window)
     arrays, result = self._generate_fn(params, decode_state.arrays)
     positions = np.where(live, np.minimum(decode_state.host_positions + k, self.config.cache_length - 1),
                          decode_state.host_positions)
@@ -237,10 +271,67 @@ class Engine:
 
   def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
     """Stops decoding `slot` (e.g. a stop string was seen on the host); it emits nothing more."""
-    arrays = self._release_fn(decode_state.arrays, np.int32(slot))
+    cache, small = self._split_arrays(decode_state.arrays)
+    arrays = self._join_arrays(cache, self._release_fn(small, np.int32(slot)), {})
     live = decode_state.host_live.copy()
     live[slot] = False
     return DecodeState(arrays, decode_state.host_positions, live)
+
+  def plan_insert(self, decode_state: DecodeState, free_slots) -> tuple[int, tuple[int, int] | None]:
+    """Where a new sequence should go: (slot, move), move = None or (src, dst) to apply first with `move`.
+
+    Keeps long sequences together (slot groups): the new sequence joins the group whose oldest live
+    sequence is youngest. If that group has no free slot, its oldest live sequence on the replica
+    of a free slot moves there (into an older group, whose window already covers it) and the new
+    sequence takes its place (only if the free slot's group holds an older sequence, so the move
+    shortens the young group's window without widening any other). One group: the first free slot.
+    """
+    free = [int(s) for s in free_slots]
+    if not free:
+      raise ValueError("plan_insert: no free slot")
+    if self._groups == 1:
+      return free[0], None
+    tops = self._group_tops(decode_state)
+    young = min(range(self._groups), key=lambda g: (tops[g], -g))
+    group_of = lambda s: kv_cache_lib.group_of_row(s, self._groups, self._block)[0]
+    in_young = [s for s in free if group_of(s) == young]
+    if in_young:
+      return in_young[0], None
+    dst = free[0]
+    replica = dst // self._slots_per_replica
+    pos, live = decode_state.host_positions, decode_state.host_live
+    movable = [s for s in range(replica * self._slots_per_replica, (replica + 1) * self._slots_per_replica)
+               if live[s] and group_of(s) == young]
+    if not movable or tops[young] >= tops[group_of(dst)]:  # a move would not shorten any window
+      return dst, None
+    src = max(movable, key=lambda s: (pos[s], -s))
+    return src, (src, dst)
+
+  def move(self, decode_state: DecodeState, src: int, dst: int) -> DecodeState:
+    """Moves the sequence decoding in slot `src` to the free slot `dst` (KV, token, position, key...).
+
+    The sequence continues exactly as it would have in `src` (its noise depends on its key, not its
+    slot); `src` is left free. Slots in different groups only (within a group nothing is gained).
+    """
+    n = self.max_concurrent_decodes
+    if not (0 <= src < n and 0 <= dst < n) or src == dst:
+      raise ValueError(f"move: src={src}, dst={dst} must be different slots in [0, {n})")
+    if not decode_state.host_live[src] or decode_state.host_live[dst]:
+      raise ValueError(f"move: slot {src} must be decoding and slot {dst} free")
+    g_src, r_src = kv_cache_lib.group_of_row(src, self._groups, self._block)
+    g_dst, r_dst = kv_cache_lib.group_of_row(dst, self._groups, self._block)
+    if g_src == g_dst:
+      raise ValueError(f"move: slots {src} and {dst} are in the same slot group {g_src}")
+    need = self.config.attend_window(int(decode_state.host_positions[src]))
+    if self._windows(decode_state)[g_dst] < need:
+      decode_state = self._resize(decode_state, g_dst, need)
+    cache, small = self._split_arrays(decode_state.arrays)
+    scalars = np.asarray([src, dst, r_src, r_dst], np.int32)
+    new_group, small = self._move_fn(cache.groups[g_src], cache.groups[g_dst], small, scalars)
+    arrays = self._join_arrays(cache, small, {g_dst: new_group})
+    positions, live = decode_state.host_positions.copy(), decode_state.host_live.copy()
+    positions[dst], live[dst], live[src] = positions[src], True, False
+    return DecodeState(arrays, positions, live)
 
   def mark_finished(self, decode_state: DecodeState, done_s: np.ndarray) -> DecodeState:
     """Host bookkeeping only: slots the device reported done no longer widen the attention window."""
@@ -265,31 +356,54 @@ class Engine:
     dtype = self._cache_dtype or mc.dtype
     return kv_cache_lib.KVCache.zeros(mc.num_layers, batch, mc.num_kv_heads, mc.head_dim, length, dtype)
 
-  @staticmethod
-  def _window(decode_state: DecodeState) -> int:
-    return decode_state.arrays["cache"].max_len
+  def _empty_grouped(self, windows) -> kv_cache_lib.GroupedKVCache:
+    rows = self.max_concurrent_decodes // self._groups
+    return kv_cache_lib.GroupedKVCache(groups=tuple(self._empty_cache(rows, w) for w in windows),
+                                       block=self._block)
 
-  def _resize(self, decode_state: DecodeState, window: int) -> DecodeState:
-    """Moves the cache size toward `window`: grows all the way (zero-padded), shrinks one bucket.
+  @staticmethod
+  def _windows(decode_state: DecodeState) -> tuple[int, ...]:
+    return decode_state.arrays["cache"].windows
+
+  def _group_tops(self, decode_state: DecodeState) -> list[int]:
+    """Per slot group, the largest host position of a live slot (-1 if none is live)."""
+    tops = [-1] * self._groups
+    for s in np.flatnonzero(decode_state.host_live):
+      g = kv_cache_lib.group_of_row(int(s), self._groups, self._block)[0]
+      tops[g] = max(tops[g], int(decode_state.host_positions[s]))
+    return tops
+
+  @staticmethod
+  def _split_arrays(arrays):
+    return arrays["cache"], {k: v for k, v in arrays.items() if k != "cache"}
+
+  @staticmethod
+  def _join_arrays(cache, small, new_groups: dict):
+    groups = tuple(new_groups.get(g, c) for g, c in enumerate(cache.groups))
+    return dict(small, cache=kv_cache_lib.GroupedKVCache(groups=groups, block=cache.block))
+
+  def _resize(self, decode_state: DecodeState, group: int, window: int) -> DecodeState:
+    """Moves slot group `group`'s cache size toward `window`: grows all the way (zero-padded), shrinks one bucket.
 
     Every resize changes the size by exactly one bucket, so there are at most two resize programs
     per window size; shrinking lazily (a bucket per generate call) costs a few steps at a wider
     window after a long sequence ends, instead of a program per (old, new) pair.
     """
     step = self.config.attend_bucket
-    current = self._window(decode_state)
+    current = self._windows(decode_state)[group]
     targets = range(current + step, window + 1, step) if window > current else [current - step]
-    arrays = decode_state.arrays
+    cache, small = self._split_arrays(decode_state.arrays)
+    group_cache = cache.groups[group]
     for target in targets:
       fn = self._resize_fns.get(target)
       if fn is None:
         fn = self._resize_fns[target] = jax.jit(
             functools.partial(self._resize_impl, window=target),  # new shape: nothing to donate
-            out_shardings=self._state_shardings(self.config.cache_length))
-      arrays = fn(arrays)
-    return dataclasses.replace(decode_state, arrays=arrays)
+            out_shardings=self._state_shardings(self.config.cache_length)["cache"].groups[0])
+      group_cache = fn(group_cache)
+    return dataclasses.replace(decode_state, arrays=self._join_arrays(cache, small, {group: group_cache}))
 
-  def _resize_impl(self, arrays, *, window):
+  def _resize_impl(self, cache, *, window):
     self.trace_counts["resize"] += 1
 
     def fit(x, seq_axis):
@@ -299,15 +413,15 @@ class Engine:
       pad[seq_axis] = (0, window - x.shape[seq_axis])
       return jnp.pad(x, pad)
 
-    cache = arrays["cache"]
-    return dict(arrays, cache=kv_cache_lib.KVCache(k=tuple(fit(x, 3) for x in cache.k),
-                                                   v=tuple(fit(x, 2) for x in cache.v)))
+    return kv_cache_lib.KVCache(k=tuple(fit(x, 3) for x in cache.k), v=tuple(fit(x, 2) for x in cache.v))
 
   @functools.cache
   def _state_shardings(self, window: int) -> dict[str, Any]:
     s = self.max_concurrent_decodes
-    abstract_cache = jax.eval_shape(lambda: self._empty_cache(s, window))
-    cache = kv_cache_lib.cache_shardings(abstract_cache, self.mesh, self.rules)
+    abstract = jax.eval_shape(lambda: self._empty_grouped((window,) * self._groups))
+    cache = kv_cache_lib.GroupedKVCache(
+        groups=tuple(kv_cache_lib.cache_shardings(g, self.mesh, self.rules) for g in abstract.groups),
+        block=self._block)
     slots = self._slots_sharding
     return dict(cache=cache, tokens=slots, positions=slots, num_generated=slots, max_new=slots,
                 done=slots, keys=slots, version=self._replicated)
@@ -316,26 +430,49 @@ class Engine:
     self.trace_counts["prefill"] += 1
     model = nnx.merge(self._graphdef, params)
     cache = self._empty_cache(1, bucket)
-    _, cache = model.prefill(tokens_1t, cache, lengths_1)
-    return cache
+    if not self.config.record_routing:
+      return model.prefill(tokens_1t, cache, lengths_1)[1], None
+    _, cache, routing_1tlk = model.prefill(tokens_1t, cache, lengths_1, return_routing=True)
+    return cache, routing_1tlk[0]
 
-  def _insert_impl(self, prefix_cache, arrays, scalars, key):
+  def _insert_impl(self, prefix_cache, group_cache, arrays, scalars, key):
     self.trace_counts["insert"] += 1
-    slot, last_token, position, limit = scalars[0], scalars[1], scalars[2], scalars[3]
+    slot, last_token, position, limit, row = scalars[0], scalars[1], scalars[2], scalars[3], scalars[4]
     zero = jnp.int32(0)
 
-    def put(dst, src):  # src [1, ...] into row `slot`, leading positions (the prefix bucket)
-      return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), (slot,) + (zero,) * (dst.ndim - 1))
+    def put(dst, src):  # src [1, ...] into the slot's row of its group, leading positions (the prefix bucket)
+      return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), (row,) + (zero,) * (dst.ndim - 1))
 
     out = dict(arrays)
-    out["cache"] = jax.tree.map(put, arrays["cache"], prefix_cache)
+    new_group = jax.tree.map(put, group_cache, prefix_cache)
     out["tokens"] = arrays["tokens"].at[slot].set(last_token)
     out["positions"] = arrays["positions"].at[slot].set(position)
     out["num_generated"] = arrays["num_generated"].at[slot].set(0)
     out["max_new"] = arrays["max_new"].at[slot].set(limit)
     out["done"] = arrays["done"].at[slot].set(False)
     out["keys"] = arrays["keys"].at[slot].set(key)
-    return out
+    return new_group, out
+
+  def _move_impl(self, src_cache, dst_cache, arrays, scalars):
+    self.trace_counts["move"] += 1
+    src, dst, r_src, r_dst = scalars[0], scalars[1], scalars[2], scalars[3]
+
+    def copy_row(to, frm, seq_axis):  # row r_src of frm -> row r_dst of to (windows may differ)
+      row = jax.lax.dynamic_slice_in_dim(frm, r_src, 1, axis=0)
+      w = to.shape[seq_axis]
+      if row.shape[seq_axis] >= w:  # positions past w are unused: move() sized `to` to cover the sequence
+        row = jax.lax.slice_in_dim(row, 0, w, axis=seq_axis)
+      else:
+        pad = [(0, 0)] * row.ndim
+        pad[seq_axis] = (0, w - row.shape[seq_axis])
+        row = jnp.pad(row, pad)
+      return jax.lax.dynamic_update_slice_in_dim(to, row, r_dst, axis=0)
+
+    new_group = kv_cache_lib.KVCache(k=tuple(copy_row(t, f, 3) for t, f in zip(dst_cache.k, src_cache.k)),
+                                     v=tuple(copy_row(t, f, 2) for t, f in zip(dst_cache.v, src_cache.v)))
+    out = {name: (x if name == "version" else x.at[dst].set(x[src])) for name, x in arrays.items()}
+    out["done"] = out["done"].at[src].set(True)
+    return new_group, out
 
   def _release_impl(self, arrays, slot):
     self.trace_counts["release"] += 1
@@ -347,13 +484,15 @@ class Engine:
     self.trace_counts["generate"] += 1
     model = nnx.merge(self._graphdef, params)
     sp, record = self._sampling, self.config.record_sampling_mask
+    record_routing = self.config.record_routing
     eos = jnp.asarray(self._eos_ids)
     version = arrays["version"]
 
     def step(carry, _):
       cache, tokens, positions, n_gen, done = carry
       live = ~done
-      logits_sv, cache = model.decode_step(tokens, positions, cache, cache.max_len)
+      logits_sv, cache, *routing_slk = model.decode_step(tokens, positions, cache, None,
+                                                         return_routing=record_routing)
       u_s = jax.vmap(lambda k, n: jax.random.uniform(jax.random.fold_in(k, n), (), jnp.float32))(
           arrays["keys"], n_gen)
       smp = sampling.sample_with_uniform(logits_sv, u_s, sp, return_mask=record)
@@ -364,7 +503,7 @@ class Engine:
       tokens = jnp.where(live, smp.tokens_b, tokens)
       positions = jnp.where(live, positions + 1, positions)
       done = done | (live & stop)
-      out = (smp.tokens_b, smp.logprobs_b, live) + ((smp.mask_bw,) if record else ())
+      out = (smp.tokens_b, smp.logprobs_b, live) + ((smp.mask_bw,) if record else ()) + tuple(routing_slk)
       return (cache, tokens, positions, n_gen, done), out
 
     carry = (arrays["cache"], arrays["tokens"], arrays["positions"], arrays["num_generated"],
@@ -373,10 +512,12 @@ class Engine:
     cache, tokens, positions, n_gen, done = carry
     new = dict(arrays, cache=cache, tokens=tokens, positions=positions, num_generated=n_gen, done=done)
     result = GenerateResult(tokens_ks=outs[0], logprobs_ks=outs[1], valid_ks=outs[2], done_s=done,
-                            version=version, mask_ksw=outs[3] if record else None)
+                            version=version, mask_ksw=outs[3] if record else None,
+                            routing_kslk=outs[-1] if record_routing else None)
     return new, result
 
 
 jax.tree_util.register_dataclass(
-    GenerateResult, data_fields=["tokens_ks", "logprobs_ks", "valid_ks", "done_s", "version", "mask_ksw"],
+    GenerateResult, data_fields=["tokens_ks", "logprobs_ks", "valid_ks", "done_s", "version", "mask_ksw",
+                                "routing_kslk"],
     meta_fields=[])

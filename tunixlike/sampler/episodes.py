@@ -162,6 +162,9 @@ class EpisodeDriver(RolloutDriver):
       raise TypeError(f"episode_config must be an EpisodeConfig, got {type(episode_config).__name__}")
     if not callable(make_env) or not callable(tokenize) or detokenize is None:
       raise ValueError("EpisodeDriver needs make_env, tokenize and detokenize callables")
+    if engine.config.record_routing:  # observation tokens are prefilled into a slot, not decoded
+      raise ValueError("sampler.record_routing is not supported by EpisodeDriver (multi-turn): only "
+                       "single-turn RolloutDriver rollouts record MoE routing")
     super().__init__(engine, params, source=source, sink=sink, version=version, may_start_group=may_start_group,
                      detokenize=detokenize, **({} if tracer is None else {"tracer": tracer}))
     self.episode_config = ec = episode_config

@@ -1,0 +1,230 @@
+"""Process rewards on partial rollouts: step boundaries, PRM calls pipelined with decoding (real threads,
+real engine, timestamps from the trace), failures, and per-token advantages consumed by a learner step."""
+
+import json
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from tunixlike import models, trace
+from tunixlike.data import char_tokenizer
+from tunixlike.learner import batch as batch_lib, token_advantages as tok_adv
+from tunixlike.learner.config import AlgoConfig, LearnerConfig
+from tunixlike.learner.train_step import Learner
+from tunixlike.rewards import process
+from tunixlike.rollout import Completion, RolloutGroup
+from tunixlike.sampler import Engine, PromptRequest, RolloutDriver, SamplerConfig
+from tunixlike.sampler.process_driver import ProcessRewardDriver
+
+VOCAB = 64
+
+
+def _completion(ids, logprobs=None):
+  ids = np.asarray(ids, np.int32)
+  lp = np.full(len(ids), -1.0, np.float32) if logprobs is None else np.asarray(logprobs, np.float32)
+  return Completion(ids, lp, np.zeros(len(ids), np.int32), "eos")
+
+
+def test_step_boundaries_at_a_delimiter_and_every_n_tokens():
+  tok = char_tokenizer.build()
+  ids = tok.encode("12\n3\n\n45", add_special_tokens=False)
+  newline = process.StepConfig(delimiter="\n")
+  ends = [t for t in range(len(ids)) if newline.is_boundary(ids[:t + 1], tok.decode)]
+  assert ends == [2, 4, 5]  # each newline token ends a step
+  two_chars = process.StepConfig(delimiter="\n\n")  # a delimiter spanning two tokens ends at its second
+  assert [t for t in range(len(ids)) if two_chars.is_boundary(ids[:t + 1], tok.decode)] == [5]
+  every3 = process.StepConfig(delimiter="", every_tokens=3)
+  assert [t for t in range(9) if every3.is_boundary(list(range(t + 1)), None)] == [2, 5, 8]
+  with pytest.raises(ValueError, match="step boundaries"):
+    process.StepConfig(delimiter="", every_tokens=0)
+
+
+def test_process_supervised_advantages_match_the_hand_computation():
+  c0, c1 = _completion([5, 6, 7, 8]), _completion([9, 10, 11])
+  c0.step_ends, c0.step_rewards = np.array([1, 3], np.int32), np.array([1.0, 0.0], np.float32)
+  c1.step_ends, c1.step_rewards = np.array([2], np.int32), np.array([1.0], np.float32)
+  group = RolloutGroup("p", np.array([1, 2], np.int32), [c0, c1], rewards=np.array([1.0, 0.0], np.float32))
+  # R = {1, 0, 1}: mean 2/3, population std sqrt(2/9); normalised 1/sqrt(2), -sqrt(2), 1/sqrt(2).
+  hi, lo = 1 / np.sqrt(2), -np.sqrt(2)
+  a0, a1 = tok_adv.process_supervised(group)
+  np.testing.assert_allclose(a0, [hi + lo, hi + lo, lo, lo], rtol=1e-5)  # steps at or after each token
+  np.testing.assert_allclose(a1, [hi, hi, hi], rtol=1e-5)
+  # Through assemble_batch: outcome advantage (GRPO: +-1/sqrt(2) for two samples) + coef * process term.
+  b = batch_lib.assemble_batch([group], num_rows=2, seq_buckets=(8,),
+                               token_advantages=tok_adv.TokenAdvantageConfig(process_coef=0.5))
+  out = 1 / np.sqrt(2)
+  np.testing.assert_allclose(b["token_advantages"][0, 2:6], out + 0.5 * a0, atol=1e-5)
+  np.testing.assert_allclose(b["token_advantages"][1, 2:5], -out + 0.5 * a1, atol=1e-5)
+  assert not b["token_advantages"][0, :2].any() and not b["token_advantages"][1, 5:].any()
+  c1.step_ends = np.array([3], np.int32)  # past the completion's 3 tokens
+  with pytest.raises(ValueError, match=r"completions\[1\].step_ends"):
+    tok_adv.process_supervised(group)
+
+
+def test_a_failing_or_slow_prm_call_costs_only_its_own_step():
+  def prm(prefix):
+    last = int(prefix.token_ids[-1])
+    if last == 13:
+      raise RuntimeError("grader crashed")
+    if last == 14:
+      return float("nan")
+    if last == 15:
+      time.sleep(2.0)  # misses the deadline
+    return float(len(prefix.token_ids))
+
+  scorer = process.ProcessRewardScorer(prm, name="lengths", steps=process.StepConfig(every_tokens=1, workers=2))
+  c = _completion([11, 12, 13, 14, 15, 16])
+  group = RolloutGroup("p", np.array([1], np.int32), [c])
+  handles = [[(t, scorer.submit(process.Prefix(np.array([1]), c.token_ids[:t + 1], None))) for t in range(6)]]
+  scorer.attach(group, handles)
+  t0 = time.monotonic()
+  metrics = scorer.collect(group, timeout_s=0.5)
+  assert time.monotonic() - t0 < 1.5  # the group waited for its deadline, not for the stuck call
+  np.testing.assert_array_equal(c.step_ends, np.arange(6))
+  np.testing.assert_array_equal(c.step_rewards, [1, 2, 0, 0, 0, 6])
+  assert metrics["process_reward/failures"] == 3 and metrics["process_reward/timeout_failures"] == 1
+  assert scorer.failures == 3 and scorer.timeouts == 1 and scorer.calls == 6
+  with pytest.raises(ValueError, match="no process-reward calls attached"):
+    scorer.collect(group)  # collected twice
+  scorer.close()
+
+
+@pytest.fixture(scope="module")
+def engine():
+  cfg = models.tiny_config(vocab_size=VOCAB, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                           intermediate_size=64, num_layers=2)
+  model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("replica", "tensor"))
+  scfg = SamplerConfig(max_concurrent_decodes=4, max_prefill_length=16, max_new_tokens=12, steps_per_call=1,
+                       attend_bucket=16, group_size=2, temperature=1.0, eos_ids=(), seed=0)
+  return Engine(model, scfg, mesh)
+
+
+def test_prm_calls_run_while_decoding_continues_and_land_at_their_step_ends(engine, tmp_path):
+  """A 50 ms PRM on 2 worker threads, a step every 3 tokens: generate calls keep running while PRM
+  calls are in flight (overlap from the trace's real timestamps), and every step reward belongs to
+  the prefix ending at its recorded token index."""
+  seen = []
+  lock = threading.Lock()
+
+  def prm(prefix):  # a deterministic function of the prefix, so each reward can be traced to its tokens
+    time.sleep(0.05)
+    with lock:
+      seen.append(len(prefix.token_ids))
+    return float(len(prefix.token_ids)) + float(prefix.token_ids[-1]) / 1000.0
+
+  tracer = trace.Tracer(tmp_path / "trace.json")
+  scorer = process.ProcessRewardScorer(prm, name="len", tracer=tracer,
+                                       steps=process.StepConfig(delimiter="", every_tokens=3, workers=2))
+  rng = np.random.default_rng(0)
+  requests = [PromptRequest(prompt_id=i, token_ids=rng.integers(1, VOCAB, size=4).astype(np.int32))
+              for i in range(4)]
+  RolloutDriver(engine, engine.load_params(), source=iter(requests), sink=lambda g: None).run(max_wall_s=120)  # compile
+  groups = []
+  driver = ProcessRewardDriver(engine, engine.load_params(), scorer=scorer, source=iter(requests),
+                               sink=groups.append, tracer=tracer)
+  t0 = time.perf_counter()
+  driver.run(max_wall_s=120)
+  decode_s = time.perf_counter() - t0
+  for g in groups:  # the reward stage
+    scorer.collect(g)
+  tracer.save()
+  scorer.close()
+
+  assert sorted(g.prompt_id for g in groups) == [0, 1, 2, 3]
+  for g in groups:
+    for c in g.completions:
+      assert c.num_tokens == 12
+      np.testing.assert_array_equal(c.step_ends, [2, 5, 8, 11])
+      want = [len(c.token_ids[:e + 1]) + c.token_ids[e] / 1000.0 for e in c.step_ends]
+      np.testing.assert_allclose(c.step_rewards, want, rtol=1e-6)
+  assert scorer.calls == 4 * 2 * 4 and scorer.failures == 0
+
+  events = json.load(open(tmp_path / "trace.json"))["traceEvents"]
+  spans = lambda name: [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e["name"] == name]
+  gen, prm_calls = spans("generate"), spans("prm")
+  assert len(prm_calls) == 32
+  # Decoding never waited for the PRM: generate calls started while a PRM call was running ...
+  during = [s for s, _ in gen if any(a < s < b for a, b in prm_calls)]
+  assert len(during) >= 5, (len(during), len(gen))
+  # ... and the decode loop did not pay for the PRM: with a barrier, each of the >= 8 generate calls
+  # that produced a boundary would wait >= 50 ms (>= 0.4 s in all); here the loop ends long before the
+  # 1.6 s of PRM work (32 x 50 ms on 2 workers) is done.
+  first_gen, last_gen = gen[0][0], gen[-1][1]
+  prm_total_us = sum(b - a for a, b in prm_calls)
+  assert (last_gen - first_gen) < 0.15 * prm_total_us, (last_gen - first_gen, prm_total_us)
+  assert max(b for _, b in prm_calls) > last_gen  # PRM calls were still running when decoding ended
+  print(f"decode loop {decode_s:.2f} s ({(last_gen - first_gen) / 1e6:.3f} s of generate calls), {len(gen)} "
+        f"generate calls, {len(during)} started while a PRM call ran; PRM work {prm_total_us / 1e6:.2f} s")
+
+
+def test_a_learner_step_consumes_per_token_process_advantages():
+  """The loss is -mean_rows mean_t A_t at ratio 1 (behaviour = learner logprobs, so every IS weight is 1):
+  with process rewards it uses each token's own A_t, and it differs from the outcome-only loss."""
+  cfg = models.tiny_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, head_dim=8)
+  c0, c1 = _completion([5, 6, 7, 8]), _completion([9, 10, 11, 12])
+  c0.step_ends, c0.step_rewards = np.array([1, 3], np.int32), np.array([1.0, 0.0], np.float32)
+  c1.step_ends, c1.step_rewards = np.array([0, 3], np.int32), np.array([0.0, 1.0], np.float32)
+  group = RolloutGroup("p", np.array([1, 2, 3], np.int32), [c0, c1], rewards=np.array([1.0, 1.0], np.float32))
+  learner = Learner(models.Transformer(cfg, rngs=nnx.Rngs(0)), LearnerConfig(algo=AlgoConfig()))
+  losses = {}
+  for name, tcfg in (("outcome", None), ("process", tok_adv.TokenAdvantageConfig(process_coef=1.0))):
+    host = batch_lib.assemble_batch([group], num_rows=2, seq_buckets=(8,), token_advantages=tcfg)
+    logp = np.asarray(learner.token_logprobs(learner.state, learner.put_batch(host)))[0]
+    host["behaviour_logprobs"] = logp * host["loss_mask"]  # behaviour = learner: every IS weight is 1
+    placed = learner.put_batch(host)
+    if tcfg is None:  # no update: the loss of the outcome-only batch at the same weights
+      losses[name] = float(learner.loss_and_grads(learner.state, placed)[0])
+      continue
+    learner.state, metrics = learner.train_step(learner.state, placed, jax.random.PRNGKey(0))
+    losses[name] = float(metrics["pg_loss"])
+    adv = host["token_advantages"]
+    assert len(np.unique(np.round(adv[0, 3:7], 5))) == 2  # tokens of different steps differ
+    mask = host["loss_mask"]
+    want = -np.mean([(adv[r] * mask[r]).sum() / mask[r].sum() for r in range(2)])
+    assert losses[name] == pytest.approx(want, rel=1e-4, abs=1e-5)
+  assert losses["outcome"] == pytest.approx(0.0, abs=1e-6)  # equal outcome rewards: no signal
+  assert abs(losses["process"]) > 1e-3
+
+
+@pytest.mark.slow
+def test_process_rewards_train_through_the_async_runtime():
+  """algo.process_reward through the trainer: the driver hands per-digit prefixes to the registered
+  `answer_prefix` PRM, the reward stage collects them, and the learner trains on per-token advantages."""
+  from configs import addition_grpo
+  from tunixlike import config as config_lib
+  from tunixlike.rl import trainer
+
+  cfg = config_lib.from_config_dict(addition_grpo.get_config("size=tiny"))
+  cfg = config_lib.replace(cfg, data=dict(digits=2, num_eval_examples=16), warm_start=dict(max_steps=0),
+                           log=dict(progress_bar=False, tensorboard=False), sampler=dict(max_concurrent_decodes=16),
+                           algo=dict(process_reward="answer_prefix", step_delimiter="", step_every_tokens=1),
+                           rl=dict(num_steps=2, prompts_per_step=4))
+  parts = trainer.build_rl(trainer.build(cfg))
+  assert parts.policy.token_advantages == tok_adv.TokenAdvantageConfig(process_coef=1.0)
+  records = []
+  runtime = trainer.make_runtime(parts, trainer.PromptStream(iter(parts.train_pipe)),
+                                 log=lambda step, m: records.append(m))
+  runtime.run()
+  assert parts.policy.version == 2 and len(records) == 2
+  for m in records:
+    assert m["process_reward/failures"] == 0
+    assert m["process_reward/steps_per_completion"] >= 1  # one step per generated token (the last closes one too)
+    assert 0.0 <= m["process_reward/mean"] <= 1.0 and np.isfinite(m["loss"])
+  parts.process_scorer.close()
+
+
+def test_a_language_model_as_prm_scores_p_good_after_the_prefix():
+  cfg = models.tiny_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, head_dim=8)
+  model = models.Transformer(cfg, rngs=nnx.Rngs(5))
+  prefix = process.Prefix(np.array([3, 4, 5], np.int32), np.array([6, 7], np.int32), None)
+  logits = np.asarray(model(jax.numpy.asarray([[3, 4, 5, 6, 7]])))[0, -1]
+  p = np.exp(logits - logits.max())
+  p /= p.sum()
+  assert process.TokenProbPRM(model, good_id=9, bucket=8)(prefix) == pytest.approx(p[9], rel=1e-4)
+  assert process.TokenProbPRM(model, good_id=9, bad_id=10, bucket=8)(prefix) == pytest.approx(
+      p[9] / (p[9] + p[10]), rel=1e-4)
