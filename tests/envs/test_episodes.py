@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import ScriptedEnv
+from scripted_env import ScriptedEnv
 from tunixlike.rewards.envs import CalculatorEnv
 from tunixlike.sampler import PromptRequest
 from tunixlike.sampler.episodes import EpisodeConfig, EpisodeDriver

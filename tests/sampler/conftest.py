@@ -8,7 +8,7 @@ from flax import nnx
 from tunixlike import models
 from tunixlike.sampler import Engine, SamplerConfig
 
-VOCAB = 128
+from sampler_prompts import VOCAB
 
 
 @pytest.fixture(scope="session")
@@ -49,8 +49,3 @@ def make_engine(tiny_model, mesh_1x1):
     return cache[key]
 
   return make
-
-
-def random_prompts(n, lengths=(1, 3, 7, 12, 5, 16, 9, 2), seed=0):
-  rng = np.random.default_rng(seed)
-  return [rng.integers(0, VOCAB, size=lengths[i % len(lengths)]).astype(np.int32) for i in range(n)]

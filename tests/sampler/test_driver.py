@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import random_prompts
+from sampler_prompts import random_prompts
 from tunixlike.rollout import RolloutGroup
 from tunixlike.sampler import DriverError, PromptError, PromptRequest, RolloutDriver
 

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import VOCAB, random_prompts
+from sampler_prompts import VOCAB, random_prompts
 from tunixlike.sampler import Engine, PromptError, SamplerConfig, SamplingParams, process_logits, unpack_mask
 
 

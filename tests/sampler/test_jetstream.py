@@ -15,7 +15,7 @@ from jetstream.core import orchestrator  # noqa: E402
 from jetstream.core.proto import jetstream_pb2  # noqa: E402
 from jetstream.engine import engine_api  # noqa: E402
 
-from conftest import random_prompts  # noqa: E402
+from sampler_prompts import random_prompts  # noqa: E402
 from tunixlike.sampler import PromptRequest, RolloutDriver  # noqa: E402
 from tunixlike.sampler.jetstream_adapter import JetStreamEngine  # noqa: E402
 

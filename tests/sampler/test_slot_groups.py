@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import random_prompts
+from sampler_prompts import random_prompts
 from tunixlike.sampler import Engine, PromptRequest, RolloutDriver, SamplerConfig
 
 # Mixed lengths, so slots hold sequences at very different positions and the driver has to move some.
