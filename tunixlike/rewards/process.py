@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import queue
 import threading
 import time
@@ -28,6 +27,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from tunixlike import trace as trace_lib
+from tunixlike.rewards.safe import as_score
 from tunixlike.rollout import RolloutGroup
 
 _log = logging.getLogger(__name__)
@@ -168,16 +168,6 @@ class _Call:
     self.t_submit, self.t_start, self.t_end = time.perf_counter(), None, None
 
 
-def _as_score(value: Any) -> float | None:
-  if value is None or isinstance(value, (str, bytes)):
-    return None
-  try:
-    value = float(value)
-  except (TypeError, ValueError):
-    return None
-  return value if math.isfinite(value) else None
-
-
 class ProcessRewardScorer:
   """Runs a PRM on step prefixes in daemon worker threads; see the module docstring.
 
@@ -260,7 +250,7 @@ class ProcessRewardScorer:
         elif call.error is not None:
           _log.warning("process reward %s raised %r; the step scores 0", self.name, call.error)
         else:
-          score = _as_score(call.value)
+          score = as_score(call.value)
         failed += score is None
         ends.append(end)
         scores.append(0.0 if score is None else score)

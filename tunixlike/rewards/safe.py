@@ -40,8 +40,8 @@ class _Call:
     return not self._thread.is_alive()
 
 
-def _score(value: Any) -> float | None:
-  """A finite float, or None for None / NaN / inf / non-numbers."""
+def as_score(value: Any) -> float | None:
+  """A finite float, or None for None / NaN / inf / strings / non-numbers (a reward or PRM result)."""
   if value is None or isinstance(value, str):
     return None
   try:
@@ -88,7 +88,7 @@ class SafeReward:
       return self._fail(n, f"returned {type(values).__name__}, expected a list of {n} floats")
     if count != n:
       return self._fail(n, f"returned {count} values for {n} completions")
-    return self._collect([_score(v) for v in values])
+    return self._collect([as_score(v) for v in values])
 
   def _per_sample(self, prompts, completions, columns, deadline) -> tuple[list[float], int]:
     n = len(completions)
@@ -98,7 +98,7 @@ class SafeReward:
       ok = c.wait(deadline) and c.error is None
       result = c.result if ok else None
       single = result[0] if ok and isinstance(result, Sequence) and len(result) == 1 else None
-      scores.append(_score(single))
+      scores.append(as_score(single))
     return self._collect(scores)
 
   def _collect(self, scores: list[float | None]) -> tuple[list[float], int]:

@@ -476,6 +476,8 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
   finally:
     ckpt.close()
     parts.tracer.close()
+    if parts.process_scorer is not None:
+      parts.process_scorer.close()  # idle PRM workers exit; the final eval scores no process rewards
   acc_after = run_eval()
   say(f"held-out accuracy {acc_before:.3f} -> {acc_after:.3f} ({100 * (acc_after - acc_before):+.1f} points) "
       f"in {logger.elapsed_s:.0f} s; metrics in {logger.path}")
