@@ -36,6 +36,7 @@ setup(
             "datasets>=3.0",  # reading datasets saved with save_to_disk
             "pytest>=8",
             "pytest-timeout>=2.3",
+            "pytest-xdist>=3.6",  # the README's test command runs two test processes (-n 2)
             "chex>=0.1.90",
             "hypothesis>=6.100",
             "nbclient>=0.10",
