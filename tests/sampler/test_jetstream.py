@@ -4,14 +4,23 @@ Needs the optional extra (pip install -e ".[jetstream]"); skipped when JetStream
 """
 
 import asyncio
+import logging
 
 import jax
 import numpy as np
 import pytest
 
+_root_level, _root_handlers = logging.getLogger().level, list(logging.getLogger().handlers)
 pytest.importorskip("jetstream.core.orchestrator",
                     reason="google-jetstream not installed (optional extra: pip install -e '.[jetstream]')")
 from jetstream.core import orchestrator  # noqa: E402
+
+# Importing JetStream's orchestrator sets the root logger to DEBUG with a stdout handler: every later
+# test in this process would log each JAX compilation (and log to a closed stream at exit). Undo it.
+logging.getLogger().setLevel(_root_level)
+for _h in logging.getLogger().handlers[:]:
+  if _h not in _root_handlers:
+    logging.getLogger().removeHandler(_h)
 from jetstream.core.proto import jetstream_pb2  # noqa: E402
 from jetstream.engine import engine_api  # noqa: E402
 
@@ -41,12 +50,14 @@ def _jetstream_decode(js_engine, params, prompts, timeout_s=300):
     return out
 
   async def everything():  # all at once: more prompts than slots, so slots are refilled
-    return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout_s)
+    try:
+      return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout_s)
+    finally:
+      # Stop JetStream's threads while the event loop still runs: a detokenize thread that posts a
+      # last result to a closed loop raises, and JetStream then SIGKILLs the whole process.
+      await asyncio.get_running_loop().run_in_executor(None, driver.stop)
 
-  try:
-    return asyncio.run(everything())
-  finally:
-    driver.stop()
+  return asyncio.run(everything())
 
 
 def test_adapter_is_a_jetstream_engine(make_engine):
