@@ -57,3 +57,11 @@ def test_combined_reward_reports_failures_per_function():
   assert total.tolist() == [1.0, 0.0]
   assert metrics["rewards/test_always_raises/failures"] == 2.0
   assert metrics["rewards/exact_match/failures"] == 0.0
+
+
+def test_as_score_accepts_finite_numbers_only():
+  """One rule for reward values and PRM results: text (str or bytes) is never parsed as a number."""
+  from tunixlike.rewards.safe import as_score
+  assert as_score(1) == 1.0 and as_score(0.25) == 0.25 and as_score(True) == 1.0
+  for bad in (None, "1.0", b"1.0", float("nan"), float("inf"), [1.0], object()):
+    assert as_score(bad) is None, bad

@@ -41,8 +41,8 @@ class _Call:
 
 
 def as_score(value: Any) -> float | None:
-  """A finite float, or None for None / NaN / inf / strings / non-numbers (a reward or PRM result)."""
-  if value is None or isinstance(value, str):
+  """A finite float, or None for None / NaN / inf / text / non-numbers (a reward or PRM result)."""
+  if value is None or isinstance(value, (str, bytes)):  # float("1") would accept text
     return None
   try:
     value = float(value)
