@@ -5,9 +5,12 @@
 Prints one JSON object. Model: a random Qwen2-architecture checkpoint written by transformers
 (4 layers, hidden 256, ffn 1024, 4 heads, 2 KV heads, vocab 512, fp32), loaded by both systems.
 (a) Fixed workload: 16 prompts of 32 tokens, 128 new tokens each, temperature 1, no early stop.
-(b) Long-tailed workload: 64 prompts whose completions end at lengths spread evenly over
-    [8, 512] (per-request length limits, shuffled): continuous batching (a slot is refilled as
-    soon as its sequence ends) vs static batching (each batch of `slots` waits for its longest).
+(b) Long-tailed workload: 64 prompts whose completions end at lengths spread over [8, 512]
+    (per-request length limits, shuffled): continuous batching (a slot is refilled as soon as its
+    sequence ends) vs static batching (each batch of `slots` waits for its longest). The headline
+    spread is geometric (as many completions in 8-16 tokens as in 256-512: most short, a long tail,
+    like RL rollouts); `even_spread` repeats the comparison with lengths spread evenly, where a
+    quarter of the completions are over 380 tokens.
 Each figure is the median of `repeats` timed runs (all runs are listed, and the load average)
 after a warm-up run that compiles every program. Both modes use the same engine, including its slot
 groups (`--slot-groups`: per-group attention windows, long sequences kept together).
@@ -84,6 +87,38 @@ def run_transformers(model, prompts, new_tokens: int):
   return len(prompts) * new_tokens / dt
 
 
+def continuous_vs_static(engine, params, prompts, limits, a) -> dict:
+  """Paired runs of the same requests with continuous and with static batching."""
+  # Warm-up of both modes, so neither timed run pays for a compilation (window sizes, resizes).
+  run_tunixlike(engine, params, prompts, limits, static=False)
+  run_tunixlike(engine, params, prompts, limits, static=True)
+  compiled = dict(engine.trace_counts)
+  cont, stat, occ = [], [], []
+  for _ in range(a.repeats):
+    tok_s, cont_stats = run_tunixlike(engine, params, prompts, limits, static=False)
+    cont.append(tok_s)
+    occ.append(cont_stats.slot_occupancy)
+    tok_s, static_stats = run_tunixlike(engine, params, prompts, limits, static=True)
+    stat.append(tok_s)
+  # A timed run that compiled would bias the comparison: fail loudly instead.
+  assert engine.trace_counts == compiled, (compiled, engine.trace_counts)
+  steps = dict(continuous=cont_stats.generate_calls * a.steps_per_call,
+               static=static_stats.generate_calls * a.steps_per_call)
+  ratios = [c / s for c, s in zip(cont, stat)]  # each continuous run vs the static run right after it
+  return dict(
+      continuous_tok_s=round(float(np.median(cont)), 1), static_tok_s=round(float(np.median(stat)), 1),
+      # Median of paired runs (a continuous run and the static run right after it see similar load).
+      continuous_vs_static=round(float(np.median(ratios)), 3),
+      continuous_vs_static_runs=[round(r, 3) for r in ratios],
+      slot_occupancy=round(float(np.median(occ)), 3),
+      static_slot_occupancy=round(static_stats.slot_occupancy, 3),
+      decode_steps=steps, step_ratio=round(steps["static"] / steps["continuous"], 3),
+      moves_between_slot_groups=cont_stats.moves,
+      length_limits=dict(median=int(np.median(limits)), mean=round(float(np.mean(limits)), 1),
+                         tokens=int(np.sum(limits))),
+      runs=dict(continuous_tok_s=[round(x) for x in cont], static_tok_s=[round(x) for x in stat]))
+
+
 def main():
   a = ARGS
   batch, new_tokens, n_long, max_long = (16, 128, 64, 512) if not a.quick else (8, 32, 16, 64)
@@ -113,49 +148,28 @@ def main():
   run_tunixlike(engine, params, prompts_a[:a.slots], limits_a[:a.slots], static=True)  # warm-up
   run_transformers(hf_model, prompts_a, new_tokens)
   ours_a, theirs_a = [], []
+  load_before = os.getloadavg()[0]
   for _ in range(a.repeats):  # interleaved, so load from other processes hits both alike
     ours_a.append(run_tunixlike(engine, params, prompts_a, limits_a, static=True)[0])
     theirs_a.append(run_transformers(hf_model, prompts_a, new_tokens))
 
-  # (b) long-tailed workload
+  # (b) long-tailed workload, under two spreads of the length limits over [8, max_long]
   prompts_b = [rng.integers(0, SIZES["vocab_size"], size=PROMPT_LEN).astype(np.int32) for _ in range(n_long)]
-  limits_b = np.round(np.linspace(8, max_long, n_long)).astype(int)
-  rng.shuffle(limits_b)
-  # Warm-up of both modes, so neither timed run pays for a compilation (window sizes, resizes).
-  run_tunixlike(engine, params, prompts_b, limits_b, static=False)
-  run_tunixlike(engine, params, prompts_b, limits_b, static=True)
-  compiled = dict(engine.trace_counts)
-  cont, stat, occ = [], [], []
-  load_before = os.getloadavg()[0]
-  for _ in range(a.repeats):
-    tok_s, stats = run_tunixlike(engine, params, prompts_b, limits_b, static=False)
-    cont.append(tok_s)
-    occ.append(stats.slot_occupancy)
-    cont_stats = stats
-    tok_s, stats = run_tunixlike(engine, params, prompts_b, limits_b, static=True)
-    stat.append(tok_s)
-    static_occ, static_stats = stats.slot_occupancy, stats
-  steps = dict(continuous=cont_stats.generate_calls * a.steps_per_call,
-               static=static_stats.generate_calls * a.steps_per_call)
-
-  # A timed run that compiled would bias the comparison: fail loudly instead.
-  assert engine.trace_counts == compiled, (compiled, engine.trace_counts)
-  med = dict(tunixlike_tok_s=float(np.median(ours_a)), transformers_tok_s=float(np.median(theirs_a)),
-             continuous_tok_s=float(np.median(cont)), static_tok_s=float(np.median(stat)))
-  ratios = [c / s for c, s in zip(cont, stat)]  # each continuous run vs the static run right after it
+  spreads = {}
+  for name, spread in (("geometric", np.geomspace), ("even", np.linspace)):
+    limits_b = np.round(spread(8, max_long, n_long)).astype(int)
+    rng.shuffle(limits_b)
+    spreads[name] = continuous_vs_static(engine, params, prompts_b, limits_b, a)
+  long_tail = spreads["geometric"]
+  med = dict(tunixlike_tok_s=float(np.median(ours_a)), transformers_tok_s=float(np.median(theirs_a)))
   print(json.dumps(dict(
       **{k: round(v, 1) for k, v in med.items()},
       speedup_vs_transformers=round(med["tunixlike_tok_s"] / med["transformers_tok_s"], 3),
-      # Median of paired runs (a continuous run and the static run right after it see similar load).
-      continuous_vs_static=round(float(np.median(ratios)), 3),
-      continuous_vs_static_runs=[round(r, 3) for r in ratios],
-      slot_occupancy=round(float(np.median(occ)), 3),
-      static_slot_occupancy=round(static_occ, 3),
-      decode_steps=steps, step_ratio=round(steps["static"] / steps["continuous"], 3),
-      moves_between_slot_groups=cont_stats.moves,
+      **{k: v for k, v in long_tail.items() if k != "runs"},
+      even_spread=spreads["even"],
       load_average=[round(load_before, 2), round(os.getloadavg()[0], 2)],
       runs=dict(tunixlike_tok_s=[round(x) for x in ours_a], transformers_tok_s=[round(x) for x in theirs_a],
-                continuous_tok_s=[round(x) for x in cont], static_tok_s=[round(x) for x in stat]),
+                **long_tail["runs"]),
       setup=dict(devices=a.devices, mesh="replica=%d x tensor=1" % a.devices, slots=a.slots,
                  sharding="decode slots split over 'replica' (data parallel), weights replicated",
                  static_baseline="same engine and steps_per_call; all slots filled, refilled only "
@@ -163,7 +177,7 @@ def main():
                  steps_per_call=a.steps_per_call, attend_bucket=a.attend_bucket, slot_groups=a.slot_groups,
                  batch_a=batch, figures="median of repeats",
                  prompt_tokens=PROMPT_LEN, new_tokens_a=new_tokens, prompts_b=n_long,
-                 lengths_b=[8, max_long], torch_threads=torch.get_num_threads(), jax=jax.__version__,
+                 lengths_b=[8, max_long], spread_b="geometric (headline) and even", torch_threads=torch.get_num_threads(), jax=jax.__version__,
                  transformers=transformers.__version__, quick=a.quick),
       logits_max_abs_diff=logits_diff,
   )))

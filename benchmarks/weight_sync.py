@@ -11,7 +11,10 @@ sampler layouts:
   * `tensor`: sampler_tensor=4: one copy split over the 4 sampler devices (model bytes delivered).
 The floor is `np.copyto` of the same bytes into a preallocated buffer in the same run, both of the
 model's bytes and of the bytes the sync delivers. LoRA-only sync (rank 8, all projections) moves
-`adapter_params` only. Alternatives to the library's one-call `device_put` are timed too, to say
+`adapter_params` only, as the runtime does (`PolicyLearner.sampler_weights`): packed into one
+buffer on the learner, one transfer, kept packed on the sampler (`keep_packed=True`; the engine
+splits it inside its own programs); `lora_sync_unpacked_ms` adds the separate unpack.
+Alternatives to the library's one-call `device_put` are timed too, to say
 which change to weight_sync.py would be fastest: per-leaf device_put, an explicit host round trip
 (device_get + device_put), and a two-step reshard (jit all-gather on the learner devices into the
 sampler's layout, then a same-layout device-to-device copy).
@@ -176,7 +179,8 @@ def bench_layout(sampler_tensor: int, sizes, repeats: int, warmup: int) -> dict:
   adapters = lora_lib.adapter_params(model)
   lora_targets = models.state_shardings(adapters, meshes.sampler, mesh_lib.SAMPLER_RULES)
   lora_fresh = Fresh(adapters)
-  lora = timed(lambda t: weight_sync.sync(t, lora_targets)[0], lora_fresh, repeats, warmup)
+  lora = timed(lambda t: weight_sync.sync(t, lora_targets, keep_packed=True)[0], lora_fresh, repeats, warmup)
+  lora_unpacked = timed(lambda t: weight_sync.sync(t, lora_targets)[0], lora_fresh, repeats, warmup)
   lora_bytes = sum(x.nbytes for x in jax.tree.leaves(adapters))
   return {
       "sampler_mesh": dict(meshes.sampler.shape), "learner_mesh": dict(meshes.learner.shape),
@@ -188,6 +192,8 @@ def bench_layout(sampler_tensor: int, sizes, repeats: int, warmup: int) -> dict:
       "sync_GBps_delivered": out_bytes / full / 1e6, "memcpy_GBps": model_bytes / mem_model / 1e6,
       "lora_rank": LORA_RANK, "lora_bytes": int(lora_bytes), "lora_sync_ms": lora["median_ms"],
       "full_vs_lora": full / lora["median_ms"],
+      # The same sync split back into arrays on the sampler (a third dispatch the runtime skips).
+      "lora_sync_unpacked_ms": lora_unpacked["median_ms"],
       "methods_ms": times,
   }
 
@@ -205,7 +211,8 @@ def lora_vs_full(sizes, repeats: int, warmup: int) -> dict:
                       rules=mesh_lib.LEARNER_RULES)
   adapters = lora_lib.adapter_params(model)
   lora_targets = models.state_shardings(adapters, meshes.sampler, mesh_lib.SAMPLER_RULES)
-  lora = timed(lambda t: weight_sync.sync(t, lora_targets)[0], Fresh(adapters), repeats, warmup)["median_ms"]
+  lora = timed(lambda t: weight_sync.sync(t, lora_targets, keep_packed=True)[0], Fresh(adapters), repeats,
+               warmup)["median_ms"]
   return {"model_mb": model_bytes / 2**20, "lora_mb": sum(x.nbytes for x in jax.tree.leaves(adapters)) / 2**20,
           "full_sync_ms": full, "lora_sync_ms": lora, "full_vs_lora": full / lora}
 

@@ -77,12 +77,13 @@ def test_merge_folds_adapters_into_the_base():
   assert {p for p, _ in nnx.to_flat_state(nnx.state(merged))} == plain_paths
 
 
-def test_adapters_shard_like_their_kernels():
+def test_adapters_are_replicated_beside_sharded_kernels():
   mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tensor"))
   rules = (("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"))
   model = models.create_sharded(CFG, mesh, rules, seed=0)
   lora.apply_lora(model, lora.LoRAConfig(rank=4), mesh=mesh, rules=rules)
   q = model.layers[0].attn.q_proj
-  assert q.lora.lora_a.get_value().sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
-  assert q.lora.lora_b.get_value().sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
+  assert q.kernel.get_value().sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+  assert q.lora.lora_a.get_value().sharding.is_fully_replicated
+  assert q.lora.lora_b.get_value().sharding.is_fully_replicated
   assert model(TOKENS).shape == (2, 7, 128)

@@ -1,4 +1,5 @@
-"""Weight sync lands every array, unchanged, on its sampler sharding (full and packed LoRA paths)."""
+"""Weight sync lands every array, unchanged, on its sampler sharding (full and packed LoRA paths);
+adapters kept packed on the sampler decode exactly like unpacked ones."""
 
 import jax
 import numpy as np
@@ -7,6 +8,7 @@ from flax import nnx
 from tunixlike import mesh as mesh_lib, models
 from tunixlike.models import lora as lora_lib
 from tunixlike.rl import weight_sync
+from tunixlike.sampler import Engine, SamplerConfig, params as params_lib
 
 
 def _check(synced, source, targets):
@@ -29,8 +31,59 @@ def test_full_and_lora_sync_from_learner_to_sampler_shardings():
   _check(synced, full, full_targets)
   assert ms > 0
   lora_targets = models.state_shardings(adapters, meshes.sampler, mesh_lib.SAMPLER_RULES)
-  assert weight_sync._packable(adapters, lora_targets)  # the packed path is the one under test
+  assert weight_sync._packable(jax.tree.leaves(adapters), jax.tree.leaves(lora_targets))  # the packed path is the one under test
   synced, _ = weight_sync.sync(adapters, lora_targets)
   _check(synced, adapters, lora_targets)
   cast, _ = weight_sync.sync(adapters, lora_targets, dtype="bfloat16")
   assert {x.dtype for x in jax.tree.leaves(cast)} == {np.dtype("bfloat16")}
+  # Sharded sources (not how the learner keeps adapters) are gathered while packing.
+  fsdp = jax.sharding.NamedSharding(meshes.learner, jax.sharding.PartitionSpec("fsdp"))
+  sharded = jax.tree.map(lambda x: jax.device_put(x, fsdp), adapters)
+  assert not any(x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded))
+  synced, _ = weight_sync.sync(sharded, lora_targets)
+  _check(synced, adapters, lora_targets)
+
+
+def _greedy(engine, params, prompts):
+  state = engine.init_decode_state()
+  for i, p in enumerate(prompts):
+    state = engine.insert(engine.prefill(params, p), state, i)
+  toks, lps = [], []
+  for _ in range(3):
+    state, res = engine.generate(params, state)
+    toks.append(np.asarray(res.tokens_ks))
+    lps.append(np.asarray(res.logprobs_ks))
+  return np.concatenate(toks), np.concatenate(lps)
+
+
+def test_lora_adapters_kept_packed_decode_like_unpacked():
+  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=2)
+  model = models.create_sharded(models.tiny_config(), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
+  lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=4), seed=0, mesh=meshes.learner,
+                      rules=mesh_lib.LEARNER_RULES)
+  adapters = lora_lib.adapter_params(model)
+  # Replicated on the learner, so packing for sync needs no gather.
+  assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(adapters))
+  adapters = jax.tree.map(lambda x: x + jax.numpy.asarray(np.random.default_rng(x.size).normal(size=x.shape) * 0.3,
+                                                          x.dtype), adapters)  # B non-zero: the adapters matter
+  engine = Engine(model, SamplerConfig(max_prefill_length=8, max_new_tokens=9, max_concurrent_decodes=4,
+                                       steps_per_call=3, temperature=0.0), meshes.sampler)
+  base = engine.load_params()
+  shardings = weight_sync.subtree_like(engine.param_shardings, adapters)
+  packed, _ = weight_sync.sync(adapters, shardings, keep_packed=True)
+  assert isinstance(packed, params_lib.Packed) and packed.flat.sharding.mesh == meshes.sampler
+  jax.tree.map(np.testing.assert_array_equal, packed.unpack(), adapters)
+  with_packed = weight_sync.replace_leaves(base, packed)
+  assert isinstance(with_packed, params_lib.WithAdapters)
+  unpacked, _ = weight_sync.sync(adapters, shardings)
+  plain = weight_sync.replace_leaves(base, unpacked)
+  prompts = [np.array([1, 2, 3, 4, 5]), np.array([7, 8, 9]), np.array([3, 1, 4, 1, 5, 9]), np.array([2, 7])]
+  toks, lps = _greedy(engine, with_packed, prompts)
+  want_toks, want_lps = _greedy(engine, plain, prompts)
+  base_toks, _ = _greedy(engine, base, prompts)
+  np.testing.assert_array_equal(toks, want_toks)
+  np.testing.assert_allclose(lps, want_lps, atol=1e-6)
+  assert (toks != base_toks).any()  # the synced adapters changed what the sampler decodes
+  # A second packed sync replaces the first (its base is kept, not nested).
+  again = weight_sync.replace_leaves(with_packed, packed)
+  assert again.base is base

@@ -8,7 +8,8 @@ at zero, so a freshly adapted model computes exactly the base model.
 `apply_lora` swaps each targeted `nnx.Linear` for a `LoRALinear` that *adopts* the original kernel
 and bias Variables: parameter paths (`layers/0/attn/q_proj/kernel`), values and sharding stay as
 they were, and the adapters appear beside them (`.../q_proj/lora/lora_a`). Adapters are
-`nnx.LoRAParam`, so filtering on that type selects exactly what trains and what syncs.
+`nnx.LoRAParam`, so filtering on that type selects exactly what trains and what syncs. They are
+replicated, not sharded like their kernels: see `LoRALinear`.
 """
 
 from __future__ import annotations
@@ -55,12 +56,13 @@ class LoRALinear(nnx.Linear):
     for name in ("in_features", "out_features", "use_bias", "dtype", "param_dtype", "precision",
                  "dot_general", "promote_dtype", "preferred_element_type"):
       setattr(self, name, getattr(base, name))
-    axes = base.kernel.get_metadata().get("out_sharding") or (None, None)
-    # A shares the kernel's input axis, B its output axis: the adapter shards like its kernel.
+    # Adapters are replicated on every device: they are small (rank x (in + out) per projection),
+    # and a replicated copy lets weight sync pack them with no gather (on CPU an all-gather of the
+    # FSDP-sharded adapters cost 4x the transfer itself).
     self.lora = nnx.LoRA(self.in_features, rank, self.out_features, dtype=self.dtype,
                          param_dtype=self.param_dtype, rngs=rngs,
-                         a_metadata={"out_sharding": (axes[0], None), "eager_sharding": False},
-                         b_metadata={"out_sharding": (None, axes[1]), "eager_sharding": False})
+                         a_metadata={"out_sharding": (None, None), "eager_sharding": False},
+                         b_metadata={"out_sharding": (None, None), "eager_sharding": False})
     self.scale = float(alpha) / rank
 
   def __call__(self, x, out_sharding=None):

@@ -4,7 +4,9 @@ One device_put over the whole pytree moves every array to its sampler sharding i
 runtime batches the transfers: no per-parameter round-trips, the overhead FIELD.md warns about).
 An optional dtype cast (e.g. a bf16 sampler) happens on the learner devices first so that half the
 bytes cross. LoRA-only sync passes just the adapter pytree, packed into one buffer (many small
-arrays would each pay a fixed per-transfer cost). Every sync is timed.
+arrays would each pay a fixed per-transfer cost); with `keep_packed` it stays one buffer on the
+sampler (`sampler.params.Packed`), and the engine splits it inside its own jitted programs, which
+saves the dispatch of a separate unpack program. Every sync is timed.
 
 Several processes (multi-controller JAX, no Pathways) refuse a device_put between different device
 sets across hosts. There the learner arrays span every host and each host's sampler mesh is local
@@ -24,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tunixlike.sampler import params as params_lib
+
 
 @functools.partial(jax.jit, static_argnums=1)
 def _cast_floats(tree: Any, dtype: str) -> Any:
@@ -39,22 +43,29 @@ DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 def spans_processes(tree: Any) -> bool:
   """True if any array of `tree` has shards on other processes (multi-controller learner params)."""
-  return any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in jax.tree.leaves(tree))
+  return _spans_processes(jax.tree.leaves(tree))
+
+
+def _spans_processes(leaves) -> bool:
+  return any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)
 
 
 def sync(tree: Any, shardings: Any, *, dtype=None, block: bool = True,
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[Any, float]:
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, keep_packed: bool = False) -> tuple[Any, float]:
   """Returns (the tree on the sampler shardings, milliseconds taken).
 
   `block=True` waits for the copy: the learner's next step donates its buffers, and the time
   measured is then the real transfer time, not the dispatch time. `bucket_bytes` bounds the
-  all-gathered bytes held at once on several hosts (unused on one).
+  all-gathered bytes held at once on several hosts (unused on one). With `keep_packed`, a tree
+  that takes the packed path comes back as a `Packed` buffer replicated on the sampler mesh
+  (`Packed.unpack()` gives the tree; `Engine` accepts it inside `WithAdapters`).
   """
   start = time.perf_counter()
-  if spans_processes(tree):
+  leaves, treedef = jax.tree.flatten(tree)  # once: flattening an nnx State is slow next to a LoRA sync
+  if _spans_processes(leaves):
     out = _sync_across_hosts(tree, shardings, dtype, bucket_bytes, block)
-  elif _packable(tree, shardings):
-    out = _sync_packed(_cast(tree, dtype), shardings)
+  elif _packable(leaves, targets := treedef.flatten_up_to(shardings)):
+    out = _sync_packed(_cast(leaves, dtype), treedef, targets, keep_packed)
   else:
     out = jax.device_put(_cast(tree, dtype), shardings)
   if block:
@@ -72,11 +83,9 @@ def _mesh_of(sharding):
   return getattr(sharding, "mesh", None)
 
 
-def _packable(tree: Any, shardings: Any) -> bool:
-  leaves = jax.tree.leaves(tree)
+def _packable(leaves: list, targets: list) -> bool:
   if len(leaves) < PACK_MIN_LEAVES or sum(x.nbytes for x in leaves) > PACK_MAX_BYTES:
     return False
-  targets = jax.tree.leaves(shardings)
   sources = [getattr(x, "sharding", None) for x in leaves]
   return (len({x.dtype for x in leaves}) == 1 and None not in {_mesh_of(t) for t in sources + targets}
           and len({_mesh_of(t) for t in sources}) == 1 and len({_mesh_of(t) for t in targets}) == 1)
@@ -85,6 +94,11 @@ def _packable(tree: Any, shardings: Any) -> bool:
 @functools.lru_cache(maxsize=32)
 def _packer(out_sharding):
   return jax.jit(lambda xs: jnp.concatenate([x.reshape(-1) for x in xs]), out_shardings=out_sharding)
+
+
+# Replicated sources are packed on one of their devices: the same program on every device of the
+# learner mesh would write the buffer once per device.
+_pack_one_device = jax.jit(lambda xs: jnp.concatenate([x.reshape(-1) for x in xs]))
 
 
 @functools.lru_cache(maxsize=32)
@@ -99,14 +113,19 @@ def _unpacker(shapes: tuple, out_shardings: tuple):
   return jax.jit(unpack, out_shardings=list(out_shardings))
 
 
-def _sync_packed(tree: Any, shardings: Any) -> Any:
-  """Concatenate on the learner, one transfer, split on the sampler (three dispatches in all)."""
-  leaves, treedef = jax.tree.flatten(tree)
-  targets = tuple(treedef.flatten_up_to(shardings))
+def _sync_packed(leaves: list, treedef, targets: list, keep_packed: bool) -> Any:
+  """Concatenate on the learner, one transfer, then split on the sampler unless `keep_packed`
+  (three dispatches, or two). The learner keeps LoRA adapters replicated (`models.lora`), so the
+  concatenation gathers nothing and runs on one device."""
   replicated = jax.sharding.PartitionSpec()
-  flat = _packer(jax.sharding.NamedSharding(_mesh_of(leaves[0].sharding), replicated))(leaves)
+  if all(x.sharding.is_fully_replicated for x in leaves):
+    flat = _pack_one_device([x.addressable_data(0) for x in leaves])
+  else:  # sharded sources: gather while concatenating
+    flat = _packer(jax.sharding.NamedSharding(_mesh_of(leaves[0].sharding), replicated))(leaves)
   flat = jax.device_put(flat, jax.sharding.NamedSharding(_mesh_of(targets[0]), replicated))
-  out = _unpacker(tuple(x.shape for x in leaves), targets)(flat)
+  if keep_packed:
+    return params_lib.Packed(flat, treedef, tuple(x.shape for x in leaves))
+  out = _unpacker(tuple(x.shape for x in leaves), tuple(targets))(flat)
   return jax.tree.unflatten(treedef, out)
 
 
@@ -169,6 +188,11 @@ def subtree_like(full: Any, part: Any) -> Any:
 
 
 def replace_leaves(full: Any, part: Any) -> Any:
-  """`full` with the entries at `part`'s paths replaced (LoRA sync: new adapters, same base)."""
+  """`full` with the entries at `part`'s paths replaced (LoRA sync: new adapters, same base).
+  A `Packed` part stays packed: the engine merges it inside its programs."""
+  if isinstance(full, params_lib.WithAdapters):
+    full = full.base
+  if isinstance(part, params_lib.Packed):
+    return params_lib.WithAdapters(full, part)
   from flax import nnx
   return nnx.merge_state(full, part)

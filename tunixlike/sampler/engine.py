@@ -47,10 +47,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tunixlike import mesh as mesh_lib
 from tunixlike.models import kv_cache as kv_cache_lib
 from tunixlike.models import sharding as sharding_lib
+from tunixlike.sampler import params as params_lib
 from tunixlike.sampler import sampling
 from tunixlike.sampler.config import SamplerConfig
 
-Params = Any  # nnx.State of the model
+Params = Any  # nnx.State of the model, or params.WithAdapters (LoRA adapters still packed from a sync)
 
 
 class PromptError(ValueError):
@@ -428,7 +429,7 @@ class Engine:
 
   def _prefill_impl(self, params, tokens_1t, lengths_1, *, bucket):
     self.trace_counts["prefill"] += 1
-    model = nnx.merge(self._graphdef, params)
+    model = nnx.merge(self._graphdef, params_lib.materialize(params))
     cache = self._empty_cache(1, bucket)
     if not self.config.record_routing:
       return model.prefill(tokens_1t, cache, lengths_1)[1], None
@@ -482,7 +483,7 @@ class Engine:
 
   def _generate_impl(self, params, arrays):
     self.trace_counts["generate"] += 1
-    model = nnx.merge(self._graphdef, params)
+    model = nnx.merge(self._graphdef, params_lib.materialize(params))
     sp, record = self._sampling, self.config.record_sampling_mask
     record_routing = self.config.record_routing
     eos = jnp.asarray(self._eos_ids)
