@@ -91,26 +91,23 @@ def _packable(leaves: list, targets: list) -> bool:
           and len({_mesh_of(t) for t in sources}) == 1 and len({_mesh_of(t) for t in targets}) == 1)
 
 
+def _concat(xs):
+  return jnp.concatenate([x.reshape(-1) for x in xs])
+
+
 @functools.lru_cache(maxsize=32)
 def _packer(out_sharding):
-  return jax.jit(lambda xs: jnp.concatenate([x.reshape(-1) for x in xs]), out_shardings=out_sharding)
+  return jax.jit(_concat, out_shardings=out_sharding)
 
 
 # Replicated sources are packed on one of their devices: the same program on every device of the
 # learner mesh would write the buffer once per device.
-_pack_one_device = jax.jit(lambda xs: jnp.concatenate([x.reshape(-1) for x in xs]))
+_pack_one_device = jax.jit(_concat)
 
 
 @functools.lru_cache(maxsize=32)
-def _unpacker(shapes: tuple, out_shardings: tuple):
-  def unpack(flat):
-    out, start = [], 0
-    for shape in shapes:
-      size = int(np.prod(shape))
-      out.append(flat[start:start + size].reshape(shape))
-      start += size
-    return out
-  return jax.jit(unpack, out_shardings=list(out_shardings))
+def _unpacker(treedef, targets: tuple):
+  return jax.jit(params_lib.Packed.unpack, out_shardings=jax.tree.unflatten(treedef, list(targets)))
 
 
 def _sync_packed(leaves: list, treedef, targets: list, keep_packed: bool) -> Any:
@@ -123,10 +120,8 @@ def _sync_packed(leaves: list, treedef, targets: list, keep_packed: bool) -> Any
   else:  # sharded sources: gather while concatenating
     flat = _packer(jax.sharding.NamedSharding(_mesh_of(leaves[0].sharding), replicated))(leaves)
   flat = jax.device_put(flat, jax.sharding.NamedSharding(_mesh_of(targets[0]), replicated))
-  if keep_packed:
-    return params_lib.Packed(flat, treedef, tuple(x.shape for x in leaves))
-  out = _unpacker(tuple(x.shape for x in leaves), tuple(targets))(flat)
-  return jax.tree.unflatten(treedef, out)
+  packed = params_lib.Packed(flat, treedef, tuple(x.shape for x in leaves))
+  return packed if keep_packed else _unpacker(treedef, tuple(targets))(packed)
 
 
 def buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
