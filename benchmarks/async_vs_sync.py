@@ -45,7 +45,7 @@ def _parse(argv=None):
   p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 12; quick 3)")
   p.add_argument("--skip-steps", type=int, default=None, help="steps excluded from timing (compilation)")
   p.add_argument("--final-steps", type=int, default=4, help="steps averaged for the final reward")
-  p.add_argument("--async-staleness", type=int, default=1, help="rl.max_staleness of the async mode")
+  p.add_argument("--async-staleness", type=int, default=2, help="rl.max_staleness of the async mode (the targets allow <= 2)")
   p.add_argument("--workloads", default="long_tail,slow_reward")
   return p.parse_args(argv)
 

@@ -140,3 +140,29 @@ def test_bad_config_gets_clear_errors(tiny_model):
     SamplerConfig(max_new_tokens=0)
   with pytest.raises(ValueError, match="top_p"):
     SamplerConfig(top_p=2.0)
+
+
+def test_bulk_insert_equals_inserting_one_by_one(make_engine):
+  """A group's samples inserted in one call (a chunk of 2 and a padded one here) decode exactly as if
+  inserted one at a time, each with its own key."""
+  engine = make_engine(temperature=1.0, group_size=2)
+  params = engine.load_params()
+  prefix = engine.prefill(params, random_prompts(1, lengths=(7,), seed=3)[0])
+  keys = [jax.random.key_data(jax.random.PRNGKey(i)) for i in (5, 6, 7)]
+  slots = [3, 0, 2]
+  bulk = engine.bulk_insert(prefix, engine.init_decode_state(), slots, keys=keys, max_new_tokens=9)
+  one = engine.init_decode_state()
+  for slot, key in zip(slots, keys):
+    one = engine.insert(prefix, one, slot, key=key, max_new_tokens=9)
+  np.testing.assert_array_equal(bulk.host_live, one.host_live)
+  np.testing.assert_array_equal(bulk.host_positions, one.host_positions)
+  for _ in range(3):
+    bulk, got = engine.generate(params, bulk)
+    one, want = engine.generate(params, one)
+    np.testing.assert_array_equal(got.tokens_ks, want.tokens_ks)
+    np.testing.assert_array_equal(got.logprobs_ks, want.logprobs_ks)
+    np.testing.assert_array_equal(got.valid_ks, want.valid_ks)
+  assert np.asarray(got.valid_ks)[:, slots].all() and not np.asarray(got.valid_ks)[:, 1].any()
+  assert len({tuple(np.asarray(got.tokens_ks)[:, s]) for s in slots}) == 3  # own keys: different samples
+  with pytest.raises(ValueError, match="distinct slots"):
+    engine.bulk_insert(prefix, engine.init_decode_state(), [1, 1], keys=keys[:2])

@@ -17,12 +17,14 @@ Every wait is bounded; an error in the loop is kept and re-raised by `join` / `c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tunixlike import trace as trace_lib
@@ -48,6 +50,7 @@ class _Group:
   prompt_ids: np.ndarray  # after truncation
   completions: list[Completion | None]
   started: int = 0  # samples inserted so far
+  keys: np.ndarray | None = None  # [group_size, 2] noise keys of its samples (made when first inserted)
 
 
 @dataclasses.dataclass
@@ -93,10 +96,12 @@ class DriverError(RuntimeError):
   pass
 
 
-@jax.jit
-def _sample_key(base, group_seq, sample_index):
-  """Noise key of one completion: depends on its group's start order and index, not on its slot."""
-  return jax.random.fold_in(jax.random.fold_in(base, group_seq), sample_index)
+@functools.partial(jax.jit, static_argnums=2)
+def _sample_keys(base, group_seq, group_size: int):
+  """Noise keys of a group's completions: each depends on the group's start order and the sample's
+  index, not on its slot."""
+  group_key = jax.random.fold_in(base, group_seq)
+  return jax.vmap(lambda i: jax.random.fold_in(group_key, i))(jnp.arange(group_size))
 
 
 class RolloutDriver:
@@ -272,21 +277,28 @@ class RolloutDriver:
         self.stats.prefills += 1
       g = group.started
       limit = group.request.max_new_tokens or self.config.max_new_tokens
+      if group.keys is None:
+        group.keys = np.asarray(_sample_keys(self._base_key, group.seq, self.config.group_size))
       t0 = time.perf_counter()
-      # Slot groups: the engine may first move a live sequence so that long ones stay together.
-      slot, move = self.engine.plan_insert(self._state, free)
-      if move is not None:
-        src, dst = move
-        self._state = self.engine.move(self._state, src, dst)
-        self._slots[dst], self._slots[src] = self._slots[src], None
-        self.stats.moves += 1
-      free.remove(dst if move is not None else slot)
-      key = _sample_key(self._base_key, group.seq, g)
-      self._state = self.engine.insert(self._pending_prefix, self._state, slot, key=key,
-                                       max_new_tokens=limit)
+      if self.engine.config.slot_groups == 1:  # as many samples as there are free slots, in one call
+        slots = free[:self.config.group_size - g]
+        del free[:len(slots)]
+      else:  # slot groups: the engine may first move a live sequence so that long ones stay together
+        slot, move = self.engine.plan_insert(self._state, free)
+        if move is not None:
+          src, dst = move
+          self._state = self.engine.move(self._state, src, dst)
+          self._slots[dst], self._slots[src] = self._slots[src], None
+          self.stats.moves += 1
+        free.remove(dst if move is not None else slot)
+        slots = [slot]
+      self._state = self.engine.bulk_insert(self._pending_prefix, self._state, slots,
+                                            keys=group.keys[g:g + len(slots)], max_new_tokens=limit)
       self.stats.busy_time_s += time.perf_counter() - t0
-      self._slots[slot] = _Slot(group=group, index=g, max_new=limit, prompt_routing=self._pending_prefix.routing)
-      group.started += 1
+      for i, slot in enumerate(slots):
+        self._slots[slot] = _Slot(group=group, index=g + i, max_new=limit,
+                                  prompt_routing=self._pending_prefix.routing)
+      group.started += len(slots)
       if group.started == self.config.group_size:
         self._pending_group, self._pending_prefix = None, None
 

@@ -51,6 +51,13 @@ from tunixlike.sampler import params as params_lib
 from tunixlike.sampler import sampling
 from tunixlike.sampler.config import SamplerConfig
 
+def _key_data(key) -> np.ndarray:
+  """A PRNG key (typed or raw uint32 data, on device or host) as host uint32 data."""
+  if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  return np.asarray(key, np.uint32)
+
+
 Params = Any  # nnx.State of the model, or params.WithAdapters (LoRA adapters still packed from a sync)
 
 
@@ -229,29 +236,48 @@ class Engine:
     `key` seeds the slot's sampling noise (default: derived from the prefix length and slot, so pass
     one per sample for independent, reproducible samples). `max_new_tokens` caps this completion.
     """
-    if not 0 <= slot < self.max_concurrent_decodes:
-      raise ValueError(f"insert: slot={slot} outside [0, {self.max_concurrent_decodes})")
+    if key is None:
+      key = jax.random.fold_in(jax.random.PRNGKey(self.config.seed), slot)
+    return self.bulk_insert(prefix, decode_state, [slot], keys=[key], max_new_tokens=max_new_tokens)
+
+  def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots, *, keys,
+                  max_new_tokens: int | None = None) -> DecodeState:
+    """`insert` of one prefix into several slots (the G samples of a GRPO group), with one key per
+    slot: the same state as inserting them one by one, in one program call per slot group and
+    chunk of `group_size` slots instead of one per slot (as JetStream's `bulk_insert`)."""
+    slots = [int(s) for s in slots]
+    if len(keys) != len(slots) or len(set(slots)) != len(slots):
+      raise ValueError(f"bulk_insert: {len(slots)} slots {slots} need as many distinct slots and keys "
+                       f"({len(keys)} keys)")
+    for slot in slots:
+      if not 0 <= slot < self.max_concurrent_decodes:
+        raise ValueError(f"insert: slot={slot} outside [0, {self.max_concurrent_decodes})")
     limit = self.config.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
     if not 1 <= limit <= self.config.max_new_tokens:
       raise ValueError(f"insert: max_new_tokens={max_new_tokens} must be in [1, "
                        f"sampler.max_new_tokens={self.config.max_new_tokens}]")
-    if key is None:
-      key = jax.random.fold_in(jax.random.PRNGKey(self.config.seed), slot)
-    if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
-      key = jax.random.key_data(key)
-    key = jnp.asarray(key, jnp.uint32)
-    scalars = np.asarray([slot, prefix.last_token, prefix.true_length - 1, limit], np.int32)
+    keys = np.stack([_key_data(k) for k in keys])
     bucket = prefix.cache.max_len
-    group, row = kv_cache_lib.group_of_row(slot, self._groups, self._block)
-    if self._windows(decode_state)[group] < bucket:
-      decode_state = self._resize(decode_state, group, self.config.attend_window(bucket - 1))
-    scalars = np.append(scalars, np.int32(row))
-    cache, small = self._split_arrays(decode_state.arrays)
-    new_group, small = self._insert_fn(prefix.cache, cache.groups[group], small, scalars, key)
-    arrays = self._join_arrays(cache, small, {group: new_group})
+    by_group: dict[int, list[int]] = {}
+    for i, slot in enumerate(slots):
+      by_group.setdefault(kv_cache_lib.group_of_row(slot, self._groups, self._block)[0], []).append(i)
+    arrays = decode_state.arrays
+    for group, idx in by_group.items():
+      if arrays["cache"].windows[group] < bucket:
+        arrays = self._resize(DecodeState(arrays, None, None), group, self.config.attend_window(bucket - 1)).arrays
+      width = self.config.group_size
+      while idx:  # chunks of group_size slots, the last padded by repeating its last slot (a no-op):
+        chunk, idx = idx[:width], idx[width:]  # one insert program per window, whatever the count
+        chunk += chunk[-1:] * (width - len(chunk))
+        scalars = np.asarray([[slots[i], prefix.last_token, prefix.true_length - 1, limit,
+                               kv_cache_lib.group_of_row(slots[i], self._groups, self._block)[1]] for i in chunk],
+                             np.int32)
+        cache, small = self._split_arrays(arrays)
+        new_group, small = self._insert_fn(prefix.cache, cache.groups[group], small, scalars, keys[chunk])
+        arrays = self._join_arrays(cache, small, {group: new_group})
     positions = decode_state.host_positions.copy()
     live = decode_state.host_live.copy()
-    positions[slot], live[slot] = prefix.true_length - 1, True
+    positions[slots], live[slots] = prefix.true_length - 1, True
     return DecodeState(arrays, positions, live)
 
   def generate(self, params: Params, decode_state: DecodeState) -> tuple[DecodeState, GenerateResult]:
@@ -436,23 +462,25 @@ class Engine:
     _, cache, routing_1tlk = model.prefill(tokens_1t, cache, lengths_1, return_routing=True)
     return cache, routing_1tlk[0]
 
-  def _insert_impl(self, prefix_cache, group_cache, arrays, scalars, key):
+  def _insert_impl(self, prefix_cache, group_cache, arrays, scalars_n5, keys_n):
+    """Writes the prefix into n slots of one group; scalars rows: slot, last token, position, limit, row."""
     self.trace_counts["insert"] += 1
-    slot, last_token, position, limit, row = scalars[0], scalars[1], scalars[2], scalars[3], scalars[4]
     zero = jnp.int32(0)
-
-    def put(dst, src):  # src [1, ...] into the slot's row of its group, leading positions (the prefix bucket)
-      return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), (row,) + (zero,) * (dst.ndim - 1))
-
     out = dict(arrays)
-    new_group = jax.tree.map(put, group_cache, prefix_cache)
-    out["tokens"] = arrays["tokens"].at[slot].set(last_token)
-    out["positions"] = arrays["positions"].at[slot].set(position)
-    out["num_generated"] = arrays["num_generated"].at[slot].set(0)
-    out["max_new"] = arrays["max_new"].at[slot].set(limit)
-    out["done"] = arrays["done"].at[slot].set(False)
-    out["keys"] = arrays["keys"].at[slot].set(key)
-    return new_group, out
+    for i in range(scalars_n5.shape[0]):
+      slot, last_token, position, limit, row = (scalars_n5[i, j] for j in range(5))
+
+      def put(dst, src, row=row):  # src [1, ...] into the slot's row of its group, leading positions
+        return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), (row,) + (zero,) * (dst.ndim - 1))
+
+      group_cache = jax.tree.map(put, group_cache, prefix_cache)
+      out["tokens"] = out["tokens"].at[slot].set(last_token)
+      out["positions"] = out["positions"].at[slot].set(position)
+      out["num_generated"] = out["num_generated"].at[slot].set(0)
+      out["max_new"] = out["max_new"].at[slot].set(limit)
+      out["done"] = out["done"].at[slot].set(False)
+      out["keys"] = out["keys"].at[slot].set(keys_n[i])
+    return group_cache, out
 
   def _move_impl(self, src_cache, dst_cache, arrays, scalars):
     self.trace_counts["move"] += 1
