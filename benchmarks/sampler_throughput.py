@@ -179,7 +179,8 @@ def main():
                  steps_per_call=a.steps_per_call, attend_bucket=a.attend_bucket, slot_groups=a.slot_groups,
                  batch_a=batch, figures="median of repeats",
                  prompt_tokens=PROMPT_LEN, new_tokens_a=new_tokens, prompts_b=n_long,
-                 lengths_b=[8, max_long], spread_b="geometric (headline) and even", torch_threads=torch.get_num_threads(), jax=jax.__version__,
+                 lengths_b=[8, max_long], spread_b="geometric (headline) and even",
+                 torch_threads=torch.get_num_threads(), jax=jax.__version__,
                  transformers=transformers.__version__, quick=a.quick),
       logits_max_abs_diff=logits_diff,
   )))

@@ -31,7 +31,8 @@ def test_full_and_lora_sync_from_learner_to_sampler_shardings():
   _check(synced, full, full_targets)
   assert ms > 0
   lora_targets = models.state_shardings(adapters, meshes.sampler, mesh_lib.SAMPLER_RULES)
-  assert weight_sync._packable(jax.tree.leaves(adapters), jax.tree.leaves(lora_targets))  # the packed path is the one under test
+  # The packed path is the one under test.
+  assert weight_sync._packable(jax.tree.leaves(adapters), jax.tree.leaves(lora_targets))
   synced, _ = weight_sync.sync(adapters, lora_targets)
   _check(synced, adapters, lora_targets)
   cast, _ = weight_sync.sync(adapters, lora_targets, dtype="bfloat16")

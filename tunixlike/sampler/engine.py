@@ -264,14 +264,15 @@ class Engine:
     arrays = decode_state.arrays
     for group, idx in by_group.items():
       if arrays["cache"].windows[group] < bucket:
-        arrays = self._resize(DecodeState(arrays, None, None), group, self.config.attend_window(bucket - 1)).arrays
+        window = self.config.attend_window(bucket - 1)
+        arrays = self._resize(DecodeState(arrays, None, None), group, window).arrays
       width = self.config.group_size
       while idx:  # chunks of group_size slots, the last padded by repeating its last slot (a no-op):
         chunk, idx = idx[:width], idx[width:]  # one insert program per window, whatever the count
         chunk += chunk[-1:] * (width - len(chunk))
-        scalars = np.asarray([[slots[i], prefix.last_token, prefix.true_length - 1, limit,
-                               kv_cache_lib.group_of_row(slots[i], self._groups, self._block)[1]] for i in chunk],
-                             np.int32)
+        rows = [kv_cache_lib.group_of_row(slots[i], self._groups, self._block)[1] for i in chunk]
+        scalars = np.asarray([[slots[i], prefix.last_token, prefix.true_length - 1, limit, row]
+                              for i, row in zip(chunk, rows)], np.int32)
         cache, small = self._split_arrays(arrays)
         new_group, small = self._insert_fn(prefix.cache, cache.groups[group], small, scalars, keys[chunk])
         arrays = self._join_arrays(cache, small, {group: new_group})
