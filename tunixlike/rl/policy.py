@@ -34,7 +34,9 @@ class PolicyLearner:
     self._rng = jax.random.PRNGKey(cfg.seed)
     self.lora = learner.lora
     self._sampler_params = None  # LoRA sync keeps the sampler's base weights and swaps adapters only
-    self._adapter_shardings = None
+    # The adapters' sampler shardings are the same every sync: looked up once.
+    self._adapter_shardings = (weight_sync.subtree_like(engine.param_shardings, learner.state.params)
+                               if self.lora else None)
     # Per-token advantages (process rewards, on-policy distillation), or None for the group advantage.
     a = cfg.algo
     process_coef = a.process_reward_coef if a.process_reward is not None else 0.0
@@ -87,10 +89,8 @@ class PolicyLearner:
         params, ms = weight_sync.sync(self.full_params(), self.engine.param_shardings, dtype=self.cfg.rl.sync_dtype)
       else:
         adapters = self.learner.state.params
-        if self._adapter_shardings is None:  # the same every sync: look them up once
-          self._adapter_shardings = weight_sync.subtree_like(self.engine.param_shardings, adapters)
-        shardings = self._adapter_shardings
-        synced, ms = weight_sync.sync(adapters, shardings, dtype=self.cfg.rl.sync_dtype, keep_packed=True)
+        synced, ms = weight_sync.sync(adapters, self._adapter_shardings, dtype=self.cfg.rl.sync_dtype,
+                                      keep_packed=True)
         params = weight_sync.replace_leaves(self._sampler_params, synced)
       self._sampler_params = params
     return params, ms

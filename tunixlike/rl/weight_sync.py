@@ -41,12 +41,8 @@ def _cast(tree: Any, dtype) -> Any:
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 
-def spans_processes(tree: Any) -> bool:
-  """True if any array of `tree` has shards on other processes (multi-controller learner params)."""
-  return _spans_processes(jax.tree.leaves(tree))
-
-
 def _spans_processes(leaves) -> bool:
+  """True if any array has shards on other processes (multi-controller learner params)."""
   return any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)
 
 
