@@ -96,12 +96,19 @@ class DriverError(RuntimeError):
   pass
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _sample_keys(base, group_seq, group_size: int):
-  """Noise keys of a group's completions: each depends on the group's start order and the sample's
-  index, not on its slot."""
-  group_key = jax.random.fold_in(base, group_seq)
-  return jax.vmap(lambda i: jax.random.fold_in(group_key, i))(jnp.arange(group_size))
+# Groups whose noise keys are made by one device call. Fetching keys waits for the device queue
+# (prefills, generate calls) to drain, so it is done once per block of groups, not once per group.
+_KEY_BLOCK = 64
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _sample_keys(base, first_seq, group_size: int, num_groups: int):
+  """Noise keys [num_groups, group_size, 2] of the groups started `first_seq`, `first_seq + 1`, ...:
+  each depends on its group's start order and its sample index, not on its slot."""
+  def group_keys(seq):
+    group_key = jax.random.fold_in(base, seq)
+    return jax.vmap(lambda i: jax.random.fold_in(group_key, i))(jnp.arange(group_size))
+  return jax.vmap(group_keys)(first_seq + jnp.arange(num_groups))
 
 
 class RolloutDriver:
@@ -136,6 +143,7 @@ class RolloutDriver:
     self._next_seq = 0
     self._exhausted = False
     self._base_key = jax.random.PRNGKey(cfg.seed)
+    self._key_block: tuple[int, np.ndarray] | None = None  # (block, keys of its groups), see _KEY_BLOCK
     self._lock = threading.Lock()
     self._next_params: tuple[Any, int, bool] | None = None
     self._draining = False
@@ -278,7 +286,7 @@ class RolloutDriver:
       g = group.started
       limit = group.request.max_new_tokens or self.config.max_new_tokens
       if group.keys is None:
-        group.keys = np.asarray(_sample_keys(self._base_key, group.seq, self.config.group_size))
+        group.keys = self._group_keys(group.seq)
       t0 = time.perf_counter()
       if self.engine.config.slot_groups == 1:  # as many samples as there are free slots, in one call
         slots = free[:self.config.group_size - g]
@@ -301,6 +309,13 @@ class RolloutDriver:
       group.started += len(slots)
       if group.started == self.config.group_size:
         self._pending_group, self._pending_prefix = None, None
+
+  def _group_keys(self, seq: int) -> np.ndarray:
+    block, i = divmod(seq, _KEY_BLOCK)
+    if self._key_block is None or self._key_block[0] != block:
+      keys = _sample_keys(self._base_key, block * _KEY_BLOCK, self.config.group_size, _KEY_BLOCK)
+      self._key_block = (block, np.asarray(keys))
+    return self._key_block[1][i]
 
   def _admit(self) -> _Group | None:
     """Starts the next group if admission allows and the source has one."""
