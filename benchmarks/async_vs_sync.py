@@ -3,8 +3,13 @@
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/async_vs_sync.py [--out FILE] [--quick]
 
 Prints one JSON object (and writes it to --out). Both modes run the real runtime
-(`trainer.build` -> `build_rl` -> `make_runtime` -> `AsyncRuntime.run(threaded=True)`) on 4 sampler +
-4 learner CPU devices; sync mode is the same code with `rl.max_staleness=0` (one batch in flight).
+(`trainer.build` -> `build_rl` -> `make_runtime` -> `AsyncRuntime.run(threaded=True)`) on
+`--sampler-devices` + `--learner-devices` CPU devices (default 1 + 4); sync mode is the same code
+with `rl.max_staleness=0` (one batch in flight). One sampler device is the default because it is the
+fastest sampler layout on this project's 2-core machines (as in sampler_throughput.py): with 4
+data-parallel sampler replicas, sync mode took 1.1-1.5x longer per step, and a comparison against
+a slowed baseline would credit async with hiding that slowness. `--sampler-devices 4` measures the
+main job's 4 + 4 layout.
 Two workloads:
   (a) long_tail: completion lengths with a geometric tail. The model is untrained (no warm start),
       so each token is <eos> with probability about 1/vocab and completions end at EOS at
@@ -47,12 +52,15 @@ def _parse(argv=None):
   p.add_argument("--final-steps", type=int, default=4, help="steps averaged for the final reward")
   p.add_argument("--async-staleness", type=int, default=2, help="rl.max_staleness of the async mode (the targets allow <= 2)")
   p.add_argument("--workloads", default="long_tail,slow_reward")
+  p.add_argument("--sampler-devices", type=int, default=1, help="mesh.sampler_devices (data-parallel replicas)")
+  p.add_argument("--learner-devices", type=int, default=4, help="mesh.learner_devices (FSDP)")
   return p.parse_args(argv)
 
 
 ARGS = _parse()
-if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if "jax" not in sys.modules:  # virtual CPU devices = the two submeshes (the last flag given wins)
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+                             f"{ARGS.sampler_devices + ARGS.learner_devices}").strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -86,7 +94,8 @@ def bench_slow_exact_match(prompts, completions, *, answer, prompt_ids, **kw):
 
 def workload_config(name: str, steps: int, quick: bool):
   cfg = config_lib.from_config_dict(addition_grpo.get_config())
-  common = dict(log=dict(progress_bar=False, tensorboard=False, trace=False), eval=dict(every_steps=0))
+  common = dict(log=dict(progress_bar=False, tensorboard=False, trace=False), eval=dict(every_steps=0),
+                mesh=dict(sampler_devices=ARGS.sampler_devices, learner_devices=ARGS.learner_devices))
   if name == "long_tail":
     # 8 prompts x 8 samples = 64 completions per step on 64 slots: sync starts a whole batch at once
     # and waits for the longest; the random model's EOS rate (~1/83 per token) gives a mean length
@@ -145,6 +154,8 @@ def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, fina
       "learner_busy_frac": learner_busy_s / wall, "sampler_busy_frac": sampler_busy_s / wall,
       "learner_busy_frac_runtime": last["learner/busy_frac"], "sampler_busy_frac_runtime": last["sampler/busy_frac"],
       "final_reward": float(np.mean(rewards_per_step[-final:])),
+      # Standard error of that mean (steps' rewards as samples): what "no worse" is judged against.
+      "final_reward_se": float(np.std(rewards_per_step[-final:], ddof=1) / np.sqrt(final)) if final > 1 else 0.0,
       "reward_per_step": [round(r, 4) for r in rewards_per_step],
       "max_staleness": int(max(m["staleness/max"] for _, _, m in records)),
       "mean_staleness": float(np.mean([m["staleness/mean"] for _, _, m in records])),
@@ -210,6 +221,7 @@ def main():
   t0 = time.time()
   detail = {n: bench_workload(n, steps, skip, ARGS.final_steps, ARGS.async_staleness, ARGS.quick) for n in names}
   result: dict = {"benchmark": "async_vs_sync", "quick": ARGS.quick, "devices": jax.device_count(),
+                  "mesh": {"sampler_devices": ARGS.sampler_devices, "learner_devices": ARGS.learner_devices},
                   "async_max_staleness_config": ARGS.async_staleness}
   for n in names:
     result[f"speedup_{n}"] = detail[n]["speedup"]
@@ -229,6 +241,15 @@ def main():
       f.write(text + "\n")
 
 
+def _reward_verdict(sync: dict, async_: dict) -> str:
+  """Async's final reward against sync's, within two standard errors of their difference."""
+  diff = async_["final_reward"] - sync["final_reward"]
+  two_se = 2 * float(np.hypot(sync["final_reward_se"], async_["final_reward_se"]))
+  if diff >= -two_se:
+    return f"async - sync = {diff:+.3f}: no worse within 2 SE ({two_se:.3f})"
+  return f"async - sync = {diff:+.3f}: WORSE, beyond 2 SE ({two_se:.3f})"
+
+
 def notes(result, names) -> list[str]:
   """What the figures mean against the targets (filled from the measurements, not assumed)."""
   out = [f"machine: 2 CPU cores shared with other jobs (loadavg {result['loadavg_before'][0]:.1f} -> "
@@ -242,8 +263,9 @@ def notes(result, names) -> list[str]:
     out.append(f"{n}: speedup {sp:.2f} ({verdict} target {targets.get(n)}); sync {sy['s_per_step']:.2f} s/step "
                f"(sampler busy {sy['sampler_busy_frac']:.2f}, learner busy {sy['learner_busy_frac']:.2f}), "
                f"async {asy['s_per_step']:.2f} s/step (sampler busy {asy['sampler_busy_frac']:.2f}, learner busy "
-               f"{asy['learner_busy_frac']:.2f}); final reward sync {sy['final_reward']:.3f} vs async "
-               f"{asy['final_reward']:.3f}; max staleness {asy['max_staleness']}.")
+               f"{asy['learner_busy_frac']:.2f}); final reward sync {sy['final_reward']:.3f} ± "
+               f"{sy['final_reward_se']:.3f} vs async {asy['final_reward']:.3f} ± {asy['final_reward_se']:.3f} "
+               f"({_reward_verdict(sy, asy)}); max staleness {asy['max_staleness']}.")
   return out
 
 

@@ -49,6 +49,8 @@ def test_weight_sync_benchmark(tmp_path):
 def test_async_vs_sync_benchmark(tmp_path):
   r = run_benchmark("async_vs_sync", tmp_path)
   assert_positive(r, "speedup_long_tail", "speedup_slow_reward")
+  # Its own layout (1 sampler + 4 learner devices by default), whatever XLA_FLAGS said.
+  assert r["devices"] == r["mesh"]["sampler_devices"] + r["mesh"]["learner_devices"] == 5
   assert set(r["final_reward_sync"]) == set(r["final_reward_async"]) == {"long_tail", "slow_reward"}
   for v in [*r["final_reward_sync"].values(), *r["final_reward_async"].values()]:
     assert math.isfinite(v) and 0.0 <= v <= 1.0

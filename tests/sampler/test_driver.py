@@ -195,3 +195,14 @@ def test_driver_error_stops_thread_and_is_reraised(make_engine):
   _wait_for(lambda: not driver.running)
   with pytest.raises(DriverError, match="dataset broke"):
     driver.check()
+
+
+def test_sample_keys_depend_on_group_order_and_index_across_key_blocks(make_engine):
+  # Keys are made for blocks of groups at once (one device fetch per block): a group's keys must
+  # still be fold_in(fold_in(base, seq), index), also past a block boundary.
+  engine = make_engine(temperature=1.0, group_size=2)
+  driver = RolloutDriver(engine, engine.load_params(), source=iter([]), sink=lambda g: None)
+  fold = jax.random.fold_in
+  for seq in (0, 63, 64, 130, 5):
+    want = [np.asarray(fold(fold(driver._base_key, seq), i)) for i in range(2)]
+    np.testing.assert_array_equal(driver._group_keys(seq), np.stack(want))

@@ -101,13 +101,17 @@ class DriverError(RuntimeError):
 _KEY_BLOCK = 64
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _sample_keys(base, first_seq, group_size: int, num_groups: int):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _sample_keys(base, first_seq, group_size: int, num_groups: int, turns: int = 0):
   """Noise keys [num_groups, group_size, 2] of the groups started `first_seq`, `first_seq + 1`, ...:
-  each depends on its group's start order and its sample index, not on its slot."""
+  each depends on its group's start order and its sample index, not on its slot. With `turns`
+  (multi-turn episodes) one key per policy turn: [num_groups, group_size, turns, 2]."""
   def group_keys(seq):
     group_key = jax.random.fold_in(base, seq)
-    return jax.vmap(lambda i: jax.random.fold_in(group_key, i))(jnp.arange(group_size))
+    keys = jax.vmap(lambda i: jax.random.fold_in(group_key, i))(jnp.arange(group_size))
+    if turns:
+      keys = jax.vmap(lambda k: jax.vmap(lambda t: jax.random.fold_in(k, t))(jnp.arange(turns)))(keys)
+    return keys
   return jax.vmap(group_keys)(first_seq + jnp.arange(num_groups))
 
 
@@ -310,10 +314,13 @@ class RolloutDriver:
       if group.started == self.config.group_size:
         self._pending_group, self._pending_prefix = None, None
 
+  _key_turns = 0  # EpisodeDriver: a key per policy turn
+
   def _group_keys(self, seq: int) -> np.ndarray:
     block, i = divmod(seq, _KEY_BLOCK)
     if self._key_block is None or self._key_block[0] != block:
-      keys = _sample_keys(self._base_key, block * _KEY_BLOCK, self.config.group_size, _KEY_BLOCK)
+      keys = _sample_keys(self._base_key, block * _KEY_BLOCK, self.config.group_size, _KEY_BLOCK,
+                          self._key_turns)
       self._key_block = (block, np.asarray(keys))
     return self._key_block[1][i]
 

@@ -37,7 +37,6 @@ import math
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-import jax
 import numpy as np
 
 from tunixlike.rewards.envs import base as env_base
@@ -139,12 +138,6 @@ class _EpisodeSlot:
   max_new: int
 
 
-@jax.jit
-def _turn_key(base, group_seq, index, turn):
-  """Noise key of one policy turn: set by its group's start order, episode index and turn number."""
-  return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, group_seq), index), turn)
-
-
 class EpisodeDriver(RolloutDriver):
   """Runs G env episodes per prompt over an `Engine`; see the module docstring.
 
@@ -168,6 +161,7 @@ class EpisodeDriver(RolloutDriver):
     super().__init__(engine, params, source=source, sink=sink, version=version, may_start_group=may_start_group,
                      detokenize=detokenize, **({} if tracer is None else {"tracer": tracer}))
     self.episode_config = ec = episode_config
+    self._key_turns = ec.max_turns
     self._make_env, self._tokenize = make_env, tokenize
     self.stats = EpisodeStats()
     self._runner = EnvRunner(num_workers=ec.env_workers, timeout_s=ec.step_timeout_s, name="env")
@@ -310,7 +304,8 @@ class EpisodeDriver(RolloutDriver):
         self.stats.prefills += 1
         if episode.turns == 0 and self.config.group_size > 1:
           group.first_prefix = {cache_key: prefix}  # the G episodes usually start alike
-      key = _turn_key(self._base_key, group.seq, episode.index, episode.turns)
+      # Set by the group's start order, the episode's index and the turn number.
+      key = self._group_keys(group.seq)[episode.index, episode.turns]
       self._state = self.engine.insert(prefix, self._state, slot, key=key, max_new_tokens=limit)
       self.stats.busy_time_s += time.perf_counter() - t0
       episode.turns += 1
