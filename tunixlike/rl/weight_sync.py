@@ -60,7 +60,7 @@ def sync(tree: Any, shardings: Any, *, dtype=None, block: bool = True,
   leaves, treedef = jax.tree.flatten(tree)  # once: flattening an nnx State is slow next to a LoRA sync
   if _spans_processes(leaves):
     out = _sync_across_hosts(tree, shardings, dtype, bucket_bytes, block)
-  elif _packable(leaves, targets := treedef.flatten_up_to(shardings)):
+  elif _packable(leaves, targets := _flat_targets(treedef, shardings)):
     out = _sync_packed(_cast(leaves, dtype), treedef, targets, keep_packed)
   else:
     out = jax.device_put(_cast(tree, dtype), shardings)
@@ -79,12 +79,34 @@ def _mesh_of(sharding):
   return getattr(sharding, "mesh", None)
 
 
+# The same shardings object comes back every sync (the runtime looks it up once): its flattening
+# (an nnx State, slow to flatten next to a LoRA sync) is kept. Each entry holds the object, so its
+# id cannot be reused while cached.
+_TARGETS_CACHE: dict = {}
+
+
+def _flat_targets(treedef, shardings) -> list:
+  key = (treedef, id(shardings))
+  hit = _TARGETS_CACHE.get(key)
+  if hit is None or hit[0] is not shardings:
+    if len(_TARGETS_CACHE) >= 16:
+      _TARGETS_CACHE.pop(next(iter(_TARGETS_CACHE)))
+    hit = _TARGETS_CACHE[key] = (shardings, treedef.flatten_up_to(shardings))
+  return hit[1]
+
+
 def _packable(leaves: list, targets: list) -> bool:
-  if len(leaves) < PACK_MIN_LEAVES or sum(x.nbytes for x in leaves) > PACK_MAX_BYTES:
+  """Small, one dtype, and one source mesh and one target mesh (all named shardings)."""
+  if len(leaves) < PACK_MIN_LEAVES:
     return False
-  sources = [getattr(x, "sharding", None) for x in leaves]
-  return (len({x.dtype for x in leaves}) == 1 and None not in {_mesh_of(t) for t in sources + targets}
-          and len({_mesh_of(t) for t in sources}) == 1 and len({_mesh_of(t) for t in targets}) == 1)
+  nbytes, dtypes, sources = 0, set(), set()
+  for x in leaves:
+    nbytes += x.size * x.dtype.itemsize
+    dtypes.add(x.dtype)
+    sources.add(_mesh_of(getattr(x, "sharding", None)))
+  targets_meshes = {_mesh_of(t) for t in targets}
+  return (nbytes <= PACK_MAX_BYTES and len(dtypes) == 1 and len(sources) == 1 and len(targets_meshes) == 1
+          and None not in sources | targets_meshes)
 
 
 def _concat(xs):
