@@ -203,6 +203,7 @@ def test_sample_keys_depend_on_group_order_and_index_across_key_blocks(make_engi
   engine = make_engine(temperature=1.0, group_size=2)
   driver = RolloutDriver(engine, engine.load_params(), source=iter([]), sink=lambda g: None)
   fold = jax.random.fold_in
-  for seq in (0, 63, 64, 130, 5):
+  for seq in (0, 63, 64, 130, 200, 300, 5, 70):  # blocks 0-4, then back to 0 and 1 (evicted, remade)
     want = [np.asarray(fold(fold(driver._base_key, seq), i)) for i in range(2)]
     np.testing.assert_array_equal(driver._group_keys(seq), np.stack(want))
+  assert len(driver._key_blocks) <= 4

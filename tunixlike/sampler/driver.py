@@ -147,7 +147,7 @@ class RolloutDriver:
     self._next_seq = 0
     self._exhausted = False
     self._base_key = jax.random.PRNGKey(cfg.seed)
-    self._key_block: tuple[int, np.ndarray] | None = None  # (block, keys of its groups), see _KEY_BLOCK
+    self._key_blocks: dict[int, np.ndarray] = {}  # block -> keys of its groups (the latest few), see _KEY_BLOCK
     self._lock = threading.Lock()
     self._next_params: tuple[Any, int, bool] | None = None
     self._draining = False
@@ -318,11 +318,13 @@ class RolloutDriver:
 
   def _group_keys(self, seq: int) -> np.ndarray:
     block, i = divmod(seq, _KEY_BLOCK)
-    if self._key_block is None or self._key_block[0] != block:
+    if block not in self._key_blocks:
+      if len(self._key_blocks) >= 4:  # groups of neighbouring blocks interleave (multi-turn): keep a few
+        del self._key_blocks[min(self._key_blocks)]
       keys = _sample_keys(self._base_key, block * _KEY_BLOCK, self.config.group_size, _KEY_BLOCK,
                           self._key_turns)
-      self._key_block = (block, np.asarray(keys))
-    return self._key_block[1][i]
+      self._key_blocks[block] = np.asarray(keys)
+    return self._key_blocks[block][i]
 
   def _admit(self) -> _Group | None:
     """Starts the next group if admission allows and the source has one."""
