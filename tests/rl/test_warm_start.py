@@ -22,10 +22,12 @@ def test_answer_mask_marks_the_positions_that_predict_answer_and_eos():
 def test_warm_start_learns_and_teacher_forced_accuracy_equals_greedy_decoding():
   cfg = config_lib.from_config_dict(addition_grpo.get_config("size=tiny"))
   cfg = config_lib.replace(cfg, data=dict(digits=1, num_eval_examples=64), sampler=dict(max_concurrent_decodes=16),
-                           warm_start=dict(max_steps=150, target_accuracy=0.3, eval_every=10))
+                           warm_start=dict(max_steps=400, target_accuracy=0.3, eval_every=10))
   parts = trainer.build(cfg)
   summary = trainer.warm_start(parts)
-  assert summary["warm_start/accuracy"] >= 0.3  # 1-digit addition is learned within ~100 steps
+  # 1-digit addition reaches 30% in 100-200 steps; where exactly depends on the machine (0.17 at
+  # step 150 and 0.58 at step 160 on 2026-11-24)
+  assert summary["warm_start/accuracy"] >= 0.3
   trainer.build_rl(parts)
   greedy = trainer.evaluate(parts)["eval/accuracy"]
   tokens, mask = warm_start_lib.encode_pairs(parts.eval_records, parts.tok, 16)
