@@ -4,18 +4,21 @@
 
 Prints one JSON object (and writes it to --out). Both modes run the real runtime
 (`trainer.build` -> `build_rl` -> `make_runtime` -> `AsyncRuntime.run(threaded=True)`) on
-`--sampler-devices` + `--learner-devices` CPU devices (default 1 + 4); sync mode is the same code
-with `rl.max_staleness=0` (one batch in flight). One sampler device is the default because it is the
-fastest sampler layout on this project's 2-core machines (as in sampler_throughput.py): with 4
-data-parallel sampler replicas, sync mode took 1.1-1.5x longer per step, and a comparison against
-a slowed baseline would credit async with hiding that slowness. `--sampler-devices 4` measures the
-main job's 4 + 4 layout.
+`--sampler-devices` + `--learner-devices` CPU devices (default 1 + 1); sync mode is the same code
+with `rl.max_staleness=0` (one batch in flight). The default is the fastest layout of sync mode, the
+baseline, on this project's 2-core machines: one sampler device decodes faster than 4 data-parallel
+replicas (as in sampler_throughput.py), and one learner device trains the long-tail batches,
+grouped by length, 2x faster than 4 FSDP devices (whose per-call collectives dominate at this
+size). A comparison against a slowed baseline would credit async with hiding that slowness.
+`--sampler-devices 4 --learner-devices 4` measures the main job's 4 + 4 layout.
 Two workloads:
   (a) long_tail: completion lengths with a geometric tail. The model is untrained (no warm start),
       so each token is <eos> with probability about 1/vocab and completions end at EOS at
-      geometrically distributed lengths, cut at `sampler.max_new_tokens`. The reward is exact
-      match on the reverse task, which the untrained model cannot solve, so the tail stays. In sync mode every batch waits for its longest
-      completion while the freed slots sit idle; async refills them with the next batch's groups.
+      geometrically distributed lengths (mean about 84), cut at `sampler.max_new_tokens` (320). The
+      reward is exact match on the reverse task, which the untrained model cannot solve, so the tail
+      stays. In sync mode every batch waits for its longest completion while the freed slots sit
+      idle; async refills them with the next batches' groups. The learner groups rows by length
+      (`optim.group_by_length`), so a step costs about the mean length, not the longest, in both modes.
   (b) slow_reward: 2-digit addition from a model warm-started once (supervised) to about 20%
       held-out accuracy; the reward is exact match behind a verifier that takes 50-200 ms per call
       (one call per group of G completions, seeded by the prompt id, like a tool call or remote
@@ -53,7 +56,7 @@ def _parse(argv=None):
   p.add_argument("--async-staleness", type=int, default=2, help="rl.max_staleness of the async mode (the targets allow <= 2)")
   p.add_argument("--workloads", default="long_tail,slow_reward")
   p.add_argument("--sampler-devices", type=int, default=1, help="mesh.sampler_devices (data-parallel replicas)")
-  p.add_argument("--learner-devices", type=int, default=4, help="mesh.learner_devices (FSDP)")
+  p.add_argument("--learner-devices", type=int, default=1, help="mesh.learner_devices (FSDP)")
   return p.parse_args(argv)
 
 
@@ -97,18 +100,20 @@ def workload_config(name: str, steps: int, quick: bool):
   common = dict(log=dict(progress_bar=False, tensorboard=False, trace=False), eval=dict(every_steps=0),
                 mesh=dict(sampler_devices=ARGS.sampler_devices, learner_devices=ARGS.learner_devices))
   if name == "long_tail":
-    # 8 prompts x 8 samples = 64 completions per step on 64 slots: sync starts a whole batch at once
+    # 8 prompts x 4 samples = 32 completions per step on 32 slots: sync starts a whole batch at once
     # and waits for the longest; the random model's EOS rate (~1/83 per token) gives a mean length
-    # near 60 and a tail to max_new_tokens.
-    # A small learner batch (4 prompts x 8) keeps the train step short, so generation (where the
-    # tail costs sync mode its idle slots) is the larger part of a step.
-    new = 24 if quick else 160
+    # near 84, a median near 60 and a tail to max_new_tokens.
+    # Groups of 4, not 8: admission counts groups ((max_staleness + 1) batches of them), and a group
+    # holds its admission until its longest sample ends; at G=8 nearly every group has a straggler
+    # past 200 tokens, so async could start little new work while stragglers ran (1.1x at G=8).
+    new = 24 if quick else 320
     return config_lib.replace(
         cfg, data=dict(task="reverse", num_eval_examples=8, max_prompt_length=16),
         warm_start=dict(max_steps=0),
         sampler=dict(max_concurrent_decodes=16 if quick else 32, max_new_tokens=new, max_prefill_length=16,
                      steps_per_call=8),
-        rl=dict(num_steps=steps, prompts_per_step=2 if quick else 4, reward_workers=4), **common)
+        optim=dict(micro_batches=2 if quick else 16, group_by_length=8),
+        algo=dict(group_size=4), rl=dict(num_steps=steps, prompts_per_step=2 if quick else 8, reward_workers=4), **common)
   if name == "slow_reward":
     # Short completions (<= 4 tokens), so generation and training are cheap and the verifier's
     # latency is the larger part of a synchronous step, as with tool calls on a small model.
@@ -206,7 +211,9 @@ def bench_workload(name: str, steps: int, skip: int, final: int, staleness: int,
                 "skip_steps": skip, "model": {"hidden": cfg.model.hidden_size, "layers": cfg.model.num_layers},
                 **({"reward_latency_s": [SLOW_MIN_S, SLOW_MAX_S], "latency_per": "call (one per group)"}
                    if name == "slow_reward" else {"lengths": "untrained model: EOS ~1/vocab per token "
-                                                            "(geometric), cut at max_new_tokens"}),
+                                                            "(geometric), cut at max_new_tokens",
+                                                  "micro_batches": cfg.optim.micro_batches,
+                                                  "group_by_length": cfg.optim.group_by_length}),
                 **extra},
   }
 

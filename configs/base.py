@@ -113,6 +113,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   o.b1 = 0.9  # Adam first-moment decay
   o.b2 = 0.99  # faster than 0.999: RL gradients are non-stationary
   o.micro_batches = 1  # exact token-weighted gradient accumulation
+  o.group_by_length = 0  # N > 0: rows sorted by length, micro-batches trimmed to T*k/N (long tails)
 
   # Learner memory: components kept in host memory between steps and streamed in for each step.
   c.learner = ln = ml_collections.ConfigDict()

@@ -45,6 +45,8 @@ def test_defaults_of_base_match_dataclass_defaults():
     ("algo", "kl_estimator", "k9", "algo.kl_estimator='k9'"),
     ("data", "task", "chess", "data.task='chess'"),
     ("optim", "micro_batches", 3, "rl.prompts_per_step=32"),
+    ("optim", "group_by_length", -2, "optim.group_by_length=-2: must be >= 0"),
+    ("optim", "group_by_length", 4, "optim.group_by_length=4: needs optim.micro_batches >= 2"),
 ])
 def test_invalid_values_name_the_key_and_value(section, key, value, message):
   raw = base.get_config()

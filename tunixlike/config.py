@@ -186,10 +186,13 @@ class OptimSection:
   b1: float = 0.9
   b2: float = 0.99
   micro_batches: int = 1
+  group_by_length: int = 0
 
   def __post_init__(self):
     _positive(self, "optim", "learning_rate", "micro_batches")
-    _positive(self, "optim", "warmup_steps", "grad_clip", "weight_decay", allow_zero=True)
+    _positive(self, "optim", "warmup_steps", "grad_clip", "weight_decay", "group_by_length", allow_zero=True)
+    _check(not self.group_by_length or self.micro_batches >= 2, "optim.group_by_length", self.group_by_length,
+           f"needs optim.micro_batches >= 2 to group rows into (got {self.micro_batches})")
     _one_of(self, "optim", "schedule", ("constant", "cosine"))
     for n in ("b1", "b2"):
       _check(0.0 <= getattr(self, n) < 1.0, f"optim.{n}", getattr(self, n), "must be in [0, 1)")

@@ -99,6 +99,9 @@ class OptimConfig:
   b2: float = 0.99
   eps: float = 1e-8
   micro_batches: int = 1  # exact token-weighted gradient accumulation
+  # Rows sorted by length; each micro-batch runs at the shortest of N prefix lengths (T * k / N)
+  # that holds its rows, so a long tail pads one micro-batch, not all of them. 0 = off.
+  group_by_length: int = 0
 
   def __post_init__(self):
     if not self.learning_rate > 0:
@@ -117,6 +120,11 @@ class OptimConfig:
         _bad(f"optim.{name}", getattr(self, name), "must be in [0, 1)")
     if not isinstance(self.micro_batches, int) or self.micro_batches <= 0:
       _bad("optim.micro_batches", self.micro_batches, "must be a positive int")
+    if not isinstance(self.group_by_length, int) or self.group_by_length < 0:
+      _bad("optim.group_by_length", self.group_by_length, "must be an int >= 0 (0 = off)")
+    if self.group_by_length and self.micro_batches < 2:
+      _bad("optim.group_by_length", self.group_by_length,
+           f"needs optim.micro_batches >= 2 to group rows into (got {self.micro_batches})")
 
 
 @dataclasses.dataclass(frozen=True)

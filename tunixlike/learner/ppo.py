@@ -95,6 +95,7 @@ class PPOLearner(Learner):
     for k in ROW_KEYS:
       if k not in batch:
         raise ValueError(f"batch is missing {k!r} (has {sorted(batch)}); PPO needs the per-completion rewards")
+    batch = self.sort_by_length(batch)  # before the PPO columns are read (a no-op when off)
     out = super().put_batch(batch)
     b, t = np.shape(batch["tokens"])
     m = self.cfg.optim.micro_batches

@@ -5,6 +5,12 @@ A batch from `batch.assemble_batch` is split into `optim.micro_batches` micro-ba
 axis). The step scans over them, summing gradients that are each already divided by the *whole*
 batch's normaliser (token count or row count), so accumulation is exact, not a mean of means.
 
+With `optim.group_by_length=N` the host sorts the rows by length first, and each micro-batch runs at
+the shortest of N prefix lengths (`prefix_lengths`) that holds its rows (`lax.switch` over N branches
+of the one compiled step). Attention is causal and positions past a row's last loss token carry no
+loss, so the trimmed step is the padded one; a long tail then pads one micro-batch, not all of them
+(verl's dynamic batch size and TRL's padding-free training save the same work).
+
 Per-token log-probs come from `model.hidden_states` + a chunked `model.unembed`
 (`logprobs.chunked_token_logprobs`): the [B, T, V] logits never exist at once.
 """
@@ -19,6 +25,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tunixlike import distributed
 from tunixlike.learner import is_correction, kl as kl_lib, logprobs as logprobs_lib, losses, optimizer
 from tunixlike.learner import gae as gae_lib
 from tunixlike.learner import routing as routing_lib
@@ -34,6 +41,17 @@ TOKEN_KEYS = ("tokens", "loss_mask", "behaviour_logprobs", "versions", "proximal
 PACKED_TOKEN_KEYS = ("sampling_mask", "routing")
 # Reported whenever the batch carries the sampler's routing (replayed or not), see routing.disagreement.
 ROUTING_STAT_KEYS = ("routing_disagreement", "routing_token_disagreement")
+
+
+def prefix_lengths(t: int, n: int) -> tuple[int, ...]:
+  """The N lengths ceil(T * k / N), k = 1..N, that `optim.group_by_length` trims micro-batches to."""
+  return tuple(sorted({-(-t * k // n) for k in range(1, n + 1)}))
+
+
+def row_lengths(loss_mask_bt: np.ndarray) -> np.ndarray:
+  """Per row, one past its last loss token (0 for a row without any): the prefix its loss needs."""
+  mask = np.asarray(loss_mask_bt) > 0
+  return np.where(mask.any(axis=1), mask.shape[1] - np.argmax(mask[:, ::-1], axis=1), 0)
 
 
 def _next(x_bt, fill=0):
@@ -122,6 +140,7 @@ class Learner:
     for k in BATCH_KEYS:
       if k not in batch:
         raise ValueError(f"batch is missing {k!r} (has {sorted(batch)})")
+    batch = self.sort_by_length(batch)
     b, t = np.shape(batch["tokens"])
     for k, v in batch.items():
       want = (b, t) if k in TOKEN_KEYS else (b,)
@@ -154,7 +173,31 @@ class Learner:
           out[k] = jax.make_array_from_process_local_data(sharding, v, global_shape)
         else:
           out[k] = jax.device_put(v, sharding)
+    if self.cfg.optim.group_by_length:
+      out["length_branch"] = self._length_branches(batch["loss_mask"], m, n_proc)
     return out
+
+  def sort_by_length(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """With optim.group_by_length, `batch` with its rows sorted by length (every per-row column
+    permuted alike, so the loss is unchanged); otherwise `batch` itself."""
+    if not self.cfg.optim.group_by_length:
+      return batch
+    order = np.argsort(row_lengths(batch["loss_mask"]), kind="stable")
+    b = len(order)
+    return {k: np.asarray(v)[order] if np.ndim(v) >= 1 and np.shape(v)[0] == b else v for k, v in batch.items()}
+
+  def _length_branches(self, loss_mask_bt, m: int, n_proc: int) -> jax.Array:
+    """[M] int32, replicated: per micro-batch, the index in `prefix_lengths` of the shortest prefix
+    that holds its longest row (on several processes, its longest row on any process)."""
+    lengths = prefix_lengths(np.shape(loss_mask_bt)[1], self.cfg.optim.group_by_length)
+    longest = row_lengths(loss_mask_bt).reshape(m, -1).max(axis=1)
+    branch = distributed.allgather(np.searchsorted(lengths, longest).astype(np.int32)).max(axis=0)
+    if self.mesh is None:
+      return jnp.asarray(branch)
+    replicated = NamedSharding(self.mesh, P())
+    if n_proc > 1:  # every process holds the same (global) values
+      return jax.make_array_from_process_local_data(replicated, branch, branch.shape)
+    return jax.device_put(branch, replicated)
 
   # ------------------------------------------------------------------ the math
 
@@ -270,7 +313,7 @@ class Learner:
 
     def micro(carry, mb):
       g_acc, loss_acc, s_acc = carry
-      (loss, sums), g = grad_fn(state.params, state, mb, denom)
+      (loss, sums), g = self._micro_grads(grad_fn, state, mb, denom)
       g_acc = jax.tree.map(jnp.add, g_acc, g)
       s_acc = {k: (jnp.maximum(s_acc[k], v) if k.endswith("_max") else s_acc[k] + v) for k, v in sums.items()}
       return (g_acc, loss_acc + loss, s_acc), None
@@ -279,6 +322,21 @@ class Learner:
     s0 = {k: jnp.float32(-jnp.inf if k.endswith("_max") else 0.0) for k in self._batch_stat_keys(batch)}
     (grads, loss, sums), _ = jax.lax.scan(micro, (zeros_g, jnp.zeros((), jnp.float32), s0), batch)
     return grads, loss, sums
+
+  def _micro_grads(self, grad_fn, state: TrainState, mb, denom):
+    """grad_fn on one micro-batch; with `length_branch`, on its rows trimmed to that prefix length
+    (every per-token leaf [b, T, ...] is cut along T; per-row leaves [b] are kept)."""
+    if "length_branch" not in mb:
+      return grad_fn(state.params, state, mb, denom)
+    mb = dict(mb)
+    branch = mb.pop("length_branch")
+
+    def at(length):
+      return lambda mb: grad_fn(state.params, state, {k: v[:, :length] if v.ndim >= 2 else v for k, v in mb.items()},
+                                denom)
+
+    lengths = prefix_lengths(mb["tokens"].shape[1], self.cfg.optim.group_by_length)
+    return jax.lax.switch(branch, [at(n) for n in lengths], mb)
 
   def _train_step(self, state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
     self.num_traces += 1

@@ -49,7 +49,9 @@ class PolicyLearner:
   def train(self, groups: list[RolloutGroup]) -> dict[str, float]:
     a = self.cfg.algo
     buckets = self.seq_buckets
-    if self.num_processes > 1:  # every process's share must have the same length T: the longest bucket
+    if self.cfg.optim.group_by_length:  # micro-batches are trimmed in the step: one T, one compilation
+      buckets = buckets[-1:]
+    elif self.num_processes > 1:  # every process's share must have the same length T: the longest bucket
       longest = max((len(g.prompt_token_ids) + c.num_tokens for g in groups for c in g.completions), default=1)
       buckets = (distributed.max_over_processes(pick_bucket(longest, self.seq_buckets)),)
     batch = assemble_batch(groups, num_rows=self.num_rows, seq_buckets=buckets, advantage=a.advantage,

@@ -88,7 +88,8 @@ def learner_config(cfg: Config) -> LearnerConfig:
                     sampling_temperature=cfg.sampler.temperature if cfg.sampler.temperature > 0 else 1.0)
   optim = OptimConfig(learning_rate=o.learning_rate, warmup_steps=o.warmup_steps, schedule=o.schedule,
                       total_steps=cfg.rl.num_steps, grad_clip=o.grad_clip, weight_decay=o.weight_decay,
-                      b1=o.b1, b2=o.b2, micro_batches=o.micro_batches)
+                      b1=o.b1, b2=o.b2, micro_batches=o.micro_batches,
+                      group_by_length=o.group_by_length)
   return LearnerConfig(algo=algo, optim=optim)
 
 
