@@ -11,7 +11,8 @@ Prints one JSON object. Model: a random Qwen2-architecture checkpoint written by
     spread is geometric (as many completions in 8-16 tokens as in 256-512: most short, a long tail,
     like RL rollouts); `even_spread` repeats the comparison with lengths spread evenly, where a
     quarter of the completions are over 380 tokens.
-Each figure is the median of `repeats` timed runs (all runs are listed, and the load average)
+Each figure is the median of its timed runs (`--repeats-fixed` for (a), `--repeats` for each mode and
+spread of (b); all runs are listed, and the load average)
 after a warm-up run that compiles every program. Both modes use the same engine, including its slot
 groups (`--slot-groups`: per-group attention windows, long sequences kept together).
 `decode_steps` counts the decode steps of each mode: their ratio is what continuous_vs_static would
@@ -39,7 +40,10 @@ def _parse():
   p.add_argument("--steps-per-call", type=int, default=8)
   p.add_argument("--attend-bucket", type=int, default=32)
   p.add_argument("--slot-groups", type=int, default=2, help="sampler.slot_groups (both modes)")
-  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--repeats", type=int, default=3, help="timed runs of each long-tailed spread and mode")
+  p.add_argument("--repeats-fixed", type=int, default=9,
+                 help="timed runs of the fixed workload per system (about 1 s each: cheap, and its run-to-run "
+                      "spread on a shared 2-core machine needs more than 3 for a stable median)")
   p.add_argument("--quick", action="store_true", help="smaller workloads (smoke test, not the figures)")
   return p.parse_args()
 
@@ -151,7 +155,7 @@ def main():
   run_transformers(hf_model, prompts_a, new_tokens)
   ours_a, theirs_a = [], []
   load_before = os.getloadavg()[0]
-  for _ in range(a.repeats):  # interleaved, so load from other processes hits both alike
+  for _ in range(a.repeats_fixed):  # interleaved, so load from other processes hits both alike
     ours_a.append(run_tunixlike(engine, params, prompts_a, limits_a, static=True)[0])
     theirs_a.append(run_transformers(hf_model, prompts_a, new_tokens))
 
@@ -177,7 +181,7 @@ def main():
                  static_baseline="same engine and steps_per_call; all slots filled, refilled only "
                                  "when every slot has finished",
                  steps_per_call=a.steps_per_call, attend_bucket=a.attend_bucket, slot_groups=a.slot_groups,
-                 batch_a=batch, figures="median of repeats",
+                 batch_a=batch, figures="median of repeats", repeats_fixed=a.repeats_fixed, repeats=a.repeats,
                  prompt_tokens=PROMPT_LEN, new_tokens_a=new_tokens, prompts_b=n_long,
                  lengths_b=[8, max_long], spread_b="geometric (headline) and even",
                  torch_threads=torch.get_num_threads(), jax=jax.__version__,
