@@ -1,6 +1,7 @@
 """Sampler throughput: tunixlike's engine vs transformers `generate`, continuous vs static batching.
 
-  python benchmarks/sampler_throughput.py [--devices 1] [--slots 16] [--slot-groups 2] [--repeats 3] [--quick]
+  python benchmarks/sampler_throughput.py [--devices 1] [--slots 16] [--slot-groups 2] [--repeats 3]
+      [--repeats-fixed 9] [--out FILE] [--quick]
 
 Prints one JSON object. Model: a random Qwen2-architecture checkpoint written by transformers
 (4 layers, hidden 256, ffn 1024, 4 heads, 2 KV heads, vocab 512, fp32), loaded by both systems.
@@ -45,6 +46,7 @@ def _parse():
                  help="timed runs of the fixed workload per system (about 1 s each: cheap, and its run-to-run "
                       "spread on a shared 2-core machine needs more than 3 for a stable median)")
   p.add_argument("--quick", action="store_true", help="smaller workloads (smoke test, not the figures)")
+  p.add_argument("--out", default=None, help="also write the JSON object to this file")
   return p.parse_args()
 
 
@@ -168,7 +170,7 @@ def main():
     spreads[name] = continuous_vs_static(engine, params, prompts_b, limits_b, a)
   long_tail = spreads["geometric"]
   med = dict(tunixlike_tok_s=float(np.median(ours_a)), transformers_tok_s=float(np.median(theirs_a)))
-  print(json.dumps(dict(
+  text = json.dumps(dict(
       **{k: round(v, 1) for k, v in med.items()},
       speedup_vs_transformers=round(med["tunixlike_tok_s"] / med["transformers_tok_s"], 3),
       **{k: v for k, v in long_tail.items() if k != "runs"},
@@ -187,7 +189,11 @@ def main():
                  torch_threads=torch.get_num_threads(), jax=jax.__version__,
                  transformers=transformers.__version__, quick=a.quick),
       logits_max_abs_diff=logits_diff,
-  )))
+  ))
+  print(text)
+  if a.out:
+    with open(a.out, "w") as f:
+      f.write(text + "\n")
 
 
 if __name__ == "__main__":

@@ -78,3 +78,17 @@ def test_group_by_length_benchmark(tmp_path):
   # the three settings train the same objective: the same loss on the same batch
   for name in ("micro", "grouped"):
     assert s[name]["first_batch_loss"] == pytest.approx(s["padded"]["first_batch_loss"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_sampler_throughput_benchmark(tmp_path):
+  r = run_benchmark("sampler_throughput", tmp_path)
+  assert_positive(r, "tunixlike_tok_s", "transformers_tok_s", "speedup_vs_transformers", "continuous_tok_s",
+                  "static_tok_s", "continuous_vs_static", "slot_occupancy")
+  assert r["speedup_vs_transformers"] == pytest.approx(r["tunixlike_tok_s"] / r["transformers_tok_s"], rel=1e-3)
+  assert len(r["runs"]["tunixlike_tok_s"]) == len(r["runs"]["transformers_tok_s"]) == r["setup"]["repeats_fixed"]
+  # Both systems load the same checkpoint: their logits agree.
+  assert r["logits_max_abs_diff"] < 1e-3
+  # Continuous batching never decodes more steps than static batching on the same requests.
+  assert r["decode_steps"]["continuous"] <= r["decode_steps"]["static"]
+  assert 0 < r["slot_occupancy"] <= 1 and r["slot_occupancy"] >= r["static_slot_occupancy"]
