@@ -27,20 +27,31 @@ def mesh4():
   return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tensor"))
 
 
-def make_groups(num_groups, group_size=4, seed=0, vocab=128, version=0):
+def make_groups(num_groups, group_size=4, seed=0, vocab=128, version=0, length=lambda rng: int(rng.integers(2, 9))):
+  """`length(rng)` draws each completion's number of tokens."""
   rng = np.random.default_rng(seed)
   groups = []
   for gi in range(num_groups):
     prompt = rng.integers(1, vocab, size=rng.integers(2, 5)).astype(np.int32)
     comps = []
     for _ in range(group_size):
-      n = int(rng.integers(2, 9))
+      n = length(rng)
       comps.append(Completion(rng.integers(1, vocab, size=n).astype(np.int32),
                               (-4.8 + 0.3 * rng.normal(size=n)).astype(np.float32),
                               np.full(n, version, np.int32), "eos"))
     groups.append(RolloutGroup(prompt_id=gi, prompt_token_ids=prompt, completions=comps,
                                rewards=rng.integers(0, 2, size=group_size).astype(np.float32)))
   return groups
+
+
+@pytest.fixture
+def long_tailed_batch():
+  """Completion lengths with a long tail (most 2-9 tokens, one in eight 40-56), padded to 64."""
+  def make(num_rows=16, seed=0):
+    tail = lambda rng: int(rng.integers(40, 57) if rng.random() < 0.125 else rng.integers(2, 10))
+    return batch_lib.assemble_batch(make_groups(num_rows // 4, seed=seed, length=tail), num_rows=num_rows,
+                                    seq_buckets=(64,), advantage="grpo")
+  return make
 
 
 @pytest.fixture

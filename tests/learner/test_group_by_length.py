@@ -8,15 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tunixlike.learner import batch as batch_lib
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
 from tunixlike.learner.ppo import PPOLearner
 from tunixlike.learner.train_step import Learner, prefix_lengths, row_lengths
 from tunixlike.learner.value import PolicyWithValue
 from tunixlike.mesh import LEARNER_RULES
-from tunixlike.rollout import Completion, RolloutGroup
-
-T = 64
 
 
 def _cfg(micro=4, group=0, **algo):
@@ -25,38 +21,33 @@ def _cfg(micro=4, group=0, **algo):
                        logprob_chunk_size=16)
 
 
-def long_tailed_batch(num_groups=4, group_size=4, seed=0, vocab=128):
-  """Completion lengths with a long tail (most 2-9 tokens, one in eight 40-56), padded to T."""
-  rng = np.random.default_rng(seed)
-  groups = []
-  for gi in range(num_groups):
-    prompt = rng.integers(1, vocab, size=rng.integers(2, 6)).astype(np.int32)
-    comps = []
-    for _ in range(group_size):
-      n = int(rng.integers(40, 57) if rng.random() < 0.125 else rng.integers(2, 10))
-      comps.append(Completion(rng.integers(1, vocab, size=n).astype(np.int32),
-                              (-4.8 + 0.3 * rng.normal(size=n)).astype(np.float32),
-                              np.full(n, 0, np.int32), "eos"))
-    groups.append(RolloutGroup(prompt_id=gi, prompt_token_ids=prompt, completions=comps,
-                               rewards=rng.integers(0, 2, size=group_size).astype(np.float32)))
-  # interleave long and short rows, so sorting has work to do
-  return batch_lib.assemble_batch(groups, num_rows=num_groups * group_size, seq_buckets=(T,), advantage="grpo")
-
-
 def _flat(tree):
   return {"/".join(map(str, p)): np.asarray(jax.device_get(v.get_value() if hasattr(v, "get_value") else v))
           for p, v in nnx.to_flat_state(tree)}
 
 
-def _assert_same_step(a, b, metrics=("loss", "pg_loss", "grad_norm", "entropy", "is_weight", "clip_frac",
-                                     "num_tokens", "version_lag_mean", "advantage_abs_mean")):
-  (s1, m1), (s2, m2) = a, b
+def _placed(learner, batch):
+  placed = learner.put_batch(batch)
+  if isinstance(learner, PPOLearner):  # critic values, GAE targets: what its step computes first
+    placed, _ = learner.prepare(learner.state, placed)
+  return placed
+
+
+def _assert_same_step(padded, grouped, batch, metrics=("loss", "pg_loss", "grad_norm", "entropy", "is_weight",
+                                                       "clip_frac", "num_tokens", "version_lag_mean",
+                                                       "advantage_abs_mean")):
+  """The same loss and gradients (before the optimizer: Adam's first step divides each gradient by
+  its own size, which turns float reassociation in near-zero gradients into visible weight noise),
+  and the same step metrics."""
+  (l1, g1), (l2, g2) = (x.loss_and_grads(x.state, _placed(x, batch)) for x in (padded, grouped))
+  np.testing.assert_allclose(l2, l1, rtol=2e-5)
+  f1, f2 = _flat(g1), _flat(g2)
+  assert f1.keys() == f2.keys()
+  for k in f1:
+    np.testing.assert_allclose(f2[k], f1[k], rtol=1e-4, atol=1e-7, err_msg=k)
+  (_, m1), (_, m2) = (x.train_step(x.state, x.put_batch(batch), jax.random.key(0)) for x in (padded, grouped))
   for k in metrics:
     np.testing.assert_allclose(m2[k], m1[k], rtol=2e-5, atol=1e-7, err_msg=k)
-  p1, p2 = _flat(s1.params), _flat(s2.params)
-  assert p1.keys() == p2.keys()
-  for k in p1:
-    np.testing.assert_allclose(p2[k], p1[k], rtol=1e-4, atol=2e-6, err_msg=k)
 
 
 def test_prefix_lengths_and_row_lengths():
@@ -68,7 +59,7 @@ def test_prefix_lengths_and_row_lengths():
 
 
 @pytest.mark.slow
-def test_grouped_step_equals_padded_step_and_trims(tiny_model):
+def test_grouped_step_equals_padded_step_and_trims(tiny_model, long_tailed_batch):
   batch = long_tailed_batch()
   lengths = row_lengths(batch["loss_mask"])
   assert lengths.max() > 48 and np.median(lengths) < 16  # a long tail, interleaved
@@ -78,34 +69,36 @@ def test_grouped_step_equals_padded_step_and_trims(tiny_model):
   branch = np.asarray(placed["length_branch"])
   # rows sorted: the first micro-batches hold only short rows and run at 16 of the 64 positions
   assert branch.tolist() == sorted(branch.tolist()) and branch[0] == 0 and branch[-1] == 3, branch
-  stepped = grouped.train_step(grouped.state, placed, jax.random.key(0))
-  _assert_same_step(padded.train_step(padded.state, padded.put_batch(batch), jax.random.key(0)), stepped)
-  grouped.state = stepped[0]
+  _assert_same_step(padded, grouped, batch)
   assert grouped.num_traces == 1
-  # another batch with another branch pattern reuses the one compiled step
-  grouped.state, _ = grouped.train_step(grouped.state, grouped.put_batch(long_tailed_batch(seed=3)), jax.random.key(1))
+  # another batch with another branch pattern reuses the one compiled step (the last step donated
+  # the learner's state, so a fresh learner)
+  grouped, patterns = Learner(tiny_model(), _cfg(group=4)), []
+  for seed in (0, 3):
+    placed = grouped.put_batch(long_tailed_batch(seed=seed))
+    patterns.append(np.asarray(placed["length_branch"]).tolist())
+    grouped.state, _ = grouped.train_step(grouped.state, placed, jax.random.key(seed))
+  assert patterns[0] != patterns[1], patterns
   assert grouped.num_traces == 1
 
 
 @pytest.mark.slow
-def test_grouped_step_on_a_sharded_mesh_with_kl(tiny_model, mesh4):
+def test_grouped_step_on_a_sharded_mesh_with_kl(tiny_model, long_tailed_batch, mesh4):
   batch = long_tailed_batch()
   algo = dict(kl_coef=0.1, aggregation="seq_mean_token_mean")
   padded = Learner(tiny_model(), _cfg(group=0, **algo), mesh=mesh4, rules=LEARNER_RULES)
   grouped = Learner(tiny_model(), _cfg(group=4, **algo), mesh=mesh4, rules=LEARNER_RULES)
   placed = grouped.put_batch(batch)
   assert placed["tokens"].sharding.spec[1] == "fsdp" and placed["length_branch"].sharding.is_fully_replicated
-  _assert_same_step(padded.train_step(padded.state, padded.put_batch(batch), jax.random.key(0)),
-                    grouped.train_step(grouped.state, placed, jax.random.key(0)), metrics=("loss", "grad_norm", "kl"))
+  _assert_same_step(padded, grouped, batch, metrics=("loss", "grad_norm", "kl"))
 
 
 @pytest.mark.slow
-def test_ppo_columns_are_sorted_with_the_rows(tiny_model):
+def test_ppo_columns_are_sorted_with_the_rows(tiny_model, long_tailed_batch):
   batch = long_tailed_batch()
   padded = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(group=0))
   grouped = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(group=4))
-  _assert_same_step(padded.train_step(padded.state, padded.put_batch(batch), jax.random.key(0)),
-                    grouped.train_step(grouped.state, grouped.put_batch(batch), jax.random.key(0)),
+  _assert_same_step(padded, grouped, batch,
                     metrics=("loss", "grad_norm", "vf_loss", "value_mean", "return_mean", "token_advantage_abs"))
 
 
