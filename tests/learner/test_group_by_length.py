@@ -1,13 +1,13 @@
 """optim.group_by_length: rows sorted by length, each micro-batch trimmed to a prefix length.
 
-The trimmed step must be the padded step (same loss, metrics and updated weights), while the short
+The trimmed step must be the padded step (same loss, gradients and step metrics), while the short
 micro-batches really run at a shorter length."""
 
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
+from learner_trees import flat_values
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
 from tunixlike.learner.ppo import PPOLearner
 from tunixlike.learner.train_step import Learner, prefix_lengths, row_lengths
@@ -19,11 +19,6 @@ def _cfg(micro=4, group=0, **algo):
   return LearnerConfig(algo=AlgoConfig(**algo),
                        optim=OptimConfig(learning_rate=1e-3, micro_batches=micro, group_by_length=group),
                        logprob_chunk_size=16)
-
-
-def _flat(tree):
-  return {"/".join(map(str, p)): np.asarray(jax.device_get(v.get_value() if hasattr(v, "get_value") else v))
-          for p, v in nnx.to_flat_state(tree)}
 
 
 def _placed(learner, batch):
@@ -41,7 +36,7 @@ def _assert_same_step(padded, grouped, batch, metrics=("loss", "pg_loss", "grad_
   and the same step metrics."""
   (l1, g1), (l2, g2) = (x.loss_and_grads(x.state, _placed(x, batch)) for x in (padded, grouped))
   np.testing.assert_allclose(l2, l1, rtol=2e-5)
-  f1, f2 = _flat(g1), _flat(g2)
+  f1, f2 = flat_values(g1), flat_values(g2)
   assert f1.keys() == f2.keys()
   for k in f1:
     np.testing.assert_allclose(f2[k], f1[k], rtol=1e-4, atol=1e-7, err_msg=k)

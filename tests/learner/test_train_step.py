@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from learner_trees import flat_values
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
 from tunixlike.learner.train_step import Learner
 from tunixlike.mesh import LEARNER_RULES
@@ -13,11 +14,6 @@ from tunixlike.models import sharding as sharding_lib
 def _cfg(micro=1, **algo):
   return LearnerConfig(algo=AlgoConfig(**algo), optim=OptimConfig(learning_rate=1e-3, micro_batches=micro),
                        logprob_chunk_size=8)
-
-
-def _flat(tree):
-  return {"/".join(map(str, p)): np.asarray(jax.device_get(v.get_value() if hasattr(v, "get_value") else v))
-          for p, v in nnx.to_flat_state(tree)}
 
 
 @pytest.mark.slow
@@ -31,7 +27,7 @@ def test_grad_accumulation_over_4_micro_batches_equals_one_batch(tiny_model, hos
   loss1, g1 = one.loss_and_grads(one.state, one.put_batch(batch))
   loss4, g4 = four.loss_and_grads(four.state, four.put_batch(batch))
   np.testing.assert_allclose(loss4, loss1, rtol=1e-5)
-  f1, f4 = _flat(g1), _flat(g4)
+  f1, f4 = flat_values(g1), flat_values(g4)
   assert f1.keys() == f4.keys()
   for k in f1:
     np.testing.assert_allclose(f4[k], f1[k], rtol=1e-4, atol=1e-7, err_msg=k)
@@ -56,7 +52,7 @@ def test_sharded_step_equals_unsharded(tiny_model, host_batch, mesh4):
   s2, m2 = sharded.train_step(sharded.state, db, jax.random.key(0))
   for k in ("loss", "grad_norm", "entropy", "is_weight"):
     np.testing.assert_allclose(m2[k], m1[k], rtol=2e-5, err_msg=k)
-  p1, p2 = _flat(s1.params), _flat(s2.params)
+  p1, p2 = flat_values(s1.params), flat_values(s2.params)
   for k in p1:
     np.testing.assert_allclose(p2[k], p1[k], rtol=1e-4, atol=2e-6, err_msg=k)
 
@@ -89,7 +85,7 @@ def test_every_weight_gets_a_gradient_logprobs_are_exact_and_training_follows_ad
   learner = Learner(model, _cfg(1, is_mode="none"))
   db = learner.put_batch(batch)
   _, grads = learner.loss_and_grads(learner.state, db)
-  for k, g in _flat(grads).items():
+  for k, g in flat_values(grads).items():
     assert np.abs(g).max() > 0, f"no gradient for {k}"
   # the chunked per-token logprobs equal log-softmax of the full logits at the next token
   logp0 = np.asarray(learner.token_logprobs(learner.state, db)).reshape(8, -1)
