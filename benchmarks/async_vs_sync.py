@@ -111,7 +111,7 @@ def workload_config(name: str, steps: int, quick: bool):
         cfg, data=dict(task="reverse", num_eval_examples=8, max_prompt_length=16),
         warm_start=dict(max_steps=0),
         sampler=dict(max_concurrent_decodes=16 if quick else 32, max_new_tokens=new, max_prefill_length=16,
-                     steps_per_call=8),
+                     steps_per_call=8, warmup=True),
         optim=dict(micro_batches=2 if quick else 16, group_by_length=8),
         algo=dict(group_size=4), rl=dict(num_steps=steps, prompts_per_step=2 if quick else 8, reward_workers=4), **common)
   if name == "slow_reward":
@@ -120,7 +120,7 @@ def workload_config(name: str, steps: int, quick: bool):
     return config_lib.replace(
         cfg, data=dict(digits=2, num_eval_examples=64 if quick else 200),
         warm_start=dict(max_steps=2 if quick else 1500, eval_every=10 if quick else 20, target_accuracy=0.3),
-        sampler=dict(max_concurrent_decodes=16 if quick else 64),
+        sampler=dict(max_concurrent_decodes=16 if quick else 64, warmup=True),
         # Enough reward workers that the verifier's latency, not its throughput, is what a step
         # waits for (as with remote graders or tools): sync mode waits for the slowest call of
         # every batch, async overlaps it with decoding and training.

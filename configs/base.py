@@ -63,6 +63,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.stop_strings = ()  # completions also end at these strings (checked on the host)
   s.attend_bucket = 32  # decode attends the filled cache rounded up to this many positions
   s.slot_groups = 1  # slot groups with their own attention windows (2: long sequences kept together)
+  s.warmup = False  # compile every decode program before the run (no mid-run compile stalls; costs start-up)
 
   # Algorithm: GRPO family.
   c.algo = a = ml_collections.ConfigDict()

@@ -113,6 +113,7 @@ class SamplerSection:
   stop_strings: tuple[str, ...] = ()
   attend_bucket: int = 32
   slot_groups: int = 1
+  warmup: bool = False
 
   def __post_init__(self):
     _positive(self, "sampler", "max_concurrent_decodes", "max_prefill_length", "max_new_tokens",

@@ -297,6 +297,12 @@ def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None,
                  should_stop=lambda: False, num_steps: int | None = None) -> AsyncRuntime:
   cfg, tok, tracer = parts.cfg, parts.tok, parts.tracer
   params, _ = parts.policy.sampler_weights()
+  if cfg.sampler.warmup:  # every decode program compiled now, not in the middle of the run
+    with tracer.span("sampler_warmup", cat="sampler"):
+      parts.engine.warmup(params)
+      if parts.policy.lora:  # later syncs hand over packed adapters (`WithAdapters`): their programs too
+        params, _ = parts.policy.sampler_weights()
+        parts.engine.warmup(params)
 
   def driver_factory(sink, may_start_group):
     common = dict(source=stream, sink=sink, version=parts.policy.version, may_start_group=may_start_group,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any
 
 import jax
@@ -370,6 +371,49 @@ class Engine:
     arrays = dict(decode_state.arrays)
     arrays["version"] = jax.device_put(jnp.int32(version), self._replicated)
     return dataclasses.replace(decode_state, arrays=arrays)
+
+  def warmup(self, params: Params) -> dict[str, int]:
+    """Compiles every program a run can call, before it runs (as JetStream's model warm-up does).
+
+    Without it, each new prompt bucket or attention window compiles in the middle of decoding (one
+    program per shape, 0.1-1 s each on CPU), stalling every slot. This runs each program once on
+    scratch state, which is then discarded: prefill per prompt bucket; per attention window, insert
+    (per prompt bucket), the one-bucket grow and shrink; generate per tuple of slot-group windows
+    (windows ** slot_groups programs); with slot groups, move per pair of windows. `params` must be
+    what the run decodes with (LoRA-packed params compile their own programs). Returns the trace
+    counts afterwards.
+    """
+    lengths: dict[int, int] = {}  # prompt bucket -> a prompt length that lands in it
+    for n in range(1, self.max_prefill_length + 1):
+      lengths.setdefault(self.prefill_bucket(n - 1), n)
+    prefixes = [self.prefill(params, np.zeros(n, np.int32)) for n in lengths.values()]
+    windows, key = self.config.attend_windows, np.zeros((1, 2), np.uint32)
+    state = self.init_decode_state()  # all group caches share one shape per window: group 0 stands for all
+    for window in windows:
+      if self._windows(state)[0] < window:
+        state = self._resize(state, 0, window)
+      for prefix in prefixes:
+        if prefix.cache.max_len <= window:
+          state = self.bulk_insert(prefix, state, [0], keys=key)
+    for _ in windows[1:]:
+      state = self._resize(state, 0, 0)  # shrinks by one bucket
+    state = self.release(state, 0)
+    shardings = self._state_shardings(self.config.cache_length)  # specs do not depend on the windows
+
+    def scratch(group_windows):
+      return jax.device_put(dict(self.init_decode_state().arrays, cache=self._empty_grouped(group_windows)),
+                            shardings)
+
+    for group_windows in itertools.product(windows, repeat=self._groups):
+      out = self._generate_fn(params, scratch(group_windows))
+    if self._groups > 1:
+      scalars = np.asarray([0, self._block, 0, 0], np.int32)  # slot 0 (group 0) -> first slot of group 1
+      for src, dst in itertools.product(windows, repeat=2):
+        arrays = scratch((src, dst) + (windows[0],) * (self._groups - 2))
+        cache, small = self._split_arrays(arrays)
+        out = self._move_fn(cache.groups[0], cache.groups[1], small, scalars)
+    jax.block_until_ready((state.arrays, out))
+    return dict(self.trace_counts)
 
   def prefill_bucket(self, num_tokens: int) -> int:
     for b in self.config.prefill_buckets:
