@@ -24,8 +24,12 @@ Two workloads:
       (one call per group of G completions, seeded by the prompt id, like a tool call or remote
       grader; it sleeps, so it costs latency, not CPU). The reward pool has `rl.reward_workers`
       threads.
-Both modes of a workload start from the same weights and seed. Timing skips the first
-`--skip-steps` learner steps (XLA compilation) and covers the rest; busy fractions are
+Both modes of a workload start from the same weights and seed, and both compile every sampler
+program before they start (`sampler.warmup`: each attention window and prompt bucket, as JetStream's
+model warm-up), so neither is timed compiling a decode window it meets for the first time (before
+2026-11-25 those compilations fell inside the timed steps of both modes, 0.1-0.2 s/step of sync's
+time on the long tail, and made the figures swing). Timing skips the first `--skip-steps` learner
+steps (the learner's compilation) and covers the rest; busy fractions are
 the runtime's `learner/busy_frac` and `sampler/busy_frac` taken over the timed window (learner:
 train step + weight sync; the runtime's cumulative figures, compilation included, are kept as
 `*_runtime`); final reward is the mean `reward/mean` of the last `--final-steps` steps; staleness is the
@@ -50,9 +54,9 @@ def _parse(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", default=None, help="also write the JSON object to this file")
   p.add_argument("--quick", action="store_true", help="tiny sizes, few steps (smoke test, not the figures)")
-  p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 12; quick 3)")
+  p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 40; quick 2)")
   p.add_argument("--skip-steps", type=int, default=None, help="steps excluded from timing (compilation)")
-  p.add_argument("--final-steps", type=int, default=4, help="steps averaged for the final reward")
+  p.add_argument("--final-steps", type=int, default=8, help="steps averaged for the final reward")
   p.add_argument("--async-staleness", type=int, default=2, help="rl.max_staleness of the async mode (the targets allow <= 2)")
   p.add_argument("--workloads", default="long_tail,slow_reward")
   p.add_argument("--sampler-devices", type=int, default=1, help="mesh.sampler_devices (data-parallel replicas)")
@@ -140,9 +144,11 @@ def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, fina
                                  log=lambda step, m: records.append((time.monotonic(), step, dict(m))))
   with _LENGTHS_LOCK:
     _LENGTHS.clear()
+  warm = dict(parts.engine.trace_counts)  # make_runtime compiled every decode program (sampler.warmup)
   t0 = time.monotonic()
   runtime.run(threaded=True)
   total = time.monotonic() - t0
+  compiled_in_run = sum(n - warm[k] for k, n in parts.engine.trace_counts.items())
   times = [t for t, _, _ in records]
   timed_steps = len(records) - skip
   wall = times[-1] - times[skip - 1] if skip else times[-1] - t0
@@ -170,6 +176,7 @@ def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, fina
       "learner_wait_s_mean": float(np.mean([m["learner/wait_s"] for _, _, m in records[skip:]])),
       "sync_ms_mean": float(np.mean([m["sync/ms"] for _, _, m in records])),
       "steps": len(records), "learner_version": parts.policy.version,
+      "sampler_programs_compiled_during_run": compiled_in_run,
   }
   with _LENGTHS_LOCK:
     if _LENGTHS:
@@ -219,7 +226,7 @@ def bench_workload(name: str, steps: int, skip: int, final: int, staleness: int,
 
 
 def main():
-  steps = ARGS.steps or (2 if ARGS.quick else 12)
+  steps = ARGS.steps or (2 if ARGS.quick else 40)
   skip = ARGS.skip_steps if ARGS.skip_steps is not None else (1 if ARGS.quick else 2)
   if not 0 <= skip < steps:
     raise ValueError(f"--skip-steps={skip} must be in [0, --steps={steps})")

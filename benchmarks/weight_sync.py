@@ -13,7 +13,11 @@ The floor is `np.copyto` of the same bytes into a preallocated buffer in the sam
 model's bytes and of the bytes the sync delivers. LoRA-only sync (rank 8, all projections) moves
 `adapter_params` only, as the runtime does (`PolicyLearner.sampler_weights`): packed into one
 buffer on the learner, one transfer, kept packed on the sampler (`keep_packed=True`; the engine
-splits it inside its own programs); `lora_sync_unpacked_ms` adds the separate unpack.
+splits it inside its own programs); `lora_sync_unpacked_ms` adds the separate unpack. The runtime
+packs the adapters right behind the train step (`weight_sync.pack`, dispatched before the learner
+waits for the step), so its sync is the transfer alone: `lora_sync_ms` times that, with the pack
+dispatched behind the fresh copy that stands for the train step; `lora_sync_with_pack_ms` times
+packing and transfer together (`full_vs_lora_with_pack`).
 Alternatives to the library's one-call `device_put` are timed too, to say
 which change to weight_sync.py would be fastest: per-leaf device_put, an explicit host round trip
 (device_get + device_put), and a two-step reshard (jit all-gather on the learner devices into the
@@ -78,16 +82,22 @@ def model_config(sizes) -> models.ModelConfig:
 
 
 class Fresh:
-  """Hands out new learner-side arrays each call (same values, same shardings, new buffers)."""
+  """Hands out new learner-side arrays each call (same values, same shardings, new buffers).
 
-  def __init__(self, tree):
+  `then(tree)`, if given, is dispatched right behind the copy, before waiting for it, as the learner
+  dispatches `weight_sync.pack` right behind its train step; its result is handed out instead."""
+
+  def __init__(self, tree, then=None):
     leaves, self.treedef = jax.tree.flatten(tree)
     self._copy = jax.jit(lambda xs: [x * 1 for x in xs], out_shardings=[x.sharding for x in leaves])
-    self._leaves = leaves
+    self._leaves, self._then = leaves, then
 
   def __call__(self):
-    self._leaves = jax.block_until_ready(self._copy(self._leaves))
-    return jax.tree.unflatten(self.treedef, self._leaves)
+    self._leaves = self._copy(self._leaves)
+    tree = jax.tree.unflatten(self.treedef, self._leaves)
+    out = tree if self._then is None else self._then(tree)
+    jax.block_until_ready((self._leaves, out))
+    return out
 
 
 def timed(fn, fresh, repeats: int, warmup: int) -> dict:
@@ -179,7 +189,7 @@ def bench_layout(sampler_tensor: int, sizes, repeats: int, warmup: int) -> dict:
   adapters = lora_lib.adapter_params(model)
   lora_targets = models.state_shardings(adapters, meshes.sampler, mesh_lib.SAMPLER_RULES)
   lora_fresh = Fresh(adapters)
-  lora = timed(lambda t: weight_sync.sync(t, lora_targets, keep_packed=True)[0], lora_fresh, repeats, warmup)
+  lora, lora_with_pack = lora_sync_times(adapters, lora_targets, repeats, warmup)
   lora_unpacked = timed(lambda t: weight_sync.sync(t, lora_targets)[0], lora_fresh, repeats, warmup)
   lora_bytes = sum(x.nbytes for x in jax.tree.leaves(adapters))
   return {
@@ -192,6 +202,7 @@ def bench_layout(sampler_tensor: int, sizes, repeats: int, warmup: int) -> dict:
       "sync_GBps_delivered": out_bytes / full / 1e6, "memcpy_GBps": model_bytes / mem_model / 1e6,
       "lora_rank": LORA_RANK, "lora_bytes": int(lora_bytes), "lora_sync_ms": lora["median_ms"],
       "full_vs_lora": full / lora["median_ms"],
+      "lora_sync_with_pack_ms": lora_with_pack["median_ms"], "full_vs_lora_with_pack": full / lora_with_pack["median_ms"],
       # The same sync split back into arrays on the sampler (a third dispatch the runtime skips).
       "lora_sync_unpacked_ms": lora_unpacked["median_ms"],
       "methods_ms": times,
@@ -211,10 +222,20 @@ def lora_vs_full(sizes, repeats: int, warmup: int) -> dict:
                       rules=mesh_lib.LEARNER_RULES)
   adapters = lora_lib.adapter_params(model)
   lora_targets = models.state_shardings(adapters, meshes.sampler, mesh_lib.SAMPLER_RULES)
-  lora = timed(lambda t: weight_sync.sync(t, lora_targets, keep_packed=True)[0], Fresh(adapters), repeats,
-               warmup)["median_ms"]
+  lora, lora_with_pack = (t["median_ms"] for t in lora_sync_times(adapters, lora_targets, repeats, warmup))
   return {"model_mb": model_bytes / 2**20, "lora_mb": sum(x.nbytes for x in jax.tree.leaves(adapters)) / 2**20,
-          "full_sync_ms": full, "lora_sync_ms": lora, "full_vs_lora": full / lora}
+          "full_sync_ms": full, "lora_sync_ms": lora, "full_vs_lora": full / lora,
+          "lora_sync_with_pack_ms": lora_with_pack, "full_vs_lora_with_pack": full / lora_with_pack}
+
+
+def lora_sync_times(adapters, lora_targets, repeats: int, warmup: int) -> tuple[dict, dict]:
+  """LoRA sync as the runtime does it (`PolicyLearner`: packed right behind the train step, then
+  one transfer, kept packed on the sampler), and with the packing inside the timed sync."""
+  prepacked = Fresh(adapters, then=lambda t: weight_sync.pack(t, lora_targets))
+  runtime = timed(lambda p: weight_sync.sync(p, lora_targets, keep_packed=True)[0], prepacked, repeats, warmup)
+  with_pack = timed(lambda t: weight_sync.sync(t, lora_targets, keep_packed=True)[0], Fresh(adapters), repeats,
+                    warmup)
+  return runtime, with_pack
 
 
 def main():
@@ -237,6 +258,9 @@ def main():
       "memcpy_model_bytes_ms": main_layout["memcpy_model_bytes_ms"],
       "full_vs_memcpy_model_bytes": main_layout["full_vs_memcpy_model_bytes"],
       "lora_sync_ms": main_layout["lora_sync_ms"], "full_vs_lora": main_layout["full_vs_lora"],
+      # The packing timed inside the sync too (it is queued behind the train step in the runtime).
+      "lora_sync_with_pack_ms": main_layout["lora_sync_with_pack_ms"],
+      "full_vs_lora_with_pack": main_layout["full_vs_lora_with_pack"],
       "model_bytes": main_layout["model_bytes"], "delivered_bytes": main_layout["delivered_bytes"],
       "lora_bytes": main_layout["lora_bytes"], "num_params": main_layout["num_params"],
       # The same comparison on a 4x larger model: LoRA sync is a fixed cost of dispatches here.

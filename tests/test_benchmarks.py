@@ -36,6 +36,7 @@ def test_weight_sync_benchmark(tmp_path):
                   "delivered_bytes", "lora_bytes", "memcpy_model_bytes_ms", "full_vs_memcpy_model_bytes")
   assert r["full_vs_memcpy"] == pytest.approx(r["full_sync_ms"] / r["memcpy_ms"])
   assert r["full_vs_lora"] == pytest.approx(r["full_sync_ms"] / r["lora_sync_ms"])
+  assert r["full_vs_lora_with_pack"] == pytest.approx(r["full_sync_ms"] / r["lora_sync_with_pack_ms"])
   # The default sampler layout replicates the weights on its 4 replicas: 4x the model's bytes arrive.
   assert r["delivered_bytes"] >= 4 * r["model_bytes"] * 0.99
   assert r["lora_bytes"] < r["model_bytes"]
@@ -64,6 +65,7 @@ def test_async_vs_sync_benchmark(tmp_path):
       m = w[mode]
       assert_positive(m, "wall_s", "s_per_step", "learner_busy_frac", "sampler_busy_frac", "sampler_tokens_per_s")
       assert m["learner_version"] == m["steps"] == w["setup"]["steps"]
+      assert m["sampler_programs_compiled_during_run"] == 0  # sampler.warmup compiled them all before
   assert r["workloads"]["long_tail"]["sync"]["completion_length"]["max"] >= 1
   assert isinstance(r["notes"], list) and r["notes"]
 

@@ -103,3 +103,29 @@ def test_keep_sampling_mask_makes_the_is_ratio_one_at_staleness_zero():
   records, _ = run_steps(cfg, threaded=True)
   for _, m in records:
     assert m["mismatch_kl"] < 1e-6 and m["is_weight"] == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_lora_run_with_sampler_warmup_compiles_nothing_and_syncs_prepacked_adapters():
+  """LoRA: every sync after the first sends the adapters packed right behind the train step; with
+  sampler.warmup the engine's programs (plain params and packed adapters) are all compiled before."""
+  from tunixlike.sampler import params as params_lib
+  cfg = config_lib.replace(tiny_config(max_staleness=1), lora=dict(rank=4), sampler=dict(max_concurrent_decodes=16,
+                                                                                          warmup=True))
+  parts = trainer.build_rl(trainer.build(cfg))
+  batches = []
+  runtime = trainer.make_runtime(parts, trainer.PromptStream(iter(parts.train_pipe)),
+                                 on_batch=lambda step, trained, dropped: batches.append(trained))
+  warm = dict(parts.engine.trace_counts)
+  runtime.run(threaded=True)
+  assert parts.engine.trace_counts == warm and parts.policy.version == 3
+  policy = parts.policy
+  policy.train(batches[-1])  # one more step: its adapters are packed before the host waits for it
+  adapters, packed = policy._packed
+  assert adapters is policy.learner.state.params and isinstance(packed, params_lib.Packed)
+  synced, _ = policy.sampler_weights()
+  assert policy._packed is None and isinstance(synced, params_lib.WithAdapters)
+  assert set(synced.adapters.flat.devices()) == set(parts.meshes.sampler.devices.flat)
+  for a, b in zip(jax.tree.leaves(synced.adapters.unpack()), jax.tree.leaves(adapters)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(synced.adapters.unpack()))

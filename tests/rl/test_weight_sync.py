@@ -88,3 +88,23 @@ def test_lora_adapters_kept_packed_decode_like_unpacked():
   # A second packed sync replaces the first (its base is kept, not nested).
   again = weight_sync.replace_leaves(with_packed, packed)
   assert again.base is base
+
+
+def test_pack_then_sync_equals_sync():
+  """`pack` (queued behind the train step by the learner) and then `sync` lands what `sync` alone does."""
+  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=1)
+  model = models.create_sharded(models.tiny_config(), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
+  lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=4), seed=0, mesh=meshes.learner,
+                      rules=mesh_lib.LEARNER_RULES)
+  adapters = jax.tree.map(lambda x: x + np.arange(x.size, dtype=x.dtype).reshape(x.shape) / x.size,
+                          lora_lib.adapter_params(model))
+  targets = models.state_shardings(adapters, meshes.sampler, mesh_lib.SAMPLER_RULES)
+  packed = weight_sync.pack(adapters, targets, dtype="bfloat16")
+  assert isinstance(packed, params_lib.Packed) and set(packed.flat.devices()) <= set(meshes.learner.devices.flat)
+  sent, ms = weight_sync.sync(packed, targets, keep_packed=True)
+  assert ms > 0 and sent.flat.sharding.mesh == meshes.sampler and sent.flat.dtype == np.dtype("bfloat16")
+  direct, _ = weight_sync.sync(adapters, targets, dtype="bfloat16", keep_packed=True)
+  np.testing.assert_array_equal(np.asarray(sent.flat), np.asarray(direct.flat))
+  _check(weight_sync.sync(weight_sync.pack(adapters, targets), targets)[0], adapters, targets)  # unpacked there
+  few = jax.tree.leaves(adapters)[:2]  # too few arrays to be worth packing: sync moves them as they are
+  assert weight_sync.pack(few, jax.tree.leaves(targets)[:2]) is None

@@ -34,6 +34,7 @@ class PolicyLearner:
     self._rng = jax.random.PRNGKey(cfg.seed)
     self.lora = learner.lora
     self._sampler_params = None  # LoRA sync keeps the sampler's base weights and swaps adapters only
+    self._packed = None  # (adapters, their packed buffer): LoRA packing queued behind the train step
     # The adapters' sampler shardings are the same every sync: looked up once.
     self._adapter_shardings = (weight_sync.subtree_like(engine.param_shardings, learner.state.params)
                                if self.lora else None)
@@ -63,6 +64,9 @@ class PolicyLearner:
       placed = self.learner.put_batch(batch)
       rng = jax.random.fold_in(self._rng, self.version)
       self.learner.state, metrics = self.learner.train_step(self.learner.state, placed, rng)
+      if self.lora and self._sampler_params is not None:  # before waiting: the pack runs right after the step
+        adapters = self.learner.state.params
+        self._packed = (adapters, weight_sync.pack(adapters, self._adapter_shardings, dtype=self.cfg.rl.sync_dtype))
       metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if not metrics.get("nonfinite", 0.0):
       self.version += 1
@@ -91,7 +95,10 @@ class PolicyLearner:
         params, ms = weight_sync.sync(self.full_params(), self.engine.param_shardings, dtype=self.cfg.rl.sync_dtype)
       else:
         adapters = self.learner.state.params
-        synced, ms = weight_sync.sync(adapters, self._adapter_shardings, dtype=self.cfg.rl.sync_dtype,
+        packed_for, packed = self._packed or (None, None)
+        source = packed if packed_for is adapters and packed is not None else adapters  # not if restored since
+        self._packed = None
+        synced, ms = weight_sync.sync(source, self._adapter_shardings, dtype=self.cfg.rl.sync_dtype,
                                       keep_packed=True)
         params = weight_sync.replace_leaves(self._sampler_params, synced)
       self._sampler_params = params

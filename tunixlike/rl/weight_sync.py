@@ -6,7 +6,8 @@ An optional dtype cast (e.g. a bf16 sampler) happens on the learner devices firs
 bytes cross. LoRA-only sync passes just the adapter pytree, packed into one buffer (many small
 arrays would each pay a fixed per-transfer cost); with `keep_packed` it stays one buffer on the
 sampler (`sampler.params.Packed`), and the engine splits it inside its own jitted programs, which
-saves the dispatch of a separate unpack program. Every sync is timed.
+saves the dispatch of a separate unpack program. `pack` lets the learner queue the packing right
+behind its train step, so that the sync itself is one transfer. Every sync is timed.
 
 Several processes (multi-controller JAX, no Pathways) refuse a device_put between different device
 sets across hosts. There the learner arrays span every host and each host's sampler mesh is local
@@ -18,6 +19,7 @@ device_put that never leaves the host. Every process must call `sync` at the sam
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any
@@ -57,16 +59,22 @@ def sync(tree: Any, shardings: Any, *, dtype=None, block: bool = True,
   (`Packed.unpack()` gives the tree; `Engine` accepts it inside `WithAdapters`).
   """
   start = time.perf_counter()
-  leaves, treedef = jax.tree.flatten(tree)  # once: flattening an nnx State is slow next to a LoRA sync
-  if _spans_processes(leaves):
-    out = _sync_across_hosts(tree, shardings, dtype, bucket_bytes, block)
-  elif _packable(leaves, targets := _flat_targets(treedef, shardings)):
-    out = _sync_packed(_cast(leaves, dtype), treedef, targets, keep_packed)
+  if isinstance(tree, params_lib.Packed):  # packed on the learner already (`pack`, cast included)
+    out = _send_packed(tree, _flat_targets(tree.treedef, shardings), keep_packed)
   else:
-    out = jax.device_put(_cast(tree, dtype), shardings)
+    out = _sync_tree(tree, shardings, dtype, bucket_bytes, block, keep_packed)
   if block:
     out = jax.block_until_ready(out)
   return out, (time.perf_counter() - start) * 1e3
+
+
+def _sync_tree(tree, shardings, dtype, bucket_bytes: int, block: bool, keep_packed: bool) -> Any:
+  leaves, treedef = jax.tree.flatten(tree)  # once: flattening an nnx State is slow next to a LoRA sync
+  if _spans_processes(leaves):
+    return _sync_across_hosts(tree, shardings, dtype, bucket_bytes, block)
+  if _packable(leaves, targets := _flat_targets(treedef, shardings)):
+    return _send_packed(_pack(leaves, treedef, dtype), targets, keep_packed)
+  return jax.device_put(_cast(tree, dtype), shardings)
 
 
 # Many small arrays (LoRA adapters: A and B of every projection) cost a fixed overhead each when
@@ -128,18 +136,36 @@ def _unpacker(treedef, targets: tuple):
   return jax.jit(params_lib.Packed.unpack, out_shardings=jax.tree.unflatten(treedef, list(targets)))
 
 
-def _sync_packed(leaves: list, treedef, targets: list, keep_packed: bool) -> Any:
-  """Concatenate on the learner, one transfer, then split on the sampler unless `keep_packed`
-  (three dispatches, or two). The learner keeps LoRA adapters replicated (`models.lora`), so the
-  concatenation gathers nothing and runs on one device."""
-  replicated = jax.sharding.PartitionSpec()
+def pack(tree: Any, shardings: Any, *, dtype=None) -> params_lib.Packed | None:
+  """`tree` concatenated into one buffer on the learner, ready for `sync`; None if `tree` does not
+  take the packed path (large, mixed dtypes, several meshes or hosts).
+
+  `sync` packs by itself. Called right after the train step that produced `tree`, before the host
+  waits for that step, the pack is queued behind the step on the devices, and the sync that follows
+  is one transfer (what `PolicyLearner` does for LoRA). The learner keeps LoRA adapters replicated
+  (`models.lora`), so the concatenation gathers nothing and runs on one device.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  if _spans_processes(leaves) or not _packable(leaves, _flat_targets(treedef, shardings)):
+    return None
+  return _pack(leaves, treedef, dtype)
+
+
+def _pack(leaves: list, treedef, dtype) -> params_lib.Packed:
+  leaves = _cast(leaves, dtype)
   if all(x.sharding.is_fully_replicated for x in leaves):
     flat = _pack_one_device([x.addressable_data(0) for x in leaves])
   else:  # sharded sources: gather while concatenating
-    flat = _packer(jax.sharding.NamedSharding(_mesh_of(leaves[0].sharding), replicated))(leaves)
-  flat = jax.device_put(flat, jax.sharding.NamedSharding(_mesh_of(targets[0]), replicated))
-  packed = params_lib.Packed(flat, treedef, tuple(x.shape for x in leaves))
-  return packed if keep_packed else _unpacker(treedef, tuple(targets))(packed)
+    flat = _packer(jax.sharding.NamedSharding(_mesh_of(leaves[0].sharding), jax.sharding.PartitionSpec()))(leaves)
+  return params_lib.Packed(flat, treedef, tuple(x.shape for x in leaves))
+
+
+def _send_packed(packed: params_lib.Packed, targets: list, keep_packed: bool) -> Any:
+  """One transfer of the packed buffer, replicated on the sampler mesh; then split there unless
+  `keep_packed` (a third dispatch after pack and transfer)."""
+  flat = jax.device_put(packed.flat, jax.sharding.NamedSharding(_mesh_of(targets[0]), jax.sharding.PartitionSpec()))
+  packed = dataclasses.replace(packed, flat=flat)
+  return packed if keep_packed else _unpacker(packed.treedef, tuple(targets))(packed)
 
 
 def buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
