@@ -32,8 +32,12 @@ time on the long tail, and made the figures swing). Timing skips the first `--sk
 steps (the learner's compilation) and covers the rest; busy fractions are
 the runtime's `learner/busy_frac` and `sampler/busy_frac` taken over the timed window (learner:
 train step + weight sync; the runtime's cumulative figures, compilation included, are kept as
-`*_runtime`); final reward is the mean `reward/mean` of the last `--final-steps` steps; staleness is the
-max of `staleness/max` over all steps. The machine may be shared: `os.getloadavg()` is recorded.
+`*_runtime`); final reward is the mean `reward/mean` of the last `--final-steps` steps (training
+batches: in async mode those were sampled by policies up to max_staleness versions older than the
+learner's, so this figure lags the policy); `final_eval_accuracy` scores the final policy itself on
+the held-out split (greedy, the task's verifier, after the timed run), and the notes judge both
+within two standard errors; staleness is the max of `staleness/max` over all steps. The machine may
+be shared: `os.getloadavg()` is recorded.
 """
 
 from __future__ import annotations
@@ -122,7 +126,7 @@ def workload_config(name: str, steps: int, quick: bool):
     # Short completions (<= 4 tokens), so generation and training are cheap and the verifier's
     # latency is the larger part of a synchronous step, as with tool calls on a small model.
     return config_lib.replace(
-        cfg, data=dict(digits=2, num_eval_examples=64 if quick else 200),
+        cfg, data=dict(digits=2, num_eval_examples=64 if quick else 500),
         warm_start=dict(max_steps=2 if quick else 1500, eval_every=10 if quick else 20, target_accuracy=0.3),
         sampler=dict(max_concurrent_decodes=16 if quick else 64, warmup=True),
         # Enough reward workers that the verifier's latency, not its throughput, is what a step
@@ -149,6 +153,7 @@ def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, fina
   runtime.run(threaded=True)
   total = time.monotonic() - t0
   compiled_in_run = sum(n - warm[k] for k, n in parts.engine.trace_counts.items())
+  held_out = trainer.evaluate(parts)  # the final policy itself, after the timed run
   times = [t for t, _, _ in records]
   timed_steps = len(records) - skip
   wall = times[-1] - times[skip - 1] if skip else times[-1] - t0
@@ -177,6 +182,7 @@ def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, fina
       "sync_ms_mean": float(np.mean([m["sync/ms"] for _, _, m in records])),
       "steps": len(records), "learner_version": parts.policy.version,
       "sampler_programs_compiled_during_run": compiled_in_run,
+      "final_eval_accuracy": float(held_out["eval/accuracy"]), "eval_prompts": int(held_out["eval/num_prompts"]),
   }
   with _LENGTHS_LOCK:
     if _LENGTHS:
@@ -242,6 +248,8 @@ def main():
   runs = [detail[n][m] for n in names for m in ("sync", "async")]
   result["final_reward_sync"] = {n: detail[n]["sync"]["final_reward"] for n in names}
   result["final_reward_async"] = {n: detail[n]["async"]["final_reward"] for n in names}
+  result["final_eval_accuracy_sync"] = {n: detail[n]["sync"]["final_eval_accuracy"] for n in names}
+  result["final_eval_accuracy_async"] = {n: detail[n]["async"]["final_eval_accuracy"] for n in names}
   result["max_staleness"] = max(r["max_staleness"] for r in runs)
   result["workloads"] = detail
   result["loadavg_before"] = list(load_before)
@@ -255,10 +263,19 @@ def main():
       f.write(text + "\n")
 
 
+def _eval_verdict(sync: dict, async_: dict) -> str:
+  """The final policies' held-out accuracy, async against sync, within two binomial standard errors."""
+  p, q, n = sync["final_eval_accuracy"], async_["final_eval_accuracy"], max(sync["eval_prompts"], 1)
+  return _verdict(q - p, 2 * float(np.hypot(np.sqrt(p * (1 - p) / n), np.sqrt(q * (1 - q) / n))))
+
+
 def _reward_verdict(sync: dict, async_: dict) -> str:
   """Async's final reward against sync's, within two standard errors of their difference."""
   diff = async_["final_reward"] - sync["final_reward"]
-  two_se = 2 * float(np.hypot(sync["final_reward_se"], async_["final_reward_se"]))
+  return _verdict(diff, 2 * float(np.hypot(sync["final_reward_se"], async_["final_reward_se"])))
+
+
+def _verdict(diff: float, two_se: float) -> str:
   if diff >= -two_se:
     return f"async - sync = {diff:+.3f}: no worse within 2 SE ({two_se:.3f})"
   return f"async - sync = {diff:+.3f}: WORSE, beyond 2 SE ({two_se:.3f})"
@@ -279,7 +296,9 @@ def notes(result, names) -> list[str]:
                f"async {asy['s_per_step']:.2f} s/step (sampler busy {asy['sampler_busy_frac']:.2f}, learner busy "
                f"{asy['learner_busy_frac']:.2f}); final reward sync {sy['final_reward']:.3f} ± "
                f"{sy['final_reward_se']:.3f} vs async {asy['final_reward']:.3f} ± {asy['final_reward_se']:.3f} "
-               f"({_reward_verdict(sy, asy)}); max staleness {asy['max_staleness']}.")
+               f"({_reward_verdict(sy, asy)}); held-out accuracy of the final policy sync "
+               f"{sy['final_eval_accuracy']:.3f} vs async {asy['final_eval_accuracy']:.3f} on {sy['eval_prompts']} "
+               f"prompts ({_eval_verdict(sy, asy)}); max staleness {asy['max_staleness']}.")
   return out
 
 

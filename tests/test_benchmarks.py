@@ -53,6 +53,7 @@ def test_async_vs_sync_benchmark(tmp_path):
   # Its own layout (1 sampler + 1 learner device by default), whatever XLA_FLAGS said.
   assert r["devices"] == r["mesh"]["sampler_devices"] + r["mesh"]["learner_devices"] == 2
   assert set(r["final_reward_sync"]) == set(r["final_reward_async"]) == {"long_tail", "slow_reward"}
+  assert set(r["final_eval_accuracy_sync"]) == set(r["final_eval_accuracy_async"]) == {"long_tail", "slow_reward"}
   for v in [*r["final_reward_sync"].values(), *r["final_reward_async"].values()]:
     assert math.isfinite(v) and 0.0 <= v <= 1.0
   # Sync mode is staleness 0 by construction; async never exceeds its configured bound.
@@ -66,6 +67,7 @@ def test_async_vs_sync_benchmark(tmp_path):
       assert_positive(m, "wall_s", "s_per_step", "learner_busy_frac", "sampler_busy_frac", "sampler_tokens_per_s")
       assert m["learner_version"] == m["steps"] == w["setup"]["steps"]
       assert m["sampler_programs_compiled_during_run"] == 0  # sampler.warmup compiled them all before
+      assert 0.0 <= m["final_eval_accuracy"] <= 1.0 and m["eval_prompts"] > 0
   assert r["workloads"]["long_tail"]["sync"]["completion_length"]["max"] >= 1
   assert isinstance(r["notes"], list) and r["notes"]
 
