@@ -17,14 +17,20 @@ def _check(synced, source, targets):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_full_and_lora_sync_from_learner_to_sampler_shardings():
-  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=2)
+def _model_with_adapters(sampler_tensor: int):
+  """(meshes, a tiny LoRA model on the learner mesh, its adapters with every entry distinct)."""
+  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=sampler_tensor)
   model = models.create_sharded(models.tiny_config(), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
   lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=4), seed=0, mesh=meshes.learner,
                       rules=mesh_lib.LEARNER_RULES)
   # Make B non-zero so a wrong slice of the packed buffer could not pass unnoticed.
   adapters = jax.tree.map(lambda x: x + np.arange(x.size, dtype=x.dtype).reshape(x.shape) / x.size,
                           lora_lib.adapter_params(model))
+  return meshes, model, adapters
+
+
+def test_full_and_lora_sync_from_learner_to_sampler_shardings():
+  meshes, model, adapters = _model_with_adapters(sampler_tensor=2)
   full = nnx.state(model)
   full_targets = models.state_shardings(full, meshes.sampler, mesh_lib.SAMPLER_RULES)
   synced, ms = weight_sync.sync(full, full_targets)
@@ -92,12 +98,7 @@ def test_lora_adapters_kept_packed_decode_like_unpacked():
 
 def test_pack_then_sync_equals_sync():
   """`pack` (queued behind the train step by the learner) and then `sync` lands what `sync` alone does."""
-  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=1)
-  model = models.create_sharded(models.tiny_config(), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
-  lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=4), seed=0, mesh=meshes.learner,
-                      rules=mesh_lib.LEARNER_RULES)
-  adapters = jax.tree.map(lambda x: x + np.arange(x.size, dtype=x.dtype).reshape(x.shape) / x.size,
-                          lora_lib.adapter_params(model))
+  meshes, _, adapters = _model_with_adapters(sampler_tensor=1)
   targets = models.state_shardings(adapters, meshes.sampler, mesh_lib.SAMPLER_RULES)
   packed = weight_sync.pack(adapters, targets, dtype="bfloat16")
   assert isinstance(packed, params_lib.Packed) and set(packed.flat.devices()) <= set(meshes.learner.devices.flat)

@@ -11,7 +11,7 @@ LENGTHS = (1, 2, 5, 8, 11, 16, 13, 3, 31, 20, 17, 32)
 
 
 def _engine(**kw):
-  kw = dict(max_prefill_length=32, max_new_tokens=12, max_concurrent_decodes=4, steps_per_call=3,
+  kw = dict(max_prefill_length=32, max_new_tokens=24, max_concurrent_decodes=4, steps_per_call=3,
             attend_bucket=16, temperature=1.0, **kw)
   return Engine(_fresh_model(), SamplerConfig(**kw))
 
@@ -27,6 +27,8 @@ def test_nothing_compiles_after_warmup_and_samples_are_unchanged():
   for seed in range(3):  # prompts of every bucket, completions crossing every window
     prompts = random_prompts(4, lengths=LENGTHS[seed:] + LENGTHS[:seed], seed=seed)
     assert _decode_all(warm, params, prompts) == _decode_all(cold, params, prompts)
+  # Continuous batching with mixed lengths: windows shrink when the longest sequence ends first.
+  assert _run(warm, params)[0] == _run(cold, params)[0]
   assert warm.trace_counts == counts
   # Without the warm-up the same run compiled on the way, and never more than the warm-up did.
   assert 0 < cold.trace_counts["generate"] and all(cold.trace_counts[k] <= counts[k] for k in counts)
