@@ -43,7 +43,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Data: a built-in task or a local dataset.
   c.data = d = ml_collections.ConfigDict()
   d.task = "addition"  # built-in task: addition | reverse | gsm8k
-  d.path = placeholder(str)  # directory / file of the task's data (gsm8k: dir with train/test.jsonl)
+  d.path = placeholder(str)  # gsm8k: the directory with train.jsonl and test.jsonl (other tasks read none)
   d.digits = 3  # addition: operand digits (difficulty)
   d.max_prompt_length = 64  # longer prompts are filtered out and counted
   d.shuffle_seed = 0  # order of the training prompts (reshuffled every epoch)
@@ -137,6 +137,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   r.reward_timeout_s = 10.0  # a reward call slower than this scores 0 and is counted
   r.max_nonfinite_steps = 3  # stop after this many non-finite losses in a row
   r.wait_timeout_s = 300.0  # no wait without a timeout
+  r.stop_on_collapse = True  # stop at a collapsed step (the best checkpoint survives) rather than train on
+  r.collapse_entropy_frac = 0.01  # collapsed: token entropy within this fraction of ln V (uniform policy)
+  r.collapse_spike_factor = 1000.0  # also collapsed: grad norm this many times its recent median (0 = off)
   # Multi-turn: episodes interleave decoding with environment steps (tool calls) in a thread pool.
   r.env = placeholder(str)  # "calculator" = the built-in tool environment; None = single-turn
   r.env_max_turns = 4  # policy turns per episode
@@ -168,7 +171,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   dd.timeout_s = 300  # wait this long for every process to connect
 
   c.checkpoint = k = ml_collections.ConfigDict()
-  k.every_steps = 50  # also saved at the end, on preemption (SIGTERM / Ctrl-C) and on a crash
+  k.every_steps = 50  # also saved at step 0, at evals, at the end, on SIGTERM / Ctrl-C and on a crash
   k.every_seconds = 0.0  # 0 = off; e.g. 600 on preemptible TPU VMs
-  k.keep = 2  # checkpoints kept (older ones are deleted)
+  k.keep = 2  # latest checkpoints kept, plus the one with the best held-out accuracy
   return c

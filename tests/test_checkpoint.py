@@ -8,6 +8,7 @@ import time
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -223,10 +224,13 @@ def test_interrupted_save_is_never_loaded(run, run_dir, caplog):
 # tensorstore may finish a failed read's callbacks after orbax closed its event loop (harmless).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
-def test_corrupted_checkpoint(run, run_dir, damage, caplog):
+@pytest.mark.parametrize("digest", [True, False], ids=["digest", "no_digest"])
+def test_corrupted_checkpoint(run, run_dir, damage, digest, caplog):
   root, saved, target = run_dir, run[3], ckpt_lib.abstract_like(run[2])
   files = glob.glob(str(root / "2" / "state" / "**" / "d" / "*"), recursive=True)
-  assert files
+  assert files and (root / "2" / ckpt_lib.DIGEST_FILE).exists()
+  if not digest:  # as if killed before the digest was written: orbax's read error is what falls back
+    os.remove(root / "2" / ckpt_lib.DIGEST_FILE)
   for f in files:
     if damage == "delete":
       os.remove(f)
@@ -249,6 +253,102 @@ def test_corrupted_checkpoint(run, run_dir, damage, caplog):
   with ckpt_lib.Checkpointer(root, read_only=True) as ck, pytest.raises(
       ckpt_lib.CheckpointError, match=f"no readable checkpoint: {root / '2'}: checkpoint unreadable"):
     ck.restore(abstract_state=target)
+
+
+def flip_bytes_in_largest_array_file(step_dir, n=64):
+  """XORs `n` bytes in the middle of the biggest file of the step's arrays; returns its path."""
+  files = [f for f in glob.glob(str(step_dir / "state" / "**"), recursive=True) if os.path.isfile(f)]
+  path = max(files, key=os.path.getsize)
+  size = os.path.getsize(path)
+  assert size > 4 * n
+  with open(path, "r+b") as fh:
+    fh.seek(size // 2)
+    data = fh.read(n)
+    fh.seek(size // 2)
+    fh.write(bytes(b ^ 0xFF for b in data))
+  return path
+
+
+def test_flipped_bytes_fail_the_content_check_and_fall_back(run, run_dir, caplog):
+  root, saved, target = run_dir, run[3], ckpt_lib.abstract_like(run[2])
+  flipped = flip_bytes_in_largest_array_file(root / "2")
+  with ckpt_lib.Checkpointer(root, read_only=True) as ck:
+    with caplog.at_level(logging.WARNING, logger="tunixlike"):
+      restored, meta = ck.restore(abstract_state=target)
+    assert meta["policy_version"] == 1
+    assert_restored(restored, saved[1], target)
+    assert f"{root / '2'}: checkpoint unreadable (content check against digest.json: {flipped} changed)" in caplog.text
+    assert "trying an older checkpoint" in caplog.text
+    with pytest.raises(ckpt_lib.CheckpointError, match=f"{root / '2'}: checkpoint unreadable .*{flipped} changed"):
+      ck.restore(2, abstract_state=target)
+
+
+
+# Step 2 is the best; 4 has no metrics; 6 is a collapse whose metric is NaN.
+REWARDS = {1: 0.2, 2: 0.8, 3: 0.5, 4: None, 5: 0.1, 6: float("nan")}
+
+
+def test_best_checkpoint_survives_rotation_and_a_resume(run, tmp_path, caplog):
+  state, target = run[2], ckpt_lib.abstract_like(run[2])
+  root = tmp_path / "ck"
+  with ckpt_lib.Checkpointer(root, keep=2, best_metric="reward") as ck:
+    assert ck.best_step() is None
+    for step, reward in REWARDS.items():
+      metrics = None if reward is None else {"reward": reward, "loss": 1.5}
+      assert ck.save(step, state, meta_for(step), metrics=metrics, force=True)
+    ck.wait()
+    assert ck.all_steps() == [2, 5, 6] and ck.best_step() == 2
+    with pytest.raises(ValueError, match="metrics hold no 'reward'.*only \\['loss'\\]"):
+      ck.save(7, state, meta_for(7), metrics={"loss": 1.0}, force=True)
+    with pytest.raises(TypeError, match=r"metrics\['reward'\] is a str"):
+      ck.save(7, state, meta_for(7), metrics={"reward": "high"}, force=True)
+  assert "step 6 metric reward=nan is not finite" in caplog.text
+  # orbax keeps each step's metrics with the step, which is what a resumed run ranks by
+  reader = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True))
+  assert reader.metadata(2).metrics == {"reward": 0.8, "loss": 1.5} and not reader.metadata(6).metrics
+  reader.close()
+
+  # A resumed run (another process) remembers the best and keeps preserving it.
+  with ckpt_lib.Checkpointer(root, keep=2, best_metric="reward") as ck:
+    assert ck.all_steps() == [2, 5, 6] and ck.best_step() == 2
+    for step, reward in ((7, 0.3), (8, 0.4)):
+      ck.save(step, state, meta_for(step), metrics={"reward": reward}, force=True)
+    ck.wait()
+    assert ck.all_steps() == [2, 7, 8] and ck.best_step() == 2
+  caplog.clear()
+  with ckpt_lib.Checkpointer(root, read_only=True, best_metric="reward") as ck, \
+      caplog.at_level(logging.WARNING, logger="tunixlike"):
+    assert ck.best_step() == 2
+    for step in ck.all_steps():  # the digests of both runs hold (rotation touched no kept file)
+      assert ck.restore(step, abstract_state=target)[1]["policy_version"] == step
+    assert not [r.message for r in caplog.records if r.name == "tunixlike"]
+    flipped = flip_bytes_in_largest_array_file(root / "8")
+    with caplog.at_level(logging.WARNING, logger="tunixlike"):
+      assert ck.restore(abstract_state=target)[1]["policy_version"] == 7
+    assert f"{root / '8'}: checkpoint unreadable (content check against digest.json: {flipped} changed)" in caplog.text
+  shutil.rmtree(root / "8")
+
+  # A better checkpoint replaces the best; without best_metric only the latest are kept.
+  with ckpt_lib.Checkpointer(root, keep=2, best_metric="reward") as ck:
+    ck.save(9, state, meta_for(9), metrics={"reward": 0.9}, force=True)
+    ck.wait()
+    assert ck.all_steps() == [7, 9] and ck.best_step() == 9
+  with ckpt_lib.Checkpointer(root, keep=1) as ck:
+    assert ck.best_step() is None
+    ck.save(10, state, meta_for(10), metrics={"reward": 1.0}, force=True)  # recorded only with a best_metric
+    ck.wait()
+    assert ck.all_steps() == [10]
+
+  with ckpt_lib.Checkpointer(tmp_path / "min", keep=1, best_metric="loss", best_mode="min") as ck:
+    for step, loss in ((1, 0.5), (2, 0.1), (3, 0.7)):
+      ck.save(step, state, meta_for(step), metrics={"loss": loss}, force=True)
+    ck.wait()
+    assert ck.all_steps() == [2, 3] and ck.best_step() == 2
+    ck.save(4, state, meta_for(4), metrics={"loss": 0.1}, force=True)  # as good: the newer one is kept
+    ck.wait()
+    assert ck.all_steps() == [4] and ck.best_step() == 4
+  with pytest.raises(ValueError, match="best_mode='best'"):
+    ckpt_lib.Checkpointer(tmp_path, best_metric="loss", best_mode="best")
 
 
 def test_incompatible_model_shape(run, mesh4):

@@ -47,6 +47,9 @@ def test_defaults_of_base_match_dataclass_defaults():
     ("optim", "micro_batches", 3, "rl.prompts_per_step=32"),
     ("optim", "group_by_length", -2, "optim.group_by_length=-2: must be >= 0"),
     ("optim", "group_by_length", 4, "optim.group_by_length=4: needs optim.micro_batches >= 2"),
+    ("optim", "learning_rate", float("inf"), "optim.learning_rate=inf: must be finite"),
+    ("rl", "wait_timeout_s", float("nan"), "rl.wait_timeout_s=nan: must be finite"),
+    ("data", "path", "/data", "data.path='/data': is only read by data.task='gsm8k'"),
 ])
 def test_invalid_values_name_the_key_and_value(section, key, value, message):
   raw = base.get_config()

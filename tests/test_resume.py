@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -15,10 +16,10 @@ ARGS = ["--config", "configs/addition_grpo.py:size=tiny", "--config.warm_start.m
         "--config.checkpoint.every_steps=2", "--config.rl.max_staleness=1"]
 
 
-def start(workdir, steps):
+def start(workdir, steps, *extra):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   return subprocess.Popen([sys.executable, "-m", "tunixlike.train", *ARGS, f"--config.rl.num_steps={steps}",
-                           f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           *extra, f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
 
 
@@ -45,12 +46,15 @@ def checkpoint_steps(workdir):
 def test_sigkill_then_resume_continues_steps_and_data_exactly(tmp_path):
   workdir = str(tmp_path / "run")
   proc = start(workdir, steps=12)
-  wait_for(lambda: len(checkpoint_steps(workdir)) >= 1 and len(steps_in(f"{workdir}/prompts.jsonl")) >= 3,
+  wait_for(lambda: max(checkpoint_steps(workdir), default=0) >= 1 and len(steps_in(f"{workdir}/prompts.jsonl")) >= 3,
            300, proc)
   proc.send_signal(signal.SIGKILL)
   proc.wait(30)
   saved = checkpoint_steps(workdir)
   assert saved, "no checkpoint survived the kill"
+  for log_file in ("metrics.jsonl", "prompts.jsonl"):  # as if the kill came mid-write
+    with open(f"{workdir}/{log_file}", "a") as f:
+      f.write('{"step": 99, "tra')
 
   proc = start(workdir, steps=12)
   out, _ = proc.communicate(timeout=600)
@@ -66,6 +70,16 @@ def test_sigkill_then_resume_continues_steps_and_data_exactly(tmp_path):
   accounted = set(trained) | set(dropped) | set(final["stream"]["outstanding"])
   assert accounted == set(range(final["stream"]["position"]))  # none skipped
   assert final["counters"]["groups_regenerated"] > 0
+  # Admission after the restore is what an uninterrupted run's would be: nothing dropped as stale,
+  # never more than (max_staleness + 1) batches of 8 prompts in flight.
+  assert dropped == []
+  metrics = steps_in(f"{workdir}/metrics.jsonl")
+  rl = [r for r in metrics if "loss" in r]
+  assert [r["step"] for r in rl] == list(range(12))  # no step twice
+  assert max(r["queue/in_flight"] for r in rl) <= 2 * 8
+  times = [r["time_s"] for r in metrics]
+  assert times == sorted(times)  # the wall clock continues across the restart
+  assert [r["step"] for r in metrics if "eval/accuracy" in r] == [0, 12]
 
 
 @pytest.mark.slow
@@ -73,6 +87,12 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
   workdir = str(tmp_path / "run")
   proc = start(workdir, steps=200)
   wait_for(lambda: len(steps_in(f"{workdir}/prompts.jsonl")) >= 1, 300, proc)
+  second = start(workdir, 200)  # a second run on a workdir in use is refused at once
+  out, _ = second.communicate(timeout=120)
+  assert second.returncode == 2 and out.strip().splitlines()[-1] == (
+      f"tunixlike.train: error: --workdir {workdir} is in use by process {proc.pid} on host "
+      f"{os.uname().nodename} (started {json.load(open(f'{workdir}/.lock'))['started']}); stop that run or "
+      "choose another --workdir")
   t0 = time.monotonic()
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=120)
@@ -81,8 +101,59 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
   assert "checkpoint saved" in out
   reached = checkpoint_steps(workdir)[-1]
   assert 1 <= reached < 200
+  other = start(workdir, reached + 2, "--config.data.task=reverse", "--config.seed=1")
+  out, _ = other.communicate(timeout=120)
+  assert other.returncode == 2 and "resuming would change data.task: 'addition' -> 'reverse'; seed: 0 -> 1" in out
   proc = start(workdir, steps=reached + 2)
   out, _ = proc.communicate(timeout=600)
   assert proc.returncode == 0, out[-3000:]
   assert f"at step {reached}" in out
   assert [r["step"] for r in steps_in(f"{workdir}/prompts.jsonl")] == list(range(reached + 2))
+
+
+@pytest.mark.slow
+def test_signals_during_the_warm_start_and_the_first_eval(tmp_path):
+  """SIGTERM in the warm start saves it and exits 0; the next run continues it. Ctrl-C during the first
+  eval keeps the finished warm start and the eval in a step-0 checkpoint, which the next run resumes."""
+  workdir = str(tmp_path / "run")
+  warm = ["--config.warm_start.eval_every=5", "--config.data.num_eval_examples=64",
+          "--config.warm_start.target_accuracy=1.0"]
+  proc = Output(start(workdir, 2, "--config.warm_start.max_steps=400", *warm))
+  wait_for(lambda: "warm start step 5:" in proc.text, 300, proc.proc)
+  proc.proc.send_signal(signal.SIGTERM)
+  assert proc.wait() == 0 and "stopped during the warm start at step" in proc.text, proc.text[-3000:]
+  assert "Traceback" not in proc.text and checkpoint_steps(workdir) == []
+  paused = int(proc.text.split("stopped during the warm start at step ")[1].split(";")[0])
+  assert paused >= 5
+
+  proc = Output(start(workdir, 2, f"--config.warm_start.max_steps={paused + 5}", *warm))
+  wait_for(lambda: f"warm start step {paused + 5}:" in proc.text, 300, proc.proc)
+  proc.proc.send_signal(signal.SIGINT)  # lands in the first eval (or its compilation)
+  assert proc.wait() == 0, proc.text[-3000:]
+  assert f"continuing the warm start from step {paused}" in proc.text
+  assert "Traceback" not in proc.text and checkpoint_steps(workdir) == [0]
+  assert not os.path.exists(f"{workdir}/warm_start")  # step 0 holds the finished warm start
+  proc = Output(start(workdir, 2, f"--config.warm_start.max_steps={paused + 5}", *warm))
+  assert proc.wait() == 0, proc.text[-3000:]
+  assert "at step 0" in proc.text and "warm start step" not in proc.text  # neither is redone
+  metrics = steps_in(f"{workdir}/metrics.jsonl")
+  assert [r["warm_start/steps"] for r in metrics if "warm_start/steps" in r] == [paused + 5]
+  assert [r["step"] for r in metrics if "eval/accuracy" in r] == [0, 2]
+
+
+class Output:
+  """Collects a process's output on a thread, so a test can wait for a line while it runs."""
+
+  def __init__(self, proc):
+    self.proc, self.text = proc, ""
+    self._thread = threading.Thread(target=self._read, daemon=True)
+    self._thread.start()
+
+  def _read(self):
+    for line in self.proc.stdout:
+      self.text += line
+
+  def wait(self, timeout_s=600) -> int:
+    code = self.proc.wait(timeout_s)
+    self._thread.join(30)
+    return code

@@ -5,6 +5,7 @@ A step directory holds three orbax items:
   meta    what the caller needs to resume besides arrays (policy version, RNG key, data position,
           runtime counters, in-flight prompt ids, the config), as JSON
   layout  how the state was saved ({"format": 1, "frozen_saved": bool})
+plus `digest.json` (below) and, with a `best_metric`, orbax's `metrics` item (the `save(metrics=)`).
 
 Saves are asynchronous: `save` returns once the arrays are copied off the devices (so the caller
 may donate or overwrite them) and orbax writes them in a background thread. Orbax writes into a
@@ -14,6 +15,25 @@ as well. Restores go straight into the target shardings (each device reads its o
 checking every array's shape against the checkpoint's metadata, so a checkpoint of another model
 fails with the parameter path and both shapes rather than an opaque tensorstore error.
 
+Content check: orbax (0.12) keeps no checksum of the array data and offers no option for one
+(flipped bytes load as garbage values), so each step directory gets a `digest.json`, the SHA-256
+of every file in it. It can only
+be computed once the background save has finished, so it is written (by process 0) when the next
+save starts, at `wait()` and at `close()`. `restore` hashes the files again first; a file that
+changed or went missing makes the checkpoint unreadable, and restore(step=None) falls back to the
+next older one, as it does when orbax cannot read a file. A checkpoint without a digest (the
+process was killed between the save and the next save/wait/close, or it was written by an older
+version of this module) is restored unverified, with a warning: rejecting it would throw away the
+newest state of every run stopped by SIGKILL. The check costs one extra read of the checkpoint at
+the next save (process 0) and one at each restore (every process). Any changed byte fails it, also
+in bytes orbax would not read.
+
+Rotation is orbax's preservation policy: the latest `keep` checkpoints, plus (with `best_metric`)
+the one whose `metrics[best_metric]` is best, so a run that collapses and keeps saving does not
+rotate away its best state (of equally good ones, orbax keeps the newest). Orbax stores each step's
+metrics in the step directory, so the best step is remembered by a resumed run. Checkpoints saved
+without metrics only rotate as latest-K.
+
 `save_frozen=False` leaves out the state's `frozen` subtree: under LoRA with base weights loaded
 from a Hugging Face directory, those weights are already on disk and never change; the restore
 then takes them from the live state passed as `abstract_state`.
@@ -21,8 +41,12 @@ then takes them from the live state passed as `abstract_state`.
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
+import json
 import logging
 import math
+import numbers
 import os
 import time
 from typing import Any
@@ -36,6 +60,8 @@ log = logging.getLogger("tunixlike")
 FORMAT = 1
 CHECKPOINT_SUBDIR = "checkpoints"  # <workdir>/checkpoints: where the trainer writes and export reads
 _ITEM_FILES = {"state": "_METADATA", "meta": "metadata", "layout": "metadata"}
+DIGEST_FILE = "digest.json"  # in each step directory: {"algorithm": "sha256", "files": {relpath: hex}}
+_HASH_CHUNK = 8 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -102,18 +128,56 @@ def _check_json(value, where: str):
                     "(dict, list, str, int, float, bool, None): convert it first (e.g. int(x), x.tolist())")
 
 
+# ---- content digests --------------------------------------------------------------------------------
+def _sha256(path: epath.Path) -> str | None:
+  """Hex SHA-256 of a file's bytes, or None when it does not exist."""
+  h = hashlib.sha256()
+  try:
+    with path.open("rb") as f:
+      while chunk := f.read(_HASH_CHUNK):
+        h.update(chunk)
+  except FileNotFoundError:
+    return None
+  return h.hexdigest()
+
+
+def _hash_files(root: epath.Path, rels) -> dict[str, str | None]:
+  # hashlib releases the GIL on large buffers, so threads hash several files at once.
+  rels = sorted(rels)
+  with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(8, len(rels)))) as pool:
+    return dict(zip(rels, pool.map(lambda rel: _sha256(root / rel), rels)))
+
+
+def _step_files(root: epath.Path) -> list[str]:
+  """Every file under a step directory (relative, '/'-separated), the digest's own files excepted."""
+  out = []
+  for folder, _, names in root.walk():  # epath's walk, as it works on gs:// too (rglob does not)
+    for name in names:
+      rel = (folder / name).relative_to(root).as_posix()
+      if not rel.startswith(DIGEST_FILE):
+        out.append(rel)
+  return out
+
+
 # ---- the checkpointer -------------------------------------------------------------------------------
 class Checkpointer:
   """Keeps the last `keep` checkpoints of one run in `directory` (local path or gs://...).
 
   save_every_steps / save_every_seconds: when `should_save(step)` says yes (0 turns either off).
+  best_metric / best_mode: also keep the checkpoint whose `save(..., metrics=)[best_metric]` is the
+    highest ("max") or lowest ("min") so far; None keeps only the latest `keep`.
   read_only: never create or write anything (export); a missing directory then has no steps.
   """
 
   def __init__(self, directory, *, keep: int = 2, save_every_steps: int = 0, save_every_seconds: float = 0,
-               save_frozen: bool = True, read_only: bool = False, clock=time.monotonic):
+               save_frozen: bool = True, read_only: bool = False, best_metric: str | None = None,
+               best_mode: str = "max", clock=time.monotonic):
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
       raise ValueError(f"Checkpointer keep={keep!r} must be an int >= 1")
+    if best_metric is not None and not (isinstance(best_metric, str) and best_metric):
+      raise ValueError(f"Checkpointer best_metric={best_metric!r} must be a metric name or None")
+    if best_mode not in ("max", "min"):
+      raise ValueError(f"Checkpointer best_mode={best_mode!r} must be 'max' or 'min'")
     if not isinstance(save_every_steps, int) or isinstance(save_every_steps, bool) or save_every_steps < 0:
       raise ValueError(f"Checkpointer save_every_steps={save_every_steps!r} must be an int >= 0")
     if not (isinstance(save_every_seconds, (int, float)) and math.isfinite(save_every_seconds)
@@ -122,16 +186,28 @@ class Checkpointer:
     directory = os.fspath(directory)
     self.directory = directory if "://" in directory else os.path.abspath(directory)
     self.keep, self.save_frozen, self.read_only = keep, save_frozen, read_only
+    self.best_metric, self.best_mode = best_metric, best_mode
     self.save_every_steps, self.save_every_seconds = save_every_steps, float(save_every_seconds)
     self._clock = clock  # seconds; tests pass a controlled one
     self._last_save_time = clock()
     self._last_saved_step: int | None = None
+    self._undigested: int | None = None  # the step whose save is in flight: its digest comes after
     self._manager: ocp.CheckpointManager | None = None
     if read_only and not epath.Path(self.directory).is_dir():
       return  # nothing to read; latest_step() is None
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
-                                           read_only=read_only, create=not read_only,
-                                           cleanup_tmp_directories=not read_only)
+    policy = ocp.checkpoint_managers
+    preserve = policy.LatestN(n=keep)
+    best_fn = None
+    if best_metric is not None:
+      best_fn = self._metric_value
+      # keep_checkpoints_without_metrics=False: those rotate as latest-K only. BestN sorts
+      # ascending and keeps the last n, so "min" sorts in reverse.
+      preserve = policy.AnyPreservationPolicy([preserve, policy.BestN(
+          get_metric_fn=best_fn, reverse=best_mode == "min", n=1, keep_checkpoints_without_metrics=False)])
+    # best_fn (besides the policy) makes orbax write each step's metrics and rank them in best_step().
+    options = ocp.CheckpointManagerOptions(preservation_policy=preserve, best_fn=best_fn, best_mode=best_mode,
+                                           enable_async_checkpointing=True, read_only=read_only,
+                                           create=not read_only, cleanup_tmp_directories=not read_only)
     # Handlers named up front: a fresh manager can then read any item's metadata before restoring it.
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
                 "layout": ocp.JsonCheckpointHandler()}
@@ -169,6 +245,23 @@ class Checkpointer:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  def best_step(self) -> int | None:
+    """The step of the preserved checkpoint with the best `best_metric`, or None (no best_metric,
+    or no checkpoint saved with it). The one whose save is still in flight counts too."""
+    if self._manager is None or self.best_metric is None:
+      return None
+    step = self._manager.best_step()
+    if step is None or not math.isfinite(self._metric_value(self._manager.metrics(step))):
+      return None
+    return step
+
+  def _metric_value(self, metrics) -> float:
+    """The ranking key orbax sorts by; a checkpoint lacking the metric (saved under another
+    best_metric) ranks worst."""
+    worst = -math.inf if self.best_mode == "max" else math.inf
+    value = (metrics or {}).get(self.best_metric)
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else worst
+
   # ---- saving
   def should_save(self, step: int) -> bool:
     """True when `step` is due by the step or the time interval (and not saved already)."""
@@ -178,12 +271,16 @@ class Checkpointer:
       return True
     return bool(self.save_every_seconds) and self._clock() - self._last_save_time >= self.save_every_seconds
 
-  def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
+  def save(self, step: int, state: Any, meta: dict, *, metrics: dict | None = None, force: bool = False) -> bool:
     """Starts an asynchronous save of `state` (a pytree of jax.Arrays) and `meta` (JSON) at `step`.
 
+    metrics: {name: number} ranking this checkpoint for `best_metric` (which it must then hold);
+      recorded only when the Checkpointer has a best_metric. A non-finite value is left out with a
+      warning; without a finite best_metric the checkpoint is never kept as the best.
     Returns False without saving when the step is not due (`should_save`, unless force=True) or
     already saved. Returns once the arrays are copied off the devices: the caller may donate them.
-    A background write error surfaces at the next `save`, `wait` or `close`.
+    Waits for the previous save first and writes its digest. A background write error surfaces at
+    the next `save`, `wait` or `close`.
     """
     if self._manager is None or self.read_only:
       raise CheckpointError(f"{self.directory}: checkpointer is read-only")
@@ -192,35 +289,82 @@ class Checkpointer:
     if not isinstance(meta, dict):
       raise TypeError(f"checkpoint meta must be a dict, got {type(meta).__name__}")
     _check_json(meta, "meta")
+    metrics = self._clean_metrics(step, metrics)
     if not force and not self.should_save(step):
       return False
     if step in self._manager.all_steps():
       log.info(f"checkpoint: step {step} is already saved in {self.directory}")
       return False
+    self._finish_pending()
     if not self.save_frozen:
       state = _set_frozen(state, None)
     layout = {"format": FORMAT, "frozen_saved": self.save_frozen}
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
                               layout=ocp.args.JsonSave(layout))
     try:
-      saved = self._manager.save(step, args=args, force=True)
+      saved = self._manager.save(step, args=args, metrics=metrics, force=True)
     except Exception as e:
       raise CheckpointError(f"{self.step_dir(step)}: saving failed ({type(e).__name__}: {e})") from e
+    self._undigested = step if saved else None
     self._last_saved_step = step
     self._last_save_time = self._clock()
     return bool(saved)
 
+  def _clean_metrics(self, step: int, metrics: dict | None) -> dict | None:
+    """What orbax records for `step`: finite numbers only, None without a usable best_metric."""
+    if metrics is None:
+      return None
+    if not isinstance(metrics, dict):
+      raise TypeError(f"checkpoint metrics must be a dict of numbers, got {type(metrics).__name__}")
+    clean = {}
+    for name, value in metrics.items():
+      if not isinstance(name, str):
+        raise TypeError(f"checkpoint metrics: key {name!r} is not a string")
+      if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"checkpoint metrics[{name!r}] is a {type(value).__name__}, not a number")
+      if math.isfinite(value):
+        clean[name] = float(value)
+      else:  # a collapsing run's NaN must neither stop the save nor rank as best
+        log.warning(f"checkpoint: step {step} metric {name}={value} is not finite; not recorded")
+    if self.best_metric is None:
+      return None
+    if self.best_metric not in metrics:
+      raise ValueError(f"checkpoint metrics hold no {self.best_metric!r} (the best_metric), only "
+                       f"{sorted(metrics)}: pass it, or metrics=None for a checkpoint never kept as the best")
+    return clean if self.best_metric in clean else None
+
+  def _finish_pending(self) -> None:
+    """Waits for the save in flight, then writes its digest (process 0)."""
+    step, self._undigested = self._undigested, None
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:
+      raise CheckpointError(f"{self.directory}: background checkpoint save failed "
+                            f"({type(e).__name__}: {e})") from e
+    if step is not None and jax.process_index() == 0:
+      self._write_digest(step)
+
+  def _write_digest(self, step: int) -> None:
+    root = epath.Path(self.step_dir(step))
+    try:
+      files = _hash_files(root, _step_files(root))
+      missing = sorted(rel for rel, h in files.items() if h is None)
+      if missing:  # deleted under us: nothing trustworthy to record
+        raise FileNotFoundError(f"{root / missing[0]} vanished while hashing")
+      tmp = root / (DIGEST_FILE + ".tmp")
+      tmp.write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=1, sort_keys=True))
+      tmp.replace(root / DIGEST_FILE)  # a reader never sees half a digest
+    except Exception as e:  # the checkpoint itself is fine; it will be restored unverified
+      log.warning(f"checkpoint: could not write {root / DIGEST_FILE} ({type(e).__name__}: {e}); "
+                  "that checkpoint will be restored without a content check")
+
   def wait(self) -> None:
-    """Blocks until the pending save (if any) is on disk."""
+    """Blocks until the pending save (if any) is on disk, and writes its digest."""
     if self._manager is not None:
-      try:
-        self._manager.wait_until_finished()
-      except Exception as e:
-        raise CheckpointError(f"{self.directory}: background checkpoint save failed "
-                              f"({type(e).__name__}: {e})") from e
+      self._finish_pending()
 
   def close(self) -> None:
-    """Waits for the pending save and releases orbax's threads."""
+    """Waits for the pending save, writes its digest and releases orbax's threads."""
     if self._manager is not None:
       try:
         self.wait()
@@ -265,8 +409,8 @@ class Checkpointer:
       `frozen`, those leaves must be live arrays and are returned as they are.
     partial: `abstract_state` is a dict holding a subset of the saved top-level fields (e.g. only
       {"params", "frozen"} for export); the rest of the checkpoint is not read.
-    fallback: with step=None, a checkpoint whose files are unreadable (damaged after it was
-      finalized) is skipped, with a warning, for the next older one.
+    fallback: with step=None, a checkpoint whose files are unreadable or differ from its digest
+      (damaged after it was finalized) is skipped, with a warning, for the next older one.
     Raises CheckpointError naming the directory when nothing can be restored, and naming the first
     parameter path with both shapes when the checkpoint holds a model of another shape.
     """
@@ -286,6 +430,7 @@ class Checkpointer:
 
   def _restore_step(self, step: int, abstract_state: Any, partial: bool) -> tuple[Any, dict]:
     where = self.step_dir(step)
+    self._verify(step)
     layout = self._read_json_unreadable(step, "layout")
     if layout.get("format") != FORMAT:
       raise CheckpointError(f"{where}: checkpoint format {layout.get('format')!r}, this code reads {FORMAT}")
@@ -318,6 +463,29 @@ class Checkpointer:
     if live_frozen is not None:
       state = {**state, "frozen": live_frozen} if partial else _set_frozen(state, live_frozen)
     return state, meta
+
+  def _verify(self, step: int) -> None:
+    """Raises _Unreadable naming the files that differ from the step's digest.json."""
+    root = epath.Path(self.step_dir(step))
+    path = root / DIGEST_FILE
+    if not path.exists():
+      log.warning(f"checkpoint: {root} has no {DIGEST_FILE} (its process stopped before the next save, wait or "
+                  "close wrote it): restoring it without a content check")
+      return
+    try:
+      digest = json.loads(path.read_text())
+      want = digest["files"]
+      if digest.get("algorithm") != "sha256" or not isinstance(want, dict) or not want:
+        raise ValueError(f"unexpected content {str(digest)[:100]}")
+    except Exception as e:
+      raise _Unreadable(f"{root}: checkpoint unreadable ({path} is damaged: {type(e).__name__}: "
+                        f"{_first_line(e)})") from e
+    got = _hash_files(root, want)
+    bad = [rel for rel in sorted(want) if got[rel] != want[rel]]
+    if bad:
+      what = ", ".join(f"{root / rel} {'is missing' if got[rel] is None else 'changed'}" for rel in bad[:3])
+      more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+      raise _Unreadable(f"{root}: checkpoint unreadable (content check against {DIGEST_FILE}: {what}{more})")
 
   def _read_json_unreadable(self, step: int, item: str) -> dict:
     try:

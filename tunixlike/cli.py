@@ -1,13 +1,18 @@
 """What the `python -m tunixlike.*` commands share: config flags parsed into one clear error line.
 
 Bad input never shows a traceback: the command prints `<prog>: error: <what and where>` and exits
-with status 2 (an unknown key names the flag, a config file that raised names its own error).
+with status 2 (an unknown key names the flag, a config file that raised names its own line and error).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
+import traceback
+from collections.abc import Mapping
+from typing import Callable
 
 from absl import flags
 
@@ -16,9 +21,10 @@ from tunixlike import config as config_lib
 HELP_FLAGS = ("--help", "-h", "--helpshort", "-help")
 
 
-def fail(prog: str, message: str):
+def fail(prog: str, message: str, status: int = 2):
+  """One line on stderr and exit: status 2 for bad input, 1 for a run that stopped itself."""
   print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
-  sys.exit(2)
+  sys.exit(status)
 
 
 def config_error(e: BaseException, argv: list[str]) -> str:
@@ -38,15 +44,108 @@ def config_error(e: BaseException, argv: list[str]) -> str:
   return " ".join(lines)
 
 
-def parse_config(prog: str, argv: list[str], config_flag) -> config_lib.Config | None:
-  """Parses every flag and validates the config (None when --config was not given)."""
+def config_path(argv: list[str]) -> str | None:
+  """The file of `--config FILE[:variant]` as given on the command line."""
+  for i, arg in enumerate(argv):
+    name, eq, value = arg.partition("=")
+    if name in ("--config", "-config"):
+      value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+      return value.split(":", 1)[0] or None
+  return None
+
+
+def _causes(e: BaseException | None) -> list[BaseException]:
+  """`e` and what it was raised from, innermost last (ml_collections and absl re-raise a file's error)."""
+  out: list[BaseException] = []
+  while e is not None and e not in out:
+    out.append(e)
+    e = e.__cause__ or e.__context__
+  return out
+
+
+def config_file_error(e: BaseException, path: str | None) -> str | None:
+  """One line for an error of the config file itself (syntax, a raising get_config, no get_config);
+  None when the error is not the file's."""
+  if path is None:
+    return None
+  here = os.path.realpath(path)
+  for cause in reversed(_causes(e)):
+    if isinstance(cause, SyntaxError) and cause.filename and os.path.realpath(cause.filename) == here:
+      return f"{path}:{cause.lineno}: {type(cause).__name__}: {cause.msg}"
+    frames = [f for f in traceback.extract_tb(cause.__traceback__) if os.path.realpath(f.filename) == here]
+    if frames:
+      what = "get_config raised" if frames[0].name == "get_config" else "loading it raised"
+      message = str(cause).removeprefix(f"{path}: ")  # configs often name themselves already
+      return f"{path}:{frames[-1].lineno}: {what} {type(cause).__name__}: {message}"
+  if isinstance(e, AttributeError) and e.name == "get_config":
+    return f"{path}: has no get_config function"
+  return None
+
+
+class NoConfigError(Exception):
+  """get_config returned None. Not a ValueError: absl would fold it into an opaque flag value error."""
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
+def refuse_none(holder: flags.FlagHolder) -> flags.FlagHolder:
+  """Makes a `config_flags.DEFINE_config_file` flag refuse a get_config that returns None, before any
+  override is applied to it (ml_collections only logs a warning, then fails on the first override)."""
+  parser = flags.FLAGS[holder.name].parser
+  load = parser.parse
+
+  def parse(argument):
+    with _quiet_absl():  # the warning would be a second line next to the error
+      config = load(argument)
+    if config is None:
+      raise NoConfigError(f"get_config of {argument.split(':', 1)[0]} returned None instead of a ConfigDict")
+    return config
+
+  parser.parse = parse
+  return holder
+
+
+def parse_config(prog: str, argv: list[str], config_flag,
+                 first_check: Callable[[Mapping], str | None] | None = None) -> config_lib.Config | None:
+  """Parses every flag and validates the config (None when --config was not given).
+
+  `first_check(raw)` runs when the config is invalid; a message it returns is reported instead of
+  the validation error (a run-time fact, such as the device count, that the config cannot know).
+  """
   sys.path.insert(0, os.getcwd())  # config files import `configs.base` from the project root
+  path = config_path(argv)
   try:
     flags.FLAGS(argv)
     raw = config_flag.value
-    return None if raw is None else config_lib.from_config_dict(raw)
-  except (KeyError, AttributeError, flags.Error, ValueError, TypeError, OSError) as e:
-    fail(prog, config_error(e, argv))
+  except NoConfigError as e:
+    fail(prog, str(e))
+  except Exception as e:  # the config file runs here: any error it raises is reported as its own
+    message = config_file_error(e, path)
+    if message is None and not isinstance(e, (KeyError, AttributeError, flags.Error, ValueError, TypeError,
+                                               OSError)):
+      raise
+    fail(prog, message or config_error(e, argv))
+  if raw is None:
+    return None
+  try:
+    if not isinstance(raw, Mapping) and not hasattr(raw, "to_dict"):
+      fail(prog, f"get_config of {path} returned {raw!r} instead of a ConfigDict")
+    cfg = config_lib.from_config_dict(raw)
+    config_lib.check_paths(cfg)
+  except config_lib.ConfigError as e:
+    fail(prog, (first_check and first_check(raw)) or str(e))
+  except (ValueError, TypeError, OSError) as e:  # a config file that failed to load surfaces on first access
+    fail(prog, config_file_error(e, path) or config_error(e, argv))
+  return cfg
 
 
 def wants_help(argv: list[str]) -> bool:

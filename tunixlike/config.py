@@ -8,6 +8,8 @@ that name the full key and the bad value, e.g. `rl.max_staleness=-1: must be >= 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import types
 import typing
 from typing import Any, Mapping
@@ -97,6 +99,8 @@ class DataSection:
     _positive(self, "data", "digits", "max_prompt_length", "num_eval_examples")
     _check(self.task != "gsm8k" or self.path is not None, "data.path", self.path,
            "gsm8k needs the directory holding train.jsonl and test.jsonl")
+    _check(self.task == "gsm8k" or self.path is None, "data.path", self.path,
+           f"is only read by data.task='gsm8k' (data.task={self.task!r} generates its own data)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,12 +239,17 @@ class RLSection:
   env: str | None = None
   env_max_turns: int = 4
   env_step_timeout_s: float = 30.0
+  stop_on_collapse: bool = True
+  collapse_entropy_frac: float = 0.01
+  collapse_spike_factor: float = 1000.0
 
   def __post_init__(self):
     _positive(self, "rl", "num_steps", "prompts_per_step", "reward_workers", "reward_timeout_s",
               "max_nonfinite_steps", "wait_timeout_s", "env_max_turns", "env_step_timeout_s")
     _check(self.env in (None, "calculator"), "rl.env", self.env, "must be None or 'calculator'")
-    _positive(self, "rl", "max_staleness", allow_zero=True)
+    _positive(self, "rl", "max_staleness", "collapse_spike_factor", allow_zero=True)
+    _check(0.0 < self.collapse_entropy_frac < 1.0, "rl.collapse_entropy_frac", self.collapse_entropy_frac,
+           "must be in (0, 1)")
     _one_of(self, "rl", "sync_mode", ("soft_pause", "drain"))
     _check(self.sync_dtype in (None,) + DTYPES, "rl.sync_dtype", self.sync_dtype, f"must be one of {DTYPES}")
 
@@ -355,6 +364,9 @@ class Config:
     _check(batch % (self.optim.micro_batches * fsdp) == 0, "rl.prompts_per_step", self.rl.prompts_per_step,
            f"prompts_per_step * algo.group_size = {batch} must be divisible by optim.micro_batches * "
            f"learner fsdp devices = {self.optim.micro_batches} * {fsdp}")
+    _check(not self.warm_start.max_steps or self.warm_start.batch_size % fsdp == 0, "warm_start.batch_size",
+           self.warm_start.batch_size, "must be divisible by the learner fsdp devices "
+           f"(mesh.learner_devices / mesh.learner_tensor = {fsdp}); the warm start shards its batch over them")
     _check(self.sampler.max_prefill_length >= self.data.max_prompt_length, "data.max_prompt_length",
            self.data.max_prompt_length, f"must be <= sampler.max_prefill_length={self.sampler.max_prefill_length}")
 
@@ -415,6 +427,8 @@ def _build(cls, values: Mapping[str, Any], prefix: str):
       continue
     if not _is_instance(value, hint):
       raise ConfigError(f"{name}={value!r}: wrong type {type(value).__name__}, expected {hint}")
+    if isinstance(value, float) and not math.isfinite(value):  # inf passes every range check
+      raise ConfigError(f"{name}={value!r}: must be finite")
     kwargs[key] = tuple(value) if isinstance(value, list) else (float(value) if hint is float else value)
   return cls(**kwargs)
 
@@ -423,6 +437,39 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   """Builds and validates the typed config. Raises ConfigError naming the key and the value."""
   values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   return _build(Config, values, "")
+
+
+# What a run reads from each directory (alternatives in a tuple), checked before anything is built.
+_HF_FILES = (("config.json",), ("model.safetensors", "model.safetensors.index.json"))
+_GSM8K_FILES = (("train.jsonl",), ("test.jsonl",))
+
+
+def _check_dir(key: str, path: str, needs: tuple[tuple[str, ...], ...]):
+  where = f"{key}={path!r}"
+  if not os.path.exists(path):
+    raise ConfigError(f"{where}: directory does not exist")
+  if not os.path.isdir(path):
+    raise ConfigError(f"{where}: not a directory")
+  if not os.listdir(path):
+    raise ConfigError(f"{where}: directory is empty")
+  for names in needs:
+    if not any(os.path.isfile(os.path.join(path, n)) for n in names):
+      raise ConfigError(f"{where}: has no {' or '.join(names)}")
+
+
+def check_paths(config: Config):
+  """The local directories the config names, as the commands see them before a run builds anything.
+
+  Kept out of the dataclasses: a config stays a value that can be built (and tested) on any machine.
+  """
+  m = config.model
+  if m.hf_path is not None:  # the run's tokenizer comes from the same directory
+    _check_dir("model.hf_path", m.hf_path, _HF_FILES + (("tokenizer.json",),))
+  for key, path in (("model.critic_path", m.critic_path), ("model.teacher_path", m.teacher_path)):
+    if path is not None:
+      _check_dir(key, path, _HF_FILES)
+  if config.data.task == "gsm8k":
+    _check_dir("data.path", config.data.path, _GSM8K_FILES)
 
 
 def replace(config: Config, **changes) -> Config:

@@ -40,9 +40,9 @@ from tunixlike import config as config_lib
 PROG = "tunixlike.eval"
 SPLITS = ("train", "test")
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli.refuse_none(config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/*.py[:variant]); any key can then be overridden with "
-    "--config.section.key=value. Default: the config saved with the checkpoint.", lock_config=True)
+    "--config.section.key=value. Default: the config saved with the checkpoint.", lock_config=True))
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "The run's --workdir (WORKDIR/checkpoints is read) or a "
                                   "checkpoint directory holding numbered step directories. Required.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest complete one).")
@@ -95,6 +95,7 @@ def evaluate_checkpoint(cfg: config_lib.Config | None, checkpoint: str, *, step:
       if "config" not in meta:
         raise EvalError(f"{ckpt.step_dir(step)}: meta holds no 'config'; pass --config")
       cfg = config_lib.from_config_dict(meta["config"])
+    config_lib.check_paths(cfg)  # the run's model directory may have moved since
     if samples > cfg.sampler.max_concurrent_decodes:
       raise EvalError(f"samples={samples} is larger than sampler.max_concurrent_decodes="
                       f"{cfg.sampler.max_concurrent_decodes}: raise it with --config.sampler.max_concurrent_decodes")

@@ -1,19 +1,45 @@
 """Metrics to the console (a progress bar and readable lines), WORKDIR/metrics.jsonl, TensorBoard, and
-a PNG plot of reward and eval accuracy against time written at the end."""
+a PNG plot of reward and eval accuracy against time written at the end.
+
+Every log file is written on the caller's thread, so a failed write (a full disk) raises
+`LogWriteError` from `MetricsLogger.write` / `close` instead of dying unseen in a background thread.
+JSONL logs survive a crash mid-write: `read_jsonl` drops a torn last line, `truncate_jsonl` cuts a log
+back to a restored step, and `last_time_s` gives the wall clock to continue from.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import tempfile
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
+
+_log = logging.getLogger(__name__)
 
 # Shown on the progress bar and in console lines, in this order, when present.
 CONSOLE_KEYS = ("reward/mean", "accuracy", "eval/accuracy", "loss", "kl", "staleness/max",
                 "sampler/tokens_per_s", "sync/ms")
+
+
+class LogWriteError(OSError):
+  """A log file or directory could not be written; the message names it and the OS error."""
+
+  def __init__(self, message: str, errno: int | None = None):
+    super().__init__(message)
+    self.errno = errno  # str() stays the message: strerror is unset
+
+
+def _write_error(failures: list[tuple[str, str, OSError]]) -> LogWriteError:
+  """One error for the (path, writer, OS error) failures, e.g. both logs of a full disk."""
+  error = LogWriteError("; ".join(f"{path}: {what} failed: {e}" for path, what, e in failures),
+                        failures[0][2].errno)
+  error.__cause__ = failures[0][2]
+  return error
 
 
 def _plain(value: Any) -> Any:
@@ -24,23 +50,97 @@ def _plain(value: Any) -> Any:
   return value
 
 
+def _is_scalar(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class _JsonlWriter:
+  """Appends one flushed line per record, so a reader (or a resumed run) sees every finished step."""
+
+  what = "metrics writer"
+
+  def __init__(self, path: str):
+    self.path = path
+    self._file = None
+
+  def write(self, step: int, record: dict[str, Any]):
+    del step
+    line = json.dumps(record) + "\n"
+    if self._file is None:  # opened late: the caller may still cut the file back (truncate_jsonl)
+      _end_cleanly(self.path)
+      self._file = open(self.path, "a", encoding="utf-8")
+    self._file.write(line)
+    self._file.flush()
+
+  def close(self):
+    if self._file is not None:
+      self._file.close()
+
+
+class _TensorBoardWriter:
+  """Scalars as TensorBoard events, written on the calling thread.
+
+  tensorboardX's SummaryWriter hands events to a writer thread through a bounded queue: when that
+  thread dies (ENOSPC) nobody is told and the next `put` blocks forever. Its `EventsWriter` (the part
+  that thread calls) is used here directly, so a failed write raises to the caller.
+  """
+
+  what = "TensorBoard writer"
+  flush_secs = 10.0  # the OS buffers in between; a flush also fsyncs
+
+  def __init__(self, logdir: str):
+    from tensorboardX.event_file_writer import EventsWriter
+    self.path = logdir
+    os.makedirs(logdir, exist_ok=True)
+    self._events = EventsWriter(os.path.join(logdir, "events"))
+    self._next_flush = 0.0  # the first step is flushed at once, as tensorboardX does
+
+  def write(self, step: int, record: dict[str, Any]):
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.summary import scalar
+    now = time.time()
+    for key, value in record.items():
+      if key != "step" and _is_scalar(value):
+        self._events.write_event(Event(wall_time=now, step=int(step), summary=scalar(key, value)))
+    if time.monotonic() >= self._next_flush:
+      self._events.flush()
+      self._next_flush = time.monotonic() + self.flush_secs
+
+  def close(self):
+    self._events.close()
+
+
+def _abandon(writer):
+  """Releases a writer that failed; its buffered data cannot be written either."""
+  try:
+    writer.close()
+  except OSError:
+    pass
+
+
 class MetricsLogger:
   """One record per call of `write(step, metrics)`; `time_s` counts from the logger's creation.
 
-  Appends to an existing metrics.jsonl, so a resumed run continues the same file.
+  Appends to an existing metrics.jsonl, so a resumed run continues the same file (opened at the first
+  write). A log that fails to write raises `LogWriteError` once and is dropped: the other logs go on.
   """
 
   def __init__(self, workdir: str, *, total_steps: int, tensorboard: bool = True,
                progress_bar: bool = True, initial_step: int = 0, time_offset_s: float = 0.0):
-    os.makedirs(workdir, exist_ok=True)
+    try:
+      os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+      raise _write_error([(workdir, "metrics logger", e)]) from e
     self.workdir = workdir
     self.path = os.path.join(workdir, "metrics.jsonl")
-    self._file = open(self.path, "a", encoding="utf-8")
     self._start = time.monotonic() - time_offset_s
-    self._tb = None
+    self._writers: list = [_JsonlWriter(self.path)]
     if tensorboard:
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      logdir = os.path.join(workdir, "tensorboard")
+      try:
+        self._writers.append(_TensorBoardWriter(logdir))
+      except OSError as e:
+        raise _write_error([(logdir, _TensorBoardWriter.what, e)]) from e
     self._bar = None
     if progress_bar:
       from tqdm.auto import tqdm
@@ -51,21 +151,32 @@ class MetricsLogger:
     return time.monotonic() - self._start
 
   def write(self, step: int, metrics: Mapping[str, Any], *, advance: bool = True) -> dict[str, Any]:
+    """Logs one record; raises LogWriteError when a log could not be written."""
     record = {"step": int(step), "time_s": round(self.elapsed_s, 3)}
     record.update({k: _plain(v) for k, v in metrics.items()})
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
-    if self._tb is not None:
-      for k, v in record.items():
-        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-          self._tb.add_scalar(k, v, step)
+    self._each(lambda w: w.write(step, record))
     shown = {k.split("/")[-1] if k != "eval/accuracy" else "eval_acc": record[k]
-             for k in CONSOLE_KEYS if isinstance(record.get(k), (int, float))}
+             for k in CONSOLE_KEYS if _is_scalar(record.get(k))}
     if self._bar is not None:
       if advance:
         self._bar.update(1)
       self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=True)
     return record
+
+  def _each(self, call: Callable[[Any], None], *, closing: bool = False):
+    """`call(writer)` for every live writer; the ones that fail are dropped, not retried each step."""
+    failures = []
+    for writer in list(self._writers):
+      try:
+        call(writer)
+      except OSError as e:
+        self._writers.remove(writer)
+        _abandon(writer)
+        failures.append((writer.path, writer.what, e))
+    if closing:
+      self._writers = []
+    if failures:
+      raise _write_error(failures)
 
   def info(self, message: str):
     """A readable line that does not tear the progress bar."""
@@ -75,16 +186,115 @@ class MetricsLogger:
       print(message, flush=True)
 
   def close(self):
+    """Flushes and closes every log (also after a failure); raises LogWriteError if one failed now."""
     if self._bar is not None:
       self._bar.close()
-    if self._tb is not None:
-      self._tb.close()
-    self._file.close()
+    self._each(lambda w: w.close(), closing=True)
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+  """The record of a line, or None when it is not a JSON object (torn or corrupt)."""
+  try:
+    record = json.loads(line)
+  except ValueError:  # also a multi-byte character cut in half
+    return None
+  return record if isinstance(record, dict) else None
+
+
+def _lines(path: str) -> tuple[list[tuple[bytes, dict[str, Any]]], bool]:
+  """(line, record) of each record of a JSONL log, and whether a torn last line was dropped.
+
+  Only the last non-blank line can be torn by a crash mid-write; a bad line before it is corruption.
+  """
+  with open(path, "rb") as f:
+    raw = f.read().split(b"\n")
+  numbers = [i for i, line in enumerate(raw) if line.strip()]
+  out = []
+  for i in numbers:
+    record = _parse(raw[i])
+    if record is not None:
+      out.append((raw[i], record))
+    elif i == numbers[-1]:
+      _log.warning("%s: dropped a torn last line %d (%d bytes; a crash mid-write)", path, i + 1, len(raw[i]))
+      return out, True
+    else:
+      raise ValueError(f"{path}: line {i + 1} is not a JSON record: {raw[i][:80]!r}; the file is corrupt")
+  return out, False
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
-  with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """The records of a JSONL log; a torn last line is dropped with a warning, a bad line before it raises."""
+  return [record for _, record in _lines(path)[0]]
+
+
+def truncate_jsonl(path: str, below_step: int, *, key: str = "step",
+                   keep: Callable[[dict[str, Any]], bool] | None = None) -> int:
+  """Cuts a JSONL log back to the records with `record[key] < below_step` (or `keep(record)`), e.g.
+  to the step a resumed run restarts from. Returns the number of records dropped (a torn last line,
+  dropped with a warning, is not one). The file is replaced atomically; a missing file is left alone.
+  """
+  if not os.path.exists(path):
+    return 0
+  lines, torn = _lines(path)
+  for number, (_, record) in enumerate(lines, 1):
+    if not _is_scalar(record.get(key)):
+      raise ValueError(f"{path}: record {number} has no numeric {key!r}: {record}")
+  kept = [line for line, record in lines if record[key] < below_step or (keep is not None and keep(record))]
+  if torn or len(kept) < len(lines):
+    _replace(path, b"".join(line + b"\n" for line in kept))
+  return len(lines) - len(kept)
+
+
+def _replace(path: str, data: bytes):
+  """Writes `data` to `path` atomically: a crash leaves the old file or the new one, never half of it."""
+  directory = os.path.dirname(os.path.abspath(path))
+  mode = os.stat(path).st_mode & 0o777
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}-", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.chmod(tmp, mode)  # mkstemp makes it private
+    os.replace(tmp, path)
+  except OSError as e:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise _write_error([(path, "log rewrite", e)]) from e
+
+
+def _end_cleanly(path: str):
+  """Before appending to an existing log: a torn last line is cut (with a warning), so the next record
+  starts a line of its own instead of merging into a line the readers would reject as corrupt."""
+  try:
+    f = open(path, "r+b")
+  except FileNotFoundError:
+    return
+  with f:
+    start = size = f.seek(0, os.SEEK_END)
+    tail = b""
+    while start > 0 and b"\n" not in tail:  # back to the last newline
+      start -= min(start, 1 << 16)
+      f.seek(start)
+      tail = f.read(size - start)
+    if not tail or tail.endswith(b"\n"):
+      return
+    last = tail[tail.rfind(b"\n") + 1:]
+    f.seek(0, os.SEEK_END)
+    if not last.strip() or _parse(last) is not None:
+      f.write(b"\n")  # a whole record that only lacks its newline
+    else:
+      _log.warning("%s: cut a torn last line (%d bytes; a crash mid-write) before appending", path, len(last))
+      f.truncate(size - len(last))
+
+
+def last_time_s(path: str) -> float:
+  """`time_s` of the last record of a metrics log that has one (0.0 if none, or no file): the
+  `time_offset_s` of a resumed run's MetricsLogger, so its wall clock goes on from there."""
+  if not os.path.exists(path):
+    return 0.0
+  times = [r["time_s"] for r in read_jsonl(path) if _is_scalar(r.get("time_s"))]
+  return float(times[-1]) if times else 0.0
 
 
 def plot(metrics_path: str, out_path: str) -> str:

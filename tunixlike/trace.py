@@ -9,7 +9,7 @@ learner overlap or wait on each other, which is the whole point of an async runt
     ...
     s.set(tokens=n)                                  # args known only at the end
   tracer.counter("queue", depth=3)
-  tracer.close()                                     # atomic write (temp file + rename)
+  tracer.close()                                     # atomic write; a failure raises LogWriteError
   trace.busy_fractions("runs/x/trace.json")          # {"sampler": 0.93, "learner": 0.71, ...}
 
 The file is the Trace Event Format: complete events (`ph: "X"`, `ts` and `dur` in microseconds),
@@ -26,6 +26,8 @@ import tempfile
 import threading
 import time
 from typing import Any, Iterable, Mapping
+
+from tunixlike.metrics import LogWriteError
 
 _MAX_EVENTS = 500_000  # ~100 bytes each as tuples: tens of MB at worst
 
@@ -169,14 +171,25 @@ class Tracer:
                           "recorded_events": len(events), "start_unix_s": self._start_unix_s}}
 
   def save(self) -> str | None:
-    """Writes the trace so far (safe to call repeatedly, e.g. at each checkpoint); returns the path."""
+    """Writes the trace so far (safe to call repeatedly, e.g. at each checkpoint); returns the path.
+
+    Raises LogWriteError (an OSError naming the file) when it cannot be written, e.g. on a full disk;
+    the previous trace file, if any, is then left as it was.
+    """
     if not self.enabled:
       return None
     text = json.dumps(self.to_json(), default=_plain)
+    try:
+      self._write(text)
+    except OSError as e:
+      raise LogWriteError(f"{self.path}: trace writer failed: {e}", e.errno) from e
+    return self.path
+
+  def _write(self, text: str):
     if "://" in self.path:  # object stores replace objects atomically
       from etils import epath
       epath.Path(self.path).write_text(text)
-      return self.path
+      return
     directory = os.path.dirname(os.path.abspath(self.path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".trace-", suffix=".json.tmp")
@@ -188,13 +201,13 @@ class Tracer:
       if os.path.exists(tmp):
         os.remove(tmp)
       raise
-    return self.path
 
   def close(self) -> str | None:
-    """Saves and stops recording."""
-    path = self.save()
-    self.enabled = False
-    return path
+    """Saves and stops recording, also when the save fails (LogWriteError): it is not retried."""
+    try:
+      return self.save()
+    finally:
+      self.enabled = False
 
   def __enter__(self):
     return self

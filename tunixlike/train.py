@@ -10,6 +10,8 @@ A bad flag, unknown key, wrong type or invalid value prints one line naming it a
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 from absl import flags
@@ -17,8 +19,8 @@ from ml_collections import config_flags
 
 from tunixlike import cli, config as config_lib
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).",
-                                          lock_config=True)
+_CONFIG = cli.refuse_none(config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).",
+                                                           lock_config=True))
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics.jsonl, TensorBoard "
                                "events and plots. Reusing it resumes the run.")
 _CHECK_ONLY = flags.DEFINE_bool("check_only", False, "Parse and validate the config, then exit.")
@@ -27,9 +29,32 @@ _CHECK_ONLY = flags.DEFINE_bool("check_only", False, "Parse and validate the con
 PROG = "tunixlike.train"
 
 
+def device_count_error(raw) -> str | None:
+  """A mesh that does not add up to this machine's devices, which a run reports before any rule the
+  config derives from the mesh (--check_only never starts a JAX backend; several processes see each
+  other's devices only once jax.distributed runs, so this is left to the run then)."""
+  if _CHECK_ONLY.value:
+    return None
+  import jax
+  from tunixlike import distributed, mesh
+  d = raw.get("distributed") or {}
+  if any(d.get(k) for k in ("coordinator_address", "num_processes", "auto_detect")) or \
+      os.environ.get(distributed.ENV_NUM_PROCESSES, "1") not in ("", "1"):
+    return None
+  m = raw.get("mesh") or {}
+  sizes = (m.get("sampler_devices"), m.get("learner_devices"))
+  if not all(type(n) is int and n > 0 for n in sizes):
+    return None  # the validation error names the key
+  try:
+    mesh.split_devices(*sizes, jax.devices())
+  except mesh.MeshError as e:
+    return str(e)
+  return None
+
+
 def parse(argv: list[str]) -> tuple[config_lib.Config, str | None]:
   """Parses flags into a validated Config; exits with status 2 and one clear line on bad input."""
-  cfg = cli.parse_config(PROG, argv, _CONFIG)
+  cfg = cli.parse_config(PROG, argv, _CONFIG, first_check=device_count_error)
   if cfg is None:
     cli.fail(PROG, "--config is required (e.g. --config configs/addition_grpo.py)")
   return cfg, _WORKDIR.value
@@ -48,10 +73,20 @@ def main(argv: list[str] | None = None):
     cli.fail(PROG, "--workdir is required")
   from tunixlike import checkpoint, mesh
   from tunixlike.rl import trainer  # heavy imports only once the config is known to be good
+  # Orbax's async writes leave failed asyncio tasks behind when a save fails (a full disk): their
+  # "exception was never retrieved" tracebacks would bury the one line that says what happened.
+  logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+  from tunixlike.metrics import LogWriteError
+  from tunixlike.rl.collapse import PolicyCollapse
+  from tunixlike.rl.runtime import NonFiniteLoss
   try:
     trainer.run(cfg, workdir)
   except (mesh.MeshError, checkpoint.CheckpointError, config_lib.ConfigError, trainer.SetupError) as e:
     cli.fail(PROG, str(e))
+  except (NonFiniteLoss, PolicyCollapse, LogWriteError) as e:  # the run stopped itself, and says why
+    cli.fail(PROG, str(e), status=1)
+  except KeyboardInterrupt:  # a second Ctrl-C: stop waiting for the current step
+    cli.fail(PROG, "interrupted (a second Ctrl-C); the last checkpoint is kept", status=130)
 
 
 if __name__ == "__main__":

@@ -112,7 +112,11 @@ def test_bad_config_and_columns(char_tok, tmp_path):
     PipelineConfig(prompt_template="{unclosed")
   path = tmp_path / "d.jsonl"
   path.write_text('{"question": "q"}\n')
-  with pytest.raises(ValueError, match=r"d.jsonl: prompt_template '\{prompt\}' needs column\(s\) \['prompt'\]"):
+  with pytest.raises(ValueError, match=r"d.jsonl:1: prompt_template '\{prompt\}' needs column\(s\) \['prompt'\]"):
+    pipeline.from_file(str(path), char_tok)
+  # A later record lacking the column is named by its 1-based line (the blank line counts).
+  path.write_text('{"prompt": "p"}\n\n{"question": "q"}\n')
+  with pytest.raises(ValueError, match=r"d.jsonl:3: prompt_template '\{prompt\}' needs column\(s\) \['prompt'\]"):
     pipeline.from_file(str(path), char_tok)
   path.write_text("\n")
   with pytest.raises(ValueError, match="d.jsonl: the dataset is empty"):

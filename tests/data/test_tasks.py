@@ -76,8 +76,8 @@ def test_gsm8k_records(gsm8k_dir):
 
 def test_gsm8k_bad_files(tmp_path):
   (tmp_path / "train.jsonl").write_text('{"question": "q", "answer": "no marker"}\n')
-  with pytest.raises(ValueError, match=r"train.jsonl: record 0: .*'####'"):
+  with pytest.raises(ValueError, match=r"train.jsonl:1: .*'####'"):
     tasks.get("gsm8k", path=str(tmp_path)).source("train")
-  (tmp_path / "test.jsonl").write_text('{"q": 1}\n')
-  with pytest.raises(ValueError, match=r"test.jsonl: record 0 lacks 'question'"):
+  (tmp_path / "test.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n\n{"q": 1}\n')
+  with pytest.raises(ValueError, match=r"test.jsonl:3: lacks 'question'"):
     tasks.get("gsm8k", path=str(tmp_path)).source("test")

@@ -126,3 +126,30 @@ def test_threads_never_deadlock_never_train_stale_data_and_lose_nothing(batch, s
   assert q.dropped_stale + q.dropped_filtered == len(dropped_ids)
   assert not set(trained_ids) & set(dropped_ids)
   assert q.admitted == len(trained_ids) + len(dropped_ids) + q.in_flight
+
+
+def test_a_resumed_queue_admits_what_an_uninterrupted_one_would():
+  """After a restore at version 55 the queue admits (staleness + 1) batches, not (55 + 2)."""
+  fresh, started = RolloutQueue(batch_groups=4, max_staleness=1), []
+  for v in range(55):  # the uninterrupted run: groups finish in start order, 55 batches trained
+    while fresh.try_admit(v):
+      started.append(v)
+    for _ in range(4):
+      fresh.put(group(len(started), started.pop(0)))
+    fresh.get_batch(v, timeout_s=1)
+  in_flight = fresh.in_flight  # a checkpoint at 55 loses these; the resumed run regenerates them
+  resumed = RolloutQueue(batch_groups=4, max_staleness=1, start_version=55, counts=fresh.counts())
+  assert resumed.in_flight == 0 and resumed.counts() == fresh.counts() and resumed.trained == 55 * 4
+  admitted = sum(resumed.try_admit(55) for _ in range(100))
+  assert admitted == in_flight + sum(fresh.try_admit(55) for _ in range(100)) == 8
+
+
+def test_a_skipped_step_gives_its_admissions_back():
+  q = RolloutQueue(batch_groups=2, max_staleness=1)
+  assert sum(q.try_admit(0) for _ in range(10)) == 4
+  for i in range(4):
+    q.put(group(i, 0))
+  for _ in range(2):  # two non-finite steps at version 0: the version does not advance
+    q.get_batch(0, timeout_s=1)
+    q.step_skipped(2)
+  assert sum(q.try_admit(0) for _ in range(10)) == 4  # a new batch for the same version, and the next

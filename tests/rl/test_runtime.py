@@ -129,3 +129,47 @@ def test_lora_run_with_sampler_warmup_compiles_nothing_and_syncs_prepacked_adapt
   for a, b in zip(jax.tree.leaves(synced.adapters.unpack()), jax.tree.leaves(adapters)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(synced.adapters.unpack()))
+
+
+@rewards.registry.register("overflowing_for_tests")
+def _overflowing(prompts, completions, **columns):
+  """Half the samples score 3e38: the group's reward variance overflows float32, so the loss is not finite."""
+  return [3e38 if i % 2 else 0.0 for i in range(len(completions))]
+
+
+@pytest.mark.slow
+def test_non_finite_steps_stop_the_run_at_any_staleness():
+  """Skipped steps give their admissions back, so the guard counts to rl.max_nonfinite_steps instead of
+  the sampler running out of admissions and the learner timing out on an empty queue."""
+  from tunixlike.rl.runtime import NonFiniteLoss
+  cfg = config_lib.replace(tiny_config(max_staleness=1, max_nonfinite_steps=3, wait_timeout_s=60.0),
+                           rl=dict(num_steps=6))
+  records = []
+  parts = trainer.build_rl(trainer.build(cfg))
+  parts.train_reward = rewards.CombinedReward(["overflowing_for_tests"])
+  runtime = trainer.make_runtime(parts, trainer.PromptStream(iter(parts.train_pipe)),
+                                 log=lambda step, m: records.append((step, m)))
+  with pytest.raises(NonFiniteLoss, match="3 in a row"):
+    runtime.run(threaded=True)
+  assert parts.policy.version == 0 and [m["skipped"] for _, m in records] == [1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_a_collapsed_policy_is_flagged_and_stops_the_run():
+  """A learning rate far too high makes the policy uniform after one step: flagged at that step. (A
+  short warm start first: a fresh model is near uniform already, which is not a collapse.)"""
+  from tunixlike.rl.collapse import CollapseConfig, CollapseDetector, PolicyCollapse
+  cfg = config_lib.replace(tiny_config(max_staleness=1), rl=dict(num_steps=4), optim=dict(learning_rate=1e6),
+                           warm_start=dict(max_steps=20, eval_every=20))
+  parts = trainer.build(cfg)
+  trainer.warm_start(parts)
+  trainer.build_rl(parts)
+  parts.train_reward = rewards.CombinedReward(["stopped"])  # rewards with variance: the weights move
+  records = []
+  vocab = parts.policy.learner.model(parts.policy.learner.state).cfg.vocab_size
+  runtime = trainer.make_runtime(parts, trainer.PromptStream(iter(parts.train_pipe)),
+                                 log=lambda step, m: records.append((step, m)),
+                                 collapse=CollapseDetector(CollapseConfig(vocab_size=vocab)))
+  with pytest.raises(PolicyCollapse, match=r"policy collapse at step 1: token entropy .* ln V"):
+    runtime.run(threaded=True)
+  assert [(s, m["collapse"]) for s, m in records] == [(0, 0.0), (1, 1.0)]

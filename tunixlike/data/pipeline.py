@@ -88,10 +88,7 @@ class PromptPipeline:
     self.templated = bool(config.use_chat_template and tokenizer.chat_template)
     if len(source) == 0:
       raise ValueError(f"{source.name}: the dataset is empty")
-    missing = _template_fields(self.template) - set(source[0])
-    if missing:
-      raise ValueError(f"{source.name}: prompt_template {self.template!r} needs column(s) {sorted(missing)}, "
-                       f"the data has {sorted(source[0])}")
+    self._check_columns()
     kept = self._length_filter()
     self.num_filtered = len(source) - len(kept)  # Prompts dropped for exceeding max_prompt_tokens.
     if len(kept) < config.shard_count:
@@ -107,12 +104,22 @@ class PromptPipeline:
     ds = ds.repeat(config.num_epochs)  # Reseeds the shuffle each epoch.
     self.dataset = ds.map_with_index(self._tokenize)
 
-  def format(self, record: dict[str, Any]) -> str:
+  def _check_columns(self):
+    """Every record has the template's columns. A table's rows share its columns; JSONL lines need not."""
+    fields = _template_fields(self.template)
+    rows = range(len(self.source)) if isinstance(self.source, sources.ListSource) else range(1)
+    for i in rows:
+      missing = fields - set(self.source[i])
+      if missing:
+        raise ValueError(f"{self.source.where(i)}: prompt_template {self.template!r} needs column(s) "
+                         f"{sorted(missing)}, the data has {sorted(self.source[i])}")
+
+  def format(self, record: dict[str, Any], where: str | None = None) -> str:
     try:
       text = self.template.format(**record)
     except (KeyError, IndexError) as e:
-      raise ValueError(f"{self.source.name}: record {record.get('id')!r} lacks column {e} "
-                       f"needed by prompt_template {self.template!r}") from None
+      where = where or f"{self.source.name}: record {record.get('id')!r}"
+      raise ValueError(f"{where}: lacks column {e} needed by prompt_template {self.template!r}") from None
     return self.tokenizer.format_prompt(text, system=self.config.system_prompt,
                                         use_chat_template=self.config.use_chat_template)
 
@@ -120,7 +127,7 @@ class PromptPipeline:
     n = len(self.source)
     if self.config.max_prompt_tokens is None:
       return np.arange(n)
-    texts = [self.format(self.source[i]) for i in range(n)]
+    texts = [self.format(self.source[i], self.source.where(i)) for i in range(n)]
     if self.templated:
       ids = self.tokenizer.encode_batch(texts, add_special_tokens=False)
     else:

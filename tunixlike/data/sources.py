@@ -22,11 +22,20 @@ class RecordSource(Sequence[dict[str, Any]]):
   def __repr__(self) -> str:
     return f"{type(self).__name__}({self.name!r}, n={len(self)})"
 
+  def where(self, index: int) -> str:
+    """Record `index` for an error message: its 0-based row (as pyarrow and datasets count them)."""
+    return f"{self.name}: row {index} (counted from 0)"
+
 
 class ListSource(RecordSource):
-  def __init__(self, records: list[dict[str, Any]], name: str):
-    self.records, self.name = records, name
+  """`lines`: the 1-based line of each record in its file, which error messages then name."""
+
+  def __init__(self, records: list[dict[str, Any]], name: str, lines: Sequence[int] | None = None):
+    self.records, self.name, self.lines = records, name, lines
     self.columns = tuple(records[0]) if records else ()
+
+  def where(self, index: int) -> str:
+    return f"{self.name}:{self.lines[index]}" if self.lines is not None else super().where(index)
 
   def __len__(self) -> int:
     return len(self.records)
@@ -69,7 +78,7 @@ def read_jsonl(path: str) -> ListSource:
   """Reads a JSONL file of objects; errors name the file and the 1-based line."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no such data file: {path}")
-  records = []
+  records, lines = [], []
   with open(path, "rb") as f:
     for line_no, raw in enumerate(f, start=1):
       try:
@@ -85,7 +94,8 @@ def read_jsonl(path: str) -> ListSource:
       if not isinstance(record, dict):
         raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
       records.append(record)
-  return ListSource(records, path)
+      lines.append(line_no)  # blank lines are skipped: a record's index is not its line
+  return ListSource(records, path, lines)
 
 
 def read_parquet(path: str) -> ArrowSource:

@@ -150,14 +150,14 @@ class Gsm8kTask:
     records = []
     for i, r in enumerate(raw.records[:size]):
       if "question" not in r or "answer" not in r:
-        raise ValueError(f"{path}: record {i} lacks 'question' or 'answer' (has {sorted(r)})")
+        raise ValueError(f"{raw.where(i)}: lacks 'question' or 'answer' (has {sorted(r)})")
       try:
         answer = gsm8k_final_answer(r["answer"])
       except ValueError as e:
-        raise ValueError(f"{path}: record {i}: {e}") from None
+        raise ValueError(f"{raw.where(i)}: {e}") from None
       records.append({"id": f"gsm8k/{split}/{i}", "prompt": r["question"], "answer": answer,
                       "solution": r["answer"]})
-    return sources.ListSource(records, path)
+    return sources.ListSource(records, path, raw.lines[:len(records)])
 
 
 TASKS: dict[str, Any] = {"addition": AdditionTask, "reverse": ReverseTask, "gsm8k": Gsm8kTask}

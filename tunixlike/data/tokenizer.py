@@ -120,6 +120,10 @@ def _chat_template(directory: str, config: dict[str, Any]) -> str | None:
 
 def load(path: str) -> Tokenizer:
   """Loads a tokenizer from a local HF directory or a tokenizer.json file."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path}: no such directory or tokenizer.json file")
+  if os.path.isdir(path) and not os.listdir(path):
+    raise FileNotFoundError(f"{path}: directory is empty (no tokenizer.json)")
   if os.path.isdir(path):
     directory, json_path = path, os.path.join(path, "tokenizer.json")
   else:

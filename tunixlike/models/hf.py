@@ -124,7 +124,9 @@ def from_pretrained(path, mesh: jax.sharding.Mesh | None = None, rules=None, dty
   """
   root = pathlib.Path(path)
   if not root.is_dir():
-    raise CheckpointError(f"{root}: not a directory")
+    raise CheckpointError(f"{root}: not a directory{'' if root.exists() else ' (it does not exist)'}")
+  if not any(root.iterdir()):
+    raise CheckpointError(f"{root}: directory is empty")
   cfg = _load_config(root, dtype)
   files = _tensor_files(root)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))

@@ -38,12 +38,17 @@ def generate(engine: Engine, params, requests: Sequence[PromptRequest], *, versi
 
 def evaluate(engine: Engine, params, requests: Sequence[PromptRequest], reward, tokenizer, *,
              version: int = 0) -> dict[str, Any]:
-  """Accuracy (and pass@k when the engine samples k > 1 per prompt) on `requests`."""
+  """Accuracy (and pass@k when the engine samples k > 1 per prompt) on `requests`.
+
+  `eval/reward_failures` counts completions the verifier failed on (raised or timed out): they
+  score 0, so an accuracy next to many failures measures the verifier, not the policy.
+  """
   groups = generate(engine, params, requests, version=version, detokenize=tokenizer.decode)
-  score_groups(reward, groups, tokenizer=tokenizer)
+  metrics = score_groups(reward, groups, tokenizer=tokenizer)
   correct_ng = np.stack([g.rewards for g in groups]) >= 0.5
   k = correct_ng.shape[1]
   out = {"eval/accuracy": float(correct_ng.mean()), "eval/num_prompts": len(groups),
+         "eval/reward_failures": int(sum(v for name, v in metrics.items() if name.endswith("/failures"))),
          "eval/mean_completion_tokens": float(np.mean([c.num_tokens for g in groups for c in g.completions]))}
   if k > 1:
     out[f"eval/pass@{k}"] = float(correct_ng.any(axis=1).mean())

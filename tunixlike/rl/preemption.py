@@ -10,7 +10,7 @@ class Preemption:
   """SIGTERM (TPU VM preemption) and SIGINT (Ctrl-C): finish the current step, save, exit 0."""
 
   def __init__(self, say=print):
-    self.requested, self._say, self._old = False, say, {}
+    self.requested, self.say, self._old = False, say, {}  # `say` may be replaced once logs are open
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
@@ -22,7 +22,7 @@ class Preemption:
     if self.requested:  # a second Ctrl-C: stop waiting
       raise KeyboardInterrupt
     self.requested = True
-    self._say(f"received {signal.Signals(signum).name}: finishing the current step, saving a checkpoint")
+    self.say(f"received {signal.Signals(signum).name}: finishing the current step, saving a checkpoint")
 
   def __exit__(self, *exc):
     for sig, old in self._old.items():

@@ -1,9 +1,11 @@
 """The bounded rollout queue between sampler and learner, with staleness control (DESIGN "Staleness").
 
 Admission control (AReaL, `areal/infra/staleness_manager.py`): the sampler may start a group only while
-    admitted - dropped < (max_staleness + v + 1) * batch_groups,   v = the sampler's weights version,
-so a group started at sampler version v is trained at a learner step <= v + max_staleness, and the
-queue never holds more than (max_staleness + 1) batches. Finished work is never thrown away to
+    consumed + in_flight < (max_staleness + v + 1) * batch_groups,   v = the sampler's weights version,
+where `consumed` counts the groups of every batch that advanced the policy to its current version
+(start_version * batch_groups after a resume; a batch whose step was skipped as non-finite gives
+its admissions back). So a group started at sampler version v is trained at a learner step
+<= v + max_staleness, and the queue never holds more than (max_staleness + 1) batches. Finished work is never thrown away to
 bound the queue (that biases training toward short, easy rollouts); groups are dropped only by
 version rejection (oldest token older than version - max_staleness) or by a batch filter such as
 DAPO dynamic sampling, and each drop frees an admission so the sampler regenerates the work.
@@ -39,7 +41,10 @@ class Stopped(RuntimeError):
 class RolloutQueue:
 
   def __init__(self, batch_groups: int, max_staleness: int, stop_event: threading.Event | None = None,
-               on_drop: Callable[[RolloutGroup], None] = lambda group: None):
+               on_drop: Callable[[RolloutGroup], None] = lambda group: None, start_version: int = 0,
+               counts: dict[str, int] | None = None):
+    """`start_version`: the policy version the learner starts from (a resumed run's step).
+    `counts`: `counts()` of the run being resumed, so the queue's counters continue."""
     if batch_groups < 1:
       raise ValueError(f"batch_groups={batch_groups}: must be >= 1")
     if max_staleness < 0:
@@ -51,10 +56,13 @@ class RolloutQueue:
     self._cond = threading.Condition()
     self._ready: list[RolloutGroup] = []
     self._running: collections.Counter[int] = collections.Counter()  # start version -> groups not yet put
-    self.admitted = 0  # groups ever admitted
-    self.dropped_stale = 0
-    self.dropped_filtered = 0
-    self.trained = 0
+    counts = counts or {}
+    self.dropped_stale = int(counts.get("dropped_stale", 0))
+    self.dropped_filtered = int(counts.get("dropped_filtered", 0))
+    self.trained = int(counts.get("trained", 0))
+    # Groups in flight when a checkpoint was saved are regenerated, not restored: none are in flight.
+    self.admitted = self.trained + self.dropped_stale + self.dropped_filtered  # groups ever admitted
+    self._consumed = start_version * batch_groups  # groups whose batches advanced the policy
 
   # ---- sampler side -------------------------------------------------------------------------
   def _capacity(self, sampler_version: int) -> int:
@@ -75,7 +83,7 @@ class RolloutQueue:
     with self._cond:
       if self.stop_event.is_set():
         return False
-      if self.admitted - self.dropped_stale - self.dropped_filtered < self._capacity(sampler_version):
+      if self._consumed + self.in_flight < self._capacity(sampler_version):
         self.admitted += 1
         self._running[sampler_version] += 1
         return True
@@ -129,7 +137,21 @@ class RolloutQueue:
       self._ready.sort(key=lambda g: g.min_version)  # stable: arrival order within a version
       batch, self._ready = self._ready[:self.batch_groups], self._ready[self.batch_groups:]
       self.trained += len(batch)
+      self._consumed += len(batch)
     return batch
+
+  def step_skipped(self, groups: int):
+    """The batch of `groups` did not advance the policy (a non-finite step): its admissions are
+    given back, so the sampler makes a new batch for the same version instead of stalling."""
+    with self._cond:
+      self._consumed -= groups
+      self._cond.notify_all()
+
+  def counts(self) -> dict[str, int]:
+    """What a checkpoint keeps to continue the counters on resume."""
+    with self._cond:
+      return {"trained": self.trained, "dropped_stale": self.dropped_stale,
+              "dropped_filtered": self.dropped_filtered}
 
   def depth(self) -> int:
     with self._cond:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
+from tunixlike.rl.collapse import CollapseDetector, PolicyCollapse
 from tunixlike.rl.queue import RolloutQueue, Stopped
 from tunixlike.rollout import RolloutGroup
 
@@ -46,6 +47,7 @@ class RuntimeConfig:
   max_nonfinite_steps: int = 3
   wait_timeout_s: float = 300.0
   dynamic_sampling: bool = False  # DAPO: drop groups whose rewards have no variance, refill
+  stop_on_collapse: bool = True  # a step flagged by `collapse` stops the run (else it is only logged)
 
   def __post_init__(self):
     if self.sync_mode not in ("soft_pause", "drain"):
@@ -69,20 +71,24 @@ class AsyncRuntime:
                score: Callable[[RolloutGroup], None], log: Callable[[int, dict], None] = lambda s, m: None,
                on_step: Callable[[int], None] = lambda step: None,
                on_batch: Callable[[int, list, list], None] = lambda step, trained, dropped: None,
-               should_stop: Callable[[], bool] = lambda: False):
+               should_stop: Callable[[], bool] = lambda: False, collapse: CollapseDetector | None = None,
+               queue_counts: dict[str, int] | None = None):
     """`driver_factory(sink, may_start_group)` builds the RolloutDriver (not started).
 
     `score(group)` fills `group.rewards` (runs in the reward pool); `log(step, metrics)` is called
     once per learner step; `on_batch(step, trained, dropped)` with the groups trained and dropped
     in that step (prompt accounting); `on_step(version)` after every weight sync (checkpoints,
     evals); `should_stop()` is polled between steps (preemption: stop cleanly after this step).
+    `collapse` flags a collapsed policy in the metrics (`collapse`: 1) and, with
+    `cfg.stop_on_collapse`, raises PolicyCollapse. The queue's admission starts from the learner's
+    version; `queue_counts` (a checkpoint's `queue.counts()`) continues its counters.
     """
     self.cfg, self.learner, self._score, self._log, self._on_step = cfg, learner, score, log, on_step
-    self._on_batch, self._should_stop = on_batch, should_stop
+    self._on_batch, self._should_stop, self._collapse = on_batch, should_stop, collapse
     self._dropped: list[RolloutGroup] = []
     self.stop_event = threading.Event()
     self.queue = RolloutQueue(cfg.prompts_per_step, cfg.max_staleness, self.stop_event,
-                              on_drop=self._dropped.append)
+                              on_drop=self._dropped.append, start_version=learner.version, counts=queue_counts)
     self.preempted = False
     self._errors: list[BaseException] = []
     self._pool = concurrent.futures.ThreadPoolExecutor(cfg.reward_workers, thread_name_prefix="reward")
@@ -156,11 +162,14 @@ class AsyncRuntime:
         self.learner_busy_s += train_s
         if not math.isfinite(float(metrics.get("loss", 0.0))) or metrics.get("skipped", 0):
           nonfinite_in_a_row += 1
+          self.queue.step_skipped(len(groups))  # the same version needs a new batch: admit one
           if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
             raise NonFiniteLoss(f"non-finite loss at step {version} ({nonfinite_in_a_row} in a row; "
                                 "rl.max_nonfinite_steps): lower optim.learning_rate or check the data")
         else:
           nonfinite_in_a_row = 0
+        collapsed = self._collapse.check(metrics) if self._collapse is not None else None
+        metrics["collapse"] = float(collapsed is not None)
         params, sync_ms = self.learner.sampler_weights()
         self.sync_ms.append(sync_ms)
         self.driver.update_params(params, self.learner.version, drain=cfg.sync_mode == "drain")
@@ -184,6 +193,9 @@ class AsyncRuntime:
         dropped, self._dropped[:] = list(self._dropped), []
         self._on_batch(version, groups, dropped)
         self._log(version, metrics)
+        if collapsed is not None and cfg.stop_on_collapse:
+          raise PolicyCollapse(f"policy collapse at step {version}: {collapsed} (rl.stop_on_collapse; lower "
+                               "optim.learning_rate, or resume from the best checkpoint)")
         self._on_step(self.learner.version)
         last = metrics
     except Stopped:

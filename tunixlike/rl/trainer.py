@@ -22,13 +22,15 @@ from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from tunixlike import distributed
 from tunixlike import mesh as mesh_lib
 from tunixlike import metrics as metrics_lib
 from tunixlike import checkpoint as checkpoint_lib
-from tunixlike import models, rewards, trace as trace_lib
+from tunixlike import models, rewards, trace as trace_lib, workdir as workdir_lib
 from tunixlike.rewards.envs import CalculatorEnv
 from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokenizer_lib
@@ -36,7 +38,8 @@ from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
 from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, value as value_lib
 from tunixlike.learner.train_step import Learner
 from tunixlike.models import lora as lora_lib
-from tunixlike.rl import distill as distill_lib, evaluate as eval_lib, warm_start as warm_start_lib
+from tunixlike.rl import collapse as collapse_lib, distill as distill_lib, evaluate as eval_lib
+from tunixlike.rl import resume as resume_lib, warm_start as warm_start_lib
 from tunixlike.rewards import process as process_lib
 from tunixlike.sampler.process_driver import ProcessRewardDriver
 from tunixlike.rl.policy import PolicyLearner
@@ -221,15 +224,18 @@ def build(cfg: Config, workdir: str | None = None, say=print) -> Parts:
                warm_start_records=warm_records, critic=critic, teacher=teacher)
 
 
-def warm_start(parts: Parts) -> dict[str, float]:
-  """Supervised warm start of `parts.model` (synthetic tasks: the answers are known)."""
+def warm_start(parts: Parts, should_stop=lambda: False, optimizer=None, start_step: int = 0) -> dict[str, float]:
+  """Supervised warm start of `parts.model` (synthetic tasks: the answers are known); an interrupted
+  one continues from `start_step` with its `optimizer`."""
   cfg = parts.cfg
   source = parts.task.source("train")
-  records = (source[i % len(source)] for i in itertools.count(cfg.seed * 7919))
+  first = cfg.seed * 7919 + start_step * cfg.warm_start.batch_size
+  records = (source[i % len(source)] for i in itertools.count(first))
   held_out = parts.eval_records if parts.warm_start_records is None else parts.warm_start_records
   return warm_start_lib.warm_start(parts.model, records, held_out, parts.tok, cfg.warm_start,
                                    mesh=parts.meshes.learner,
-                                   length=cfg.data.max_prompt_length + cfg.sampler.max_new_tokens, log=parts.say)
+                                   length=cfg.data.max_prompt_length + cfg.sampler.max_new_tokens, log=parts.say,
+                                   should_stop=should_stop, optimizer=optimizer, start_step=start_step)
 
 
 def build_learner(cfg: Config, model: nnx.Module, mesh, critic: nnx.Module | None = None):
@@ -285,16 +291,19 @@ def evaluate(parts: Parts) -> dict[str, Any]:
   if jax.process_count() == 1:
     return out
   keys = sorted(k for k in out if k != "eval/num_prompts")
+  counts = [k for k in keys if k.endswith("failures")]  # summed over processes, the rest averaged
   n = out["eval/num_prompts"]
-  rows = distributed.allgather(np.array([n] + [out[k] * n for k in keys], np.float32))
+  rows = distributed.allgather(np.array([n] + [out[k] * (1 if k in counts else n) for k in keys], np.float32))
   total = float(rows[:, 0].sum())
-  return {"eval/num_prompts": int(total), **{k: float(rows[:, 1 + i].sum() / max(total, 1.0))
+  return {"eval/num_prompts": int(total), **{k: float(rows[:, 1 + i].sum() / (1.0 if k in counts else max(total, 1.0)))
                                              for i, k in enumerate(keys)}}
 
 
 def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None,
                  on_step=lambda version: None, on_batch=lambda step, trained, dropped: None,
-                 should_stop=lambda: False, num_steps: int | None = None) -> AsyncRuntime:
+                 should_stop=lambda: False, num_steps: int | None = None,
+                 collapse: collapse_lib.CollapseDetector | None = None,
+                 queue_counts: dict | None = None) -> AsyncRuntime:
   cfg, tok, tracer = parts.cfg, parts.tok, parts.tracer
   params, _ = parts.policy.sampler_weights()
   if cfg.sampler.warmup:  # every decode program compiled now, not in the middle of the run
@@ -342,19 +351,23 @@ def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None,
       RuntimeConfig(num_steps=r.num_steps if num_steps is None else num_steps,
                     prompts_per_step=r.prompts_per_step // n_proc, max_staleness=r.max_staleness,
                     sync_mode=r.sync_mode, reward_workers=r.reward_workers, max_nonfinite_steps=r.max_nonfinite_steps,
-                    wait_timeout_s=r.wait_timeout_s, dynamic_sampling=cfg.algo.dynamic_sampling),
+                    wait_timeout_s=r.wait_timeout_s, dynamic_sampling=cfg.algo.dynamic_sampling,
+                    stop_on_collapse=r.stop_on_collapse),
       driver_factory=driver_factory, learner=parts.policy, score=score, log=log, on_step=on_step,
-      on_batch=on_batch, should_stop=stop)
+      on_batch=on_batch, should_stop=stop, collapse=collapse, queue_counts=queue_counts)
 
 
-def checkpoint_meta(parts: Parts, stream: PromptStream, counters: dict) -> dict[str, Any]:
-  """Everything besides arrays that resuming (and export) needs, as plain JSON."""
+def checkpoint_meta(parts: Parts, stream: PromptStream, counters: dict, queue: dict | None = None) -> dict[str, Any]:
+  """Everything besides arrays that resuming (and export) needs, as plain JSON: the policy version,
+  the data position with the prompts in flight (replayed on resume), the run's counters, the
+  queue's admission counters, and the config it was trained with (checked on resume)."""
   cfg, model_cfg = parts.cfg, parts.policy.learner.model(parts.policy.learner.state).cfg
   # Each process reads its own data shard: keep every process's stream position (in process order).
   streams = distributed.allgather_json(stream.state()) if jax.process_count() > 1 else None
   return json.loads(json.dumps({
       "version": parts.policy.version, "stream": stream.state() if streams is None else streams[0],
       **({"streams": streams} if streams is not None else {}), "counters": counters,
+      **({"queue": queue} if queue is not None else {}),
       "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(model_cfg),
       "lora": ({"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets)}
                if cfg.lora.rank else None),
@@ -362,27 +375,123 @@ def checkpoint_meta(parts: Parts, stream: PromptStream, counters: dict) -> dict[
 
 
 class SetupError(ValueError):
-  """Bad input found while building the run (mesh sizes, model files, data): one clear line."""
+  """Bad input found while building the run (mesh sizes, model files, data, workdir): one clear line."""
 
 
-def _truncate_jsonl(path: str, below_step: int):
-  """Drops records of steps >= below_step (they were lost with the crash and will be redone)."""
-  if not os.path.exists(path):
-    return
-  with open(path, encoding="utf-8") as f:
-    keep = [l for l in f if l.strip() and json.loads(l).get("step", 0) < below_step]
-  with open(path, "w", encoding="utf-8") as f:
-    f.writelines(keep)
+class _Run:
+  """One run's bookkeeping shared by its stages: logs, checkpoints, prompt accounting and evals."""
+
+  def __init__(self, parts: Parts, workdir: str, ckpt: checkpoint_lib.Checkpointer, preemption: Preemption):
+    self.parts, self.cfg, self.workdir, self.ckpt, self.preemption = parts, parts.cfg, workdir, ckpt, preemption
+    self.multi, self.pid = jax.process_count() > 1, jax.process_index()
+    self.dir = local_dir(workdir)  # this process's logs (WORKDIR itself on process 0)
+    self.prompts_log = os.path.join(self.dir, "prompts.jsonl")
+    self.logger: metrics_lib.MetricsLogger | None = None
+    self.counters = {"groups_trained": 0, "groups_dropped": 0, "groups_regenerated": 0}
+    self.stream: PromptStream | None = None
+    self.runtime: AsyncRuntime | None = None
+    self.queue_counts: dict | None = None
+    self.evals: dict[int, float] = {}  # version -> held-out accuracy measured at it
+
+  def open_logs(self, step: int | None):
+    """Logs cut back to checkpoint `step` (None: a fresh start), continued from there."""
+    offset = resume_lib.cut_logs(self.dir, step)
+    cfg = self.cfg
+    self.logger = metrics_lib.MetricsLogger(self.dir, total_steps=cfg.rl.num_steps,
+                                            tensorboard=cfg.log.tensorboard and self.pid == 0,
+                                            progress_bar=cfg.log.progress_bar and self.pid == 0,
+                                            initial_step=step or 0, time_offset_s=offset)
+    self.parts.say = self.preemption.say = self.logger.info
+
+  def close_logs(self):
+    if self.logger is not None:
+      logger, self.logger = self.logger, None
+      logger.close()
+
+  def eval(self) -> float:
+    version = self.parts.policy.version
+    out = evaluate(self.parts)
+    self.logger.write(version, out, advance=False)
+    failures = out.get("eval/reward_failures", 0)
+    self.parts.say(f"eval at step {version}: accuracy {out['eval/accuracy']:.3f} on {out['eval/num_prompts']} "
+                   f"held-out prompts" + (f" ({failures} completions the verifier failed on)" if failures else ""))
+    self.evals[version] = out["eval/accuracy"]
+    return out["eval/accuracy"]
+
+  def save(self, force: bool = False):
+    version = self.parts.policy.version
+    due = force or self.ckpt.should_save(version)
+    if self.multi:  # a save is a collective: the time-based rule must not fire on one host only
+      due = distributed.any_process(due)
+    if due:
+      acc = self.evals.get(version)
+      self.ckpt.save(version, self.parts.policy.learner.state, self.meta(),
+                     metrics=None if acc is None else {"eval/accuracy": acc}, force=True)
+
+  def meta(self) -> dict[str, Any]:
+    if self.runtime is not None:
+      self.queue_counts = self.runtime.queue.counts()
+    return checkpoint_meta(self.parts, self.stream, self.counters, queue=self.queue_counts)
+
+  def on_step(self, version: int):
+    """After every learner step: an eval when due, then a checkpoint when due (in that order, so a
+    checkpoint's eval is in the logs it restores, and is the metric the best checkpoint is kept by)."""
+    every, last = self.cfg.eval.every_steps, self.cfg.rl.num_steps
+    evaluated = bool(every and version % every == 0 and version < last)
+    if evaluated:
+      self.eval()  # the sampler keeps decoding meanwhile; only the learner waits
+    if version < last:  # the last step's checkpoint is saved after the final eval
+      self.save(force=evaluated)  # every evaluated state is saved: it may be the best one to keep
+
+  def on_batch(self, step: int, trained: list, dropped: list):
+    self.stream.done(trained + dropped)
+    self.counters["groups_trained"] += len(trained)
+    self.counters["groups_dropped"] += len(dropped)
+    line = json.dumps({"step": step, "trained": [g.columns["stream_index"] for g in trained],
+                       "dropped": [g.columns["stream_index"] for g in dropped]}) + "\n"
+    try:
+      with open(self.prompts_log, "a", encoding="utf-8") as f:
+        f.write(line)
+    except OSError as e:
+      raise metrics_lib.LogWriteError(f"{self.prompts_log}: prompt log write failed: {e}", e.errno) from e
+
+  def first_eval(self) -> float:
+    evals = [r for r in metrics_lib.read_jsonl(self.logger.path) if "eval/accuracy" in r]
+    return evals[0]["eval/accuracy"] if evals else float("nan")
+
+  def final_eval_done(self) -> bool:
+    """True when the logs kept for this step already hold its final eval (a finished run)."""
+    version = self.parts.policy.version
+    return any(r["step"] == version and "eval/accuracy" in r for r in metrics_lib.read_jsonl(self.logger.path))
 
 
 def run(cfg: Config, workdir: str) -> dict[str, Any]:
-  """Trains (or resumes the run in `workdir`); returns a summary. See the module docstring."""
+  """Trains (or resumes the run in `workdir`); returns a summary. See the module docstring.
+
+  Stages: lock the workdir, build, then either warm start -> eval -> checkpoint at step 0 (a fresh
+  run) or restore the newest checkpoint; then RL -> final eval -> checkpoint. SIGTERM / Ctrl-C at
+  any stage finish the current piece of work, save what can be resumed, and return.
+  """
   try:  # before anything touches a JAX backend (the checkpointer does)
     initialize_distributed(cfg)
   except ValueError as e:
     raise SetupError(str(e)) from e
-  if not is_remote(workdir):
-    os.makedirs(workdir, exist_ok=True)
+  mine = local_dir(workdir)
+  try:
+    if not is_remote(workdir):
+      workdir_lib.prepare(workdir)
+    workdir_lib.prepare(mine)
+    lock = workdir_lib.WorkdirLock(mine).acquire()  # a remote WORKDIR: its local log mirror is locked
+  except workdir_lib.WorkdirError as e:
+    raise SetupError(str(e)) from e
+  try:
+    with Preemption() as preemption:
+      return _run(cfg, workdir, preemption)
+  finally:
+    lock.release()
+
+
+def _run(cfg: Config, workdir: str, preemption: Preemption) -> dict[str, Any]:
   try:  # fails fast on bad meshes, model files or data, before any output (and before orbax's threads)
     parts = build(cfg, workdir)
   except (ValueError, OSError, models.CheckpointError) as e:
@@ -390,106 +499,217 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
   ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), keep=cfg.checkpoint.keep,
                                      save_every_steps=cfg.checkpoint.every_steps,
                                      save_every_seconds=cfg.checkpoint.every_seconds,
-                                     save_frozen=not (cfg.model.hf_path and cfg.lora.rank))
-  latest = ckpt.latest_step()
-  multi, pid = jax.process_count() > 1, jax.process_index()
-  mine = local_dir(workdir)  # this process's logs (WORKDIR itself on process 0)
-  os.makedirs(mine, exist_ok=True)
-  prompts_log = os.path.join(mine, "prompts.jsonl")
-  logger = metrics_lib.MetricsLogger(mine, total_steps=cfg.rl.num_steps, tensorboard=cfg.log.tensorboard and pid == 0,
-                                     progress_bar=cfg.log.progress_bar and pid == 0, initial_step=latest or 0)
-  say = parts.say = logger.info
-  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(parts.model, nnx.Param)))
-  say(f"tunixlike: task {cfg.data.task}, {n_params:,} params, sampler {dict(parts.meshes.sampler.shape)}, "
-      f"learner {dict(parts.meshes.learner.shape)}")
-  if latest is None and cfg.warm_start.max_steps:
-    logger.write(0, warm_start(parts), advance=False)
-  build_rl(parts)
-
-  def run_eval() -> float:
-    out = evaluate(parts)
-    logger.write(parts.policy.version, out, advance=False)
-    say(f"eval at step {parts.policy.version}: accuracy {out['eval/accuracy']:.3f} on "
-        f"{out['eval/num_prompts']} held-out prompts")
-    return out["eval/accuracy"]
-
-  counters = {"groups_trained": 0, "groups_dropped": 0, "groups_regenerated": 0}
-  if latest is None:
-    acc_before = run_eval()
-    stream = PromptStream(parts.train_pipe)
-  else:
-    learner = parts.policy.learner
-    # step=None: the newest *readable* checkpoint (a damaged newest one falls back, with a warning).
-    learner.state, meta = ckpt.restore(abstract_state=learner.state)
-    parts.policy.version = latest = meta["version"]
-    _truncate_jsonl(prompts_log, latest)
-    counters.update(meta["counters"])
-    streams = meta.get("streams", [meta["stream"]])  # one per process (each reads its own data shard)
-    if len(streams) != jax.process_count():
-      raise SetupError(f"{ckpt.step_dir(latest)} was saved by {len(streams)} processes; resuming needs the same "
-                       f"number, not {jax.process_count()}")
-    mine_stream = streams[pid]
-    stream = PromptStream(parts.train_pipe, mine_stream["position"], replay=mine_stream["outstanding"])
-    counters["groups_regenerated"] += stream.replayed
-    first_eval = [r for r in metrics_lib.read_jsonl(logger.path) if "eval/accuracy" in r][:1]
-    acc_before = first_eval[0]["eval/accuracy"] if first_eval else float("nan")
-    say(f"resumed from {ckpt.step_dir(latest)} at step {latest}; regenerating {stream.replayed} prompts that "
-        "were in flight")
-
-  def save(force: bool = False):
-    version = parts.policy.version
-    due = force or ckpt.should_save(version)
-    if multi:  # a save is a collective: the time-based rule must not fire on one host only
-      due = distributed.any_process(due)
-    if due:
-      ckpt.save(version, parts.policy.learner.state, checkpoint_meta(parts, stream, counters), force=True)
-
-  def on_step(version: int):
-    save()
-    every = cfg.eval.every_steps
-    if every and version % every == 0 and version < cfg.rl.num_steps:
-      run_eval()  # the sampler keeps decoding meanwhile; only the learner waits
-
-  def on_batch(step: int, trained: list, dropped: list):
-    stream.done(trained + dropped)
-    counters["groups_trained"] += len(trained)
-    counters["groups_dropped"] += len(dropped)
-    with open(prompts_log, "a", encoding="utf-8") as f:
-      f.write(json.dumps({"step": step, "trained": [g.columns["stream_index"] for g in trained],
-                          "dropped": [g.columns["stream_index"] for g in dropped]}) + "\n")
-
+                                     save_frozen=not (cfg.model.hf_path and cfg.lora.rank),
+                                     best_metric="eval/accuracy")
+  r = _Run(parts, workdir, ckpt, preemption)
+  closers = [ckpt.close] + ([parts.process_scorer.close] if parts.process_scorer is not None else [])
   try:
-    with Preemption(say) as preemption:
-      runtime = make_runtime(parts, stream, log=logger.write, on_step=on_step, on_batch=on_batch,
-                             should_stop=lambda: preemption.requested,
-                             num_steps=max(cfg.rl.num_steps - parts.policy.version, 0))
-      try:
-        summary = runtime.run()
-      except BaseException:
-        if multi:  # a save needs every process, and the others may be gone: rely on periodic saves
-          say(f"run failed on process {pid}; not saving (a multi-process save needs every process)")
-        else:
-          say("run failed: saving the last good learner state before re-raising")
-          save(force=True)
-        raise
-    if runtime.preempted:
-      save(force=True)
-      ckpt.close()
-      say(f"stopped at step {parts.policy.version}; checkpoint saved; run again with the same --workdir to resume")
-      logger.close()
-      upload_logs(workdir, say)
-      return {**summary, "preempted": True, "step": parts.policy.version}
-    save(force=True)
-  finally:
-    ckpt.close()
+    result = _stages(r)
+  except BaseException:
+    _quietly(r.close_logs, parts.tracer.close, *closers)  # the run's own error is the one to report
+    raise
+  for close in closers:
+    close()
+  return result
+
+
+def _stages(r: _Run) -> dict[str, Any]:
+  cfg, parts = r.cfg, r.parts
+  latest = r.ckpt.latest_step()
+  if latest is not None:
+    _check_resumable(r, _readable_meta(r.ckpt, latest), latest)  # before the slow part of a refused restart
+  if not (_start_fresh(r) if latest is None else _restore(r)):
     parts.tracer.close()
-    if parts.process_scorer is not None:
-      parts.process_scorer.close()  # idle PRM workers exit; the final eval scores no process rewards
-  acc_after = run_eval()
+    return {"preempted": True, "step": 0}
+  if parts.policy.version >= cfg.rl.num_steps and r.final_eval_done():
+    parts.say(f"the run in {r.workdir} is finished (step {parts.policy.version}); nothing to do")
+    return _finish(r, r.evals.get(parts.policy.version, float("nan")))
+  summary = _rl(r)
+  if summary.get("preempted"):
+    return summary
+  try:
+    acc_after = r.eval()
+  finally:  # with the final eval as its metric, or without it if the eval failed
+    r.save(force=True)
+  r.ckpt.wait()
+  return {**summary, **_finish(r, acc_after)}
+
+
+def _start_fresh(r: _Run) -> bool:
+  """Warm start, build the learner, the first eval, and a checkpoint at step 0 that keeps both.
+  Returns False when a preemption stopped the warm start (nothing worth resuming yet)."""
+  cfg, parts = r.cfg, r.parts
+  r.open_logs(None)
+  _announce(r)
+  paused = None
+  if cfg.warm_start.max_steps:
+    paused = checkpoint_lib.Checkpointer(os.path.join(r.workdir, WARM_START_SUBDIR), keep=1)
+    try:
+      optimizer = warm_start_lib.make_optimizer(parts.model, cfg.warm_start)
+      start = _resume_warm_start(r, paused, optimizer)
+      summary = warm_start(parts, should_stop=lambda: r.preemption.requested, optimizer=optimizer, start_step=start)
+      if summary["warm_start/interrupted"]:
+        step = summary["warm_start/steps"]
+        paused.save(step, _warm_start_state(parts.model, optimizer), {"config": dataclasses.asdict(cfg)}, force=True)
+        parts.say(f"stopped during the warm start at step {step}; saved it: the next run with this --workdir "
+                  "continues it")
+        r.close_logs()
+        return False
+    finally:
+      paused.close()
+    r.logger.write(0, summary, advance=False)
+  build_rl(parts)
+  r.stream = PromptStream(parts.train_pipe)
+  r.eval()
+  r.save(force=True)  # the warm start and the first eval are never redone
+  if paused is not None:
+    r.ckpt.wait()
+    epath.Path(paused.directory).rmtree(missing_ok=True)  # the step-0 checkpoint holds the finished warm start
+  return True
+
+
+WARM_START_SUBDIR = "warm_start"  # WORKDIR/warm_start: an interrupted warm start, until step 0 is saved
+
+
+def _warm_start_state(model, optimizer) -> dict:
+  return {"params": nnx.state(model, nnx.Param), "optimizer": nnx.state(optimizer)}
+
+
+def _resume_warm_start(r: _Run, paused: checkpoint_lib.Checkpointer, optimizer) -> int:
+  """Restores an interrupted warm start into the model and its optimizer; returns its step (0: none)."""
+  step = paused.latest_step()
+  if step is None:
+    return 0
+  _check_resumable(r, _readable_meta(paused, step), step)
+  # Arrays not yet placed (the optimizer's step count) come back replicated on the learner mesh,
+  # where the jitted warm-start step can use them with the model's shards.
+  replicated = NamedSharding(r.parts.meshes.learner, PartitionSpec())
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed
+                                                       else replicated), _warm_start_state(r.parts.model, optimizer))
+  state, _ = paused.restore(abstract_state=target)
+  nnx.update(r.parts.model, state["params"])
+  nnx.update(optimizer, state["optimizer"])
+  r.parts.say(f"continuing the warm start from step {step} ({paused.step_dir(step)})")
+  return step
+
+
+def _restore(r: _Run) -> bool:
+  parts = r.parts
+  build_rl(parts)
+  learner = parts.policy.learner
+  # step=None: the newest *readable* checkpoint (a damaged newest one falls back, with a warning).
+  learner.state, meta = r.ckpt.restore(abstract_state=learner.state)
+  version = meta["version"]
+  where = r.ckpt.step_dir(version)
+  model_cfg = json.loads(json.dumps(dataclasses.asdict(learner.model(learner.state).cfg)))
+  _check_resumable(r, meta, version, model_cfg)
+  parts.policy.version = version
+  r.open_logs(version)
+  _announce(r)
+  r.counters.update(meta["counters"])
+  r.queue_counts = meta.get("queue")
+  streams = meta.get("streams", [meta["stream"]])  # one per process (each reads its own data shard)
+  if len(streams) != jax.process_count():
+    raise SetupError(f"{where} was saved by {len(streams)} processes; resuming needs the same number, not "
+                     f"{jax.process_count()}")
+  mine = streams[r.pid]
+  r.stream = PromptStream(parts.train_pipe, mine["position"], replay=mine["outstanding"])
+  r.counters["groups_regenerated"] += r.stream.replayed
+  for rec in metrics_lib.read_jsonl(r.logger.path):
+    if "eval/accuracy" in rec:
+      r.evals[rec["step"]] = rec["eval/accuracy"]
+  parts.say(f"resumed from {where} at step {version}; regenerating {r.stream.replayed} prompts that were in flight")
+  return True
+
+
+def _quietly(*closers):
+  """Runs every closer; their own failures are logged, not raised (an error is already on its way)."""
+  for close in closers:
+    try:
+      close()
+    except Exception as e:
+      log.warning(f"while stopping: {type(e).__name__}: {e}")
+
+
+def _readable_meta(ckpt: checkpoint_lib.Checkpointer, step: int) -> dict | None:
+  try:
+    return ckpt.read_meta(step)
+  except checkpoint_lib.CheckpointError:
+    return None  # a damaged checkpoint: the restore falls back to an older one and checks that
+
+
+def _check_resumable(r: _Run, meta: dict | None, step: int, model_cfg: dict | None = None):
+  """A restart whose config would change what checkpoint `step` was trained with is refused."""
+  if meta is None:
+    return
+  try:
+    resume_lib.check_compatible(meta, r.cfg, model_cfg or {}, r.ckpt.step_dir(step))
+  except resume_lib.IncompatibleResume as e:
+    raise SetupError(str(e)) from e
+
+
+def _announce(r: _Run):
+  parts = r.parts
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(parts.model, nnx.Param)))
+  parts.say(f"tunixlike: task {r.cfg.data.task}, {n_params:,} params, sampler {dict(parts.meshes.sampler.shape)}, "
+            f"learner {dict(parts.meshes.learner.shape)}")
+
+
+def _rl(r: _Run) -> dict[str, Any]:
+  """The async RL loop from the current version to rl.num_steps, checkpointed at its end."""
+  cfg, parts = r.cfg, r.parts
+  if r.preemption.requested:  # stopped during the first eval: the step-0 checkpoint has it
+    return _stopped(r, {})
+  collapse = collapse_lib.CollapseDetector(collapse_lib.CollapseConfig(
+      vocab_size=parts.policy.learner.model(parts.policy.learner.state).cfg.vocab_size,
+      entropy_frac=cfg.rl.collapse_entropy_frac, spike_factor=cfg.rl.collapse_spike_factor))
+  r.runtime = make_runtime(parts, r.stream, log=r.logger.write, on_step=r.on_step, on_batch=r.on_batch,
+                           should_stop=lambda: r.preemption.requested,
+                           num_steps=max(cfg.rl.num_steps - parts.policy.version, 0), collapse=collapse,
+                           queue_counts=r.queue_counts)
+  try:
+    summary = r.runtime.run()
+  except collapse_lib.PolicyCollapse:
+    best = r.ckpt.best_step()
+    parts.say("policy collapsed: the collapsed state is not saved; "
+              + (f"the best checkpoint is {r.ckpt.step_dir(best)}" if best is not None else "no eval checkpoint yet"))
+    raise
+  except BaseException:
+    if r.multi:  # a save needs every process, and the others may be gone: rely on periodic saves
+      parts.say(f"run failed on process {r.pid}; not saving (a multi-process save needs every process)")
+    else:
+      parts.say("run failed: saving the last good learner state before re-raising")
+      try:
+        r.save(force=True)
+        r.ckpt.wait()
+      except Exception as e:  # e.g. the same full disk: report it, but re-raise the run's own error
+        parts.say(f"the checkpoint could not be saved either ({type(e).__name__}: {e})")
+    raise
+  if r.runtime.preempted:
+    return _stopped(r, summary)
+  return summary
+
+
+def _stopped(r: _Run, summary: dict) -> dict[str, Any]:
+  r.save(force=True)
+  r.ckpt.wait()
+  r.parts.say(f"stopped at step {r.parts.policy.version}; checkpoint saved; run again with the same --workdir "
+              "to resume")
+  r.parts.tracer.close()
+  r.close_logs()
+  upload_logs(r.workdir, r.parts.say)
+  return {**summary, "preempted": True, "step": r.parts.policy.version}
+
+
+def _finish(r: _Run, acc_after: float) -> dict[str, Any]:
+  acc_before = r.first_eval()
+  say = r.parts.say
+  path, elapsed_s = r.logger.path, r.logger.elapsed_s
   say(f"held-out accuracy {acc_before:.3f} -> {acc_after:.3f} ({100 * (acc_after - acc_before):+.1f} points) "
-      f"in {logger.elapsed_s:.0f} s; metrics in {logger.path}")
-  logger.close()
-  plot = metrics_lib.plot(logger.path, os.path.join(mine, "reward.png")) if pid == 0 else None
-  upload_logs(workdir, say)
-  return {**summary, "eval/accuracy_before": acc_before, "eval/accuracy_after": acc_after, "plot": plot,
-          "wall_s_total": logger.elapsed_s, **counters}
+      f"in {elapsed_s:.0f} s; metrics in {path}")
+  r.parts.tracer.close()
+  r.close_logs()
+  plot = metrics_lib.plot(path, os.path.join(r.dir, "reward.png")) if r.pid == 0 else None
+  upload_logs(r.workdir, say)
+  return {"eval/accuracy_before": acc_before, "eval/accuracy_after": acc_after, "plot": plot,
+          "wall_s_total": elapsed_s, **r.counters}

@@ -65,20 +65,41 @@ def _exact_match(model, tokens_bt, mask_bt):
 
 
 def teacher_forced_accuracy(model, tokens: np.ndarray, mask: np.ndarray, sharding=None) -> float:
-  put = (lambda x: jax.device_put(x, sharding)) if sharding is not None else jnp.asarray
-  return float(jnp.mean(_exact_match(model, put(tokens), put(mask))))
+  """Exact-match rate over the rows. Sharded, the rows are padded to a multiple of the devices with
+  rows that count for nothing, so a held-out set of any size fits any mesh."""
+  if sharding is None:
+    return float(jnp.mean(_exact_match(model, jnp.asarray(tokens), jnp.asarray(mask))))
+  n = len(tokens)
+  pad = -n % len(sharding.device_set)
+  real = np.arange(n + pad) < n
+  tokens, mask = (np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]) for x in (tokens, mask))
+  put = lambda x: jax.device_put(x, sharding)
+  return float(jnp.sum(_exact_match(model, put(tokens), put(mask)) & put(real)) / n)
+
+
+def make_optimizer(model, cfg: WarmStartSection) -> nnx.Optimizer:
+  return nnx.Optimizer(model, optax.adam(cfg.learning_rate), wrt=nnx.Param)
 
 
 def warm_start(model, records: Iterator[dict], held_out: Sequence[dict], tokenizer: Tokenizer,
                cfg: WarmStartSection, *, mesh: jax.sharding.Mesh | None = None, length: int = 32,
-               log: Callable[[str], None] = print) -> dict[str, float]:
-  """Trains `model` in place until held-out accuracy >= target or max_steps. Returns a summary."""
+               log: Callable[[str], None] = print, should_stop: Callable[[], bool] = lambda: False,
+               optimizer: nnx.Optimizer | None = None, start_step: int = 0) -> dict[str, float]:
+  """Trains `model` in place until held-out accuracy >= target or max_steps. Returns a summary;
+  `warm_start/interrupted` is 1 when `should_stop()` (a preemption) ended it early.
+
+  An interrupted warm start continues from `start_step` with its `optimizer` (and `records`
+  positioned after the batches already used)."""
   sharding = NamedSharding(mesh, P("fsdp")) if mesh is not None else None
   put = (lambda x: jax.device_put(x, sharding)) if sharding is not None else jnp.asarray
-  optimizer = nnx.Optimizer(model, optax.adam(cfg.learning_rate), wrt=nnx.Param)
+  optimizer = optimizer or make_optimizer(model, cfg)
   eval_tokens, eval_mask = encode_pairs(held_out, tokenizer, length)
-  accuracy, step, loss = teacher_forced_accuracy(model, eval_tokens, eval_mask, sharding), 0, float("nan")
+  accuracy, step, loss = teacher_forced_accuracy(model, eval_tokens, eval_mask, sharding), start_step, float("nan")
+  interrupted = False
   while step < cfg.max_steps and accuracy < cfg.target_accuracy:
+    if should_stop():
+      interrupted = True
+      break
     batch = [next(records) for _ in range(cfg.batch_size)]
     tokens, mask = encode_pairs(batch, tokenizer, length)
     loss = float(_train_step(model, optimizer, put(tokens), put(mask)))
@@ -86,4 +107,5 @@ def warm_start(model, records: Iterator[dict], held_out: Sequence[dict], tokeniz
     if step % cfg.eval_every == 0 or step == cfg.max_steps:
       accuracy = teacher_forced_accuracy(model, eval_tokens, eval_mask, sharding)
       log(f"warm start step {step}: loss {loss:.3f}, held-out accuracy {accuracy:.3f}")
-  return {"warm_start/steps": step, "warm_start/loss": loss, "warm_start/accuracy": accuracy}
+  return {"warm_start/steps": step, "warm_start/loss": loss, "warm_start/accuracy": accuracy,
+          "warm_start/interrupted": int(interrupted)}

@@ -1,0 +1,83 @@
+"""What a resumed run must agree on with its checkpoint, and the logs cut back to the restored step.
+
+A checkpoint's meta keeps the whole config it was trained with. A restart compares its own config
+key by key; any difference outside `RESUMABLE` (model shapes, task and data, algorithm, optimizer,
+sampling, seed) would silently train another experiment on the old weights and data position, so
+it is refused with the list of what changed. `RESUMABLE` holds what only decides how long, how
+fast, or how visibly the run goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+from tunixlike import metrics as metrics_lib
+
+# Keys (or whole sections, ending in ".") a resume may change.
+RESUMABLE = (
+    "rl.num_steps",  # run longer (a cosine schedule stretches to the new end)
+    "rl.wait_timeout_s", "rl.reward_workers", "rl.reward_timeout_s", "rl.max_nonfinite_steps",
+    "rl.stop_on_collapse", "rl.collapse_entropy_frac", "rl.collapse_spike_factor",
+    "data.num_eval_examples", "eval.",
+    "warm_start.max_steps", "warm_start.target_accuracy", "warm_start.eval_every",  # when it stops, not how it trains
+    "sampler.warmup", "sampler.steps_per_call", "sampler.max_concurrent_decodes", "sampler.attend_bucket",
+    "sampler.slot_groups",  # decode performance only: same distribution, same per-token records
+    "mesh.", "distributed.",  # checkpoints restore onto any device layout
+    "log.", "checkpoint.",
+)
+
+
+class IncompatibleResume(ValueError):
+  """The workdir's checkpoint was trained with settings this run would change."""
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, Mapping):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+  return out
+
+
+def _resumable(key: str) -> bool:
+  return any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE)
+
+
+def config_changes(saved: Mapping[str, Any], current) -> list[str]:
+  """`key: saved -> current` for every non-resumable key that differs. Keys only one side knows
+  (a config of another tunixlike version) are not compared."""
+  now = _flat(dataclasses.asdict(current) if dataclasses.is_dataclass(current) else current)
+  then = _flat(saved)
+  return [f"{k}: {then[k]!r} -> {now[k]!r}" for k in sorted(then.keys() & now.keys())
+          if then[k] != now[k] and not _resumable(k)]
+
+
+def check_compatible(meta: Mapping[str, Any], cfg, model_cfg: Mapping[str, Any], where: str) -> None:
+  """Raises IncompatibleResume naming every changed key (config and model shapes)."""
+  changes = config_changes(meta.get("config", {}), cfg)
+  saved_model = meta.get("model", {})
+  changes += [f"model shape {k}: {saved_model[k]!r} -> {model_cfg[k]!r}" for k in sorted(saved_model.keys()
+              & model_cfg.keys()) if saved_model[k] != model_cfg[k] and f"model.{k}" not in " ".join(changes)]
+  if changes:
+    raise IncompatibleResume(
+        f"{where} was trained with other settings; resuming would change {'; '.join(changes)}. Use a new --workdir, "
+        "or restore those keys (a resume may change only: " + ", ".join(r.rstrip(".") for r in RESUMABLE) + ")")
+
+
+def cut_logs(directory: str, step: int | None) -> float:
+  """Cuts metrics.jsonl and prompts.jsonl back to what checkpoint `step` holds (None: no checkpoint,
+  nothing is kept); returns the wall-clock time (time_s) the run had reached, so time continues.
+
+  Kept: every record of a step < `step` (those trained batches are in the checkpoint), and the
+  non-training records of `step` itself (warm start, evals), which are written before that step's
+  checkpoint is saved.
+  """
+  metrics_path = os.path.join(directory, "metrics.jsonl")
+  below = -1 if step is None else step
+  metrics_lib.truncate_jsonl(metrics_path, below, keep=lambda r: r["step"] == step and "loss" not in r)
+  metrics_lib.truncate_jsonl(os.path.join(directory, "prompts.jsonl"), below)
+  return metrics_lib.last_time_s(metrics_path)
