@@ -17,15 +17,15 @@ fails with the parameter path and both shapes rather than an opaque tensorstore 
 
 Content check: orbax (0.12) keeps no checksum of the array data and offers no option for one
 (flipped bytes load as garbage values), so each step directory gets a `digest.json`, the SHA-256
-of every file in it. It can only
-be computed once the background save has finished, so it is written (by process 0) when the next
-save starts, at `wait()` and at `close()`. `restore` hashes the files again first; a file that
+of every file in it. It can only be computed once the background save has finished, so process 0
+writes it when the next save starts (on a thread of its own, off the learner's path), and at
+`wait()` and `close()`. `restore` hashes the files again first; a file that
 changed or went missing makes the checkpoint unreadable, and restore(step=None) falls back to the
 next older one, as it does when orbax cannot read a file. A checkpoint without a digest (the
 process was killed between the save and the next save/wait/close, or it was written by an older
 version of this module) is restored unverified, with a warning: rejecting it would throw away the
-newest state of every run stopped by SIGKILL. The check costs one extra read of the checkpoint at
-the next save (process 0) and one at each restore (every process). Any changed byte fails it, also
+newest state of every run stopped by SIGKILL. The check costs one extra read of each checkpoint in
+the background (process 0) and one at each restore (every process). Any changed byte fails it, also
 in bytes orbax would not read.
 
 Rotation is orbax's preservation policy: the latest `keep` checkpoints, plus (with `best_metric`)
@@ -192,6 +192,9 @@ class Checkpointer:
     self._last_save_time = clock()
     self._last_saved_step: int | None = None
     self._undigested: int | None = None  # the step whose save is in flight: its digest comes after
+    # Digests are written on their own thread: hashing a large checkpoint must not stall the next save.
+    self._digester = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint_digest")
+    self._digesting: concurrent.futures.Future | None = None
     self._manager: ocp.CheckpointManager | None = None
     if read_only and not epath.Path(self.directory).is_dir():
       return  # nothing to read; latest_step() is None
@@ -279,8 +282,8 @@ class Checkpointer:
       warning; without a finite best_metric the checkpoint is never kept as the best.
     Returns False without saving when the step is not due (`should_save`, unless force=True) or
     already saved. Returns once the arrays are copied off the devices: the caller may donate them.
-    Waits for the previous save first and writes its digest. A background write error surfaces at
-    the next `save`, `wait` or `close`.
+    Waits for the previous save first and hands its digest to a background thread. A background
+    write error surfaces at the next `save`, `wait` or `close`.
     """
     if self._manager is None or self.read_only:
       raise CheckpointError(f"{self.directory}: checkpointer is read-only")
@@ -295,7 +298,7 @@ class Checkpointer:
     if step in self._manager.all_steps():
       log.info(f"checkpoint: step {step} is already saved in {self.directory}")
       return False
-    self._finish_pending()
+    self._finish_pending(digest_now=False)
     if not self.save_frozen:
       state = _set_frozen(state, None)
     layout = {"format": FORMAT, "frozen_saved": self.save_frozen}
@@ -333,8 +336,9 @@ class Checkpointer:
                        f"{sorted(metrics)}: pass it, or metrics=None for a checkpoint never kept as the best")
     return clean if self.best_metric in clean else None
 
-  def _finish_pending(self) -> None:
-    """Waits for the save in flight, then writes its digest (process 0)."""
+  def _finish_pending(self, digest_now: bool = True) -> None:
+    """Waits for the save in flight, then has its digest written (process 0), in the background
+    unless `digest_now`."""
     step, self._undigested = self._undigested, None
     try:
       self._manager.wait_until_finished()
@@ -342,7 +346,12 @@ class Checkpointer:
       raise CheckpointError(f"{self.directory}: background checkpoint save failed "
                             f"({type(e).__name__}: {e})") from e
     if step is not None and jax.process_index() == 0:
-      self._write_digest(step)
+      if self._digesting is not None:
+        self._digesting.result()  # one at a time, in step order
+      self._digesting = self._digester.submit(self._write_digest, step)
+    if digest_now and self._digesting is not None:
+      self._digesting.result()  # _write_digest never raises: a failure leaves the step unverified
+      self._digesting = None
 
   def _write_digest(self, step: int) -> None:
     root = epath.Path(self.step_dir(step))
@@ -371,6 +380,7 @@ class Checkpointer:
       finally:
         self._manager.close()
         self._manager = None
+        self._digester.shutdown(wait=True)
 
   # ---- restoring
   def read_meta(self, step: int | None = None) -> dict:

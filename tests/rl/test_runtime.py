@@ -173,3 +173,17 @@ def test_a_collapsed_policy_is_flagged_and_stops_the_run():
   with pytest.raises(PolicyCollapse, match=r"policy collapse at step 1: token entropy .* ln V"):
     runtime.run(threaded=True)
   assert [(s, m["collapse"]) for s, m in records] == [(0, 0.0), (1, 1.0)]
+
+
+@rewards.registry.register("raising_for_tests")
+def _raising(prompts, completions, **columns):
+  raise RuntimeError("verifier down")
+
+
+@pytest.mark.slow
+def test_eval_counts_the_completions_its_verifier_failed_on():
+  """A verifier that always raises is not a policy at 0% accuracy: the eval record says so."""
+  parts = trainer.build_rl(trainer.build(tiny_config()))
+  parts.correctness = rewards.CombinedReward(["raising_for_tests"])
+  out = trainer.evaluate(parts)
+  assert out["eval/accuracy"] == 0.0 and out["eval/reward_failures"] == out["eval/num_prompts"] == 16
