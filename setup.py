@@ -10,6 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["tunixlike", "tunixlike.*"]),
+    package_data={"tunixlike.data": ["gsm8k/*.jsonl", "gsm8k/LICENSE"]},  # GSM8K (MIT), openai/grade-school-math
     install_requires=[
         # The JAX stack's APIs move fast: versions pinned to what the code is tested with.
         "jax==0.10.2",

@@ -43,7 +43,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Data: a built-in task or a local dataset.
   c.data = d = ml_collections.ConfigDict()
   d.task = "addition"  # built-in task: addition | reverse | gsm8k
-  d.path = placeholder(str)  # gsm8k: the directory with train.jsonl and test.jsonl (other tasks read none)
+  d.path = placeholder(str)  # gsm8k: a directory with train.jsonl and test.jsonl (None: the copy shipped with tunixlike)
   d.digits = 3  # addition: operand digits (difficulty)
   d.max_prompt_length = 64  # longer prompts are filtered out and counted
   d.shuffle_seed = 0  # order of the training prompts (reshuffled every epoch)

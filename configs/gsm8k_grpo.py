@@ -2,7 +2,7 @@
 
 Run (TPU/GPU):
   python -m tunixlike.train --config configs/gsm8k_grpo.py \
-      --config.model.hf_path=/path/to/Qwen2.5-0.5B-Instruct --config.data.path=../shared/data/gsm8k \
+      --config.model.hf_path=/path/to/Qwen2.5-0.5B-Instruct \
       --workdir runs/gsm8k
 Variant `:size=tiny` runs on CPU in the tests with a tiny random checkpoint they create.
 """

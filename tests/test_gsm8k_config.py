@@ -1,4 +1,5 @@
-"""configs/gsm8k_grpo.py:size=tiny end to end: a tiny random HF checkpoint (LoRA on), local GSM8K."""
+"""configs/gsm8k_grpo.py:size=tiny end to end: a tiny random HF checkpoint (LoRA on), the GSM8K shipped
+with the package."""
 
 import json
 import os
@@ -11,7 +12,6 @@ from tunixlike.data import char_tokenizer
 from tunixlike.models import testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k")
 
 
 @pytest.mark.slow
@@ -23,7 +23,7 @@ def test_gsm8k_tiny_runs_with_lora_from_a_local_hf_checkpoint(tmp_path):
   workdir = tmp_path / "run"
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   out = subprocess.run([sys.executable, "-m", "tunixlike.train", "--config", "configs/gsm8k_grpo.py:size=tiny",
-                        f"--config.model.hf_path={ckpt}", f"--config.data.path={GSM8K}",
+                        f"--config.model.hf_path={ckpt}",
                         "--config.log.progress_bar=false", f"--workdir={workdir}"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]

@@ -97,8 +97,6 @@ class DataSection:
   def __post_init__(self):
     _one_of(self, "data", "task", TASKS)
     _positive(self, "data", "digits", "max_prompt_length", "num_eval_examples")
-    _check(self.task != "gsm8k" or self.path is not None, "data.path", self.path,
-           "gsm8k needs the directory holding train.jsonl and test.jsonl")
     _check(self.task == "gsm8k" or self.path is None, "data.path", self.path,
            f"is only read by data.task='gsm8k' (data.task={self.task!r} generates its own data)")
 
@@ -468,7 +466,7 @@ def check_paths(config: Config):
   for key, path in (("model.critic_path", m.critic_path), ("model.teacher_path", m.teacher_path)):
     if path is not None:
       _check_dir(key, path, _HF_FILES)
-  if config.data.task == "gsm8k":
+  if config.data.task == "gsm8k" and config.data.path is not None:  # None: the copy shipped with the package
     _check_dir("data.path", config.data.path, _GSM8K_FILES)
 
 

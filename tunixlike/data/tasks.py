@@ -129,11 +129,16 @@ def gsm8k_final_answer(solution: str) -> str:
   return solution.rsplit("####", 1)[1].strip().replace(",", "")
 
 
+# openai/grade-school-math (MIT licence, in the same directory), shipped with the package.
+GSM8K_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gsm8k")
+
+
 @dataclasses.dataclass(frozen=True)
 class Gsm8kTask:
-  """GSM8K from `{path}/{split}.jsonl` (lines of {"question", "answer"}) as in openai/grade-school-math."""
+  """GSM8K from `{path}/{split}.jsonl` (lines of {"question", "answer"}) as in openai/grade-school-math;
+  by default the copy shipped with the package."""
 
-  path: str
+  path: str = GSM8K_DIR
   name: ClassVar[str] = "gsm8k"
   prompt_template: ClassVar[str] = GSM8K_TEMPLATE
   default_rewards: ClassVar[tuple[str, ...]] = ("gsm8k_accuracy", "answer_format")
@@ -164,7 +169,7 @@ TASKS: dict[str, Any] = {"addition": AdditionTask, "reverse": ReverseTask, "gsm8
 
 
 def get(name: str, **kwargs):
-  """Builds a task by name, e.g. `get("addition", digits=4)` or `get("gsm8k", path=...)`."""
+  """Builds a task by name, e.g. `get("addition", digits=4)`, `get("gsm8k")` or `get("gsm8k", path=...)`."""
   if name not in TASKS:
     raise ValueError(f"unknown task {name!r}; known: {sorted(TASKS)}")
   return TASKS[name](**kwargs)

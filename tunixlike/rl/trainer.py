@@ -64,7 +64,7 @@ def build_task(cfg: Config):
     tok = char_tokenizer.build()
   kwargs = {"digits": cfg.data.digits} if cfg.data.task == "addition" else {}
   if cfg.data.task == "gsm8k":
-    kwargs = {"path": cfg.data.path}
+    kwargs = {} if cfg.data.path is None else {"path": cfg.data.path}
   return tok, tasks.get(cfg.data.task, **kwargs)
 
 
@@ -403,6 +403,11 @@ class _Run:
                                             initial_step=step or 0, time_offset_s=offset)
     self.parts.say = self.preemption.say = self.logger.info
 
+  def stop_requested(self) -> bool:
+    """A preemption seen by any process (a signal reaches the hosts at different times)."""
+    requested = self.preemption.requested
+    return distributed.any_process(requested) if self.multi else requested
+
   def close_logs(self):
     if self.logger is not None:
       logger, self.logger = self.logger, None
@@ -547,7 +552,7 @@ def _start_fresh(r: _Run) -> bool:
     try:
       optimizer = warm_start_lib.make_optimizer(parts.model, cfg.warm_start)
       start = _resume_warm_start(r, paused, optimizer)
-      summary = warm_start(parts, should_stop=lambda: r.preemption.requested, optimizer=optimizer, start_step=start)
+      summary = warm_start(parts, should_stop=r.stop_requested, optimizer=optimizer, start_step=start)
       if summary["warm_start/interrupted"]:
         step = summary["warm_start/steps"]
         paused.save(step, _warm_start_state(parts.model, optimizer), {"config": dataclasses.asdict(cfg)}, force=True)
@@ -562,7 +567,7 @@ def _start_fresh(r: _Run) -> bool:
   r.stream = PromptStream(parts.train_pipe)
   r.eval()
   r.save(force=True)  # the warm start and the first eval are never redone
-  if paused is not None:
+  if paused is not None and r.pid == 0:
     r.ckpt.wait()
     epath.Path(paused.directory).rmtree(missing_ok=True)  # the step-0 checkpoint holds the finished warm start
   return True
@@ -656,15 +661,15 @@ def _announce(r: _Run):
 
 
 def _rl(r: _Run) -> dict[str, Any]:
-  """The async RL loop from the current version to rl.num_steps, checkpointed at its end."""
+  """The async RL loop from the current version to rl.num_steps (checkpointed when it is stopped)."""
   cfg, parts = r.cfg, r.parts
-  if r.preemption.requested:  # stopped during the first eval: the step-0 checkpoint has it
+  if r.stop_requested():  # stopped during the first eval: the step-0 checkpoint has it
     return _stopped(r, {})
   collapse = collapse_lib.CollapseDetector(collapse_lib.CollapseConfig(
       vocab_size=parts.policy.learner.model(parts.policy.learner.state).cfg.vocab_size,
       entropy_frac=cfg.rl.collapse_entropy_frac, spike_factor=cfg.rl.collapse_spike_factor))
   r.runtime = make_runtime(parts, r.stream, log=r.logger.write, on_step=r.on_step, on_batch=r.on_batch,
-                           should_stop=lambda: r.preemption.requested,
+                           should_stop=lambda: r.preemption.requested,  # agreed on by make_runtime
                            num_steps=max(cfg.rl.num_steps - parts.policy.version, 0), collapse=collapse,
                            queue_counts=r.queue_counts)
   try:
