@@ -1,8 +1,8 @@
 import pytest
 
-from tunixlike.data import char_tokenizer
+from tunixlike.data import char_tokenizer, tasks
 
-GSM8K_DIR = "/work/shared/data/gsm8k"
+GSM8K_DIR = tasks.GSM8K_DIR  # shipped with the package
 
 
 @pytest.fixture(scope="module")

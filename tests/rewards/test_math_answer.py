@@ -1,10 +1,12 @@
 import json
+import os
 
 import pytest
 
+from tunixlike.data import tasks
 from tunixlike.rewards import math_answer
 
-GSM8K_TEST = "/work/shared/data/gsm8k/test.jsonl"
+GSM8K_TEST = os.path.join(tasks.GSM8K_DIR, "test.jsonl")  # shipped with the package
 
 
 @pytest.mark.parametrize("text, expected", [
