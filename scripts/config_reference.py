@@ -1,9 +1,9 @@
 """Prints the config reference (every key of configs/base.py, its default and its comment) as Markdown.
 
   python scripts/config_reference.py            # print the table
-  python scripts/config_reference.py --check README.md   # exit 1 if the README's copy is stale
+  python scripts/config_reference.py --check docs/config.md   # exit 1 if the docs' copy is stale
 
-The README holds the output between `<!-- config-reference -->` markers; a test keeps it current.
+docs/config.md holds the output between `<!-- config-reference -->` markers; a test keeps it current.
 """
 
 from __future__ import annotations

@@ -78,11 +78,11 @@ def test_replace_changes_only_the_named_keys():
   assert cfg.rl.num_steps == 3 and cfg.rl.max_staleness == config_lib.Config().rl.max_staleness
 
 
-def test_readme_config_reference_is_current():
+def test_docs_config_reference_is_current():
   import os
   import subprocess
   import sys
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  out = subprocess.run([sys.executable, "scripts/config_reference.py", "--check", "README.md"], cwd=root,
+  out = subprocess.run([sys.executable, "scripts/config_reference.py", "--check", "docs/config.md"], cwd=root,
                        capture_output=True, text=True, timeout=60)
   assert out.returncode == 0, out.stdout + out.stderr

@@ -2,7 +2,7 @@
 
 RL from a random model never sees a reward; a short warm start gives it a few percent of correct
 samples to learn from. It stops as soon as held-out accuracy reaches a target: a warm start that
-memorises stops exploring and RL then collapses (probe facts in the async-runtime issue).
+memorises stops exploring and RL then collapses (measured on the addition task).
 Accuracy here is teacher-forced exact match: every answer token (and the stop token) is the argmax
 given the gold prefix, which is exactly "greedy decoding reproduces the answer".
 """
