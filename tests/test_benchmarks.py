@@ -11,11 +11,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_benchmark(name: str, tmp_path) -> dict:
+def run_benchmark(name: str, tmp_path, timeout_s: float = 300) -> dict:
   out = tmp_path / f"{name}.json"
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, os.path.join("benchmarks", f"{name}.py"), "--quick", "--out", str(out)],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
   assert proc.returncode == 0, proc.stderr[-3000:]
   printed = json.loads(proc.stdout)  # stdout is exactly one JSON object
   written = json.loads(out.read_text())
