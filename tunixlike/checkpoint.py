@@ -57,6 +57,17 @@ from etils import epath
 
 log = logging.getLogger("tunixlike")
 
+
+class _SavesWithoutMetrics(logging.Filter):
+  """Orbax warns at every save without metrics when it tracks a best metric; here those are the
+  periodic checkpoints between evals, by design (they rotate as latest-K only)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "did not provide metrics" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_SavesWithoutMetrics())
+
 FORMAT = 1
 CHECKPOINT_SUBDIR = "checkpoints"  # <workdir>/checkpoints: where the trainer writes and export reads
 _ITEM_FILES = {"state": "_METADATA", "meta": "metadata", "layout": "metadata"}
