@@ -483,7 +483,6 @@ class Engine:
 
   @functools.cache
   def _state_shardings(self, window: int) -> dict[str, Any]:
-    s = self.max_concurrent_decodes
     abstract = jax.eval_shape(lambda: self._empty_grouped((window,) * self._groups))
     cache = kv_cache_lib.GroupedKVCache(
         groups=tuple(kv_cache_lib.cache_shardings(g, self.mesh, self.rules) for g in abstract.groups),
