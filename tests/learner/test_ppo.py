@@ -40,7 +40,7 @@ def test_ppo_config_rejects_bad_values(tiny_model):
     PPOConfig(gae_lambda=-0.5)
   with pytest.raises(ValueError, match="algo.vf_clip"):
     PPOConfig(vf_clip=0.0)
-  with pytest.raises(ValueError, match="algo.kl_reward_estimator"):
+  with pytest.raises(ValueError, match="PPOConfig.kl_reward_estimator"):
     PPOConfig(kl_reward_estimator="k9")
   with pytest.raises(ValueError, match="algo.loss='gspo'"):
     PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(loss="gspo"))

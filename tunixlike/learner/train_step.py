@@ -84,7 +84,7 @@ class Learner:
     self.loss = losses.get_policy_loss(cfg.algo.loss)
     self.kl_fn = kl_lib.get_kl_fn(cfg.algo.kl_estimator)
     if mesh is not None and cfg.batch_axis not in mesh.shape:
-      raise ValueError(f"learner.batch_axis={cfg.batch_axis!r} is not an axis of the learner mesh {dict(mesh.shape)}")
+      raise ValueError(f"LearnerConfig.batch_axis={cfg.batch_axis!r} is not an axis of the learner mesh {dict(mesh.shape)}")
     # The initial TrainState. `train_step` donates its input: carry on with the state it returns.
     self.state = self._init_state(params, frozen)
     self._step = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=(self.state_shardings, None))

@@ -342,7 +342,7 @@ class RolloutDriver:
     if len(ids) > limit:
       if not self.config.truncate_long_prompts:
         raise PromptError(f"prompt {request.prompt_id!r} has {len(ids)} tokens > sampler.max_prefill_length="
-                          f"{limit} (set sampler.truncate_long_prompts=True to keep its last {limit})")
+                          f"{limit} (SamplerConfig.truncate_long_prompts=True keeps its last {limit})")
       ids = ids[-limit:]  # the end holds the question and the generation cue
       self.stats.truncated_prompts += 1
     m = request.max_new_tokens

@@ -121,7 +121,7 @@ class Engine:
     vocab = self.model_config.vocab_size
     bad = [i for i in config.eos_ids if i >= vocab]
     if bad:
-      raise ValueError(f"sampler.eos_ids={config.eos_ids}: ids {bad} are outside the vocabulary "
+      raise ValueError(f"SamplerConfig.eos_ids={config.eos_ids}: ids {bad} are outside the vocabulary "
                        f"(vocab_size={vocab})")
     if mesh is None:
       mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), mesh_lib.SAMPLER_AXES)
@@ -216,7 +216,7 @@ class Engine:
       raise PromptError(f"prefill: true_length={n} exceeds the {len(tokens)} tokens given")
     if n > self.max_prefill_length:
       raise PromptError(f"prefill: prompt of {n} tokens exceeds max_prefill_length="
-                        f"{self.max_prefill_length} (set sampler.truncate_long_prompts to truncate)")
+                        f"{self.max_prefill_length}")
     ids = tokens[:n]
     if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= self.vocab_size:
       raise PromptError(f"prefill: token ids must be integers in [0, {self.vocab_size}), got "
