@@ -69,6 +69,7 @@ from tunixlike.sampler import PromptRequest, RolloutDriver, SamplerConfig, Engin
 SIZES = dict(vocab_size=512, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
              num_kv_heads=2, head_dim=64, max_position_embeddings=1024)
 PROMPT_LEN = 32
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"  # jax.monitoring: one per trace of a function
 
 
 def run_tunixlike(engine, params, prompts, limits, *, static: bool):
@@ -100,7 +101,13 @@ def continuous_vs_static(engine, params, prompts, limits, a) -> dict:
   # Warm-up of both modes, so neither timed run pays for a compilation (window sizes, resizes).
   run_tunixlike(engine, params, prompts, limits, static=False)
   run_tunixlike(engine, params, prompts, limits, static=True)
-  compiled = dict(engine.trace_counts)
+  traced = []  # functions JAX traces (so compiles) during the timed runs, from its own trace events
+
+  def listener(event, secs, fun_name="", **kw):
+    if event == TRACE_EVENT:
+      traced.append(fun_name)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
   cont, stat, occ = [], [], []
   for _ in range(a.repeats):
     tok_s, cont_stats = run_tunixlike(engine, params, prompts, limits, static=False)
@@ -108,8 +115,9 @@ def continuous_vs_static(engine, params, prompts, limits, a) -> dict:
     occ.append(cont_stats.slot_occupancy)
     tok_s, static_stats = run_tunixlike(engine, params, prompts, limits, static=True)
     stat.append(tok_s)
+  jax.monitoring.unregister_event_duration_listener(listener)
   # A timed run that compiled would bias the comparison: fail loudly instead.
-  assert engine.trace_counts == compiled, (compiled, engine.trace_counts)
+  assert not traced, traced
   steps = dict(continuous=cont_stats.generate_calls * a.steps_per_call,
                static=static_stats.generate_calls * a.steps_per_call)
   ratios = [c / s for c, s in zip(cont, stat)]  # each continuous run vs the static run right after it

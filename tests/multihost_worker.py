@@ -10,7 +10,6 @@ holds exactly the learner's (all-gathered) weights, and prints lines the test co
 """
 
 import json
-import os
 import sys
 
 import jax

@@ -4,7 +4,6 @@ import glob
 import logging
 import os
 import shutil
-import time
 
 import jax
 import numpy as np

@@ -82,9 +82,5 @@ class RolloutGroup:
     return min(int(c.policy_versions.min()) for c in self.completions if c.num_tokens)
 
   @property
-  def max_version(self) -> int:
-    return max(int(c.policy_versions.max()) for c in self.completions if c.num_tokens)
-
-  @property
   def num_tokens(self) -> int:
     return sum(c.num_tokens for c in self.completions)

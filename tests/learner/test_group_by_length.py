@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from jit_traces import count_traces
 from learner_trees import flat_values
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
 from tunixlike.learner.ppo import PPOLearner
@@ -64,17 +65,19 @@ def test_grouped_step_equals_padded_step_and_trims(tiny_model, long_tailed_batch
   branch = np.asarray(placed["length_branch"])
   # rows sorted: the first micro-batches hold only short rows and run at 16 of the 64 positions
   assert branch.tolist() == sorted(branch.tolist()) and branch[0] == 0 and branch[-1] == 3, branch
-  _assert_same_step(padded, grouped, batch)
-  assert grouped.num_traces == 1
+  with count_traces() as traces:
+    _assert_same_step(padded, grouped, batch)
+  assert traces["_train_step"] == 2  # one trace per learner
   # another batch with another branch pattern reuses the one compiled step (the last step donated
   # the learner's state, so a fresh learner)
   grouped, patterns = Learner(tiny_model(), _cfg(group=4)), []
-  for seed in (0, 3):
-    placed = grouped.put_batch(long_tailed_batch(seed=seed))
-    patterns.append(np.asarray(placed["length_branch"]).tolist())
-    grouped.state, _ = grouped.train_step(grouped.state, placed, jax.random.key(seed))
+  with count_traces() as traces:
+    for seed in (0, 3):
+      placed = grouped.put_batch(long_tailed_batch(seed=seed))
+      patterns.append(np.asarray(placed["length_branch"]).tolist())
+      grouped.state, _ = grouped.train_step(grouped.state, placed, jax.random.key(seed))
   assert patterns[0] != patterns[1], patterns
-  assert grouped.num_traces == 1
+  assert traces["_train_step"] == 1
 
 
 @pytest.mark.slow

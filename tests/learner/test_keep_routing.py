@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jit_traces import count_traces
 from tunixlike import models
 from tunixlike.learner import batch as batch_lib, routing as routing_lib
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
@@ -126,9 +127,10 @@ def test_keep_routing_compiles_once(rollouts):
   _, batch = rollouts
   learner = _learner(True)
   state = learner.state
-  for _ in range(2):
-    state, metrics = learner.train_step(state, learner.put_batch(batch), jax.random.PRNGKey(0))
-  assert learner.num_traces == 1 and jax.device_get(metrics)["nonfinite"] == 0
+  with count_traces() as traces:
+    for _ in range(2):
+      state, metrics = learner.train_step(state, learner.put_batch(batch), jax.random.PRNGKey(0))
+  assert traces["_train_step"] == 1 and jax.device_get(metrics)["nonfinite"] == 0
 
 
 def test_disagreement_by_hand():

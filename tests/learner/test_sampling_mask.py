@@ -151,5 +151,5 @@ def test_learner_needs_the_mask_when_asked(host_batch):
   with pytest.raises(ValueError, match=r"batch\['sampling_mask'\] has shape \(8, 16\)"):
     learner.put_batch(bad)
   for value in (0.0, -1.0, float("inf")):
-    with pytest.raises(ValueError, match="algo.sampling_temperature"):
+    with pytest.raises(ValueError, match="AlgoConfig.sampling_temperature"):
       AlgoConfig(sampling_temperature=value)

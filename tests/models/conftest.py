@@ -11,9 +11,6 @@ from tunixlike.models import testing
 ARCH_CASES = [("llama", False), ("llama", True), ("qwen2", True), ("qwen2", False), ("qwen3", True),
               ("qwen3", False)]
 
-RULES_4 = (("batch", "fsdp"), ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"),
-           ("kv_heads", "tensor"), ("mlp", "tensor"))
-
 
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tunixlike import models
 from tunixlike.models import hf
 
 torch = pytest.importorskip("torch")

@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jit_traces import count_traces, engine_counts
 from sampler_prompts import VOCAB, random_prompts
 from tunixlike.sampler import Engine, PromptError, SamplerConfig, SamplingParams, process_logits, unpack_mask
 
@@ -96,16 +97,17 @@ def test_no_recompilation_after_warmup():
   cfg = engine.config
   assert cfg.prefill_buckets == (16, 32) and cfg.attend_windows == (16, 32, 48)
   lengths = (1, 2, 5, 8, 11, 16, 13, 3, 31, 20, 17, 32)
-  _decode_all(engine, params, random_prompts(4, lengths=lengths, seed=0))  # warm-up
-  warm = dict(engine.trace_counts)
-  _decode_all(engine, params, random_prompts(4, lengths=lengths, seed=100))  # new ids, same lengths
-  assert engine.trace_counts == warm
-  # Many prompts of other lengths: compilations stay within the buckets (one decode program per
-  # window, at most two resize programs per window, one prefill per bucket).
-  for seed in range(1, 5):
-    _decode_all(engine, params, random_prompts(4, lengths=lengths[seed:] + lengths[:seed], seed=seed))
+  with count_traces() as traces:
+    _decode_all(engine, params, random_prompts(4, lengths=lengths, seed=0))  # warm-up
+    with count_traces() as again:
+      _decode_all(engine, params, random_prompts(4, lengths=lengths, seed=100))  # new ids, same lengths
+    assert not any(engine_counts(again).values()), again
+    # Many prompts of other lengths: compilations stay within the buckets (one decode program per
+    # window, at most two resize programs per window, one prefill per bucket).
+    for seed in range(1, 5):
+      _decode_all(engine, params, random_prompts(4, lengths=lengths[seed:] + lengths[:seed], seed=seed))
   n_win, n_pre = len(cfg.attend_windows), len(cfg.prefill_buckets)
-  counts = engine.trace_counts
+  counts = engine_counts(traces)
   assert counts["generate"] <= n_win and counts["prefill"] <= n_pre
   assert counts["resize"] <= 2 * n_win and counts["insert"] <= n_pre * n_win
 

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from jit_traces import count_traces, engine_counts
 from sampler_prompts import random_prompts
 from tunixlike.sampler import Engine, PromptRequest, RolloutDriver, SamplerConfig
 
@@ -32,11 +33,12 @@ def test_slot_groups_give_the_same_completions_as_one_at_a_time(make_engine, tem
                     max_new_tokens=24, attend_bucket=8)
   params = grouped.load_params()
   windows = []
-  got, stats = _run(grouped, params, windows)
+  with count_traces() as traces:
+    got, stats = _run(grouped, params, windows)
   ref, _ = _run(one, params)
   assert got == ref and len(got) == len(LIMITS)
   assert all(len(c) == m for pid, cs in got.items() for c in cs for m in [LIMITS[pid]])
-  assert stats.moves > 0 and grouped.trace_counts["move"] > 0
+  assert stats.moves > 0 and traces["_move_impl"] > 0
   assert any(len(set(w)) > 1 for w in windows)  # the groups did attend different windows
 
 
@@ -44,10 +46,12 @@ def test_slot_groups_compile_nothing_new_on_a_repeat(make_engine):
   engine = make_engine(temperature=0.0, max_concurrent_decodes=4, slot_groups=2, max_new_tokens=24,
                        attend_bucket=8)
   params = engine.load_params()
-  first, _ = _run(engine, params)
-  counts = dict(engine.trace_counts)
-  again, _ = _run(engine, params)
-  assert again == first and engine.trace_counts == counts
+  with count_traces() as traces:
+    first, _ = _run(engine, params)
+  counts = engine_counts(traces)
+  with count_traces() as traces:
+    again, _ = _run(engine, params)
+  assert again == first and not any(engine_counts(traces).values()), traces
   n = len(engine.config.attend_windows)
   assert counts["generate"] <= n ** 2 and counts["move"] <= n ** 2 and counts["resize"] <= 2 * n
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from jit_traces import count_traces, engine_counts
 from sampler_prompts import random_prompts
 from test_engine import _decode_all, _fresh_model
 from test_slot_groups import _run
@@ -19,19 +20,28 @@ def _engine(**kw):
 def test_nothing_compiles_after_warmup_and_samples_are_unchanged():
   warm, cold = _engine(), _engine()
   params = warm.load_params()
-  counts = warm.warmup(params)
+  with count_traces() as traces:
+    warm.warmup(params)
+  counts = engine_counts(traces)
   cfg = warm.config
-  assert counts == warm.trace_counts
   assert counts["prefill"] == len(cfg.prefill_buckets) and counts["generate"] == len(cfg.attend_windows)
   assert counts["release"] == 1 and counts["move"] == 0
-  for seed in range(3):  # prompts of every bucket, completions crossing every window
-    prompts = random_prompts(4, lengths=LENGTHS[seed:] + LENGTHS[:seed], seed=seed)
-    assert _decode_all(warm, params, prompts) == _decode_all(cold, params, prompts)
-  # Continuous batching with mixed lengths: windows shrink when the longest sequence ends first.
-  assert _run(warm, params)[0] == _run(cold, params)[0]
-  assert warm.trace_counts == counts
+
+  def decode(engine):  # prompts of every bucket, completions crossing every window
+    out = [_decode_all(engine, params, random_prompts(4, lengths=LENGTHS[seed:] + LENGTHS[:seed], seed=seed))
+           for seed in range(3)]
+    # Continuous batching with mixed lengths: windows shrink when the longest sequence ends first.
+    return out + [_run(engine, params)[0]]
+
+  with count_traces() as warm_traces:
+    warm_out = decode(warm)
+  with count_traces() as cold_traces:
+    cold_out = decode(cold)
+  assert warm_out == cold_out
+  assert not any(engine_counts(warm_traces).values()), warm_traces
   # Without the warm-up the same run compiled on the way, and never more than the warm-up did.
-  assert 0 < cold.trace_counts["generate"] and all(cold.trace_counts[k] <= counts[k] for k in counts)
+  cold_counts = engine_counts(cold_traces)
+  assert 0 < cold_counts["generate"] and all(cold_counts[k] <= counts[k] for k in counts)
 
 
 @pytest.mark.slow  # windows ** 2 decode and move programs
@@ -39,8 +49,11 @@ def test_warmup_covers_slot_groups():
   engine = Engine(_fresh_model(), SamplerConfig(temperature=0.0, max_concurrent_decodes=4, slot_groups=2,
                                                 max_new_tokens=24, attend_bucket=16))
   params = engine.load_params()
-  counts = engine.warmup(params)
+  with count_traces() as traces:
+    engine.warmup(params)
+  counts = engine_counts(traces)
   n = len(engine.config.attend_windows)
   assert counts["generate"] == n ** 2 and counts["move"] == n ** 2
-  _, stats = _run(engine, params)
-  assert stats.moves > 0 and engine.trace_counts == counts
+  with count_traces() as traces:
+    _, stats = _run(engine, params)
+  assert stats.moves > 0 and not any(engine_counts(traces).values()), traces

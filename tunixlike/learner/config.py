@@ -65,7 +65,7 @@ class AlgoConfig:
     if not isinstance(self.keep_routing, bool):
       _bad("algo.keep_routing", self.keep_routing, "must be a bool")
     if not (isinstance(self.sampling_temperature, (int, float)) and 0 < self.sampling_temperature < float("inf")):
-      _bad("algo.sampling_temperature", self.sampling_temperature,
+      _bad("AlgoConfig.sampling_temperature", self.sampling_temperature,
            "must be a finite number > 0 (a greedy sampler has no distribution to train on)")
     if not self.decoupled and self.is_mode != "none":
       _bad("algo.is_mode", self.is_mode,
@@ -111,7 +111,7 @@ class OptimConfig:
     if self.warmup_steps < 0:
       _bad("optim.warmup_steps", self.warmup_steps, "must be >= 0")
     if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
-      _bad("optim.total_steps", self.total_steps, f"cosine needs total_steps > warmup_steps={self.warmup_steps}")
+      _bad("rl.num_steps", self.total_steps, f"the cosine schedule needs more than optim.warmup_steps={self.warmup_steps}")
     if self.grad_clip < 0 or self.weight_decay < 0:
       _bad("optim.grad_clip" if self.grad_clip < 0 else "optim.weight_decay",
            min(self.grad_clip, self.weight_decay), "must be >= 0")
@@ -136,8 +136,8 @@ class LearnerConfig:
 
   def __post_init__(self):
     if not isinstance(self.algo, AlgoConfig):
-      _bad("learner.algo", self.algo, "must be an AlgoConfig")
+      _bad("LearnerConfig.algo", self.algo, "must be an AlgoConfig")
     if not isinstance(self.optim, OptimConfig):
-      _bad("learner.optim", self.optim, "must be an OptimConfig")
+      _bad("LearnerConfig.optim", self.optim, "must be an OptimConfig")
     if self.logprob_chunk_size <= 0:
-      _bad("learner.logprob_chunk_size", self.logprob_chunk_size, "must be > 0")
+      _bad("LearnerConfig.logprob_chunk_size", self.logprob_chunk_size, "must be > 0")

@@ -56,7 +56,7 @@ class PPOConfig:
     if not self.kl_reward_coef >= 0:
       raise ValueError(f"algo.kl_reward_coef={self.kl_reward_coef!r}: must be >= 0")
     if self.kl_reward_estimator not in kl_lib.KL_ESTIMATORS:
-      raise ValueError(f"algo.kl_reward_estimator={self.kl_reward_estimator!r}: choose one of "
+      raise ValueError(f"PPOConfig.kl_reward_estimator={self.kl_reward_estimator!r}: choose one of "
                        f"{sorted(kl_lib.KL_ESTIMATORS)}")
 
 

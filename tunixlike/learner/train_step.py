@@ -83,9 +83,8 @@ class Learner:
     self.schedule = optimizer.make_schedule(cfg.optim)
     self.loss = losses.get_policy_loss(cfg.algo.loss)
     self.kl_fn = kl_lib.get_kl_fn(cfg.algo.kl_estimator)
-    self.num_traces = 0  # incremented each time the step is traced (tests: no recompilation)
     if mesh is not None and cfg.batch_axis not in mesh.shape:
-      raise ValueError(f"learner.batch_axis={cfg.batch_axis!r} is not an axis of the learner mesh {dict(mesh.shape)}")
+      raise ValueError(f"LearnerConfig.batch_axis={cfg.batch_axis!r} is not an axis of the learner mesh {dict(mesh.shape)}")
     # The initial TrainState. `train_step` donates its input: carry on with the state it returns.
     self.state = self._init_state(params, frozen)
     self._step = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=(self.state_shardings, None))
@@ -339,7 +338,6 @@ class Learner:
     return jax.lax.switch(branch, [at(n) for n in lengths], mb)
 
   def _train_step(self, state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
-    self.num_traces += 1
     del rng  # the objective is deterministic; kept in the signature for dropout-style extensions
     mask_all = _next(batch["loss_mask"]).astype(jnp.float32)  # [M, b, T]
     t = mask_all.shape[-1]

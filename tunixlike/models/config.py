@@ -315,7 +315,3 @@ def qwen3_30b_a3b(**overrides) -> ModelConfig:
             num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
   kw.update(overrides)
   return ModelConfig(**kw)
-
-
-PRESETS = {"tiny": tiny_config, "tiny-moe": tiny_moe_config, "qwen3-30b-a3b": qwen3_30b_a3b, "qwen2.5-0.5b": qwen2_5_0_5b, "qwen3-0.6b": qwen3_0_6b,
-           "llama3.2-1b": llama3_2_1b}

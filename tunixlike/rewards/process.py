@@ -160,12 +160,11 @@ class StepConfig:
 class _Call:
   """One PRM call: submitted by the sampler thread, run by a worker, awaited by the reward stage."""
 
-  __slots__ = ("prefix", "value", "error", "done", "cancelled", "t_submit", "t_start", "t_end")
+  __slots__ = ("prefix", "value", "error", "done", "cancelled")
 
   def __init__(self, prefix: Prefix):
     self.prefix, self.value, self.error = prefix, None, None
     self.done, self.cancelled = threading.Event(), False
-    self.t_submit, self.t_start, self.t_end = time.perf_counter(), None, None
 
 
 class ProcessRewardScorer:
@@ -197,13 +196,11 @@ class ProcessRewardScorer:
       if call.cancelled:  # its group's deadline passed while it waited in the queue
         call.done.set()
         continue
-      call.t_start = time.perf_counter()
       try:
         with self.tracer.span("prm", cat="reward", tokens=len(call.prefix.token_ids)):
           call.value = self.fn(call.prefix)
       except BaseException as e:  # scored 0 and counted by `collect`, never raised here
         call.error = e
-      call.t_end = time.perf_counter()
       call.done.set()
 
   def close(self):

@@ -8,6 +8,11 @@ import math
 from tunixlike.sampler.sampling import SamplingParams
 
 
+# Errors name a field by its key in the run config (configs/base.py); the fields it has no
+# `sampler.<field>` key for are named by where they come from, so no message names a missing key.
+_NAMES = {"group_size": "algo.group_size", "min_prefill_bucket": "SamplerConfig.min_prefill_bucket"}
+
+
 def _is_int(x) -> bool:
   return isinstance(x, int) and not isinstance(x, bool)
 
@@ -49,22 +54,22 @@ class SamplerConfig:
                  "group_size", "min_prefill_bucket", "attend_bucket", "slot_groups"):
       value = getattr(self, name)
       if not _is_int(value) or value < 1:
-        raise ValueError(f"sampler.{name}={value!r}: must be an int >= 1")
+        raise ValueError(f"{_NAMES.get(name, 'sampler.' + name)}={value!r}: must be an int >= 1")
     if not _is_int(self.seed):
-      raise ValueError(f"sampler.seed={self.seed!r}: must be an int")
+      raise ValueError(f"seed={self.seed!r}: must be an int")
     if self.group_size > self.max_concurrent_decodes:
-      raise ValueError(f"sampler.group_size={self.group_size} is larger than "
+      raise ValueError(f"algo.group_size={self.group_size} is larger than "
                        f"sampler.max_concurrent_decodes={self.max_concurrent_decodes}: the G samples "
                        "of one prompt could never all be decoding")
     if not isinstance(self.eos_ids, tuple) or not all(_is_int(i) and i >= 0 for i in self.eos_ids):
-      raise ValueError(f"sampler.eos_ids={self.eos_ids!r}: must be a tuple of token ids >= 0")
+      raise ValueError(f"SamplerConfig.eos_ids={self.eos_ids!r}: must be a tuple of token ids >= 0")
     if not isinstance(self.stop_strings, tuple) or not all(
         isinstance(s, str) and s for s in self.stop_strings):
       raise ValueError(f"sampler.stop_strings={self.stop_strings!r}: must be a tuple of non-empty strings")
     if self.cache_dtype is not None and self.cache_dtype not in ("float32", "bfloat16", "float16"):
-      raise ValueError(f"sampler.cache_dtype={self.cache_dtype!r}: expected None, float32, bfloat16 or float16")
+      raise ValueError(f"SamplerConfig.cache_dtype={self.cache_dtype!r}: expected None, float32, bfloat16 or float16")
     if not (isinstance(self.idle_wait_s, (int, float)) and 0 < self.idle_wait_s <= 10):
-      raise ValueError(f"sampler.idle_wait_s={self.idle_wait_s!r}: must be in (0, 10]")
+      raise ValueError(f"SamplerConfig.idle_wait_s={self.idle_wait_s!r}: must be in (0, 10]")
     try:
       self.sampling  # validates temperature / top_k / top_p
     except ValueError as e:

@@ -9,7 +9,6 @@ It runs in its own thread beside the learner (`start` / `stop`) and takes, from 
   * `update_params(params, version)`: soft pause, the swap happens between two generate calls;
     in-flight sequences keep their tokens and every token records the version that produced it;
     `drain=True` instead finishes in-flight sequences first, then swaps and resumes;
-  * `set_draining(True)`: start nothing new (in-flight groups finish); `is_idle` tells when done;
   * `may_start_group()`: admission control (staleness bound), asked before each new group.
 Every wait is bounded; an error in the loop is kept and re-raised by `join` / `check`.
 """
@@ -70,7 +69,6 @@ class _Slot:
 @dataclasses.dataclass
 class DriverStats:
   tokens_generated: int = 0  # tokens kept in completions
-  tokens_discarded: int = 0  # decoded past a stop string within one call
   live_slot_steps: int = 0  # sum over decode steps of slots holding a live sequence
   total_slot_steps: int = 0  # decode steps x slots
   generate_calls: int = 0
@@ -85,11 +83,6 @@ class DriverStats:
   @property
   def slot_occupancy(self) -> float:
     return self.live_slot_steps / self.total_slot_steps if self.total_slot_steps else 0.0
-
-  def as_dict(self) -> dict[str, float]:
-    d = dataclasses.asdict(self)
-    d["slot_occupancy"] = self.slot_occupancy
-    return d
 
 
 class DriverError(RuntimeError):
@@ -150,12 +143,10 @@ class RolloutDriver:
     self._key_blocks: dict[int, np.ndarray] = {}  # block -> keys of its groups (the latest few), see _KEY_BLOCK
     self._lock = threading.Lock()
     self._next_params: tuple[Any, int, bool] | None = None
-    self._draining = False
     self._stop_event = threading.Event()
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     self.stats = DriverStats()
-    self.undelivered: list[RolloutGroup] = []  # finished groups the sink refused when stopping
 
   # ------------------------------------------------------------------ control (any thread)
 
@@ -163,11 +154,6 @@ class RolloutDriver:
     """Swaps weights before the next generate call (drain=True: once in-flight work finished)."""
     with self._lock:
       self._next_params = (params, int(version), bool(drain))
-
-  def set_draining(self, draining: bool) -> None:
-    """Draining: no new group starts; groups already started finish."""
-    with self._lock:
-      self._draining = bool(draining)
 
   @property
   def version(self) -> int:
@@ -270,7 +256,7 @@ class RolloutDriver:
 
   def _admission_closed(self) -> bool:
     with self._lock:
-      return self._draining or (self._next_params is not None and self._next_params[2])
+      return self._next_params is not None and self._next_params[2]
 
   def _refill(self) -> None:
     free = [i for i, s in enumerate(self._slots) if s is None]
@@ -356,7 +342,7 @@ class RolloutDriver:
     if len(ids) > limit:
       if not self.config.truncate_long_prompts:
         raise PromptError(f"prompt {request.prompt_id!r} has {len(ids)} tokens > sampler.max_prefill_length="
-                          f"{limit} (set sampler.truncate_long_prompts=True to keep its last {limit})")
+                          f"{limit} (SamplerConfig.truncate_long_prompts=True keeps its last {limit})")
       ids = ids[-limit:]  # the end holds the question and the generation cue
       self.stats.truncated_prompts += 1
     m = request.max_new_tokens
@@ -379,8 +365,7 @@ class RolloutDriver:
         continue
       finish = None
       for k in np.flatnonzero(valid_ks[:, s]):
-        if finish is not None:  # decoded past a host-side stop string in this call
-          self.stats.tokens_discarded += 1
+        if finish is not None:  # decoded past a host-side stop string in this call: dropped
           continue
         token = int(tokens_ks[k, s])
         self._record(info, token, float(logprobs_ks[k, s]), version,
@@ -458,6 +443,5 @@ class RolloutDriver:
         self.stats.groups_emitted += 1
         return
       except queue.Full:
-        if self._stop_event.is_set():  # finished work is kept, never dropped: see `undelivered`
-          self.undelivered.append(group)
+        if self._stop_event.is_set():  # the run is over: nothing will take it
           return

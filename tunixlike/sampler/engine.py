@@ -121,7 +121,7 @@ class Engine:
     vocab = self.model_config.vocab_size
     bad = [i for i in config.eos_ids if i >= vocab]
     if bad:
-      raise ValueError(f"sampler.eos_ids={config.eos_ids}: ids {bad} are outside the vocabulary "
+      raise ValueError(f"SamplerConfig.eos_ids={config.eos_ids}: ids {bad} are outside the vocabulary "
                        f"(vocab_size={vocab})")
     if mesh is None:
       mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), mesh_lib.SAMPLER_AXES)
@@ -133,9 +133,6 @@ class Engine:
       raise ValueError(f"sampler.max_concurrent_decodes={config.max_concurrent_decodes} is not "
                        f"divisible by the {replicas} sampler replicas")
     self.mesh, self.rules = mesh, rules
-    # Python-side trace counter per jitted body: a retrace is a compilation (tests assert none
-    # happen after warm-up beyond the prefill and attention buckets).
-    self.trace_counts = {"prefill": 0, "insert": 0, "release": 0, "generate": 0, "resize": 0, "move": 0}
     if config.max_concurrent_decodes % (replicas * config.slot_groups):
       raise ValueError(f"sampler.max_concurrent_decodes={config.max_concurrent_decodes} is not divisible by "
                        f"{replicas} replicas x sampler.slot_groups={config.slot_groups}")
@@ -219,7 +216,7 @@ class Engine:
       raise PromptError(f"prefill: true_length={n} exceeds the {len(tokens)} tokens given")
     if n > self.max_prefill_length:
       raise PromptError(f"prefill: prompt of {n} tokens exceeds max_prefill_length="
-                        f"{self.max_prefill_length} (set sampler.truncate_long_prompts to truncate)")
+                        f"{self.max_prefill_length}")
     ids = tokens[:n]
     if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= self.vocab_size:
       raise PromptError(f"prefill: token ids must be integers in [0, {self.vocab_size}), got "
@@ -372,7 +369,7 @@ class Engine:
     arrays["version"] = jax.device_put(jnp.int32(version), self._replicated)
     return dataclasses.replace(decode_state, arrays=arrays)
 
-  def warmup(self, params: Params) -> dict[str, int]:
+  def warmup(self, params: Params) -> None:
     """Compiles every program a run can call, before it runs (as JetStream's model warm-up does).
 
     Without it, each new prompt bucket or attention window compiles in the middle of decoding (one
@@ -380,8 +377,7 @@ class Engine:
     scratch state, which is then discarded: prefill per prompt bucket; per attention window, insert
     (per prompt bucket), the one-bucket grow and shrink; generate per tuple of slot-group windows
     (windows ** slot_groups programs); with slot groups, move per pair of windows. `params` must be
-    what the run decodes with (LoRA-packed params compile their own programs). Returns the trace
-    counts afterwards.
+    what the run decodes with (LoRA-packed params compile their own programs).
     """
     lengths: dict[int, int] = {}  # prompt bucket -> a prompt length that lands in it
     for n in range(1, self.max_prefill_length + 1):
@@ -413,7 +409,6 @@ class Engine:
         cache, small = self._split_arrays(arrays)
         out = self._move_fn(cache.groups[0], cache.groups[1], small, scalars)
     jax.block_until_ready((state.arrays, out))
-    return dict(self.trace_counts)
 
   def prefill_bucket(self, num_tokens: int) -> int:
     for b in self.config.prefill_buckets:
@@ -476,7 +471,6 @@ class Engine:
     return dataclasses.replace(decode_state, arrays=self._join_arrays(cache, small, {group: group_cache}))
 
   def _resize_impl(self, cache, *, window):
-    self.trace_counts["resize"] += 1
 
     def fit(x, seq_axis):
       if x.shape[seq_axis] >= window:
@@ -489,7 +483,6 @@ class Engine:
 
   @functools.cache
   def _state_shardings(self, window: int) -> dict[str, Any]:
-    s = self.max_concurrent_decodes
     abstract = jax.eval_shape(lambda: self._empty_grouped((window,) * self._groups))
     cache = kv_cache_lib.GroupedKVCache(
         groups=tuple(kv_cache_lib.cache_shardings(g, self.mesh, self.rules) for g in abstract.groups),
@@ -499,7 +492,6 @@ class Engine:
                 done=slots, keys=slots, version=self._replicated)
 
   def _prefill_impl(self, params, tokens_1t, lengths_1, *, bucket):
-    self.trace_counts["prefill"] += 1
     model = nnx.merge(self._graphdef, params_lib.materialize(params))
     cache = self._empty_cache(1, bucket)
     if not self.config.record_routing:
@@ -509,7 +501,6 @@ class Engine:
 
   def _insert_impl(self, prefix_cache, group_cache, arrays, scalars_n5, keys_n):
     """Writes the prefix into n slots of one group; scalars rows: slot, last token, position, limit, row."""
-    self.trace_counts["insert"] += 1
     zero = jnp.int32(0)
     out = dict(arrays)
     for i in range(scalars_n5.shape[0]):
@@ -528,7 +519,6 @@ class Engine:
     return group_cache, out
 
   def _move_impl(self, src_cache, dst_cache, arrays, scalars):
-    self.trace_counts["move"] += 1
     src, dst, r_src, r_dst = scalars[0], scalars[1], scalars[2], scalars[3]
 
     def copy_row(to, frm, seq_axis):  # row r_src of frm -> row r_dst of to (windows may differ)
@@ -549,13 +539,11 @@ class Engine:
     return new_group, out
 
   def _release_impl(self, arrays, slot):
-    self.trace_counts["release"] += 1
     out = dict(arrays)
     out["done"] = arrays["done"].at[slot].set(True)
     return out
 
   def _generate_impl(self, params, arrays):
-    self.trace_counts["generate"] += 1
     model = nnx.merge(self._graphdef, params_lib.materialize(params))
     sp, record = self._sampling, self.config.record_sampling_mask
     record_routing = self.config.record_routing

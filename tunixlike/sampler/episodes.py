@@ -94,12 +94,10 @@ class EpisodeConfig:
 class EpisodeStats(DriverStats):
   episodes: int = 0  # finished episodes (also counted in `completions`)
   policy_turns: int = 0
-  env_calls: int = 0  # reset + step calls that returned
   env_tokens: int = 0  # observation tokens appended
   env_timeouts: int = 0
   env_errors: int = 0  # env raised or returned something that is not a StepResult / str
   aborted_episodes: int = 0
-  truncated_episodes: int = 0  # finish_reason "length": out of turns or room, or cut mid-turn
 
 
 @dataclasses.dataclass
@@ -142,7 +140,7 @@ class EpisodeDriver(RolloutDriver):
   """Runs G env episodes per prompt over an `Engine`; see the module docstring.
 
   Control from other threads is the RolloutDriver's: `start` / `stop` / `update_params` /
-  `set_draining` / `may_start_group`. `is_idle` also waits for parked and env-waiting episodes.
+  `may_start_group`. `is_idle` also waits for parked and env-waiting episodes.
   """
 
   def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None], sink,
@@ -232,7 +230,6 @@ class EpisodeDriver(RolloutDriver):
     for ticket, value, error in self._runner.poll():
       episode = self._tickets.pop(ticket)
       if error is None:
-        self.stats.env_calls += 1
         if episode.turns == 0:
           error = self._after_reset(episode, value)
         else:
@@ -375,7 +372,6 @@ class EpisodeDriver(RolloutDriver):
     self.stats.completions += 1
     self.stats.episodes += 1
     self.stats.aborted_episodes += reason == "aborted"
-    self.stats.truncated_episodes += reason == "length"
     group = episode.group
     group.completions[episode.index] = completion
     group.rewards[episode.index] = float(reward)
