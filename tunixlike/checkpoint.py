@@ -79,6 +79,10 @@ class CheckpointError(RuntimeError):
   """A checkpoint that cannot be written or restored as asked; the message names the directory."""
 
 
+class CheckpointWriteError(CheckpointError):
+  """A save that failed while writing (a full disk, a lost bucket), not a checkpoint that does not fit the run."""
+
+
 def workdir_checkpoints(workdir) -> str:
   """The checkpoint directory of a run's workdir."""
   return os.path.join(os.fspath(workdir), CHECKPOINT_SUBDIR)
@@ -318,7 +322,7 @@ class Checkpointer:
     try:
       saved = self._manager.save(step, args=args, metrics=metrics, force=True)
     except Exception as e:
-      raise CheckpointError(f"{self.step_dir(step)}: saving failed ({type(e).__name__}: {e})") from e
+      raise CheckpointWriteError(f"{self.step_dir(step)}: saving failed ({type(e).__name__}: {e})") from e
     self._undigested = step if saved else None
     self._last_saved_step = step
     self._last_save_time = self._clock()
@@ -354,7 +358,7 @@ class Checkpointer:
     try:
       self._manager.wait_until_finished()
     except Exception as e:
-      raise CheckpointError(f"{self.directory}: background checkpoint save failed "
+      raise CheckpointWriteError(f"{self.directory}: background checkpoint save failed "
                             f"({type(e).__name__}: {e})") from e
     if step is not None and jax.process_index() == 0:
       if self._digesting is not None:

@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None):
   from tunixlike.rl.runtime import NonFiniteLoss
   try:
     trainer.run(cfg, workdir)
+  except (NonFiniteLoss, PolicyCollapse, LogWriteError, checkpoint.CheckpointWriteError) as e:
+    cli.fail(PROG, str(e), status=1)  # the run stopped itself, and says why
   except (mesh.MeshError, checkpoint.CheckpointError, config_lib.ConfigError, trainer.SetupError) as e:
     cli.fail(PROG, str(e))
-  except (NonFiniteLoss, PolicyCollapse, LogWriteError) as e:  # the run stopped itself, and says why
-    cli.fail(PROG, str(e), status=1)
   except KeyboardInterrupt:  # a second Ctrl-C: stop waiting for the current step
     cli.fail(PROG, "interrupted (a second Ctrl-C); the last checkpoint is kept", status=130)
 
