@@ -1,18 +1,19 @@
 import dataclasses
-import typing
+import pathlib
 
 import pytest
 
-from configs import addition_grpo, base
 from tunixlike import config as config_lib, settings
 from tunixlike.rl.runtime import RuntimeConfig
 from tunixlike.sampler.config import SamplerConfig
 
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+
 
 def test_base_config_builds_typed_frozen_sections():
-  cfg = config_lib.from_config_dict(base.get_config())
+  cfg = config_lib.from_config_dict(config_lib.default_config_dict())
   assert isinstance(cfg.rl, RuntimeConfig) and isinstance(cfg.sampler, SamplerConfig)
-  assert cfg.lora.targets == tuple(base.get_config().lora.targets)
+  assert cfg.lora.targets == tuple(config_lib.default_config_dict().lora.targets)
   with pytest.raises(dataclasses.FrozenInstanceError):
     cfg.rl.num_steps = 3
 
@@ -26,7 +27,7 @@ def test_every_key_is_a_field_with_a_why_and_run_values_are_not_keys():
         yield f"{prefix}{k}"
 
   fields = dict(settings.keys(config_lib.Config))
-  assert set(keys(base.get_config().to_dict())) == set(fields)
+  assert set(keys(config_lib.default_config_dict().to_dict())) == set(fields)
   assert all(f.metadata.get("help") for f in fields.values())
   for key in ("sampler.eos_ids", "sampler.group_size", "optim.total_steps", "algo.sampling_temperature"):
     assert key not in fields
@@ -57,7 +58,7 @@ def test_config_files_load_by_path_from_any_directory(tmp_path, monkeypatch):
 
 
 def test_defaults_of_base_match_dataclass_defaults():
-  assert config_lib.from_config_dict(base.get_config()) == config_lib.Config()
+  assert config_lib.from_config_dict(config_lib.default_config_dict()) == config_lib.Config()
 
 
 @pytest.mark.parametrize("section,key,value,message", [
@@ -74,7 +75,7 @@ def test_defaults_of_base_match_dataclass_defaults():
     ("data", "path", "/data", "data.path='/data': is only read by data.task='gsm8k'"),
 ])
 def test_invalid_values_name_the_key_and_value(section, key, value, message):
-  raw = base.get_config()
+  raw = config_lib.default_config_dict()
   with raw.unlocked():
     raw[section][key] = value
   with pytest.raises(config_lib.ConfigError, match=r"^" + message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
@@ -89,10 +90,10 @@ def test_unknown_key_and_wrong_type_are_named():
 
 
 def test_variant_argument_selects_tiny():
-  tiny = config_lib.from_config_dict(addition_grpo.get_config("size=tiny"))
-  assert tiny.rl.num_steps < config_lib.from_config_dict(addition_grpo.get_config()).rl.num_steps
+  tiny = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py", "size=tiny"))
+  assert tiny.rl.num_steps < config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py")).rl.num_steps
   with pytest.raises(ValueError, match="unknown variant"):
-    addition_grpo.get_config("size=galactic")
+    config_lib.load(CONFIGS / "addition_grpo.py", "size=galactic")
 
 
 def test_replace_changes_only_the_named_keys():

@@ -275,7 +275,8 @@ class Config:
     if not (distill or a.process_reward is not None):
       return
     what = "algo.advantage='distill'" if distill else "algo.process_reward"
-    require(a.loss in PPO_LOSSES, "algo.loss", a.loss, f"{what} gives per-token advantages: use one of {list(PPO_LOSSES)}")
+    require(a.loss in PPO_LOSSES, "algo.loss", a.loss,
+            f"{what} gives per-token advantages: use one of {list(PPO_LOSSES)}")
     require(a.estimator == "grpo_family", "algo.estimator", a.estimator, f"{what} works with 'grpo_family' only")
     require(self.rl.env is None, "rl.env", self.rl.env, f"{what} is single-turn only")
     if distill:  # the sampler's logprobs must be the student's own distribution for r_t to be the reverse KL
@@ -340,8 +341,9 @@ def parse_arg(arg: str | None, **spec) -> ml_collections.ConfigDict:
   return out
 
 
-def load(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
+def load(path: str | os.PathLike, arg: str | None = None) -> ml_collections.ConfigDict:
   """`get_config(arg)` of the config file at `path` (from any directory; `path:arg` also works)."""
+  path = os.fspath(path)
   if arg is None and ":" in os.path.basename(path):
     path, arg = path.rsplit(":", 1)
   name = "tunixlike_config_" + os.path.splitext(os.path.basename(path))[0]

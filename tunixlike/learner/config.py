@@ -7,7 +7,7 @@ import math
 from typing import ClassVar
 
 from tunixlike.learner import advantages, is_correction, kl, losses
-from tunixlike.settings import (ConfigError, check_fields, in_range, non_negative, one_of, optional, positive,
+from tunixlike.settings import (ConfigError, check_fields, in_range, non_negative, one_of, positive,
                                 positive_int, require, run_value, setting)
 
 ESTIMATORS = ("grpo_family", "ppo")
@@ -32,7 +32,8 @@ class AlgoConfig:
 
   SECTION: ClassVar[str] = "algo"
 
-  group_size: int = setting(8, "G samples per prompt", check=lambda v: None if v >= 2 else "must be >= 2 (group baselines)")
+  group_size: int = setting(8, "G samples per prompt",
+                            check=lambda v: None if v >= 2 else "must be >= 2 (group baselines)")
   advantage: str = setting("grpo", "grpo | dr_grpo | rloo | distill (needs model.teacher_path)")
   loss: str = setting("ppo_clip", "ppo_clip | dapo | gspo")
   aggregation: str | None = setting(None, "token_mean | seq_mean_token_mean | seq_mean_token_sum_norm; None = the "
