@@ -45,13 +45,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import sys
 import threading
 import time
 import zlib
-
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
 
 
 def _parse(argv=None):
@@ -78,10 +76,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from configs import addition_grpo  # noqa: E402
 from tunixlike import config as config_lib, rewards  # noqa: E402
 from tunixlike.rewards import basic  # noqa: E402
 from tunixlike.rl import trainer  # noqa: E402
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 SLOW_MIN_S, SLOW_MAX_S = 0.05, 0.2
 # Async mode's staleness bound per workload: the least that hides the workload's waiting (the targets
@@ -114,7 +113,7 @@ def bench_slow_exact_match(prompts, completions, *, answer, prompt_ids, **kw):
 
 
 def workload_config(name: str, steps: int, quick: bool):
-  cfg = config_lib.from_config_dict(addition_grpo.get_config())
+  cfg = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py"))
   common = dict(log=dict(progress_bar=False, tensorboard=False, trace=False), eval=dict(every_steps=0),
                 mesh=dict(sampler_devices=ARGS.sampler_devices, learner_devices=ARGS.learner_devices))
   if name == "long_tail":

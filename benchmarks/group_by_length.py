@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import sys
 import time
 
@@ -42,10 +43,10 @@ if "jax" not in sys.modules:  # one sampler device (unused) + the learner device
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from configs import addition_grpo  # noqa: E402
 from tunixlike import config as config_lib  # noqa: E402
 from tunixlike.rl import trainer  # noqa: E402
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 ROWS, PROMPT, EOS_P = 32, 12, 1 / 83
 # At least one row per learner device in each micro-batch: 16 on 1 or 2 devices, 8 on 4.
@@ -64,7 +65,7 @@ def long_tailed_batch(rng, max_new: int) -> dict[str, np.ndarray]:
 
 
 def time_setting(micro: int, group: int, batches) -> dict:
-  cfg = config_lib.from_config_dict(addition_grpo.get_config())
+  cfg = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py"))
   cfg = config_lib.replace(cfg, data=dict(task="reverse", max_prompt_length=16), warm_start=dict(max_steps=0),
                            mesh=dict(sampler_devices=1, learner_devices=ARGS.devices),
                            optim=dict(micro_batches=micro, group_by_length=group))

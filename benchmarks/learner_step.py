@@ -51,7 +51,6 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from tunixlike import models  # noqa: E402
 from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig  # noqa: E402
 from tunixlike.mesh import LEARNER_RULES  # noqa: E402

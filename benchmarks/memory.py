@@ -35,8 +35,6 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
 
 SETTINGS = {"none": (), "reference": ("reference",), "optimizer": ("optimizer",), "critic": ("critic",),
             "all": ("reference", "optimizer", "critic")}

@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 
@@ -64,7 +62,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from tunixlike import models  # noqa: E402
 from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig  # noqa: E402
 from tunixlike.learner import routing as routing_lib  # noqa: E402

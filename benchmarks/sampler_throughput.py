@@ -60,7 +60,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from tunixlike import mesh as mesh_lib  # noqa: E402
 from tunixlike.models import hf as hf_lib  # noqa: E402
 from tunixlike.models import testing as model_testing  # noqa: E402

@@ -5,11 +5,12 @@ Run: python -m tunixlike.train --config configs/addition_grpo.py --workdir runs/
 Variants: :size=tiny (the test-suite size).
 """
 
-from configs import base
+from tunixlike import config
 
 
 def get_config(arg: str | None = None):
-  c = base.get_config()
+  variant = config.parse_arg(arg, size=("default", "tiny"))
+  c = config.default_config_dict()
   c.data.digits = 2  # 3 digits needs a ~2000-step supervised plateau before anything is learned
   c.data.max_prompt_length = 16  # "12+34=" is 7 tokens; short buckets keep every step cheap
   c.sampler.max_prefill_length = 16
@@ -21,12 +22,9 @@ def get_config(arg: str | None = None):
   c.optim.schedule = "cosine"
   c.rl.num_steps = 300  # +50 points on the held-out split in 2-4 minutes on 2 cores
   c.eval.every_steps = 100  # a held-out curve, not just two points
-  size = (arg or "").removeprefix("size=") or "default"
-  if size == "tiny":  # the end-to-end test: a couple of steps only
+  if variant.size == "tiny":  # the end-to-end test: a couple of steps only
     c.rl.num_steps = 3
     c.rl.prompts_per_step = 8
     c.warm_start.max_steps = 20
     c.data.num_eval_examples = 64
-  elif size != "default":
-    raise ValueError(f"configs/addition_grpo.py: unknown variant {arg!r} (expected size=tiny)")
   return c

@@ -7,11 +7,12 @@ Run (TPU/GPU):
 Variant `:size=tiny` runs on CPU in the tests with a tiny random checkpoint they create.
 """
 
-from configs import base
+from tunixlike import config
 
 
 def get_config(arg: str | None = None):
-  c = base.get_config()
+  variant = config.parse_arg(arg, size=("default", "tiny"))
+  c = config.default_config_dict()
   c.data.task = "gsm8k"
   c.data.max_prompt_length = 256  # question + template; longer prompts are dropped and counted
   c.data.num_eval_examples = 256
@@ -31,8 +32,7 @@ def get_config(arg: str | None = None):
   c.lora.rank = 16
   c.lora.alpha = 32.0
   c.eval.every_steps = 50
-  size = (arg or "").removeprefix("size=") or "default"
-  if size == "tiny":  # CPU test: a tiny random checkpoint, a couple of steps
+  if variant.size == "tiny":  # CPU test: a tiny random checkpoint, a couple of steps
     c.model.dtype = "float32"
     c.data.max_prompt_length = 512  # character tokenizer: one token per character
     c.sampler.max_prefill_length = 512
@@ -47,6 +47,4 @@ def get_config(arg: str | None = None):
     c.lora.rank = 4
     c.optim.learning_rate = 1e-3
     c.eval.every_steps = 0
-  elif size != "default":
-    raise ValueError(f"configs/gsm8k_grpo.py: unknown variant {arg!r} (expected size=tiny)")
   return c

@@ -1,9 +1,6 @@
 """Shared test set-up: 8 virtual CPU devices (4 sampler + 4 learner) before JAX starts."""
 
 import os
-import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # `configs` is a folder of the project, not an installed package

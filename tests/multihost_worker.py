@@ -10,19 +10,21 @@ holds exactly the learner's (all-gathered) weights, and prints lines the test co
 """
 
 import json
+import pathlib
 import sys
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from configs import addition_grpo
 from tunixlike import checkpoint as checkpoint_lib, config as config_lib, rewards
 from tunixlike.rl import trainer, weight_sync
 
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+
 
 def main(num_steps: int, workdir: str):
-  cfg = config_lib.from_config_dict(addition_grpo.get_config("size=tiny"))
+  cfg = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py", "size=tiny"))
   cfg = config_lib.replace(
       cfg, data=dict(digits=2, num_eval_examples=8), warm_start=dict(max_steps=0),
       log=dict(progress_bar=False, tensorboard=False), sampler=dict(max_concurrent_decodes=16),

@@ -1,22 +1,24 @@
 import dataclasses
-import typing
+import pathlib
 
 import pytest
 
-from configs import addition_grpo, base
-from tunixlike import config as config_lib
+from tunixlike import config as config_lib, settings
+from tunixlike.rl.runtime import RuntimeConfig
+from tunixlike.sampler.config import SamplerConfig
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 
 def test_base_config_builds_typed_frozen_sections():
-  cfg = config_lib.from_config_dict(base.get_config())
-  assert isinstance(cfg.rl, config_lib.RLSection)
-  assert cfg.lora.targets == tuple(base.get_config().lora.targets)
+  cfg = config_lib.from_config_dict(config_lib.default_config_dict())
+  assert isinstance(cfg.rl, RuntimeConfig) and isinstance(cfg.sampler, SamplerConfig)
+  assert cfg.lora.targets == tuple(config_lib.default_config_dict().lora.targets)
   with pytest.raises(dataclasses.FrozenInstanceError):
     cfg.rl.num_steps = 3
 
 
-def test_every_base_key_is_a_dataclass_field_and_back():
-  """base.py holds every default: its keys and the typed schema are the same set."""
+def test_every_key_is_a_field_with_a_why_and_run_values_are_not_keys():
   def keys(d, prefix=""):
     for k, v in d.items():
       if isinstance(v, dict):
@@ -24,18 +26,39 @@ def test_every_base_key_is_a_dataclass_field_and_back():
       else:
         yield f"{prefix}{k}"
 
-  def fields(cls, prefix=""):
-    for name, hint in typing.get_type_hints(cls).items():
-      if dataclasses.is_dataclass(hint):
-        yield from fields(hint, f"{prefix}{name}.")
-      else:
-        yield f"{prefix}{name}"
+  fields = dict(settings.keys(config_lib.Config))
+  assert set(keys(config_lib.default_config_dict().to_dict())) == set(fields)
+  assert all(f.metadata.get("help") for f in fields.values())
+  for key in ("sampler.eos_ids", "sampler.group_size", "optim.total_steps", "algo.sampling_temperature"):
+    assert key not in fields
+  with pytest.raises(config_lib.ConfigError, match="sampler.eos_ids: unknown config key"):
+    config_lib.from_config_dict({"sampler": {"eos_ids": (1,)}})
 
-  assert set(keys(base.get_config().to_dict())) == set(fields(config_lib.Config))
+
+def test_library_defaults_are_the_run_defaults():
+  assert SamplerConfig() == config_lib.Config().sampler
+  assert SamplerConfig().max_concurrent_decodes == 128 and SamplerConfig().max_new_tokens == 8
+
+
+def test_parse_arg_reads_several_keys_and_names_bad_ones():
+  arg = config_lib.parse_arg("size=tiny,steps=10,fast=true", size=("default", "tiny"), steps=0, fast=False)
+  assert (arg.size, arg.steps, arg.fast) == ("tiny", 10, True)
+  assert config_lib.parse_arg(None, size=("default", "tiny")).size == "default"
+  for bad in ("size=huge", "steps=ten", "colour=red", "size"):
+    with pytest.raises(ValueError, match="unknown variant"):
+      config_lib.parse_arg(bad, size=("default", "tiny"), steps=0)
+
+
+def test_config_files_load_by_path_from_any_directory(tmp_path, monkeypatch):
+  import os
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "addition_ppo.py")
+  monkeypatch.chdir(tmp_path)
+  ppo = config_lib.from_config_dict(config_lib.load(f"{path}:size=tiny"))
+  assert ppo.algo.estimator == "ppo" and ppo.rl.num_steps == 3
 
 
 def test_defaults_of_base_match_dataclass_defaults():
-  assert config_lib.from_config_dict(base.get_config()) == config_lib.Config()
+  assert config_lib.from_config_dict(config_lib.default_config_dict()) == config_lib.Config()
 
 
 @pytest.mark.parametrize("section,key,value,message", [
@@ -52,7 +75,7 @@ def test_defaults_of_base_match_dataclass_defaults():
     ("data", "path", "/data", "data.path='/data': is only read by data.task='gsm8k'"),
 ])
 def test_invalid_values_name_the_key_and_value(section, key, value, message):
-  raw = base.get_config()
+  raw = config_lib.default_config_dict()
   with raw.unlocked():
     raw[section][key] = value
   with pytest.raises(config_lib.ConfigError, match=r"^" + message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
@@ -67,10 +90,10 @@ def test_unknown_key_and_wrong_type_are_named():
 
 
 def test_variant_argument_selects_tiny():
-  tiny = config_lib.from_config_dict(addition_grpo.get_config("size=tiny"))
-  assert tiny.rl.num_steps < config_lib.from_config_dict(addition_grpo.get_config()).rl.num_steps
+  tiny = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py", "size=tiny"))
+  assert tiny.rl.num_steps < config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py")).rl.num_steps
   with pytest.raises(ValueError, match="unknown variant"):
-    addition_grpo.get_config("size=galactic")
+    config_lib.load(CONFIGS / "addition_grpo.py", "size=galactic")
 
 
 def test_replace_changes_only_the_named_keys():

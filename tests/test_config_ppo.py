@@ -1,13 +1,15 @@
 """PPO and offload keys: defaults, and bad values that fail with the key named."""
 
+import pathlib
 import pytest
 
-from configs import addition_ppo, base
 from tunixlike import config as config_lib
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 
 def build(**overrides):
-  c = base.get_config()
+  c = config_lib.default_config_dict()
   for key, value in overrides.items():
     section, name = key.split("__")
     setattr(getattr(c, section), name, value)
@@ -17,11 +19,11 @@ def build(**overrides):
 def test_defaults_and_the_ppo_config():
   cfg = build()
   assert cfg.algo.estimator == "grpo_family" and cfg.learner.offload == () and cfg.model.critic_path is None
-  ppo = config_lib.from_config_dict(addition_ppo.get_config())
+  ppo = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_ppo.py"))
   assert ppo.algo.estimator == "ppo" and 0 <= ppo.algo.gae_lambda <= 1
-  assert config_lib.from_config_dict(addition_ppo.get_config("size=tiny")).rl.num_steps == 3
+  assert config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_ppo.py", "size=tiny")).rl.num_steps == 3
   with pytest.raises(ValueError, match="unknown variant"):
-    addition_ppo.get_config("size=huge")
+    config_lib.load(CONFIGS / "addition_ppo.py", "size=huge")
   ok = build(algo__estimator="ppo", algo__kl_reward_coef=0.1, learner__offload=("reference", "optimizer"))
   assert ok.learner.offload == ("reference", "optimizer")
 

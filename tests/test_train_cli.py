@@ -35,6 +35,15 @@ def test_bad_input_is_one_clear_line_and_status_2(args, expected):
   assert expected in lines[0]
 
 
+def test_config_files_work_from_any_directory(tmp_path):
+  # addition_ppo.py builds on addition_grpo.py: nothing may depend on the working directory.
+  out = subprocess.run([sys.executable, "-m", "tunixlike.train", "--config",
+                        os.path.join(ROOT, "configs", "addition_ppo.py") + ":size=tiny", "--check_only"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert "config OK" in out.stdout
+
+
 def test_missing_config_file_and_bad_variant():
   out = run_cli("--config", "configs/does_not_exist.py", "--check_only")
   assert out.returncode == 2 and "configs/does_not_exist.py" in out.stderr

@@ -121,7 +121,6 @@ def parse_config(prog: str, argv: list[str], config_flag,
   `first_check(raw)` runs when the config is invalid; a message it returns is reported instead of
   the validation error (a run-time fact, such as the device count, that the config cannot know).
   """
-  sys.path.insert(0, os.getcwd())  # config files import `configs.base` from the project root
   path = config_path(argv)
   try:
     flags.FLAGS(argv)

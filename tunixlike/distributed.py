@@ -17,10 +17,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import jax
 import numpy as np
+
+from tunixlike.settings import check_fields, ints_at_least, non_negative, optional, require, setting
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -29,23 +31,21 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-  """Unset fields fall back to the environment variables above; one process needs none of them."""
+  """The `distributed` section. Unset keys fall back to JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+  JAX_PROCESS_ID; with none of them set the run is single-process."""
 
-  coordinator_address: str | None = None  # host:port of process 0
-  num_processes: int | None = None
-  process_id: int | None = None
-  auto_detect: bool = False  # plain jax.distributed.initialize(): Cloud TPU pods, SLURM, Open MPI
-  timeout_s: int = 300  # how long to wait for every process to connect
+  SECTION: ClassVar[str] = "distributed"
+
+  coordinator_address: str | None = setting(None, "host:port of process 0, reachable from every host")
+  num_processes: int | None = setting(None, "hosts taking part", check=optional(ints_at_least(1)))
+  process_id: int | None = setting(None, "this host's index, 0 .. num_processes - 1", check=optional(non_negative))
+  auto_detect: bool = setting(False, "Cloud TPU pod slices, SLURM, Open MPI: let JAX find the cluster itself")
+  timeout_s: int = setting(300, "wait this long for every process to connect", check=ints_at_least(1))
 
   def __post_init__(self):
-    if self.num_processes is not None and self.num_processes < 1:
-      raise ValueError(f"distributed.num_processes={self.num_processes}: must be >= 1")
-    if self.process_id is not None and self.num_processes is not None and not (
-        0 <= self.process_id < self.num_processes):
-      raise ValueError(f"distributed.process_id={self.process_id}: must be in [0, "
-                       f"distributed.num_processes={self.num_processes})")
-    if self.timeout_s < 1:
-      raise ValueError(f"distributed.timeout_s={self.timeout_s}: must be >= 1")
+    check_fields(self)
+    require(self.process_id is None or self.num_processes is None or self.process_id < self.num_processes,
+            "distributed.process_id", self.process_id, f"must be < distributed.num_processes={self.num_processes}")
 
 
 def _env_int(name: str) -> int | None:
@@ -60,11 +60,10 @@ def _env_int(name: str) -> int | None:
 
 def resolve(cfg: DistributedConfig) -> DistributedConfig:
   """`cfg` with unset fields taken from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID."""
-  return DistributedConfig(
-      coordinator_address=cfg.coordinator_address or os.environ.get(ENV_COORDINATOR) or None,
+  return dataclasses.replace(
+      cfg, coordinator_address=cfg.coordinator_address or os.environ.get(ENV_COORDINATOR) or None,
       num_processes=cfg.num_processes if cfg.num_processes is not None else _env_int(ENV_NUM_PROCESSES),
-      process_id=cfg.process_id if cfg.process_id is not None else _env_int(ENV_PROCESS_ID),
-      auto_detect=cfg.auto_detect, timeout_s=cfg.timeout_s)
+      process_id=cfg.process_id if cfg.process_id is not None else _env_int(ENV_PROCESS_ID))
 
 
 def initialize(cfg: DistributedConfig = DistributedConfig()) -> bool:

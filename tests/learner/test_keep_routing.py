@@ -193,10 +193,9 @@ def test_dense_sampler_refuses_to_record_routing():
 
 
 def test_config_keys():
-  from configs import base
   from tunixlike import config
 
-  c = base.get_config(None)
+  c = config.default_config_dict()
   c.algo.keep_routing = True
   with pytest.raises(ValueError, match="algo.keep_routing=True: needs sampler.record_routing=True"):
     config.from_config_dict(c)

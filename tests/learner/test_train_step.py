@@ -6,6 +6,7 @@ from flax import nnx
 
 from jit_traces import count_traces
 from learner_trees import flat_values
+from tunixlike.learner import optimizer
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
 from tunixlike.learner.train_step import Learner
 from tunixlike.mesh import LEARNER_RULES
@@ -148,8 +149,8 @@ def test_config_errors_name_the_key():
     AlgoConfig(decoupled=False)
   with pytest.raises(ValueError, match="optim.micro_batches=0"):
     OptimConfig(micro_batches=0)
-  with pytest.raises(ValueError, match="rl.num_steps"):
-    OptimConfig(schedule="cosine")
+  with pytest.raises(ValueError, match="optim.total_steps"):  # a run value: checked once the schedule is built
+    optimizer.make_schedule(OptimConfig(schedule="cosine"))
   assert AlgoConfig(loss="dapo").eps_high_value == 0.28
   assert AlgoConfig(loss="dapo", eps_high=0.3).eps_high_value == 0.3
 

@@ -2,6 +2,7 @@
 real engine, timestamps from the trace), failures, and per-token advantages consumed by a learner step."""
 
 import json
+import pathlib
 import threading
 import time
 
@@ -19,6 +20,8 @@ from tunixlike.rewards import process
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler import Engine, PromptRequest, RolloutDriver, SamplerConfig
 from tunixlike.sampler.process_driver import ProcessRewardDriver
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 VOCAB = 64
 
@@ -195,11 +198,10 @@ def test_a_learner_step_consumes_per_token_process_advantages():
 def test_process_rewards_train_through_the_async_runtime():
   """algo.process_reward through the trainer: the driver hands per-digit prefixes to the registered
   `answer_prefix` PRM, the reward stage collects them, and the learner trains on per-token advantages."""
-  from configs import addition_grpo
   from tunixlike import config as config_lib
   from tunixlike.rl import trainer
 
-  cfg = config_lib.from_config_dict(addition_grpo.get_config("size=tiny"))
+  cfg = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py", "size=tiny"))
   cfg = config_lib.replace(cfg, data=dict(digits=2, num_eval_examples=16), warm_start=dict(max_steps=0),
                            log=dict(progress_bar=False, tensorboard=False), sampler=dict(max_concurrent_decodes=16),
                            algo=dict(process_reward="answer_prefix", step_delimiter="", step_every_tokens=1),

@@ -2,6 +2,7 @@
 advantage, and the student's KL to a fixed tiny teacher falling through the real async runtime."""
 
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -9,13 +10,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import addition_grpo
 from tunixlike import config as config_lib, models
 from tunixlike.learner import batch as batch_lib, token_advantages as tok_adv
 from tunixlike.rl import distill, trainer
 from tunixlike.rl.prompts import PromptStream, requests_for
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler.driver import RolloutDriver
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 TINY = models.tiny_config(vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8)
 
@@ -64,7 +66,7 @@ def test_distill_advantage_is_teacher_minus_student_logprob_per_token():
 
 
 def _config(teacher_path, num_steps, advantage="distill"):
-  cfg = config_lib.from_config_dict(addition_grpo.get_config("size=tiny"))
+  cfg = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py", "size=tiny"))
   return config_lib.replace(
       cfg, model=dict(teacher_path=teacher_path),
       algo=dict(advantage=advantage, group_size=4),
@@ -127,6 +129,6 @@ def test_student_reverse_kl_to_a_fixed_teacher_falls_through_the_async_runtime(t
     (dict(algo=dict(process_reward="answer_prefix"), rl=dict(env="calculator")), "rl.env='calculator'"),
 ])
 def test_bad_distillation_and_process_reward_configs_name_the_key(changes, message):
-  cfg = config_lib.from_config_dict(addition_grpo.get_config("size=tiny"))
+  cfg = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py", "size=tiny"))
   with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
     config_lib.replace(cfg, **changes)

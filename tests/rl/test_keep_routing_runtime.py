@@ -1,16 +1,18 @@
 """Keep Routing through the async runtime: an MoE policy, sampler.record_routing + algo.keep_routing."""
 
 import numpy as np
+import pathlib
 import pytest
 
-from configs import addition_grpo
 from tunixlike import config as config_lib, mesh as mesh_lib, models
 from tunixlike.rl import trainer
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.mark.slow
 def test_moe_routing_is_recorded_and_replayed_through_the_runtime():
-  cfg = config_lib.from_config_dict(addition_grpo.get_config("size=tiny"))
+  cfg = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py", "size=tiny"))
   cfg = config_lib.replace(cfg, data=dict(digits=2, num_eval_examples=16), warm_start=dict(max_steps=0),
                            log=dict(progress_bar=False, tensorboard=False), sampler=dict(max_concurrent_decodes=16,
                                                                                          record_routing=True),

@@ -3,19 +3,21 @@ critic, steps through the real async runtime, the policy alone synced to the sam
 checkpointed state (value head, critic, moments) restored into the offloaded layout."""
 
 import jax
+import pathlib
 import numpy as np
 import pytest
 from flax import nnx
 
-from configs import addition_ppo
 from tunixlike import checkpoint as checkpoint_lib, config as config_lib, models, rewards
 from tunixlike.data import char_tokenizer
 from tunixlike.learner import offload as offload_lib, ppo as ppo_lib
 from tunixlike.rl import trainer
 
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+
 
 def ppo_config(**changes):
-  cfg = config_lib.from_config_dict(addition_ppo.get_config("size=tiny"))
+  cfg = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_ppo.py", "size=tiny"))
   return config_lib.replace(cfg, data=dict(num_eval_examples=16), warm_start=dict(max_steps=0),
                             log=dict(progress_bar=False, tensorboard=False), sampler=dict(max_concurrent_decodes=16),
                             rl=dict(num_steps=2, prompts_per_step=4, max_staleness=0), **changes)

@@ -1,19 +1,21 @@
 """The async runtime end to end on the 4 + 4 CPU submeshes (real engine, learner, threads, rewards)."""
 
 import json
+import pathlib
 
 import jax
 import numpy as np
 import pytest
 
-from configs import addition_grpo
 from jit_traces import count_traces, engine_counts
 from tunixlike import config as config_lib, rewards, trace
 from tunixlike.rl import trainer
 
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+
 
 def tiny_config(**rl):
-  cfg = config_lib.from_config_dict(addition_grpo.get_config("size=tiny"))
+  cfg = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py", "size=tiny"))
   return config_lib.replace(cfg, data=dict(digits=2, num_eval_examples=16),
                             warm_start=dict(max_steps=0), log=dict(progress_bar=False, tensorboard=False),
                             sampler=dict(max_concurrent_decodes=16), rl=dict(num_steps=3, prompts_per_step=4, **rl))

@@ -1,11 +1,13 @@
 """The supervised warm start learns, and its teacher-forced accuracy is exactly greedy-decoding accuracy."""
 
 import numpy as np
+import pathlib
 import pytest
 
-from configs import addition_grpo
 from tunixlike import config as config_lib
 from tunixlike.rl import trainer, warm_start as warm_start_lib
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_answer_mask_marks_the_positions_that_predict_answer_and_eos():
@@ -20,7 +22,7 @@ def test_answer_mask_marks_the_positions_that_predict_answer_and_eos():
 
 @pytest.mark.slow
 def test_warm_start_learns_and_teacher_forced_accuracy_equals_greedy_decoding():
-  cfg = config_lib.from_config_dict(addition_grpo.get_config("size=tiny"))
+  cfg = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py", "size=tiny"))
   cfg = config_lib.replace(cfg, data=dict(digits=1, num_eval_examples=64), sampler=dict(max_concurrent_decodes=16),
                            warm_start=dict(max_steps=400, target_accuracy=0.3, eval_every=10))
   parts = trainer.build(cfg)

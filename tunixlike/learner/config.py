@@ -1,75 +1,105 @@
-"""Typed, validated settings of the learner (mapped by the trainer from configs/base.py)."""
+"""The `algo` and `optim` sections of the config, and LearnerConfig, what the learner is built from."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import ClassVar
 
 from tunixlike.learner import advantages, is_correction, kl, losses
+from tunixlike.settings import (ConfigError, check_fields, in_range, non_negative, one_of, positive,
+                                positive_int, require, run_value, setting)
+
+ESTIMATORS = ("grpo_family", "ppo")
+PPO_LOSSES = ("ppo_clip", "dapo")  # gspo's ratio is per sequence: it cannot take per-token advantages
 
 
-def _bad(field: str, value, why: str):
-  raise ValueError(f"{field}={value!r}: {why}")
+def _registered(lookup, value):
+  """A registry lookup whose ValueError already names the key and the choices."""
+  try:
+    lookup(value)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def _bool(v) -> str | None:
+  return None if isinstance(v, bool) else "must be a bool"
 
 
 @dataclasses.dataclass(frozen=True)
 class AlgoConfig:
   """The RL objective. eps_low / eps_high / aggregation = None take the loss's paper default."""
 
-  advantage: str = "grpo"  # grpo | dr_grpo | rloo
-  loss: str = "ppo_clip"  # ppo_clip | dapo | gspo
-  aggregation: str | None = None  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
-  eps_low: float | None = None
-  eps_high: float | None = None
-  norm_length: int = 0  # constant L of seq_mean_token_sum_norm (Dr. GRPO: the max completion length)
-  kl_coef: float = 0.0  # 0 skips the reference forward pass
-  kl_estimator: str = "k3"  # k1 | k2 | k3
-  decoupled: bool = True  # trust region around the learner's proximal policy (False: around behaviour)
-  is_mode: str = "tis"  # none | tis | mis (behaviour -> proximal correction, decoupled only)
-  is_level: str = "token"  # token | sequence
-  is_cap: float = 2.0  # tis cap
-  is_low: float = 0.5  # mis band
-  is_high: float = 2.0
-  # "Keep Sampling Mask": score tokens under the sampler's recorded top-k / top-p kept set, so the
-  # behaviour and learner distributions have the same support (batch needs 'sampling_mask').
-  keep_sampling_mask: bool = False
-  # "Keep Routing" (MoE): force the experts the sampler recorded in every MoE layer (batch needs
-  # 'routing'), so a router that would flip its top-k cannot change which experts run.
-  keep_routing: bool = False
-  # The sampler's temperature: learner logprobs are log softmax(logits / T), the distribution the
-  # behaviour logprobs were taken under.
-  sampling_temperature: float = 1.0
+  SECTION: ClassVar[str] = "algo"
+
+  group_size: int = setting(8, "G samples per prompt",
+                            check=lambda v: None if v >= 2 else "must be >= 2 (group baselines)")
+  advantage: str = setting("grpo", "grpo | dr_grpo | rloo | distill (needs model.teacher_path)")
+  loss: str = setting("ppo_clip", "ppo_clip | dapo | gspo")
+  aggregation: str | None = setting(None, "token_mean | seq_mean_token_mean | seq_mean_token_sum_norm; None = the "
+                                    "loss's paper default (ppo_clip: token_mean; dapo: token_mean)")
+  eps_low: float | None = setting(None, "lower clip of the ratio (None = the loss's default, 0.2)")
+  eps_high: float | None = setting(None, "upper clip (None = the loss's default); DAPO clip-higher uses 0.28")
+  norm_length: int = setting(0, "constant L of seq_mean_token_sum_norm (Dr. GRPO: the max completion length)",
+                             check=non_negative)
+  decoupled: bool = setting(True, "trust region around the learner's proximal policy, IS-correct the sampler "
+                            "(False: around the behaviour policy)")
+  kl_coef: float = setting(0.0, "KL to the reference; 0 skips the reference forward", check=non_negative)
+  kl_estimator: str = setting("k3", "k1 | k2 | k3")
+  is_mode: str = setting("tis", "off-policy correction: none | tis (truncate) | mis (icepop mask)",
+                         check=one_of(*is_correction.IS_MODES))
+  is_level: str = setting("token", "token | sequence", check=one_of(*is_correction.IS_LEVELS))
+  is_cap: float = setting(2.0, "TIS cap (verl default)", check=positive)
+  is_low: float = setting(0.5, "MIS band lower edge")
+  is_high: float = setting(2.0, "MIS band upper edge: tokens outside [is_low, is_high] are masked", check=positive)
+  dynamic_sampling: bool = setting(False, "DAPO: drop zero-variance groups and refill")
+  keep_sampling_mask: bool = setting(
+      False, "'Keep Sampling Mask' (needs sampler.record_sampling_mask): score tokens under the sampler's recorded "
+      "top-k/top-p set, so the IS ratio is exactly 1 at staleness 0", check=_bool)
+  keep_routing: bool = setting(
+      False, "'Keep Routing' (needs sampler.record_routing): force the sampler's recorded MoE experts in the "
+      "learner's forward, so experts that would flip cannot move the IS ratio", check=_bool)
+  overlong_buffer: int = setting(0, "DAPO soft overlong penalty over the last N tokens before max_new_tokens; 0 = off",
+                                 check=non_negative)
+  overlong_penalty: float = setting(1.0, "the penalty at max_new_tokens (linear over the buffer)", check=non_negative)
+  process_reward: str | None = setting(None, "name of a registered process reward (rewards/process.py) scoring each "
+                                       "step's prefix while the completion decodes; None = off")
+  process_reward_coef: float = setting(1.0, "weight of the process-supervised per-token advantage next to the "
+                                       "outcome one")
+  step_delimiter: str = setting("\n", "a token completing this string ends a step ('' = off)")
+  step_every_tokens: int = setting(0, "also end a step every N tokens (0 = off)", check=non_negative)
+  estimator: str = setting("grpo_family", "grpo_family (algo.advantage from group rewards) | ppo (learned critic + "
+                           "per-token GAE advantages)", check=one_of(*ESTIMATORS))
+  gamma: float = setting(1.0, "PPO discount inside a completion; 1 = the end reward counts fully at every token",
+                         check=in_range(0, 1))
+  gae_lambda: float = setting(0.95, "PPO GAE bias/variance trade-off (1 = Monte Carlo returns, 0 = one-step TD)",
+                              check=in_range(0, 1))
+  vf_coef: float = setting(0.5, "PPO weight of the value loss next to the policy loss", check=non_negative)
+  vf_clip: float = setting(0.2, "PPO value clipping around the pre-update values; 0 = off", check=non_negative)
+  kl_reward_coef: float = setting(0.0, "PPO token-level KL-to-reference penalty folded into the rewards; 0 = off",
+                                  check=non_negative)
+  whiten_advantages: bool = setting(True, "PPO: normalise the GAE advantages over the batch's tokens")
+  sampling_temperature: float = run_value(
+      1.0, "sampler.temperature (1 when greedy): learner logprobs are log softmax(logits / T), the distribution "
+      "the behaviour logprobs were taken under",
+      check=lambda v: None if isinstance(v, (int, float)) and 0 < v < math.inf else
+      "must be a finite number > 0 (a greedy sampler has no distribution to train on)")
 
   def __post_init__(self):
-    advantages.get_advantage_fn(self.advantage)
-    losses.get_policy_loss(self.loss)
-    losses.check_aggregation(self.resolved_aggregation)
-    kl.get_kl_fn(self.kl_estimator)
-    if self.is_mode not in is_correction.IS_MODES:
-      _bad("algo.is_mode", self.is_mode, f"choose one of {is_correction.IS_MODES}")
-    if self.is_level not in is_correction.IS_LEVELS:
-      _bad("algo.is_level", self.is_level, f"choose one of {is_correction.IS_LEVELS}")
-    if not 0 <= self.eps_low_value < 1:
-      _bad("algo.eps_low", self.eps_low, "must be in [0, 1)")
-    if not self.eps_high_value >= 0:
-      _bad("algo.eps_high", self.eps_high, "must be >= 0")
-    if self.kl_coef < 0:
-      _bad("algo.kl_coef", self.kl_coef, "must be >= 0")
-    if self.is_cap <= 0:
-      _bad("algo.is_cap", self.is_cap, "must be > 0")
-    if not 0 <= self.is_low < self.is_high:
-      _bad("algo.is_low", self.is_low, f"must be in [0, algo.is_high={self.is_high})")
-    if self.resolved_aggregation == "seq_mean_token_sum_norm" and self.norm_length <= 0:
-      _bad("algo.norm_length", self.norm_length, "seq_mean_token_sum_norm needs a positive constant length")
-    if not isinstance(self.keep_sampling_mask, bool):
-      _bad("algo.keep_sampling_mask", self.keep_sampling_mask, "must be a bool")
-    if not isinstance(self.keep_routing, bool):
-      _bad("algo.keep_routing", self.keep_routing, "must be a bool")
-    if not (isinstance(self.sampling_temperature, (int, float)) and 0 < self.sampling_temperature < float("inf")):
-      _bad("AlgoConfig.sampling_temperature", self.sampling_temperature,
-           "must be a finite number > 0 (a greedy sampler has no distribution to train on)")
-    if not self.decoupled and self.is_mode != "none":
-      _bad("algo.is_mode", self.is_mode,
-           "needs algo.decoupled=True (the IS weight corrects behaviour -> proximal); use 'none'")
+    check_fields(self)
+    _registered(advantages.get_advantage_fn, self.advantage)
+    _registered(losses.get_policy_loss, self.loss)
+    _registered(losses.check_aggregation, self.resolved_aggregation)
+    _registered(kl.get_kl_fn, self.kl_estimator)
+    require(0 <= self.eps_low_value < 1, "algo.eps_low", self.eps_low, "must be in [0, 1)")
+    require(self.eps_high_value >= 0, "algo.eps_high", self.eps_high, "must be >= 0")
+    require(0 <= self.is_low < self.is_high, "algo.is_low", self.is_low, f"must be in [0, algo.is_high={self.is_high})")
+    require(self.resolved_aggregation != "seq_mean_token_sum_norm" or self.norm_length > 0, "algo.norm_length",
+            self.norm_length, "seq_mean_token_sum_norm needs a positive constant length")
+    require(self.decoupled or self.is_mode == "none", "algo.is_mode", self.is_mode,
+            "needs algo.decoupled=True (the IS weight corrects behaviour -> proximal); use 'none'")
+    require(self.estimator != "ppo" or self.loss in PPO_LOSSES, "algo.loss", self.loss,
+            f"algo.estimator='ppo' needs a token-level loss, one of {list(PPO_LOSSES)}")
 
   @property
   def eps_low_value(self) -> float:
@@ -87,57 +117,47 @@ class AlgoConfig:
 SCHEDULES = ("constant", "cosine")
 
 
+def _b(v) -> str | None:
+  return in_range(0, 1, high_open=True)(v)
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-  learning_rate: float = 5e-4
-  warmup_steps: int = 0
-  schedule: str = "constant"  # constant | cosine (decays to 0 at total_steps)
-  total_steps: int = 0  # needed by cosine
-  grad_clip: float = 1.0  # global-norm clip; 0 = off
-  weight_decay: float = 0.0
-  b1: float = 0.9
-  b2: float = 0.99
-  eps: float = 1e-8
-  micro_batches: int = 1  # exact token-weighted gradient accumulation
-  # Rows sorted by length; each micro-batch runs at the shortest of N prefix lengths (T * k / N)
-  # that holds its rows, so a long tail pads one micro-batch, not all of them. 0 = off.
-  group_by_length: int = 0
+  SECTION: ClassVar[str] = "optim"
+
+  learning_rate: float = setting(5e-4, "1e-3 collapsed in probes of the addition task", check=positive)
+  warmup_steps: int = setting(0, "linear warm-up of the learning rate", check=non_negative)
+  schedule: str = setting("constant", "constant | cosine (decays to 0 at the last RL step)",
+                          check=one_of(*SCHEDULES))
+  grad_clip: float = setting(1.0, "global-norm clip; 0 = off", check=non_negative)
+  weight_decay: float = setting(0.0, "AdamW decay; RL moves little, none needed by default", check=non_negative)
+  b1: float = setting(0.9, "Adam first-moment decay", check=_b)
+  b2: float = setting(0.99, "faster than 0.999: RL gradients are non-stationary", check=_b)
+  eps: float = setting(1e-8, "Adam denominator epsilon", check=positive)
+  micro_batches: int = setting(1, "exact token-weighted gradient accumulation", check=positive_int)
+  group_by_length: int = setting(
+      0, "N > 0: rows sorted by length, each micro-batch runs at the shortest of N prefix lengths (T*k/N) that "
+      "holds its rows, so a long tail pads one micro-batch, not all", check=non_negative)
+  total_steps: int = run_value(0, "rl.num_steps: where cosine reaches 0 (0 = not set yet)", check=non_negative)
 
   def __post_init__(self):
-    if not self.learning_rate > 0:
-      _bad("optim.learning_rate", self.learning_rate, "must be > 0")
-    if self.schedule not in SCHEDULES:
-      _bad("optim.schedule", self.schedule, f"choose one of {SCHEDULES}")
-    if self.warmup_steps < 0:
-      _bad("optim.warmup_steps", self.warmup_steps, "must be >= 0")
-    if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
-      _bad("rl.num_steps", self.total_steps, f"the cosine schedule needs more than optim.warmup_steps={self.warmup_steps}")
-    if self.grad_clip < 0 or self.weight_decay < 0:
-      _bad("optim.grad_clip" if self.grad_clip < 0 else "optim.weight_decay",
-           min(self.grad_clip, self.weight_decay), "must be >= 0")
-    for name in ("b1", "b2"):
-      if not 0 <= getattr(self, name) < 1:
-        _bad(f"optim.{name}", getattr(self, name), "must be in [0, 1)")
-    if not isinstance(self.micro_batches, int) or self.micro_batches <= 0:
-      _bad("optim.micro_batches", self.micro_batches, "must be a positive int")
-    if not isinstance(self.group_by_length, int) or self.group_by_length < 0:
-      _bad("optim.group_by_length", self.group_by_length, "must be an int >= 0 (0 = off)")
-    if self.group_by_length and self.micro_batches < 2:
-      _bad("optim.group_by_length", self.group_by_length,
-           f"needs optim.micro_batches >= 2 to group rows into (got {self.micro_batches})")
+    check_fields(self)
+    require(not self.group_by_length or self.micro_batches >= 2, "optim.group_by_length", self.group_by_length,
+            f"needs optim.micro_batches >= 2 to group rows into (got {self.micro_batches})")
+    require(self.schedule != "cosine" or not self.total_steps or self.total_steps > self.warmup_steps,
+            "optim.total_steps", self.total_steps, f"cosine needs total_steps > warmup_steps={self.warmup_steps}")
 
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
+  """What the learner is built from: the config's algo and optim sections with their run values."""
+
   algo: AlgoConfig = AlgoConfig()
   optim: OptimConfig = OptimConfig()
   logprob_chunk_size: int = 128  # positions unembedded at once: bounds the [B, C, V] logits
   batch_axis: str = "fsdp"  # learner mesh axis the batch rows are split over
 
   def __post_init__(self):
-    if not isinstance(self.algo, AlgoConfig):
-      _bad("LearnerConfig.algo", self.algo, "must be an AlgoConfig")
-    if not isinstance(self.optim, OptimConfig):
-      _bad("LearnerConfig.optim", self.optim, "must be an OptimConfig")
-    if self.logprob_chunk_size <= 0:
-      _bad("LearnerConfig.logprob_chunk_size", self.logprob_chunk_size, "must be > 0")
+    require(isinstance(self.algo, AlgoConfig), "learner.algo", self.algo, "must be an AlgoConfig")
+    require(isinstance(self.optim, OptimConfig), "learner.optim", self.optim, "must be an OptimConfig")
+    require(self.logprob_chunk_size > 0, "learner.logprob_chunk_size", self.logprob_chunk_size, "must be > 0")

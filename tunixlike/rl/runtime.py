@@ -18,13 +18,15 @@ import dataclasses
 import math
 import threading
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Protocol, Sequence
 
 import numpy as np
 
 from tunixlike.rl.collapse import CollapseDetector, PolicyCollapse
 from tunixlike.rl.queue import RolloutQueue, Stopped
 from tunixlike.rollout import RolloutGroup
+from tunixlike.settings import (DTYPES, check_fields, in_range, non_negative, one_of, optional, positive,
+                                run_value, setting)
 
 
 class Learner(Protocol):
@@ -39,21 +41,36 @@ class Learner(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
-  num_steps: int
-  prompts_per_step: int
-  max_staleness: int = 1
-  sync_mode: str = "soft_pause"  # soft_pause: swap between decode steps | drain: finish in-flight first
-  reward_workers: int = 4
-  max_nonfinite_steps: int = 3
-  wait_timeout_s: float = 300.0
-  dynamic_sampling: bool = False  # DAPO: drop groups whose rewards have no variance, refill
-  stop_on_collapse: bool = True  # a step flagged by `collapse` stops the run (else it is only logged)
+  """The `rl` section of the config: the async loop, rewards, multi-turn episodes, stop conditions."""
+
+  SECTION: ClassVar[str] = "rl"
+
+  num_steps: int = setting(60, "learner steps (= policy versions) of RL", check=positive)
+  prompts_per_step: int = setting(32, "groups per learner step (the run splits them over the hosts)", check=positive)
+  max_staleness: int = setting(1, "0 = synchronous (the baseline every comparison uses)", check=non_negative)
+  sync_mode: str = setting("soft_pause", "soft_pause (swap weights between decode steps) | drain (finish in-flight "
+                           "first)", check=one_of("soft_pause", "drain"))
+  sync_dtype: str | None = setting(None, "e.g. 'bfloat16' for a bf16 sampler; None = the learner's dtype",
+                                   check=optional(one_of(*DTYPES)))
+  reward_workers: int = setting(4, "threads scoring groups, so slow verifiers never stall decoding", check=positive)
+  reward_timeout_s: float = setting(10.0, "a reward call slower than this scores 0 and is counted", check=positive)
+  max_nonfinite_steps: int = setting(3, "stop after this many non-finite losses in a row", check=positive)
+  wait_timeout_s: float = setting(300.0, "no wait without a timeout", check=positive)
+  stop_on_collapse: bool = setting(True, "stop at a collapsed step (the best checkpoint survives) rather than "
+                                   "train on; else it is only logged")
+  collapse_entropy_frac: float = setting(0.01, "collapsed: token entropy within this fraction of ln V (uniform "
+                                         "policy)", check=in_range(0, 1, low_open=True, high_open=True))
+  collapse_spike_factor: float = setting(1000.0, "also collapsed: grad norm this many times its recent median "
+                                         "(0 = off)", check=non_negative)
+  env: str | None = setting(None, "multi-turn episodes that interleave decoding with tool calls: 'calculator' = "
+                            "the built-in tool environment; None = single-turn", check=optional(one_of("calculator")))
+  env_max_turns: int = setting(4, "policy turns per episode", check=positive)
+  env_step_timeout_s: float = setting(30.0, "a tool slower than this costs its episode, not the run", check=positive)
+  dynamic_sampling: bool = run_value(False, "algo.dynamic_sampling: drop groups whose rewards have no variance, "
+                                     "refill")
 
   def __post_init__(self):
-    if self.sync_mode not in ("soft_pause", "drain"):
-      raise ValueError(f"rl.sync_mode={self.sync_mode!r}: must be soft_pause or drain")
-    if self.num_steps < 0 or self.prompts_per_step < 1 or self.max_staleness < 0:
-      raise ValueError(f"bad RuntimeConfig {self}")
+    check_fields(self)
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -65,14 +82,15 @@ def _has_variance(group: RolloutGroup) -> bool:
 
 
 class AsyncRuntime:
-  """Runs `num_steps` learner steps from `start_version`, with the driver in its own thread."""
+  """Runs `num_steps` learner steps (default `cfg.num_steps`; a resumed run: those left) from the
+  learner's version, with the driver in its own thread."""
 
   def __init__(self, cfg: RuntimeConfig, *, driver_factory: Callable[..., Any], learner: Learner,
                score: Callable[[RolloutGroup], None], log: Callable[[int, dict], None] = lambda s, m: None,
                on_step: Callable[[int], None] = lambda step: None,
                on_batch: Callable[[int, list, list], None] = lambda step, trained, dropped: None,
                should_stop: Callable[[], bool] = lambda: False, collapse: CollapseDetector | None = None,
-               queue_counts: dict[str, int] | None = None):
+               queue_counts: dict[str, int] | None = None, num_steps: int | None = None):
     """`driver_factory(sink, may_start_group)` builds the RolloutDriver (not started).
 
     `score(group)` fills `group.rewards` (runs in the reward pool); `log(step, metrics)` is called
@@ -84,6 +102,7 @@ class AsyncRuntime:
     version; `queue_counts` (a checkpoint's `queue.counts()`) continues its counters.
     """
     self.cfg, self.learner, self._score, self._log, self._on_step = cfg, learner, score, log, on_step
+    self.num_steps = cfg.num_steps if num_steps is None else num_steps
     self._on_batch, self._should_stop, self._collapse = on_batch, should_stop, collapse
     self._dropped: list[RolloutGroup] = []
     self.stop_event = threading.Event()
@@ -142,7 +161,7 @@ class AsyncRuntime:
     if threaded:
       self.driver.start()
     try:
-      for _ in range(cfg.num_steps):
+      for _ in range(self.num_steps):
         if self._should_stop():
           self.preempted = True
           break

@@ -34,7 +34,7 @@ from tunixlike import models, rewards, trace as trace_lib, workdir as workdir_li
 from tunixlike.rewards.envs import CalculatorEnv
 from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokenizer_lib
-from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
+from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, value as value_lib
 from tunixlike.learner.train_step import Learner
 from tunixlike.models import lora as lora_lib
@@ -45,7 +45,7 @@ from tunixlike.sampler.process_driver import ProcessRewardDriver
 from tunixlike.rl.policy import PolicyLearner
 from tunixlike.rl.preemption import Preemption
 from tunixlike.rl.prompts import PromptStream, requests_for
-from tunixlike.rl.runtime import AsyncRuntime, RuntimeConfig
+from tunixlike.rl.runtime import AsyncRuntime
 from tunixlike.rollout import RolloutGroup
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.sampler.driver import RolloutDriver
@@ -72,41 +72,24 @@ def build_model(cfg: Config, tok, mesh) -> nnx.Module:
   m = cfg.model
   if m.hf_path:
     return models.from_pretrained(m.hf_path, mesh=mesh, rules=mesh_lib.LEARNER_RULES, dtype=m.param_dtype)
-  model_cfg = models.ModelConfig(
-      vocab_size=tok.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
-      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, intermediate_size=m.intermediate_size,
-      rope_theta=m.rope_theta, rms_norm_eps=m.rms_norm_eps, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm,
-      tie_embeddings=m.tie_embeddings, param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat)
-  return models.create_sharded(model_cfg, mesh, mesh_lib.LEARNER_RULES, seed=cfg.seed)
+  # The model section's sizes carry ModelConfig's own names; the vocabulary is the tokenizer's.
+  sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(models.ModelConfig) if hasattr(m, f.name)}
+  return models.create_sharded(models.ModelConfig(vocab_size=tok.vocab_size, **sizes), mesh, mesh_lib.LEARNER_RULES,
+                               seed=cfg.seed)
 
 
 def learner_config(cfg: Config) -> LearnerConfig:
-  a, o = cfg.algo, cfg.optim
-  algo = AlgoConfig(advantage=a.advantage, loss=a.loss, aggregation=a.aggregation, eps_low=a.eps_low,
-                    eps_high=a.eps_high, norm_length=a.norm_length, kl_coef=a.kl_coef,
-                    kl_estimator=a.kl_estimator, decoupled=a.decoupled, is_mode=a.is_mode, is_level=a.is_level,
-                    is_cap=a.is_cap, is_low=a.is_low, is_high=a.is_high, keep_sampling_mask=a.keep_sampling_mask,
-                    keep_routing=a.keep_routing,
-                    # The behaviour logprobs are at the sampler's temperature; the learner's must match.
-                    sampling_temperature=cfg.sampler.temperature if cfg.sampler.temperature > 0 else 1.0)
-  optim = OptimConfig(learning_rate=o.learning_rate, warmup_steps=o.warmup_steps, schedule=o.schedule,
-                      total_steps=cfg.rl.num_steps, grad_clip=o.grad_clip, weight_decay=o.weight_decay,
-                      b1=o.b1, b2=o.b2, micro_batches=o.micro_batches,
-                      group_by_length=o.group_by_length)
-  return LearnerConfig(algo=algo, optim=optim)
+  """The algo and optim sections with their run values."""
+  # The behaviour logprobs are at the sampler's temperature; the learner's must match.
+  algo = dataclasses.replace(cfg.algo, sampling_temperature=cfg.sampler.temperature or 1.0)
+  return LearnerConfig(algo=algo, optim=dataclasses.replace(cfg.optim, total_steps=cfg.rl.num_steps))
 
 
 def sampler_config(cfg: Config, tok) -> SamplerConfig:
   """This process's sampler: the decode slots of sampler.max_concurrent_decodes are split over the hosts."""
-  s = cfg.sampler
-  slots = s.max_concurrent_decodes // jax.process_count()
-  return SamplerConfig(max_concurrent_decodes=slots, max_prefill_length=s.max_prefill_length,
-                       max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                       eos_ids=tuple(tok.stop_ids), stop_strings=tuple(s.stop_strings),
-                       steps_per_call=s.steps_per_call, record_sampling_mask=s.record_sampling_mask,
-                       record_routing=s.record_routing,
-                       group_size=cfg.algo.group_size, attend_bucket=s.attend_bucket,
-                       slot_groups=s.slot_groups, seed=cfg.seed)
+  slots = cfg.sampler.max_concurrent_decodes // jax.process_count()
+  return dataclasses.replace(cfg.sampler, max_concurrent_decodes=slots, eos_ids=tuple(tok.stop_ids),
+                             group_size=cfg.algo.group_size, seed=cfg.seed)
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -181,10 +164,7 @@ def upload_logs(workdir: str, say=print):
 
 def initialize_distributed(cfg: Config) -> bool:
   """`jax.distributed` from the config's `distributed` section (or JAX_* env vars); see distributed.py."""
-  d = cfg.distributed
-  return distributed.initialize(distributed.DistributedConfig(
-      coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id,
-      auto_detect=d.auto_detect, timeout_s=d.timeout_s))
+  return distributed.initialize(cfg.distributed)
 
 
 def build(cfg: Config, workdir: str | None = None, say=print) -> Parts:
@@ -348,11 +328,8 @@ def make_runtime(parts: Parts, stream: PromptStream, log=lambda step, m: None,
     stop = lambda: distributed.any_process(should_stop())
   return AsyncRuntime(
       # Each process's queue admits its own share of every batch.
-      RuntimeConfig(num_steps=r.num_steps if num_steps is None else num_steps,
-                    prompts_per_step=r.prompts_per_step // n_proc, max_staleness=r.max_staleness,
-                    sync_mode=r.sync_mode, reward_workers=r.reward_workers, max_nonfinite_steps=r.max_nonfinite_steps,
-                    wait_timeout_s=r.wait_timeout_s, dynamic_sampling=cfg.algo.dynamic_sampling,
-                    stop_on_collapse=r.stop_on_collapse),
+      dataclasses.replace(r, prompts_per_step=r.prompts_per_step // n_proc,
+                          dynamic_sampling=cfg.algo.dynamic_sampling), num_steps=num_steps,
       driver_factory=driver_factory, learner=parts.policy, score=score, log=log, on_step=on_step,
       on_batch=on_batch, should_stop=stop, collapse=collapse, queue_counts=queue_counts)
 

@@ -1,79 +1,76 @@
-"""SamplerConfig: every setting of the engine and the rollout driver, validated once."""
+"""SamplerConfig: the `sampler` section of the config, every setting of the engine and the driver."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 from tunixlike.sampler.sampling import SamplingParams
+from tunixlike.settings import (DTYPES, ConfigError, an_int, check_fields, in_range, one_of, optional,
+                                positive_int, run_value, setting)
 
 
-# Errors name a field by its key in the run config (configs/base.py); the fields it has no
-# `sampler.<field>` key for are named by where they come from, so no message names a missing key.
-_NAMES = {"group_size": "algo.group_size", "min_prefill_bucket": "SamplerConfig.min_prefill_bucket"}
+def _token_ids(v) -> str | None:
+  ok = isinstance(v, tuple) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)
+  return None if ok else "must be a tuple of token ids >= 0"
 
 
-def _is_int(x) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
+def _stop_strings(v) -> str | None:
+  ok = isinstance(v, tuple) and all(isinstance(s, str) and s for s in v)
+  return None if ok else "must be a tuple of non-empty strings"
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
-  # Decode slots (the decode batch), shared by all replicas of the sampler mesh.
-  max_concurrent_decodes: int = 16
-  # Longest prompt; prefill lengths are bucketed to powers of two up to it.
-  max_prefill_length: int = 64
-  # Default cap on generated tokens per completion (a request may ask for fewer).
-  max_new_tokens: int = 64
-  temperature: float = 1.0  # 0 = greedy (argmax whatever top_k / top_p say)
-  top_k: int = 0  # 0 = off
-  top_p: float = 1.0  # 1 = off
-  eos_ids: tuple[int, ...] = ()  # sampling one of these ends the completion (and is kept)
-  stop_strings: tuple[str, ...] = ()  # checked on the host; needs a detokenizer in the driver
-  # Decode steps per host round-trip; EOS and length stops are applied on device step by step.
-  steps_per_call: int = 4
-  record_sampling_mask: bool = False  # "Keep Sampling Mask": packed kept-token set per token
-  # "Keep Routing" (MoE models only): the experts every MoE layer chose, per token, for the learner to replay.
-  record_routing: bool = False
-  group_size: int = 1  # G completions per prompt, sharing one prefill
-  # Prompts longer than max_prefill_length: error (False) or keep their last tokens and count it.
-  truncate_long_prompts: bool = False
-  min_prefill_bucket: int = 16  # smallest prefill bucket (tiny buckets only add compilations)
-  # The decode cache holds the filled part rounded up to a multiple of this many positions; it
-  # grows and shrinks with the longest live sequence (one compiled decode program per size).
-  attend_bucket: int = 32
-  # Slot groups, each with its own attended window: long sequences are kept together so a group of
-  # short ones reads only its own window (continuous batching). 1 = one window for all slots.
-  slot_groups: int = 1
-  seed: int = 0
-  cache_dtype: str | None = None  # KV cache dtype; None = the model's activation dtype
-  idle_wait_s: float = 0.01  # how long the driver sleeps when it has nothing to do
+  SECTION: ClassVar[str] = "sampler"
+
+  max_concurrent_decodes: int = setting(
+      128, "decode slots (the decode batch), shared by all replicas; the run splits them over the hosts",
+      check=positive_int)
+  max_prefill_length: int = setting(64, "longest prompt; prefill compiles once per power-of-two bucket",
+                                    check=positive_int)
+  max_new_tokens: int = setting(8, "completion length limit (finish_reason 'length'; a request may ask for fewer)",
+                                check=positive_int)
+  temperature: float = setting(1.0, "0 = greedy; the learner scores tokens at the same temperature")
+  top_k: int = setting(0, "0 = off")
+  top_p: float = setting(1.0, "1 = off; with < 1 consider algo.keep_sampling_mask", check=in_range(0, 1, low_open=True))
+  stop_strings: tuple[str, ...] = setting((), "completions also end at these strings (checked on the host)",
+                                          check=_stop_strings)
+  steps_per_call: int = setting(4, "decode steps per host round-trip (EOS and length stops stay exact on device)",
+                                check=positive_int)
+  record_sampling_mask: bool = setting(False, "'Keep Sampling Mask' payload: the packed kept-token set per token")
+  record_routing: bool = setting(False, "'Keep Routing' payload: the experts each MoE layer chose (MoE models only)")
+  attend_bucket: int = setting(32, "decode attends the filled cache rounded up to this many positions (one "
+                               "compiled decode program per size)", check=positive_int)
+  slot_groups: int = setting(1, "slot groups with their own attention windows (2: long sequences kept together)",
+                             check=positive_int)
+  warmup: bool = setting(False, "compile every decode program before the run (no mid-run compile stalls; costs "
+                         "start-up)")
+  truncate_long_prompts: bool = setting(False, "prompts longer than max_prefill_length keep their last tokens "
+                                        "(counted) instead of failing")
+  min_prefill_bucket: int = setting(16, "smallest prefill bucket (tiny buckets only add compilations)",
+                                    check=positive_int)
+  cache_dtype: str | None = setting(None, "KV cache dtype; None = the model's activation dtype",
+                                    check=optional(one_of(*DTYPES)))
+  idle_wait_s: float = setting(0.01, "how long the driver sleeps when it has nothing to do",
+                               check=in_range(0, 10, low_open=True))
+  eos_ids: tuple[int, ...] = run_value((), "the tokenizer's stop ids: sampling one ends the completion (kept)",
+                                       check=_token_ids)
+  group_size: int = run_value(1, "algo.group_size: G completions per prompt, sharing one prefill",
+                              check=positive_int)
+  seed: int = run_value(0, "the run's seed", check=an_int)
 
   def __post_init__(self):
-    for name in ("max_concurrent_decodes", "max_prefill_length", "max_new_tokens", "steps_per_call",
-                 "group_size", "min_prefill_bucket", "attend_bucket", "slot_groups"):
-      value = getattr(self, name)
-      if not _is_int(value) or value < 1:
-        raise ValueError(f"{_NAMES.get(name, 'sampler.' + name)}={value!r}: must be an int >= 1")
-    if not _is_int(self.seed):
-      raise ValueError(f"seed={self.seed!r}: must be an int")
+    check_fields(self)
     if self.group_size > self.max_concurrent_decodes:
-      raise ValueError(f"algo.group_size={self.group_size} is larger than "
-                       f"sampler.max_concurrent_decodes={self.max_concurrent_decodes}: the G samples "
-                       "of one prompt could never all be decoding")
-    if not isinstance(self.eos_ids, tuple) or not all(_is_int(i) and i >= 0 for i in self.eos_ids):
-      raise ValueError(f"SamplerConfig.eos_ids={self.eos_ids!r}: must be a tuple of token ids >= 0")
-    if not isinstance(self.stop_strings, tuple) or not all(
-        isinstance(s, str) and s for s in self.stop_strings):
-      raise ValueError(f"sampler.stop_strings={self.stop_strings!r}: must be a tuple of non-empty strings")
-    if self.cache_dtype is not None and self.cache_dtype not in ("float32", "bfloat16", "float16"):
-      raise ValueError(f"SamplerConfig.cache_dtype={self.cache_dtype!r}: expected None, float32, bfloat16 or float16")
-    if not (isinstance(self.idle_wait_s, (int, float)) and 0 < self.idle_wait_s <= 10):
-      raise ValueError(f"SamplerConfig.idle_wait_s={self.idle_wait_s!r}: must be in (0, 10]")
+      raise ConfigError(f"algo.group_size={self.group_size} is larger than "
+                        f"sampler.max_concurrent_decodes={self.max_concurrent_decodes}: the G samples "
+                        "of one prompt could never all be decoding")
     try:
       self.sampling  # validates temperature / top_k / top_p
     except ValueError as e:
-      raise ValueError(f"sampler.{e}") from None
+      raise ConfigError(f"sampler.{e}") from None
 
   @property
   def sampling(self) -> SamplingParams:

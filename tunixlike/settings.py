@@ -1,0 +1,110 @@
+"""A config key is one dataclass field: its default, its one-line why and its check are written there.
+
+    max_new_tokens: int = setting(8, "completion length limit (finish_reason 'length')", check=positive)
+
+Sections are frozen dataclasses with a `SECTION` name and `__post_init__ = check_fields` (plus
+their own checks across fields). `run_value` marks a field the run fills in from elsewhere (the
+tokenizer, another section): it is not a config key. Errors name the key and the value,
+e.g. `rl.max_staleness=-1: must be >= 0`. A leaf module: no tunixlike or JAX imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+Check = Callable[[Any], "str | None"]  # a complaint about the value, or None when it is fine
+
+
+class ConfigError(ValueError):
+  """A config key that is unknown, of the wrong type or has an invalid value."""
+
+
+def setting(default: Any, why: str, *, check: Check | None = None) -> Any:
+  """A config key: `--config.<section>.<name>=...` sets it; `why` is its line in the reference."""
+  return dataclasses.field(default=default, metadata={"help": why, "check": check})
+
+
+def run_value(default: Any, why: str, *, check: Check | None = None) -> Any:
+  """Filled in by the run (`dataclasses.replace`) from the tokenizer or another key; not a config key."""
+  return dataclasses.field(default=default, metadata={"help": why, "check": check, "run_value": True})
+
+
+def require(ok: bool, key: str, value: Any, why: str):
+  if not ok:
+    raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def check_fields(section):
+  """Runs every field's check; the error names `SECTION.field` and the value."""
+  prefix = f"{section.SECTION}." if section.SECTION else ""
+  for f in dataclasses.fields(section):
+    check = f.metadata.get("check")
+    value = getattr(section, f.name)
+    complaint = check(value) if check is not None else None
+    if complaint:
+      raise ConfigError(f"{prefix}{f.name}={value!r}: {complaint}")
+
+
+def is_key(f: dataclasses.Field) -> bool:
+  return not f.metadata.get("run_value", False)
+
+
+def keys(cls, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
+  """('section.name', field) for every config key of the dataclass tree `cls`, in declaration order."""
+  for f in dataclasses.fields(cls):
+    if not is_key(f):
+      continue
+    if dataclasses.is_dataclass(f.default):
+      yield from keys(type(f.default), f"{prefix}{f.name}.")
+    else:
+      yield f"{prefix}{f.name}", f
+
+
+# ---- checks ---------------------------------------------------------------------------------------
+def _is_int(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def positive(v) -> str | None:
+  return None if _number(v) and v > 0 else "must be > 0"
+
+
+def non_negative(v) -> str | None:
+  return None if _number(v) and v >= 0 else "must be >= 0"
+
+
+def positive_int(v) -> str | None:
+  return None if _is_int(v) and v >= 1 else "must be an int >= 1"
+
+
+def an_int(v) -> str | None:
+  return None if _is_int(v) else "must be an int"
+
+
+def one_of(*choices) -> Check:
+  return lambda v: None if v in choices else f"must be one of {list(choices)}"
+
+
+def optional(check: Check) -> Check:
+  """None is allowed (the key is unset); any other value must pass `check`."""
+  return lambda v: None if v is None else check(v)
+
+
+def in_range(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Check:
+  """`in_range(0, 1, low_open=True)` accepts (0, 1]."""
+  def check(v):
+    ok = _number(v) and (low < v if low_open else low <= v) and (v < high if high_open else v <= high)
+    return None if ok else f"must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+  return check
+
+
+def ints_at_least(low: int) -> Check:
+  return lambda v: None if _is_int(v) and v >= low else f"must be an int >= {low}"
+
+
+DTYPES = ("float32", "bfloat16", "float16")
