@@ -36,14 +36,16 @@ def require(ok: bool, key: str, value: Any, why: str):
 
 
 def check_fields(section):
-  """Runs every field's check; the error names `SECTION.field` and the value."""
+  """Runs every field's check; the error names `SECTION.field` and the value (a run value, which is
+  no config key, by its class: `AlgoConfig.sampling_temperature`)."""
   prefix = f"{section.SECTION}." if section.SECTION else ""
   for f in dataclasses.fields(section):
     check = f.metadata.get("check")
     value = getattr(section, f.name)
     complaint = check(value) if check is not None else None
     if complaint:
-      raise ConfigError(f"{prefix}{f.name}={value!r}: {complaint}")
+      name = f"{prefix}{f.name}" if is_key(f) else f"{type(section).__name__}.{f.name}"
+      raise ConfigError(f"{name}={value!r}: {complaint}")
 
 
 def is_key(f: dataclasses.Field) -> bool:
