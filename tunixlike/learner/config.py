@@ -145,7 +145,8 @@ class OptimConfig:
     require(not self.group_by_length or self.micro_batches >= 2, "optim.group_by_length", self.group_by_length,
             f"needs optim.micro_batches >= 2 to group rows into (got {self.micro_batches})")
     require(self.schedule != "cosine" or not self.total_steps or self.total_steps > self.warmup_steps,
-            "optim.total_steps", self.total_steps, f"cosine needs total_steps > warmup_steps={self.warmup_steps}")
+            "rl.num_steps", self.total_steps,
+            f"the cosine schedule needs more than optim.warmup_steps={self.warmup_steps}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,8 +11,8 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
   """Linear warmup (0 -> lr over warmup_steps), then constant or cosine to 0 at total_steps."""
   if cfg.schedule == "cosine":
     if cfg.total_steps <= cfg.warmup_steps:  # a run value the config leaves at 0 until the run sets it
-      raise ValueError(f"optim.total_steps={cfg.total_steps}: cosine needs total_steps > "
-                       f"warmup_steps={cfg.warmup_steps}")
+      raise ValueError(f"rl.num_steps={cfg.total_steps} (the schedule's total_steps): the cosine schedule needs "
+                       f"more than optim.warmup_steps={cfg.warmup_steps}")
     return optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, cfg.total_steps)
   if cfg.warmup_steps:
     return optax.join_schedules(
