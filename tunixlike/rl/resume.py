@@ -59,9 +59,11 @@ def config_changes(saved: Mapping[str, Any], current) -> list[str]:
 def check_compatible(meta: Mapping[str, Any], cfg, model_cfg: Mapping[str, Any], where: str) -> None:
   """Raises IncompatibleResume naming every changed key (config and model shapes)."""
   changes = config_changes(meta.get("config", {}), cfg)
+  changed_keys = {change.split(":")[0] for change in changes}
   saved_model = meta.get("model", {})
-  changes += [f"model shape {k}: {saved_model[k]!r} -> {model_cfg[k]!r}" for k in sorted(saved_model.keys()
-              & model_cfg.keys()) if saved_model[k] != model_cfg[k] and f"model.{k}" not in " ".join(changes)]
+  changes += [f"model shape {k}: {saved_model[k]!r} -> {model_cfg[k]!r}"
+              for k in sorted(saved_model.keys() & model_cfg.keys())
+              if saved_model[k] != model_cfg[k] and f"model.{k}" not in changed_keys]  # named once
   if changes:
     raise IncompatibleResume(
         f"{where} was trained with other settings; resuming would change {'; '.join(changes)}. Use a new --workdir, "

@@ -438,13 +438,11 @@ class _Run:
       raise metrics_lib.LogWriteError(f"{self.prompts_log}: prompt log write failed: {e}", e.errno) from e
 
   def first_eval(self) -> float:
-    evals = [r for r in metrics_lib.read_jsonl(self.logger.path) if "eval/accuracy" in r]
-    return evals[0]["eval/accuracy"] if evals else float("nan")
+    return self.evals[min(self.evals)] if self.evals else float("nan")
 
   def final_eval_done(self) -> bool:
     """True when the logs kept for this step already hold its final eval (a finished run)."""
-    version = self.parts.policy.version
-    return any(r["step"] == version and "eval/accuracy" in r for r in metrics_lib.read_jsonl(self.logger.path))
+    return self.parts.policy.version in self.evals
 
 
 def run(cfg: Config, workdir: str) -> dict[str, Any]:
@@ -460,9 +458,8 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
     raise SetupError(str(e)) from e
   mine = local_dir(workdir)
   try:
-    if not is_remote(workdir):
-      workdir_lib.prepare(workdir)
-    workdir_lib.prepare(mine)
+    for directory in dict.fromkeys([workdir, mine] if not is_remote(workdir) else [mine]):
+      workdir_lib.prepare(directory)  # process 0's logs are the workdir itself
     lock = workdir_lib.WorkdirLock(mine).acquire()  # a remote WORKDIR: its local log mirror is locked
   except workdir_lib.WorkdirError as e:
     raise SetupError(str(e)) from e
