@@ -3,7 +3,7 @@
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/async_vs_sync.py [--out FILE] [--quick]
 
 Prints one JSON object (and writes it to --out). Both modes run the real runtime
-(`trainer.build` -> `build_rl` -> `make_runtime` -> `AsyncRuntime.run(threaded=True)`) on
+(`build.build` -> `build_rl` -> `make_runtime` -> `AsyncRuntime.run(threaded=True)`) on
 `--sampler-devices` + `--learner-devices` CPU devices (default 1 + 1); sync mode is the same code
 with `rl.max_staleness=0` (one batch in flight). The default is the fastest layout of sync mode, the
 baseline, on this project's 2-core machines: one sampler device decodes faster than 4 data-parallel
@@ -78,7 +78,8 @@ from flax import nnx  # noqa: E402
 
 from tunixlike import config as config_lib, rewards  # noqa: E402
 from tunixlike.rewards import basic  # noqa: E402
-from tunixlike.rl import trainer  # noqa: E402
+from tunixlike.rl import build  # noqa: E402
+from tunixlike.rl.prompts import PromptStream  # noqa: E402
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
@@ -147,14 +148,13 @@ def workload_config(name: str, steps: int, quick: bool):
 
 def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, final: int) -> dict:
   cfg = config_lib.replace(cfg, rl=dict(max_staleness=staleness))
-  parts = trainer.build(cfg, say=lambda *a: None)
+  setup = build.build(cfg, say=lambda *a: None)
   if init_params is not None:
-    nnx.update(parts.model, init_params)
-  trainer.build_rl(parts)
-  parts.train_reward = rewards.CombinedReward([reward_name], timeout_s=cfg.rl.reward_timeout_s)
+    nnx.update(setup.model, init_params)
+  rl = build.build_rl(setup, reward=rewards.CombinedReward([reward_name], timeout_s=cfg.rl.reward_timeout_s))
   records = []
-  runtime = trainer.make_runtime(parts, trainer.PromptStream(iter(parts.train_pipe)),
-                                 log=lambda step, m: records.append((time.monotonic(), step, dict(m))))
+  runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)))
+  runtime.hooks.add(lambda info: records.append((time.monotonic(), info.step, dict(info.metrics))))
   with _LENGTHS_LOCK:
     _LENGTHS.clear()
   # make_runtime compiled every decode program (sampler.warmup): count the Engine's programs JAX
@@ -170,7 +170,7 @@ def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, fina
   runtime.run(threaded=True)
   total = time.monotonic() - t0
   jax.monitoring.unregister_event_duration_listener(listener)
-  held_out = trainer.evaluate(parts)  # the final policy itself, after the timed run
+  held_out = build.evaluate(setup, rl)  # the final policy itself, after the timed run
   times = [t for t, _, _ in records]
   timed_steps = len(records) - skip
   wall = times[-1] - times[skip - 1] if skip else times[-1] - t0
@@ -197,7 +197,7 @@ def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, fina
       "learner_step_s_mean": float(np.mean([m["learner/step_s"] for _, _, m in records[skip:]])),
       "learner_wait_s_mean": float(np.mean([m["learner/wait_s"] for _, _, m in records[skip:]])),
       "sync_ms_mean": float(np.mean([m["sync/ms"] for _, _, m in records])),
-      "steps": len(records), "learner_version": parts.policy.version,
+      "steps": len(records), "learner_version": rl.policy.version,
       "sampler_programs_compiled_during_run": len(compiled_in_run),
       "final_eval_accuracy": float(held_out["eval/accuracy"]), "eval_prompts": int(held_out["eval/num_prompts"]),
   }
@@ -212,10 +212,10 @@ def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, fina
 
 def warm_started_params(cfg):
   """Warm-start once; both modes then start from these weights (host copy)."""
-  parts = trainer.build(cfg, say=lambda *a: None)
+  setup = build.build(cfg, say=lambda *a: None)
   t0 = time.monotonic()
-  info = trainer.warm_start(parts)
-  return jax.device_get(nnx.state(parts.model)), {**{k: float(v) for k, v in info.items()},
+  info = build.warm_start(setup, say=lambda *a: None)
+  return jax.device_get(nnx.state(setup.model)), {**{k: float(v) for k, v in info.items()},
                                                   "warm_start_s": time.monotonic() - t0}
 
 

@@ -44,7 +44,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tunixlike import config as config_lib  # noqa: E402
-from tunixlike.rl import trainer  # noqa: E402
+from tunixlike.rl import build  # noqa: E402
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
@@ -69,8 +69,8 @@ def time_setting(micro: int, group: int, batches) -> dict:
   cfg = config_lib.replace(cfg, data=dict(task="reverse", max_prompt_length=16), warm_start=dict(max_steps=0),
                            mesh=dict(sampler_devices=1, learner_devices=ARGS.devices),
                            optim=dict(micro_batches=micro, group_by_length=group))
-  parts = trainer.build(cfg, say=lambda *a: None)
-  learner = trainer.build_learner(cfg, parts.model, parts.meshes.learner)
+  setup = build.build(cfg, say=lambda *a: None)
+  learner = build.build_learner(cfg, setup.model, setup.meshes.learner)
   first_loss = float(learner.loss_and_grads(learner.state, learner.put_batch(batches[0]))[0])
   state, times = learner.state, []
   for i, b in enumerate([batches[0]] + batches):  # the first call compiles

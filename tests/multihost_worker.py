@@ -18,7 +18,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from tunixlike import checkpoint as checkpoint_lib, config as config_lib, rewards
-from tunixlike.rl import trainer, weight_sync
+from tunixlike.rl import build, trainer, weight_sync
+from tunixlike.rl.prompts import PromptStream
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
@@ -30,26 +31,25 @@ def main(num_steps: int, workdir: str):
       log=dict(progress_bar=False, tensorboard=False), sampler=dict(max_concurrent_decodes=16),
       mesh=dict(sampler_devices=4, learner_devices=4),
       rl=dict(num_steps=num_steps, prompts_per_step=4, max_staleness=1, wait_timeout_s=60.0))
-  parts = trainer.build(cfg)  # initializes jax.distributed from the JAX_* environment variables
+  setup = build.build(cfg)  # initializes jax.distributed from the JAX_* environment variables
   assert jax.process_count() == 2, jax.process_count()
   me = jax.process_index()
-  print(f"PROCESS {me} sampler {dict(parts.meshes.sampler.shape)} learner {dict(parts.meshes.learner.shape)}",
+  print(f"PROCESS {me} sampler {dict(setup.meshes.sampler.shape)} learner {dict(setup.meshes.learner.shape)}",
         flush=True)
-  trainer.build_rl(parts)
-  parts.train_reward = rewards.CombinedReward(["stopped"])  # rewards with variance: the weights move
-  initial = multihost_utils.process_allgather(parts.policy.full_params(), tiled=True)
+  rl = build.build_rl(setup, reward=rewards.CombinedReward(["stopped"]))  # rewards with variance: weights move
+  initial = multihost_utils.process_allgather(rl.policy.full_params(), tiled=True)
   losses = []
-  stream = trainer.PromptStream(parts.train_pipe)
-  runtime = trainer.make_runtime(parts, stream,
-                                 log=lambda step, m: losses.append((step, m["loss"], m["grad_norm"])))
+  stream = PromptStream(setup.train_pipe)
+  runtime = build.make_runtime(setup, rl, stream)
+  runtime.hooks.add(lambda info: losses.append((info.step, info.metrics["loss"], info.metrics["grad_norm"])))
   runtime.run()
   print("LOSSES " + json.dumps(losses), flush=True)
-  assert parts.policy.version == num_steps, parts.policy.version
+  assert rl.policy.version == num_steps, rl.policy.version
 
   # The last sync happened after the last step: the sampler's arrays must equal the learner's.
-  synced = parts.policy.synced_params
-  learner = multihost_utils.process_allgather(parts.policy.full_params(), tiled=True)
-  local_sampler = set(parts.meshes.sampler.devices.flat)
+  synced = rl.policy.synced_params
+  learner = multihost_utils.process_allgather(rl.policy.full_params(), tiled=True)
+  local_sampler = set(setup.meshes.sampler.devices.flat)
   assert all(d.process_index == me for d in local_sampler)
   n = changed = 0
   for a, b, c in zip(jax.tree.leaves(synced), jax.tree.leaves(learner), jax.tree.leaves(initial)):
@@ -59,26 +59,26 @@ def main(num_steps: int, workdir: str):
     changed += not np.array_equal(np.asarray(a), c)
   assert changed > 0, "the learner's weights never changed: a sync of stale weights would pass unnoticed"
   # The same path with small buckets (several all-gathers, each freed before the next) and a cast.
-  small, _ = weight_sync.sync(parts.policy.full_params(), parts.engine.param_shardings, dtype="bfloat16",
+  small, _ = weight_sync.sync(rl.policy.full_params(), rl.engine.param_shardings, dtype="bfloat16",
                               bucket_bytes=8192)
   for a, b in zip(jax.tree.leaves(small), jax.tree.leaves(learner)):
     assert a.dtype == jax.numpy.bfloat16 and set(a.devices()) <= local_sampler
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(jax.numpy.bfloat16))
   print(f"SYNC_OK {n} arrays equal the learner's, {changed} changed since the start", flush=True)
 
-  out = trainer.evaluate(parts)  # each process evaluates its shard; the accuracy is combined
+  out = build.evaluate(setup, rl)  # each process evaluates its shard; the accuracy is combined
   print("EVAL " + json.dumps({k: out[k] for k in ("eval/accuracy", "eval/num_prompts")}), flush=True)
 
   # Orbax saves the global learner state from both processes; the meta keeps each host's stream.
   ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), keep=1)
-  meta = trainer.checkpoint_meta(parts, stream, {"groups_trained": 0})
-  ckpt.save(parts.policy.version, parts.policy.learner.state, meta, force=True)
+  meta = trainer.checkpoint_meta(setup, rl, stream, {"groups_trained": 0})
+  ckpt.save(rl.policy.version, rl.policy.state, meta, force=True)
   ckpt.wait()
-  state, meta = ckpt.restore(abstract_state=checkpoint_lib.abstract_like(parts.policy.learner.state))
+  state, meta = ckpt.restore(abstract_state=checkpoint_lib.abstract_like(rl.policy.state))
   ckpt.close()
   assert len(meta["streams"]) == 2 and meta["streams"][me] == stream.state(), (meta["streams"], stream.state())
   restored = multihost_utils.process_allgather(state.params, tiled=True)
-  live = multihost_utils.process_allgather(parts.policy.learner.state.params, tiled=True)
+  live = multihost_utils.process_allgather(rl.policy.state.params, tiled=True)
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(live)):
     np.testing.assert_array_equal(a, b)
   print(f"CKPT_OK {meta['version']}", flush=True)

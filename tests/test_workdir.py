@@ -65,3 +65,11 @@ def test_a_workdir_that_is_a_file_or_not_writable_is_named(tmp_path):
   finally:
     if mounted:
       subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_remote_workdirs_keep_logs_in_a_local_mirror():
+  local = workdir.local_dir("gs://bucket/runs/a")
+  assert "://" not in local and local.endswith("gs_bucket_runs_a")
+  assert workdir.local_dir("/tmp/run") == "/tmp/run"
+  assert workdir.local_dir("/tmp/run", 2) == "/tmp/run/process_2"
+  assert workdir.is_remote("gs://b/w") and not workdir.is_remote("runs/w")

@@ -72,6 +72,7 @@ class MeshSection:
   """Device split: sampler devices decode, learner devices train (per host with several hosts)."""
 
   SECTION: ClassVar[str] = "mesh"
+  RESUMABLE: ClassVar[bool] = True  # checkpoints restore onto any device layout
 
   sampler_devices: int = setting(4, "devices that decode (4 + 4 of 8 virtual CPU devices)", check=positive)
   learner_devices: int = setting(4, "devices that train (fsdp x tensor)", check=positive)
@@ -101,7 +102,7 @@ class DataSection:
   digits: int = setting(3, "addition: operand digits (difficulty)", check=positive)
   max_prompt_length: int = setting(64, "longer prompts are filtered out and counted", check=positive)
   shuffle_seed: int = setting(0, "order of the training prompts (reshuffled every epoch)")
-  num_eval_examples: int = setting(500, "held-out accuracy swings 10-15 points on small evals", check=positive)
+  num_eval_examples: int = setting(500, "held-out accuracy swings 10-15 points on small evals", check=positive, resumable=True)
 
   def __post_init__(self):
     check_fields(self)
@@ -152,12 +153,12 @@ class WarmStartSection:
 
   SECTION: ClassVar[str] = "warm_start"
 
-  max_steps: int = setting(0, "0 = no warm start", check=non_negative)
+  max_steps: int = setting(0, "0 = no warm start", check=non_negative, resumable=True)
   batch_size: int = setting(64, "(prompt, answer) pairs per supervised step", check=positive)
   learning_rate: float = setting(1e-3, "supervised steps tolerate a larger rate than RL", check=positive)
   target_accuracy: float = setting(0.2, "a warm start that memorises stops exploring: stop early",
-                                   check=in_range(0, 1, low_open=True))
-  eval_every: int = setting(25, "check held-out accuracy this often (teacher-forced, cheap)", check=positive)
+                                   check=in_range(0, 1, low_open=True), resumable=True)
+  eval_every: int = setting(25, "check held-out accuracy this often (teacher-forced, cheap)", check=positive, resumable=True)
 
   def __post_init__(self):
     check_fields(self)
@@ -166,6 +167,7 @@ class WarmStartSection:
 @dataclasses.dataclass(frozen=True)
 class EvalSection:
   SECTION: ClassVar[str] = "eval"
+  RESUMABLE: ClassVar[bool] = True
 
   every_steps: int = setting(0, "0 = only before and after RL", check=non_negative)
 
@@ -176,6 +178,7 @@ class EvalSection:
 @dataclasses.dataclass(frozen=True)
 class LogSection:
   SECTION: ClassVar[str] = "log"
+  RESUMABLE: ClassVar[bool] = True
 
   tensorboard: bool = setting(True, "WORKDIR/tensorboard event files")
   progress_bar: bool = setting(True, "console progress bar (off in tests and notebooks)")
@@ -185,6 +188,7 @@ class LogSection:
 @dataclasses.dataclass(frozen=True)
 class CheckpointSection:
   SECTION: ClassVar[str] = "checkpoint"
+  RESUMABLE: ClassVar[bool] = True
 
   every_steps: int = setting(50, "also saved at step 0, at evals, at the end, on SIGTERM / Ctrl-C and on a crash",
                              check=non_negative)

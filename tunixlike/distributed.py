@@ -35,6 +35,7 @@ class DistributedConfig:
   JAX_PROCESS_ID; with none of them set the run is single-process."""
 
   SECTION: ClassVar[str] = "distributed"
+  RESUMABLE: ClassVar[bool] = True  # a checkpoint restores onto any number of hosts' devices
 
   coordinator_address: str | None = setting(None, "host:port of process 0, reachable from every host")
   num_processes: int | None = setting(None, "hosts taking part", check=optional(ints_at_least(1)))

@@ -109,34 +109,35 @@ def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -
   import jax
 
   from tunixlike.data import pipeline
-  from tunixlike.rl import evaluate as eval_lib, trainer
+  from tunixlike.rl import build, evaluate as eval_lib
+  from tunixlike.rl.prompts import requests_for
   from tunixlike.sampler.engine import Engine
 
   start = time.monotonic()
-  parts = trainer.build_rl(trainer.build(cfg, workdir=None, say=say))
-  policy = parts.policy
-  policy.learner.state, meta = ckpt.restore(step, abstract_state=policy.learner.state)
-  policy.version = int(meta.get("version", step))
+  setup = build.build(cfg, say=say)
+  rl = build.build_rl(setup)
+  policy = rl.policy
+  policy.restore(ckpt, step)
   say(f"restored {ckpt.step_dir(step)} (policy version {policy.version}) in {time.monotonic() - start:.1f} s")
 
   pipe_cfg = pipeline.PipelineConfig(seed=cfg.data.shuffle_seed, shuffle=False, num_epochs=1,
                                      max_prompt_tokens=cfg.data.max_prompt_length)
-  records = list(itertools.islice(iter(pipeline.from_task(parts.task, parts.tok, split=split, config=pipe_cfg)),
+  records = list(itertools.islice(iter(pipeline.from_task(setup.task, setup.tok, split=split, config=pipe_cfg)),
                                   num_examples))
-  requests = trainer.requests_for(records)
+  requests = requests_for(records)
   params, _ = policy.sampler_weights()
 
-  greedy = eval_lib.evaluate(parts.eval_engine, params, requests, parts.correctness, parts.tok,
+  greedy = eval_lib.evaluate(rl.eval_engine, params, requests, rl.correctness, setup.tok,
                              version=policy.version)
   out: dict[str, Any] = {
       "checkpoint": ckpt.step_dir(step), "step": step, "policy_version": policy.version, "split": split,
       "task": cfg.data.task, "num_prompts": greedy["eval/num_prompts"], "accuracy": greedy["eval/accuracy"],
       "mean_completion_tokens": greedy["eval/mean_completion_tokens"], "samples": samples}
   if samples > 1:
-    s_cfg = eval_lib.eval_sampler_config(trainer.sampler_config(cfg, parts.tok), samples=samples,
+    s_cfg = eval_lib.eval_sampler_config(build.sampler_config(cfg, setup.tok), samples=samples,
                                          temperature=temperature)
-    engine = Engine(policy.learner.model(policy.learner.state), s_cfg, mesh=parts.meshes.sampler)
-    sampled = eval_lib.evaluate(engine, params, requests, parts.correctness, parts.tok, version=policy.version)
+    engine = Engine(policy.model(), s_cfg, mesh=setup.meshes.sampler)
+    sampled = eval_lib.evaluate(engine, params, requests, rl.correctness, setup.tok, version=policy.version)
     out.update({"temperature": temperature, f"pass@{samples}": sampled[f"eval/pass@{samples}"],
                 "sampled_accuracy": sampled["eval/accuracy"],
                 "sampled_mean_completion_tokens": sampled["eval/mean_completion_tokens"]})

@@ -70,6 +70,11 @@ class RolloutGroup:
   columns: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. {"answer": "42"}
   prompt_text: str | None = None
   rewards: np.ndarray | None = None  # float32 [G], filled by the reward stage
+  # Filled by the reward stage too (`learner/group_advantages.py`): the rewards after shaping (DAPO's
+  # overlong penalty), one advantage per completion, and per-token advantages where configured.
+  shaped_rewards: np.ndarray | None = None  # float32 [G]
+  advantages: np.ndarray | None = None  # float32 [G]
+  token_advantages: list[np.ndarray] | None = None  # G arrays of float32 [T_i]
   reward_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
   @property

@@ -20,9 +20,13 @@ class ConfigError(ValueError):
   """A config key that is unknown, of the wrong type or has an invalid value."""
 
 
-def setting(default: Any, why: str, *, check: Check | None = None) -> Any:
-  """A config key: `--config.<section>.<name>=...` sets it; `why` is its line in the reference."""
-  return dataclasses.field(default=default, metadata={"help": why, "check": check})
+def setting(default: Any, why: str, *, check: Check | None = None, resumable: bool = False) -> Any:
+  """A config key: `--config.<section>.<name>=...` sets it; `why` is its line in the reference.
+
+  `resumable`: a resumed run may change it (it decides how long, how fast or how visibly the run
+  goes on, not what it trains). A section whose every key is so sets `RESUMABLE = True` instead.
+  """
+  return dataclasses.field(default=default, metadata={"help": why, "check": check, "resumable": resumable})
 
 
 def run_value(default: Any, why: str, *, check: Check | None = None) -> Any:
@@ -50,6 +54,16 @@ def check_fields(section):
 
 def is_key(f: dataclasses.Field) -> bool:
   return not f.metadata.get("run_value", False)
+
+
+def resumable_keys(cls, prefix: str = "", section_resumable: bool = False) -> Iterator[str]:
+  """The keys of the dataclass tree `cls` that a resumed run may change."""
+  for f in dataclasses.fields(cls):
+    if is_key(f) and dataclasses.is_dataclass(f.default):
+      sub = type(f.default)
+      yield from resumable_keys(sub, f"{prefix}{f.name}.", getattr(sub, "RESUMABLE", False))
+    elif is_key(f) and (section_resumable or f.metadata.get("resumable", False)):
+      yield f"{prefix}{f.name}"
 
 
 def keys(cls, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:

@@ -6,6 +6,9 @@ says. The file records the holder (process id, host, start time) so a refused se
 who holds it; a clean exit empties it, so a file that still names a holder nobody holds is the
 trace of a crashed run, taken over with a warning. flock works on local disks and on NFS (Linux
 maps it to NFS byte-range locks), where runs on different hosts share a workdir.
+
+A remote WORKDIR (gs://...) holds the checkpoints; each process's logs go to a local directory
+(`local_dir`) that `upload_logs` copies there at the end.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
+import tempfile
 
 log = logging.getLogger("tunixlike")
 
@@ -102,3 +107,34 @@ def _describe(holder: dict) -> str:
   if "pid" not in holder:
     return "another process (its lock file names no holder)"
   return f"process {holder['pid']} on host {holder.get('host', '?')} (started {holder.get('started', '?')})"
+
+
+def is_remote(workdir: str) -> bool:
+  return "://" in workdir
+
+
+def local_dir(workdir: str, process_index: int = 0) -> str:
+  """Where a process writes its own logs: WORKDIR for process 0, WORKDIR/process_i otherwise.
+
+  A remote WORKDIR (gs://...) holds the checkpoints (orbax writes there directly); logs, which are
+  appended to line by line, go to a local mirror that `upload_logs` copies to WORKDIR/logs.
+  """
+  root = workdir
+  if is_remote(workdir):
+    root = os.path.join(tempfile.gettempdir(), "tunixlike_logs", re.sub(r"[^\w.-]+", "_", workdir))
+  return root if process_index == 0 else os.path.join(root, f"process_{process_index}")
+
+
+def upload_logs(workdir: str, process_index: int = 0, say=print):
+  """Copies a process's local log mirror to WORKDIR/logs (remote workdirs only)."""
+  if not is_remote(workdir):
+    return
+  from etils import epath
+  local = local_dir(workdir, process_index)
+  for root, _, files in os.walk(local):
+    for name in files:
+      path = os.path.join(root, name)
+      target = epath.Path(workdir) / "logs" / os.path.relpath(path, local)
+      target.parent.mkdir(parents=True, exist_ok=True)
+      target.write_bytes(open(path, "rb").read())
+  say(f"logs copied from {local} to {workdir}/logs")

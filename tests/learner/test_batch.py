@@ -64,3 +64,21 @@ def test_overlong_penalty_enters_rewards_and_advantages():
                                overlong_max_length=4, overlong_buffer=2)
   np.testing.assert_allclose(b["rewards"], [1.0, -0.5, 1.0, 4.0])
   np.testing.assert_allclose(b["advantages"], [0.75, -0.75, -1.5, 1.5])
+
+
+def test_advantages_set_by_the_reward_stage_are_the_ones_the_batch_holds():
+  """The reward stage (`group_advantages.set_advantages`, on the reward workers) and a batch of
+  unscored groups give the same numbers; a batch takes a scored group's advantages as they are."""
+  from tunixlike.learner import group_advantages
+  cfg = group_advantages.AdvantageConfig("dr_grpo", overlong_max_length=8, overlong_buffer=4)
+  scored = _groups()
+  for g in scored:
+    group_advantages.set_advantages(g, cfg)
+  a = batch_lib.assemble_batch(scored, num_rows=6, seq_buckets=(16,))
+  b = batch_lib.assemble_batch(_groups(), num_rows=6, seq_buckets=(16,), advantage="dr_grpo",
+                               overlong_max_length=8, overlong_buffer=4)
+  for key in ("advantages", "rewards"):
+    np.testing.assert_array_equal(a[key], b[key])
+  scored[0].advantages = scored[0].advantages + 1.0
+  c = batch_lib.assemble_batch(scored, num_rows=6, seq_buckets=(16,))
+  np.testing.assert_allclose(c["advantages"][:scored[0].group_size], a["advantages"][:scored[0].group_size] + 1.0)

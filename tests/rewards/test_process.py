@@ -199,25 +199,27 @@ def test_process_rewards_train_through_the_async_runtime():
   """algo.process_reward through the trainer: the driver hands per-digit prefixes to the registered
   `answer_prefix` PRM, the reward stage collects them, and the learner trains on per-token advantages."""
   from tunixlike import config as config_lib
-  from tunixlike.rl import trainer
+  from tunixlike.rl import build
+  from tunixlike.rl.prompts import PromptStream
 
   cfg = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py", "size=tiny"))
   cfg = config_lib.replace(cfg, data=dict(digits=2, num_eval_examples=16), warm_start=dict(max_steps=0),
                            log=dict(progress_bar=False, tensorboard=False), sampler=dict(max_concurrent_decodes=16),
                            algo=dict(process_reward="answer_prefix", step_delimiter="", step_every_tokens=1),
                            rl=dict(num_steps=2, prompts_per_step=4))
-  parts = trainer.build_rl(trainer.build(cfg))
-  assert parts.policy.token_advantages == tok_adv.TokenAdvantageConfig(process_coef=1.0)
+  setup = build.build(cfg)
+  rl = build.build_rl(setup)
+  assert rl.scorer.advantages.token == tok_adv.TokenAdvantageConfig(process_coef=1.0)
   records = []
-  runtime = trainer.make_runtime(parts, trainer.PromptStream(iter(parts.train_pipe)),
-                                 log=lambda step, m: records.append(m))
+  runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)))
+  runtime.hooks.add(lambda info: records.append(info.metrics))
   runtime.run()
-  assert parts.policy.version == 2 and len(records) == 2
+  assert rl.policy.version == 2 and len(records) == 2
   for m in records:
     assert m["process_reward/failures"] == 0
     assert m["process_reward/steps_per_completion"] >= 1  # one step per generated token (the last closes one too)
     assert 0.0 <= m["process_reward/mean"] <= 1.0 and np.isfinite(m["loss"])
-  parts.process_scorer.close()
+  rl.close()
 
 
 def test_a_language_model_as_prm_scores_p_good_after_the_prefix():

@@ -12,7 +12,7 @@ from flax import nnx
 
 from tunixlike import config as config_lib, models
 from tunixlike.learner import batch as batch_lib, token_advantages as tok_adv
-from tunixlike.rl import distill, trainer
+from tunixlike.rl import build, distill
 from tunixlike.rl.prompts import PromptStream, requests_for
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler.driver import RolloutDriver
@@ -76,19 +76,19 @@ def _config(teacher_path, num_steps, advantage="distill"):
       rl=dict(num_steps=num_steps, prompts_per_step=4, max_staleness=1))
 
 
-def _held_out_kl(parts, teacher_model) -> float:
+def _held_out_kl(setup, rl, teacher_model) -> float:
   """Exact mean reverse KL(student || teacher) over the vocabulary at every position of completions the
   current student samples for the held-out prompts (same sampling seed each time)."""
-  params, _ = parts.policy.sampler_weights()
+  params, _ = rl.policy.sampler_weights()
   groups = []
-  RolloutDriver(parts.engine, params, source=iter(requests_for(parts.eval_records)), sink=groups.append).run(120)
+  RolloutDriver(rl.engine, params, source=iter(requests_for(setup.eval_records)), sink=groups.append).run(120)
   rows = [(g.prompt_token_ids, c.token_ids) for g in groups for c in g.completions]
   t = max(len(p) + len(c) for p, c in rows)
   tokens, mask = np.zeros((len(rows), t), np.int32), np.zeros((len(rows), t), np.float32)
   for i, (p, c) in enumerate(rows):
     tokens[i, :len(p) + len(c)] = np.concatenate([p, c])
     mask[i, len(p):len(p) + len(c)] = 1.0
-  student = parts.policy.learner.model(parts.policy.learner.state)
+  student = rl.policy.model()
   return distill.reverse_kl(student, teacher_model, tokens, mask)
 
 
@@ -97,21 +97,23 @@ def test_student_reverse_kl_to_a_fixed_teacher_falls_through_the_async_runtime(t
   # The teacher: a different random model of the student's shape, made peaked (final norm x4, so its
   # logits are 4x larger), saved as a Hugging Face checkpoint and loaded back through model.teacher_path.
   probe = _config(None, 1, advantage="grpo")
-  tok, _ = trainer.build_task(probe)
+  tok, _ = build.build_task(probe)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
-  teacher = trainer.build_model(dataclasses.replace(probe, seed=7), tok, mesh)
+  teacher = build.build_model(dataclasses.replace(probe, seed=7), tok, mesh)
   teacher.norm.weight.value = teacher.norm.weight.value * 4.0
   models.save_pretrained(teacher, tmp_path / "teacher")
 
   steps = 30
-  parts = trainer.build_rl(trainer.build(_config(str(tmp_path / "teacher"), steps)))
+  setup = build.build(_config(str(tmp_path / "teacher"), steps))
+  rl = build.build_rl(setup)
   teacher_model = models.from_pretrained(str(tmp_path / "teacher"))
-  before = _held_out_kl(parts, teacher_model)
+  before = _held_out_kl(setup, rl, teacher_model)
   records = []
-  runtime = trainer.make_runtime(parts, PromptStream(iter(parts.train_pipe)), log=lambda s, m: records.append(m))
+  runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)))
+  runtime.hooks.add(lambda info: records.append(info.metrics))
   runtime.run()
-  after = _held_out_kl(parts, teacher_model)
-  assert parts.policy.version == steps
+  after = _held_out_kl(setup, rl, teacher_model)
+  assert rl.policy.version == steps
   sampled = [m["distill/reverse_kl"] for m in records]  # the reward stage's per-batch sampled estimate
   print(f"held-out reverse KL(student || teacher): {before:.3f} -> {after:.3f}; sampled estimate per batch "
         f"{np.mean(sampled[:5]):.3f} (first 5 steps) -> {np.mean(sampled[-5:]):.3f} (last 5)")

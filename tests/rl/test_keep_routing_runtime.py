@@ -1,11 +1,14 @@
 """Keep Routing through the async runtime: an MoE policy, sampler.record_routing + algo.keep_routing."""
 
-import numpy as np
+import dataclasses
 import pathlib
+
+import numpy as np
 import pytest
 
 from tunixlike import config as config_lib, mesh as mesh_lib, models
-from tunixlike.rl import trainer
+from tunixlike.rl import build
+from tunixlike.rl.prompts import PromptStream
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
@@ -17,16 +20,17 @@ def test_moe_routing_is_recorded_and_replayed_through_the_runtime():
                            log=dict(progress_bar=False, tensorboard=False), sampler=dict(max_concurrent_decodes=16,
                                                                                          record_routing=True),
                            algo=dict(keep_routing=True), rl=dict(num_steps=2, prompts_per_step=4, max_staleness=0))
-  parts = trainer.build(cfg)
+  setup = build.build(cfg)
   # The config's model section builds dense models: swap in an MoE policy of the same trunk.
-  moe_cfg = parts.model.cfg.replace(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
-  parts.model = models.create_sharded(moe_cfg, parts.meshes.learner, mesh_lib.LEARNER_RULES, seed=cfg.seed)
-  parts = trainer.build_rl(parts)
+  moe_cfg = setup.model.cfg.replace(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+  setup = dataclasses.replace(setup, model=models.create_sharded(moe_cfg, setup.meshes.learner,
+                                                                 mesh_lib.LEARNER_RULES, seed=cfg.seed))
+  rl = build.build_rl(setup)
   records = []
-  runtime = trainer.make_runtime(parts, trainer.PromptStream(iter(parts.train_pipe)),
-                                 log=lambda step, m: records.append((step, m)))
+  runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)))
+  runtime.hooks.add(lambda info: records.append((info.step, info.metrics)))
   runtime.run(threaded=True)
-  parts.tracer.close()
+  setup.tracer.close()
   assert len(records) == 2
   for _, m in records:
     assert np.isfinite(m["loss"])

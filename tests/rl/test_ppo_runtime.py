@@ -11,7 +11,8 @@ from flax import nnx
 from tunixlike import checkpoint as checkpoint_lib, config as config_lib, models, rewards
 from tunixlike.data import char_tokenizer
 from tunixlike.learner import offload as offload_lib, ppo as ppo_lib
-from tunixlike.rl import trainer
+from tunixlike.rl import build
+from tunixlike.rl.prompts import PromptStream
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
@@ -36,7 +37,7 @@ def test_a_critic_checkpoint_that_does_not_match_fails_at_build(tmp_path):
   cfg = ppo_config(model=dict(critic_path=bad))
   with pytest.raises(ValueError, match=rf"model.critic_path='{bad}': tensor model.embed_tokens.weight has shape "
                                        rf"\({vocab + 7}, 32\)"):
-    trainer.build(cfg)
+    build.build(cfg)
 
 
 @pytest.mark.slow
@@ -44,28 +45,28 @@ def test_ppo_with_critic_and_offload_through_the_runtime(tmp_path):
   critic = save_critic(tmp_path / "critic", char_tokenizer.build().vocab_size)
   cfg = ppo_config(model=dict(critic_path=critic), algo=dict(kl_reward_coef=0.05),
                    learner=dict(offload=("reference", "optimizer", "critic")))
-  parts = trainer.build_rl(trainer.build(cfg))
-  learner = parts.policy.learner
+  setup = build.build(cfg)
+  rl = build.build_rl(setup, reward=rewards.CombinedReward(["stopped"]))  # a reward with variance from a random model
+  learner = rl.policy.learner
   assert isinstance(learner, offload_lib.OffloadedLearner) and isinstance(learner.inner, ppo_lib.PPOLearner)
   kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
   assert kinds(learner.state.opt_state) == kinds(learner.state.ref_params) == {"pinned_host"}
   assert kinds(learner.state.params["critic"]) == {"pinned_host"} and kinds(learner.state.params["policy"]) == {"device"}
   # The sampler gets exactly the policy's parameters (no value head, no critic).
-  policy_paths = {p for p, _ in nnx.to_flat_state(parts.policy.full_params())}
-  engine_paths = {p for p, _ in nnx.to_flat_state(nnx.state(parts.model))}
+  policy_paths = {p for p, _ in nnx.to_flat_state(rl.policy.full_params())}
+  engine_paths = {p for p, _ in nnx.to_flat_state(nnx.state(setup.model))}
   assert policy_paths == engine_paths
-  before = jax.device_get(parts.policy.full_params())
-  parts.train_reward = rewards.CombinedReward(["stopped"])  # a reward with variance from a random model
+  before = jax.device_get(rl.policy.full_params())
   records = []
-  runtime = trainer.make_runtime(parts, trainer.PromptStream(iter(parts.train_pipe)),
-                                 log=lambda step, m: records.append(m))
+  runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)))
+  runtime.hooks.add(lambda info: records.append(info.metrics))
   runtime.run(threaded=False)
-  assert parts.policy.version == 2 and len(records) == 2
+  assert rl.policy.version == 2 and len(records) == 2
   for m in records:
     for k in ("vf_loss", "vf_clip_frac", "value_mean", "return_mean", "kl_reward", "token_advantage_abs"):
       assert np.isfinite(m[k]), k
     assert ("learner/peak_bytes" in m) == (offload_lib.peak_device_memory(jax.devices()[:1]) is not None)
-  after = jax.device_get(parts.policy.full_params())
+  after = jax.device_get(rl.policy.full_params())
   assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
   assert kinds(learner.state.params["critic"]) == {"pinned_host"}  # still offloaded after the steps
   # The run's checkpoint path: save the (offloaded) state, restore it into the same layout.
@@ -73,10 +74,10 @@ def test_ppo_with_critic_and_offload_through_the_runtime(tmp_path):
   ckpt.save(2, learner.state, {"version": 2}, force=True)
   ckpt.wait()
   saved = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(learner.state))]
-  learner.state, meta = ckpt.restore(abstract_state=learner.state)
+  meta = rl.policy.restore(ckpt)
   ckpt.close()
   assert meta["version"] == 2 and kinds(learner.state.opt_state) == {"pinned_host"}
   assert set(learner.state.params) == {"policy", "critic", "value_head"}
   for x, y in zip(jax.tree.leaves(jax.device_get(learner.state)), saved):
     np.testing.assert_array_equal(np.asarray(x), y)
-  parts.tracer.close()
+  setup.tracer.close()

@@ -35,3 +35,11 @@ def test_logs_are_cut_back_to_the_checkpoint(tmp_path):
   assert [json.loads(l)["step"] for l in (tmp_path / "prompts.jsonl").read_text().splitlines()] == [0, 1]
   assert resume.cut_logs(str(tmp_path), None) == 0.0  # no checkpoint: a fresh start keeps nothing
   assert (tmp_path / "metrics.jsonl").read_text() == "" and (tmp_path / "prompts.jsonl").read_text() == ""
+
+
+def test_a_key_is_resumable_when_its_field_or_section_says_so():
+  from tunixlike import settings
+  from tunixlike.config import Config
+  keys = set(settings.resumable_keys(Config))
+  assert {"rl.num_steps", "sampler.warmup", "mesh.sampler_devices", "log.trace"} <= keys  # field; sections
+  assert not keys & {"algo.loss", "optim.learning_rate", "data.task", "sampler.temperature", "seed"}

@@ -1,6 +1,7 @@
 """The async runtime end to end on the 4 + 4 CPU submeshes (real engine, learner, threads, rewards)."""
 
 import json
+import os
 import pathlib
 
 import jax
@@ -9,7 +10,9 @@ import pytest
 
 from jit_traces import count_traces, engine_counts
 from tunixlike import config as config_lib, rewards, trace
-from tunixlike.rl import trainer
+from tunixlike.rl import build
+from tunixlike.rl.collapse import stop_on_collapse
+from tunixlike.rl.prompts import PromptStream
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
@@ -21,22 +24,23 @@ def tiny_config(**rl):
                             sampler=dict(max_concurrent_decodes=16), rl=dict(num_steps=3, prompts_per_step=4, **rl))
 
 
-def run_steps(cfg, threaded, before=lambda parts: None, workdir=None):
-  parts = trainer.build_rl(trainer.build(cfg, workdir))
-  before(parts)
+def run_steps(cfg, threaded, before=lambda setup, rl: None, reward=None, workdir=None):
+  setup = build.build(cfg, None if workdir is None else os.path.join(workdir, "trace.json"))
+  rl = build.build_rl(setup, reward=reward)
+  before(setup, rl)
   records = []
-  runtime = trainer.make_runtime(parts, trainer.PromptStream(iter(parts.train_pipe)),
-                                 log=lambda step, m: records.append((step, m)))
+  runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)))
+  runtime.hooks.add(lambda info: records.append((info.step, info.metrics)))
   runtime.run(threaded=threaded)
-  parts.tracer.close()
-  return records, parts
+  setup.tracer.close()
+  return records, setup, rl
 
 
 @pytest.mark.slow
 def test_async_at_staleness_zero_equals_the_synchronous_loop():
   cfg = tiny_config(max_staleness=0)
-  sync, _ = run_steps(cfg, threaded=False)
-  async_, _ = run_steps(cfg, threaded=True)
+  sync, *_ = run_steps(cfg, threaded=False)
+  async_, *_ = run_steps(cfg, threaded=True)
   assert [s for s, _ in sync] == [s for s, _ in async_] == [0, 1, 2]
   for (_, a), (_, b) in zip(sync, async_):
     for key in ("loss", "reward/mean", "reward/std", "grad_norm", "entropy", "num_tokens"):
@@ -49,13 +53,13 @@ def test_staleness_bound_holds_and_weights_reach_the_sampler(tmp_path):
   cfg = config_lib.replace(tiny_config(max_staleness=1), log=dict(trace=True))
   initial = {}
 
-  def before(parts):
-    initial["w"] = jax.device_get(parts.policy.full_params())
-    # A random model never adds correctly; reward stopping (a real registered reward) so that
-    # groups have variance and the weights move.
-    parts.train_reward = rewards.CombinedReward(["stopped"])
+  def before(setup, rl):
+    initial["w"] = jax.device_get(rl.policy.full_params())
 
-  records, parts = run_steps(cfg, threaded=True, before=before, workdir=str(tmp_path))
+  # A random model never adds correctly; reward stopping (a real registered reward) so that
+  # groups have variance and the weights move.
+  records, setup, rl = run_steps(cfg, threaded=True, before=before, reward=rewards.CombinedReward(["stopped"]),
+                                 workdir=str(tmp_path))
   assert all(m["staleness/max"] <= 1 for _, m in records)
   # The trace has a span of every kind, each on the track of the thread that ran it.
   events = json.load(open(tmp_path / "trace.json"))["traceEvents"]
@@ -65,13 +69,13 @@ def test_staleness_bound_holds_and_weights_reach_the_sampler(tmp_path):
   busy = trace.busy_fractions(str(tmp_path / "trace.json"))
   assert len(busy) >= 3 and all(0 < f <= 1 for f in busy.values())
   assert all(m["sync/ms"] > 0 for _, m in records)
-  assert parts.policy.version == 3
+  assert rl.policy.version == 3
   # The synced copy equals the learner's latest weights, lives on the sampler devices, and differs
   # from the initial weights (a sync that silently sent stale weights would not).
-  synced, _ = parts.policy.sampler_weights()
-  sampler_devices = set(parts.meshes.sampler.devices.flat)
+  synced, _ = rl.policy.sampler_weights()
+  sampler_devices = set(setup.meshes.sampler.devices.flat)
   changed = 0
-  for a, b, c in zip(jax.tree.leaves(synced), jax.tree.leaves(parts.policy.full_params()),
+  for a, b, c in zip(jax.tree.leaves(synced), jax.tree.leaves(rl.policy.full_params()),
                      jax.tree.leaves(initial["w"])):
     assert set(a.devices()) <= sampler_devices
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -81,8 +85,8 @@ def test_staleness_bound_holds_and_weights_reach_the_sampler(tmp_path):
 
 @pytest.mark.slow
 def test_an_error_in_the_reward_thread_surfaces_with_its_original_type():
-  def before(parts):
-    parts.train_reward = None  # scoring now raises TypeError inside the reward pool
+  def before(setup, rl):
+    rl.scorer.reward = None  # scoring now raises TypeError inside the reward pool
 
   with pytest.raises(TypeError):
     run_steps(tiny_config(max_staleness=1), threaded=True, before=before)
@@ -93,7 +97,7 @@ def test_multi_turn_calculator_episodes_train_through_the_runtime():
   cfg = tiny_config(max_staleness=1, env="calculator", env_max_turns=2)
   cfg = config_lib.replace(cfg, rl=dict(num_steps=2), data=dict(max_prompt_length=16),
                            sampler=dict(max_prefill_length=512, max_concurrent_decodes=16))
-  records, parts = run_steps(cfg, threaded=True)
+  records, *_ = run_steps(cfg, threaded=True)
   assert [s for s, _ in records] == [0, 1]
   assert all(np.isfinite(m["loss"]) and 0.0 <= m["reward/mean"] <= 1.0 for _, m in records)
 
@@ -103,7 +107,7 @@ def test_keep_sampling_mask_makes_the_is_ratio_one_at_staleness_zero():
   cfg = tiny_config(max_staleness=0)
   cfg = config_lib.replace(cfg, sampler=dict(top_p=0.8, record_sampling_mask=True),
                            algo=dict(keep_sampling_mask=True), rl=dict(num_steps=2))
-  records, _ = run_steps(cfg, threaded=True)
+  records, *_ = run_steps(cfg, threaded=True)
   for _, m in records:
     assert m["mismatch_kl"] < 1e-6 and m["is_weight"] == pytest.approx(1.0, abs=1e-4)
 
@@ -115,20 +119,21 @@ def test_lora_run_with_sampler_warmup_compiles_nothing_and_syncs_prepacked_adapt
   from tunixlike.sampler import params as params_lib
   cfg = config_lib.replace(tiny_config(max_staleness=1), lora=dict(rank=4), sampler=dict(max_concurrent_decodes=16,
                                                                                           warmup=True))
-  parts = trainer.build_rl(trainer.build(cfg))
+  setup = build.build(cfg)
+  rl = build.build_rl(setup)
   batches = []
-  runtime = trainer.make_runtime(parts, trainer.PromptStream(iter(parts.train_pipe)),
-                                 on_batch=lambda step, trained, dropped: batches.append(trained))
+  runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)))
+  runtime.hooks.add(lambda info: batches.append(info.trained))
   with count_traces() as traces:  # make_runtime compiled every decode program (sampler.warmup)
     runtime.run(threaded=True)
-  assert not any(engine_counts(traces).values()) and parts.policy.version == 3, traces
-  policy = parts.policy
+  assert not any(engine_counts(traces).values()) and rl.policy.version == 3, traces
+  policy = rl.policy
   policy.train(batches[-1])  # one more step: its adapters are packed before the host waits for it
   adapters, packed = policy._packed
-  assert adapters is policy.learner.state.params and isinstance(packed, params_lib.Packed)
+  assert adapters is policy.state.params and isinstance(packed, params_lib.Packed)
   synced, _ = policy.sampler_weights()
   assert policy._packed is None and isinstance(synced, params_lib.WithAdapters)
-  assert set(synced.adapters.flat.devices()) == set(parts.meshes.sampler.devices.flat)
+  assert set(synced.adapters.flat.devices()) == set(setup.meshes.sampler.devices.flat)
   for a, b in zip(jax.tree.leaves(synced.adapters.unpack()), jax.tree.leaves(adapters)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(synced.adapters.unpack()))
@@ -148,13 +153,13 @@ def test_non_finite_steps_stop_the_run_at_any_staleness():
   cfg = config_lib.replace(tiny_config(max_staleness=1, max_nonfinite_steps=3, wait_timeout_s=60.0),
                            rl=dict(num_steps=6))
   records = []
-  parts = trainer.build_rl(trainer.build(cfg))
-  parts.train_reward = rewards.CombinedReward(["overflowing_for_tests"])
-  runtime = trainer.make_runtime(parts, trainer.PromptStream(iter(parts.train_pipe)),
-                                 log=lambda step, m: records.append((step, m)))
+  setup = build.build(cfg)
+  rl = build.build_rl(setup, reward=rewards.CombinedReward(["overflowing_for_tests"]))
+  runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)))
+  runtime.hooks.add(lambda info: records.append((info.step, info.metrics)))
   with pytest.raises(NonFiniteLoss, match="3 in a row"):
     runtime.run(threaded=True)
-  assert parts.policy.version == 0 and [m["skipped"] for _, m in records] == [1.0, 1.0]
+  assert rl.policy.version == 0 and [m["skipped"] for _, m in records] == [1.0, 1.0]
 
 
 @pytest.mark.slow
@@ -164,15 +169,15 @@ def test_a_collapsed_policy_is_flagged_and_stops_the_run():
   from tunixlike.rl.collapse import CollapseConfig, CollapseDetector, PolicyCollapse
   cfg = config_lib.replace(tiny_config(max_staleness=1), rl=dict(num_steps=4), optim=dict(learning_rate=1e6),
                            warm_start=dict(max_steps=20, eval_every=20))
-  parts = trainer.build(cfg)
-  trainer.warm_start(parts)
-  trainer.build_rl(parts)
-  parts.train_reward = rewards.CombinedReward(["stopped"])  # rewards with variance: the weights move
+  setup = build.build(cfg)
+  build.warm_start(setup)
+  rl = build.build_rl(setup, reward=rewards.CombinedReward(["stopped"]))  # rewards with variance: weights move
   records = []
-  vocab = parts.policy.learner.model(parts.policy.learner.state).cfg.vocab_size
-  runtime = trainer.make_runtime(parts, trainer.PromptStream(iter(parts.train_pipe)),
-                                 log=lambda step, m: records.append((step, m)),
-                                 collapse=CollapseDetector(CollapseConfig(vocab_size=vocab)))
+  vocab = rl.policy.model().cfg.vocab_size
+  runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)),
+                               collapse=CollapseDetector(CollapseConfig(vocab_size=vocab)))
+  runtime.hooks.add(lambda info: records.append((info.step, info.metrics)))
+  runtime.hooks.add(stop_on_collapse)
   with pytest.raises(PolicyCollapse, match=r"policy collapse at step 1: token entropy .* ln V"):
     runtime.run(threaded=True)
   assert [(s, m["collapse"]) for s, m in records] == [(0, 0.0), (1, 1.0)]
@@ -186,7 +191,7 @@ def _raising(prompts, completions, **columns):
 @pytest.mark.slow
 def test_eval_counts_the_completions_its_verifier_failed_on():
   """A verifier that always raises is not a policy at 0% accuracy: the eval record says so."""
-  parts = trainer.build_rl(trainer.build(tiny_config()))
-  parts.correctness = rewards.CombinedReward(["raising_for_tests"])
-  out = trainer.evaluate(parts)
+  setup = build.build(tiny_config())
+  rl = build.build_rl(setup, correctness=rewards.CombinedReward(["raising_for_tests"]))
+  out = build.evaluate(setup, rl)
   assert out["eval/accuracy"] == 0.0 and out["eval/reward_failures"] == out["eval/num_prompts"] == 16

@@ -9,8 +9,8 @@ with `tokens` (index t describes token t); the train step shifts to next-token t
                                       included, Completion.loss_mask respected), else 0
   behaviour_logprobs  float32 [B, T]  sampler logprobs (processed distribution), 0 elsewhere
   versions            int32   [B, T]  policy version of each completion token, -1 elsewhere
-  advantages          float32 [B]     per completion, from the group's rewards
-  rewards             float32 [B]
+  advantages          float32 [B]     per completion (`RolloutGroup.advantages`)
+  rewards             float32 [B]     after shaping (`RolloutGroup.shaped_rewards`)
   group_ids           int32   [B]     index of the group in this batch, -1 for padding rows
   prompt_lengths, completion_lengths  int32 [B]
   sampling_mask       uint8   [B, T, W]  only with sampling_mask=True ("Keep Sampling Mask"): the
@@ -28,8 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tunixlike.learner import advantages as advantages_lib
-from tunixlike.learner import dapo
+from tunixlike.learner import group_advantages
 from tunixlike.learner import routing as routing_lib
 from tunixlike.learner import sampling_mask as sampling_mask_lib
 from tunixlike.learner import token_advantages as token_adv_lib
@@ -51,8 +50,9 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
                    token_advantages: token_adv_lib.TokenAdvantageConfig | None = None) -> dict[str, np.ndarray]:
   """Pad `groups` into one batch of exactly `num_rows` rows and a bucketed length T.
 
-  With overlong_buffer > 0, DAPO's soft overlong penalty (`dapo.overlong_penalty`, in completion
-  tokens) is added to each reward before the advantages are computed; `rewards` holds the result.
+  Each group's advantages come from the reward stage (`group_advantages.set_advantages`); a group
+  without them gets them here from `advantage`, the overlong_* settings (DAPO's soft overlong
+  penalty, in completion tokens, when overlong_buffer > 0) and `token_advantages`.
   With sampling_mask=True every completion must carry `Completion.sampling_mask` (the sampler's
   `record_sampling_mask`), and each token the policy produced must be in its own kept set.
   With routing=True every completion must carry `expert_routing` and `prompt_routing` (the
@@ -63,16 +63,15 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
   buckets = sorted(int(b) for b in seq_buckets)
   if not buckets or buckets[0] <= 0:
     raise ValueError(f"seq_buckets={tuple(seq_buckets)!r} must be non-empty positive lengths")
-  advantage_fn = advantages_lib.get_advantage_fn(advantage)
+  unscored = group_advantages.AdvantageConfig(advantage, overlong_max_length, overlong_buffer, overlong_penalty,
+                                              token_advantages)
   n_rows = sum(g.group_size for g in groups)
   if n_rows > num_rows:
     raise ValueError(f"{len(groups)} groups hold {n_rows} completions, more than num_rows={num_rows}")
-  lengths = []
-  for g in groups:
-    if g.rewards is None or len(g.rewards) != g.group_size:
-      got = None if g.rewards is None else len(g.rewards)
-      raise ValueError(f"RolloutGroup(prompt_id={g.prompt_id!r}).rewards has {got} entries, "
-                       f"expected one per completion ({g.group_size})")
+  lengths, scores = [], []
+  for g in groups:  # an unscored group's advantages are computed here, not written back into it
+    scores.append((g.shaped_rewards, g.advantages, g.token_advantages) if g.advantages is not None
+                  else group_advantages.compute(g, unscored))
     if len(g.prompt_token_ids) == 0:
       raise ValueError(f"RolloutGroup(prompt_id={g.prompt_id!r}).prompt_token_ids is empty: the first "
                        "completion token needs a prompt token to be predicted from")
@@ -96,17 +95,13 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
     batch["sampling_mask"] = np.zeros((num_rows, t, width), np.uint8)
   if routing:
     batch["routing"] = np.full((num_rows, t) + tuple(layers_k), -1, np.int32)
-  if token_advantages is not None:
+  per_token = [tok_adv_g is not None for _, _, tok_adv_g in scores]
+  if any(per_token) and not all(per_token):
+    raise ValueError("some groups of the batch carry token_advantages and others do not")
+  if any(per_token):
     batch["token_advantages"] = np.zeros((num_rows, t), np.float32)
   row = 0
-  for gi, g in enumerate(groups):
-    rewards_g = np.asarray(g.rewards, np.float32)
-    if overlong_buffer > 0:
-      lengths_g = np.array([c.num_tokens for c in g.completions])
-      rewards_g = rewards_g + dapo.overlong_penalty(lengths_g, overlong_max_length, overlong_buffer,
-                                                    overlong_penalty)
-    adv_g = advantage_fn(rewards_g[None, :])[0]
-    tok_adv_g = None if token_advantages is None else token_adv_lib.group_token_advantages(g, adv_g, token_advantages)
+  for gi, (g, (rewards_g, adv_g, tok_adv_g)) in enumerate(zip(groups, scores)):
     p = len(g.prompt_token_ids)
     for ci, c in enumerate(g.completions):
       n = c.num_tokens

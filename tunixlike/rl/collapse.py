@@ -60,3 +60,11 @@ class CollapseDetector:
         reason = f"grad_norm {norm:.4g} is {norm / median:.0f}x the median of the last {len(history)} steps"
     history.append(norm)
     return reason
+
+
+def stop_on_collapse(info) -> None:
+  """A loop hook (`hooks.StepInfo`): raises PolicyCollapse at a step flagged as collapsed. Added
+  after the metrics hook and before the eval and checkpoint hooks, so the step is logged, not saved."""
+  if info.collapse is not None:
+    raise PolicyCollapse(f"policy collapse at step {info.step}: {info.collapse} (rl.stop_on_collapse; lower "
+                         "optim.learning_rate, or resume from the best checkpoint)")

@@ -1,4 +1,4 @@
-"""The runtime's view of the learner: train on rollout groups, hand weights to the sampler."""
+"""The policy being trained: the one owner of the learner state, its version, and its weights' way to the sampler."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from flax import nnx
 from tunixlike import distributed, trace as trace_lib
 from tunixlike.config import Config
 from tunixlike.learner import offload as offload_lib, value as value_lib
-from tunixlike.learner import token_advantages as token_adv_lib
 from tunixlike.learner.batch import assemble_batch, pick_bucket
 from tunixlike.learner.train_step import Learner
 from tunixlike.rl import weight_sync
@@ -18,8 +17,13 @@ from tunixlike.rollout import RolloutGroup
 from tunixlike.sampler.engine import Engine
 
 
-class PolicyLearner:
-  """The runtime's view of the learner: train on groups, hand weights to the sampler."""
+class Policy:
+  """Trains on scored rollout groups, hands its weights to the sampler, and restores from checkpoints.
+
+  `learner` (`train_step.Learner`, `ppo.PPOLearner`, or either behind `offload.OffloadedLearner`)
+  is the compiled step; its `state` is written here and nowhere else. `version` counts the
+  optimizer steps taken (= the policy version stamped on every token sampled with its weights).
+  """
 
   def __init__(self, learner: Learner, engine: Engine, cfg: Config, pad_id: int, *, tracer=trace_lib.NULL_TRACER):
     self.learner, self.engine, self.cfg, self.pad_id, self.tracer = learner, engine, cfg, pad_id, tracer
@@ -38,28 +42,38 @@ class PolicyLearner:
     # The adapters' sampler shardings are the same every sync: looked up once.
     self._adapter_shardings = (weight_sync.subtree_like(engine.param_shardings, learner.state.params)
                                if self.lora else None)
-    # Per-token advantages (process rewards, on-policy distillation), or None for the group advantage.
-    a = cfg.algo
-    process_coef = a.process_reward_coef if a.process_reward is not None else 0.0
-    distill_coef = 1.0 if a.advantage == "distill" else 0.0
-    self.token_advantages = (token_adv_lib.TokenAdvantageConfig(process_coef=process_coef, distill_coef=distill_coef)
-                             if process_coef or distill_coef else None)
     self._devices = ([jax.devices()[0]] if mesh is None  # this process's learner devices (for memory stats)
                      else [d for d in mesh.devices.flat if d.process_index == jax.process_index()])
 
+  @property
+  def state(self):
+    """The learner's TrainState (read it; `train` and `restore` are what change it)."""
+    return self.learner.state
+
+  def model(self) -> nnx.Module:
+    """The trained model (for PPO the policy with its value head) over the current state's arrays."""
+    return self.learner.model(self.learner.state)
+
+  def restore(self, ckpt, step: int | None = None) -> dict:
+    """Loads checkpoint `step` (None: the newest readable one) into the state; returns its meta."""
+    self.learner.state, meta = ckpt.restore(step, abstract_state=self.learner.state)
+    self.version = int(meta["version"])
+    self._packed = None
+    return meta
+
   def train(self, groups: list[RolloutGroup]) -> dict[str, float]:
-    a = self.cfg.algo
+    """One optimizer step on groups the reward stage scored (`group.advantages` set)."""
+    unscored = [g.prompt_id for g in groups if g.advantages is None]
+    if unscored:
+      raise ValueError(f"groups {unscored[:3]} have no advantages: score them first (rl/scoring.py)")
     buckets = self.seq_buckets
     if self.cfg.optim.group_by_length:  # micro-batches are trimmed in the step: one T, one compilation
       buckets = buckets[-1:]
     elif self.num_processes > 1:  # every process's share must have the same length T: the longest bucket
       longest = max((len(g.prompt_token_ids) + c.num_tokens for g in groups for c in g.completions), default=1)
       buckets = (distributed.max_over_processes(pick_bucket(longest, self.seq_buckets)),)
-    batch = assemble_batch(groups, num_rows=self.num_rows, seq_buckets=buckets, advantage=a.advantage,
-                           pad_id=self.pad_id, overlong_max_length=self.cfg.sampler.max_new_tokens,
-                           overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty,
-                           sampling_mask=a.keep_sampling_mask, routing=self.cfg.sampler.record_routing,
-                           token_advantages=self.token_advantages)
+    batch = assemble_batch(groups, num_rows=self.num_rows, seq_buckets=buckets, pad_id=self.pad_id,
+                           sampling_mask=self.cfg.algo.keep_sampling_mask, routing=self.cfg.sampler.record_routing)
     with self.tracer.span("train_step", cat="learner", version=self.version):
       placed = self.learner.put_batch(batch)
       rng = jax.random.fold_in(self._rng, self.version)
@@ -82,7 +96,7 @@ class PolicyLearner:
     return self._sampler_params
 
   def full_params(self) -> nnx.State:
-    model = self.learner.model(self.learner.state)
+    model = self.model()
     if isinstance(model, value_lib.PolicyWithValue):  # PPO: the sampler gets the policy, not the critic
       model = model.policy
     return nnx.split(model)[1]

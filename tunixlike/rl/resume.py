@@ -1,10 +1,11 @@
 """What a resumed run must agree on with its checkpoint, and the logs cut back to the restored step.
 
 A checkpoint's meta keeps the whole config it was trained with. A restart compares its own config
-key by key; any difference outside `RESUMABLE` (model shapes, task and data, algorithm, optimizer,
-sampling, seed) would silently train another experiment on the old weights and data position, so
-it is refused with the list of what changed. `RESUMABLE` holds what only decides how long, how
-fast, or how visibly the run goes on.
+key by key; any difference outside the resumable keys (model shapes, task and data, algorithm,
+optimizer, sampling, seed) would silently train another experiment on the old weights and data
+position, so it is refused with the list of what changed. A key is resumable when its field says
+so (`setting(..., resumable=True)`, or a section's `RESUMABLE = True`): it only decides how long,
+how fast, or how visibly the run goes on.
 """
 
 from __future__ import annotations
@@ -13,20 +14,8 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from tunixlike import metrics as metrics_lib
-
-# Keys (or whole sections, ending in ".") a resume may change.
-RESUMABLE = (
-    "rl.num_steps",  # run longer (a cosine schedule stretches to the new end)
-    "rl.wait_timeout_s", "rl.reward_workers", "rl.reward_timeout_s", "rl.max_nonfinite_steps",
-    "rl.stop_on_collapse", "rl.collapse_entropy_frac", "rl.collapse_spike_factor",
-    "data.num_eval_examples", "eval.",
-    "warm_start.max_steps", "warm_start.target_accuracy", "warm_start.eval_every",  # when it stops, not how it trains
-    "sampler.warmup", "sampler.steps_per_call", "sampler.max_concurrent_decodes", "sampler.attend_bucket",
-    "sampler.slot_groups",  # decode performance only: same distribution, same per-token records
-    "mesh.", "distributed.",  # checkpoints restore onto any device layout
-    "log.", "checkpoint.",
-)
+from tunixlike import metrics as metrics_lib, settings
+from tunixlike.config import Config
 
 
 class IncompatibleResume(ValueError):
@@ -43,17 +32,14 @@ def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
   return out
 
 
-def _resumable(key: str) -> bool:
-  return any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE)
-
-
 def config_changes(saved: Mapping[str, Any], current) -> list[str]:
   """`key: saved -> current` for every non-resumable key that differs. Keys only one side knows
   (a config of another tunixlike version) are not compared."""
+  resumable = set(settings.resumable_keys(Config))
   now = _flat(dataclasses.asdict(current) if dataclasses.is_dataclass(current) else current)
   then = _flat(saved)
   return [f"{k}: {then[k]!r} -> {now[k]!r}" for k in sorted(then.keys() & now.keys())
-          if then[k] != now[k] and not _resumable(k)]
+          if then[k] != now[k] and k not in resumable]
 
 
 def check_compatible(meta: Mapping[str, Any], cfg, model_cfg: Mapping[str, Any], where: str) -> None:
@@ -67,7 +53,18 @@ def check_compatible(meta: Mapping[str, Any], cfg, model_cfg: Mapping[str, Any],
   if changes:
     raise IncompatibleResume(
         f"{where} was trained with other settings; resuming would change {'; '.join(changes)}. Use a new --workdir, "
-        "or restore those keys (a resume may change only: " + ", ".join(r.rstrip(".") for r in RESUMABLE) + ")")
+        f"or restore those keys (a resume may change only: {_resumable_summary()})")
+
+
+def _resumable_summary() -> str:
+  """The resumable keys, a section whose every key is resumable by its name."""
+  out = []
+  for f in dataclasses.fields(Config):
+    if getattr(type(f.default), "RESUMABLE", False):
+      out.append(f"{f.name}.*")
+    else:
+      out += [k for k in settings.resumable_keys(Config) if k.startswith(f"{f.name}.")]
+  return ", ".join(out)
 
 
 def cut_logs(directory: str, step: int | None) -> float:

@@ -18,25 +18,19 @@ import dataclasses
 import math
 import threading
 import time
-from typing import Any, Callable, ClassVar, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import numpy as np
 
-from tunixlike.rl.collapse import CollapseDetector, PolicyCollapse
+from tunixlike.rl.collapse import CollapseDetector
+from tunixlike.rl.hooks import Hooks, StepInfo
 from tunixlike.rl.queue import RolloutQueue, Stopped
 from tunixlike.rollout import RolloutGroup
 from tunixlike.settings import (DTYPES, check_fields, in_range, non_negative, one_of, optional, positive,
                                 run_value, setting)
 
-
-class Learner(Protocol):
-  version: int
-
-  def train(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
-    """One optimizer step on `groups`; returns host metrics (incl. `loss`, `skipped`)."""
-
-  def sampler_weights(self) -> tuple[Any, float]:
-    """(params on the sampler shardings, milliseconds the sync took)."""
+if TYPE_CHECKING:  # policy.py reads the run config, whose `rl` section is defined here
+  from tunixlike.rl.policy import Policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,23 +39,23 @@ class RuntimeConfig:
 
   SECTION: ClassVar[str] = "rl"
 
-  num_steps: int = setting(60, "learner steps (= policy versions) of RL", check=positive)
+  num_steps: int = setting(60, "learner steps (= policy versions) of RL", check=positive, resumable=True)
   prompts_per_step: int = setting(32, "groups per learner step (the run splits them over the hosts)", check=positive)
   max_staleness: int = setting(1, "0 = synchronous (the baseline every comparison uses)", check=non_negative)
   sync_mode: str = setting("soft_pause", "soft_pause (swap weights between decode steps) | drain (finish in-flight "
                            "first)", check=one_of("soft_pause", "drain"))
   sync_dtype: str | None = setting(None, "e.g. 'bfloat16' for a bf16 sampler; None = the learner's dtype",
                                    check=optional(one_of(*DTYPES)))
-  reward_workers: int = setting(4, "threads scoring groups, so slow verifiers never stall decoding", check=positive)
-  reward_timeout_s: float = setting(10.0, "a reward call slower than this scores 0 and is counted", check=positive)
-  max_nonfinite_steps: int = setting(3, "stop after this many non-finite losses in a row", check=positive)
-  wait_timeout_s: float = setting(300.0, "no wait without a timeout", check=positive)
+  reward_workers: int = setting(4, "threads scoring groups, so slow verifiers never stall decoding", check=positive, resumable=True)
+  reward_timeout_s: float = setting(10.0, "a reward call slower than this scores 0 and is counted", check=positive, resumable=True)
+  max_nonfinite_steps: int = setting(3, "stop after this many non-finite losses in a row", check=positive, resumable=True)
+  wait_timeout_s: float = setting(300.0, "no wait without a timeout", check=positive, resumable=True)
   stop_on_collapse: bool = setting(True, "stop at a collapsed step (the best checkpoint survives) rather than "
-                                   "train on; else it is only logged")
+                                   "train on; else it is only logged", resumable=True)
   collapse_entropy_frac: float = setting(0.01, "collapsed: token entropy within this fraction of ln V (uniform "
-                                         "policy)", check=in_range(0, 1, low_open=True, high_open=True))
+                                         "policy)", check=in_range(0, 1, low_open=True, high_open=True), resumable=True)
   collapse_spike_factor: float = setting(1000.0, "also collapsed: grad norm this many times its recent median "
-                                         "(0 = off)", check=non_negative)
+                                         "(0 = off)", check=non_negative, resumable=True)
   env: str | None = setting(None, "multi-turn episodes that interleave decoding with tool calls: 'calculator' = "
                             "the built-in tool environment; None = single-turn", check=optional(one_of("calculator")))
   env_max_turns: int = setting(4, "policy turns per episode", check=positive)
@@ -85,29 +79,25 @@ class AsyncRuntime:
   """Runs `num_steps` learner steps (default `cfg.num_steps`; a resumed run: those left) from the
   learner's version, with the driver in its own thread."""
 
-  def __init__(self, cfg: RuntimeConfig, *, driver_factory: Callable[..., Any], learner: Learner,
-               score: Callable[[RolloutGroup], None], log: Callable[[int, dict], None] = lambda s, m: None,
-               on_step: Callable[[int], None] = lambda step: None,
-               on_batch: Callable[[int, list, list], None] = lambda step, trained, dropped: None,
-               should_stop: Callable[[], bool] = lambda: False, collapse: CollapseDetector | None = None,
+  def __init__(self, cfg: RuntimeConfig, *, driver_factory: Callable[..., Any], policy: Policy,
+               score: Callable[[RolloutGroup], None], collapse: CollapseDetector | None = None,
                queue_counts: dict[str, int] | None = None, num_steps: int | None = None):
     """`driver_factory(sink, may_start_group)` builds the RolloutDriver (not started).
 
-    `score(group)` fills `group.rewards` (runs in the reward pool); `log(step, metrics)` is called
-    once per learner step; `on_batch(step, trained, dropped)` with the groups trained and dropped
-    in that step (prompt accounting); `on_step(version)` after every weight sync (checkpoints,
-    evals); `should_stop()` is polled between steps (preemption: stop cleanly after this step).
-    `collapse` flags a collapsed policy in the metrics (`collapse`: 1) and, with
-    `cfg.stop_on_collapse`, raises PolicyCollapse. The queue's admission starts from the learner's
-    version; `queue_counts` (a checkpoint's `queue.counts()`) continues its counters.
+    `score(group)` is the reward stage (runs in the reward pool): it fills `group.rewards` and the
+    advantages. Periodic work (metrics, evals, checkpoints, preemption) goes in `self.hooks`;
+    `request_stop()` ends the run after the current step. `collapse` flags a collapsed policy in
+    the metrics (`collapse`: 1). The queue's admission starts from the policy's version;
+    `queue_counts` (a checkpoint's `queue.counts()`) continues its counters.
     """
-    self.cfg, self.learner, self._score, self._log, self._on_step = cfg, learner, score, log, on_step
+    self.cfg, self.policy, self._score, self._collapse = cfg, policy, score, collapse
     self.num_steps = cfg.num_steps if num_steps is None else num_steps
-    self._on_batch, self._should_stop, self._collapse = on_batch, should_stop, collapse
+    self.hooks = Hooks()
+    self._stop_requested = False
     self._dropped: list[RolloutGroup] = []
     self.stop_event = threading.Event()
     self.queue = RolloutQueue(cfg.prompts_per_step, cfg.max_staleness, self.stop_event,
-                              on_drop=self._dropped.append, start_version=learner.version, counts=queue_counts)
+                              on_drop=self._dropped.append, start_version=policy.version, counts=queue_counts)
     self.preempted = False
     self._errors: list[BaseException] = []
     self._pool = concurrent.futures.ThreadPoolExecutor(cfg.reward_workers, thread_name_prefix="reward")
@@ -115,6 +105,10 @@ class AsyncRuntime:
                                  may_start_group=lambda: self.queue.try_admit(self.driver.version))
     self.learner_busy_s = 0.0
     self.sync_ms: list[float] = []
+
+  def request_stop(self) -> None:
+    """Stop after the current step (a hook's way to end the run cleanly, e.g. on preemption)."""
+    self._stop_requested = True
 
   # ---- sampler side (driver thread, reward pool) ----------------------------------------------
   def _on_group(self, group: RolloutGroup):
@@ -162,21 +156,21 @@ class AsyncRuntime:
       self.driver.start()
     try:
       for _ in range(self.num_steps):
-        if self._should_stop():
+        if self._stop_requested:
           self.preempted = True
           break
         self._check()
         t0 = time.monotonic()
         if not threaded:
           self._step_sampler_inline(t0 + cfg.wait_timeout_s)
-        groups = self.queue.get_batch(self.learner.version, cfg.wait_timeout_s, keep=keep)
+        groups = self.queue.get_batch(self.policy.version, cfg.wait_timeout_s, keep=keep)
         self._check()
         wait_s = time.monotonic() - t0
         # Deterministic batch order (start order), whatever order the reward pool finished in.
         groups.sort(key=lambda g: g.columns.get("stream_index", 0))
-        version = self.learner.version
+        version = self.policy.version
         t1 = time.monotonic()
-        metrics = self.learner.train(groups)
+        metrics = self.policy.train(groups)
         train_s = time.monotonic() - t1
         self.learner_busy_s += train_s
         if not math.isfinite(float(metrics.get("loss", 0.0))) or metrics.get("skipped", 0):
@@ -189,9 +183,9 @@ class AsyncRuntime:
           nonfinite_in_a_row = 0
         collapsed = self._collapse.check(metrics) if self._collapse is not None else None
         metrics["collapse"] = float(collapsed is not None)
-        params, sync_ms = self.learner.sampler_weights()
+        params, sync_ms = self.policy.sampler_weights()
         self.sync_ms.append(sync_ms)
-        self.driver.update_params(params, self.learner.version, drain=cfg.sync_mode == "drain")
+        self.driver.update_params(params, self.policy.version, drain=cfg.sync_mode == "drain")
         wall = time.monotonic() - t_start
         stats = self.driver.stats
         lags = np.array([version - g.min_version for g in groups])
@@ -210,12 +204,7 @@ class AsyncRuntime:
           values = [g.reward_metrics[name] for g in groups if name in g.reward_metrics]
           metrics[name] = float(np.mean(values)) if "failures" not in name else float(np.sum(values))
         dropped, self._dropped[:] = list(self._dropped), []
-        self._on_batch(version, groups, dropped)
-        self._log(version, metrics)
-        if collapsed is not None and cfg.stop_on_collapse:
-          raise PolicyCollapse(f"policy collapse at step {version}: {collapsed} (rl.stop_on_collapse; lower "
-                               "optim.learning_rate, or resume from the best checkpoint)")
-        self._on_step(self.learner.version)
+        self.hooks.run(StepInfo(version, self.policy.version, metrics, groups, dropped, collapse=collapsed))
         last = metrics
     except Stopped:
       self._check()  # the original error of the thread that stopped the run

@@ -141,7 +141,7 @@ def pack(tree: Any, shardings: Any, *, dtype=None) -> params_lib.Packed | None:
 
   `sync` packs by itself. Called right after the train step that produced `tree`, before the host
   waits for that step, the pack is queued behind the step on the devices, and the sync that follows
-  is one transfer (what `PolicyLearner` does for LoRA). The learner keeps LoRA adapters replicated
+  is one transfer (what `Policy` does for LoRA). The learner keeps LoRA adapters replicated
   (`models.lora`), so the concatenation gathers nothing and runs on one device.
   """
   leaves, treedef = jax.tree.flatten(tree)

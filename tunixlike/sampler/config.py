@@ -27,7 +27,7 @@ class SamplerConfig:
 
   max_concurrent_decodes: int = setting(
       128, "decode slots (the decode batch), shared by all replicas; the run splits them over the hosts",
-      check=positive_int)
+      check=positive_int, resumable=True)
   max_prefill_length: int = setting(64, "longest prompt; prefill compiles once per power-of-two bucket",
                                     check=positive_int)
   max_new_tokens: int = setting(8, "completion length limit (finish_reason 'length'; a request may ask for fewer)",
@@ -38,15 +38,15 @@ class SamplerConfig:
   stop_strings: tuple[str, ...] = setting((), "completions also end at these strings (checked on the host)",
                                           check=_stop_strings)
   steps_per_call: int = setting(4, "decode steps per host round-trip (EOS and length stops stay exact on device)",
-                                check=positive_int)
+                                check=positive_int, resumable=True)
   record_sampling_mask: bool = setting(False, "'Keep Sampling Mask' payload: the packed kept-token set per token")
   record_routing: bool = setting(False, "'Keep Routing' payload: the experts each MoE layer chose (MoE models only)")
   attend_bucket: int = setting(32, "decode attends the filled cache rounded up to this many positions (one "
-                               "compiled decode program per size)", check=positive_int)
+                               "compiled decode program per size)", check=positive_int, resumable=True)
   slot_groups: int = setting(1, "slot groups with their own attention windows (2: long sequences kept together)",
-                             check=positive_int)
+                             check=positive_int, resumable=True)
   warmup: bool = setting(False, "compile every decode program before the run (no mid-run compile stalls; costs "
-                         "start-up)")
+                         "start-up)", resumable=True)
   truncate_long_prompts: bool = setting(False, "prompts longer than max_prefill_length keep their last tokens "
                                         "(counted) instead of failing")
   min_prefill_bucket: int = setting(16, "smallest prefill bucket (tiny buckets only add compilations)",

@@ -1,0 +1,285 @@
+"""What a run is made of, built from the typed config: the pieces `trainer.run` sequences.
+
+    setup = build(cfg)                 # meshes, tokenizer, task data, the model (before any training)
+    warm_start(setup)                  # optional supervised warm start of setup.model
+    rl = build_rl(setup)               # LoRA, the policy (learner), sampler engines, the reward stage
+    runtime = make_runtime(setup, rl, PromptStream(setup.train_pipe))
+    runtime.hooks.add(lambda info: print(info.step, info.metrics["reward/mean"]))
+    runtime.run()
+
+Tests, benchmarks and notebooks use these directly. Several processes: every process builds the
+same objects; data is sharded by process (see `trainer.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tunixlike import distributed, mesh as mesh_lib, models, rewards, trace as trace_lib
+from tunixlike.config import Config
+from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokenizer_lib
+from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, value as value_lib
+from tunixlike.learner.config import LearnerConfig
+from tunixlike.learner.train_step import Learner
+from tunixlike.models import lora as lora_lib
+from tunixlike.rewards import process as process_lib
+from tunixlike.rewards.envs import CalculatorEnv
+from tunixlike.rl import distill as distill_lib, evaluate as eval_lib, scoring, warm_start as warm_start_lib
+from tunixlike.rl.collapse import CollapseConfig, CollapseDetector
+from tunixlike.rl.policy import Policy
+from tunixlike.rl.prompts import PromptStream, requests_for
+from tunixlike.rl.runtime import AsyncRuntime
+from tunixlike.sampler.config import SamplerConfig
+from tunixlike.sampler.driver import RolloutDriver
+from tunixlike.sampler.engine import Engine
+from tunixlike.sampler.episodes import EpisodeConfig, EpisodeDriver
+from tunixlike.sampler.process_driver import ProcessRewardDriver
+
+
+# ---- config -> library configs -------------------------------------------------------------------
+def learner_config(cfg: Config) -> LearnerConfig:
+  """The algo and optim sections with their run values."""
+  # The behaviour logprobs are at the sampler's temperature; the learner's must match.
+  algo = dataclasses.replace(cfg.algo, sampling_temperature=cfg.sampler.temperature or 1.0)
+  return LearnerConfig(algo=algo, optim=dataclasses.replace(cfg.optim, total_steps=cfg.rl.num_steps))
+
+
+def sampler_config(cfg: Config, tok) -> SamplerConfig:
+  """This process's sampler: the decode slots of sampler.max_concurrent_decodes are split over the hosts."""
+  slots = cfg.sampler.max_concurrent_decodes // jax.process_count()
+  return dataclasses.replace(cfg.sampler, max_concurrent_decodes=slots, eos_ids=tuple(tok.stop_ids),
+                             group_size=cfg.algo.group_size, seed=cfg.seed)
+
+
+def check_process_split(cfg: Config, n: int):
+  """Keys that are totals over all hosts must split evenly across the `n` processes."""
+  if n == 1:
+    return
+  if cfg.rl.prompts_per_step % n:
+    raise ValueError(f"rl.prompts_per_step={cfg.rl.prompts_per_step} must be divisible by the {n} processes "
+                     "(each host samples its share of every batch)")
+  slots = cfg.sampler.max_concurrent_decodes // n
+  if cfg.sampler.max_concurrent_decodes % n or slots < cfg.algo.group_size:
+    raise ValueError(f"sampler.max_concurrent_decodes={cfg.sampler.max_concurrent_decodes} must split over the "
+                     f"{n} processes into at least algo.group_size={cfg.algo.group_size} slots each")
+
+
+# ---- before training: meshes, data, model ----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """The run's inputs, built once: nothing here changes afterwards except the weights of `model`."""
+
+  cfg: Config
+  meshes: mesh_lib.Meshes
+  tok: Any
+  task: Any
+  model: nnx.Module  # the policy on the learner submesh (warm-started in place)
+  train_pipe: pipeline.PromptPipeline
+  eval_records: list  # this process's share of the held-out prompts
+  tracer: trace_lib.Tracer
+  warm_start_records: list | None = None  # held-out set of the warm start: the same on every process
+  critic: nnx.Module | None = None  # PPO's separate critic trunk (model.critic_path), on the learner mesh
+  teacher: distill_lib.Teacher | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
+
+
+def build_task(cfg: Config):
+  """(tokenizer, task): a character tokenizer for built-in tasks, the model's own for HF models."""
+  if cfg.model.hf_path:
+    tok = tokenizer_lib.load(cfg.model.hf_path)
+  else:
+    tok = char_tokenizer.build()
+  kwargs = {"digits": cfg.data.digits} if cfg.data.task == "addition" else {}
+  if cfg.data.task == "gsm8k":
+    kwargs = {} if cfg.data.path is None else {"path": cfg.data.path}
+  return tok, tasks.get(cfg.data.task, **kwargs)
+
+
+def build_model(cfg: Config, tok, mesh) -> nnx.Module:
+  m = cfg.model
+  if m.hf_path:
+    return models.from_pretrained(m.hf_path, mesh=mesh, rules=mesh_lib.LEARNER_RULES, dtype=m.param_dtype)
+  # The model section's sizes carry ModelConfig's own names; the vocabulary is the tokenizer's.
+  sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(models.ModelConfig) if hasattr(m, f.name)}
+  return models.create_sharded(models.ModelConfig(vocab_size=tok.vocab_size, **sizes), mesh, mesh_lib.LEARNER_RULES,
+                               seed=cfg.seed)
+
+
+def build(cfg: Config, trace_path: str | None = None, say=print) -> Setup:
+  """Meshes, tokenizer, task, data and the (not yet warm-started) model on the learner submesh."""
+  distributed.initialize(cfg.distributed)
+  check_process_split(cfg, jax.process_count())
+  meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices, cfg.mesh.sampler_tensor,
+                                cfg.mesh.learner_tensor)
+  tok, task = build_task(cfg)
+  model = build_model(cfg, tok, meshes.learner)
+  critic = None
+  if cfg.model.critic_path:  # loaded (and checked against the policy) before any training starts
+    critic = value_lib.load_critic(cfg.model.critic_path, model, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
+                                   dtype=cfg.model.param_dtype)
+  teacher = None
+  if cfg.model.teacher_path:  # frozen, on the learner submesh; it scores groups in the reward stage
+    teacher = distill_lib.Teacher.load(cfg.model.teacher_path, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
+                                       dtype=cfg.model.param_dtype, vocab_size=model.cfg.vocab_size, pad_id=tok.pad_id)
+  pipe_cfg = pipeline.PipelineConfig(seed=cfg.data.shuffle_seed, shard_index=jax.process_index(),
+                                     shard_count=jax.process_count(), max_prompt_tokens=cfg.data.max_prompt_length)
+  train_pipe = pipeline.from_task(task, tok, split="train", config=pipe_cfg)
+  eval_pipe = pipeline.from_task(task, tok, split="test", config=dataclasses.replace(pipe_cfg, shuffle=False,
+                                                                                      num_epochs=1))
+  # Each process evaluates its shard; together they cover data.num_eval_examples prompts.
+  n_local = len(range(jax.process_index(), cfg.data.num_eval_examples, jax.process_count()))
+  eval_records = list(itertools.islice(iter(eval_pipe), n_local))
+  warm_records = None
+  if jax.process_count() > 1 and cfg.warm_start.max_steps:
+    # The warm start is a learner (global) computation: its held-out batch must be the same everywhere.
+    whole = pipeline.from_task(task, tok, split="test", config=dataclasses.replace(
+        pipe_cfg, shuffle=False, num_epochs=1, shard_index=0, shard_count=1))
+    warm_records = list(itertools.islice(iter(whole), cfg.data.num_eval_examples))
+  if train_pipe.num_filtered:
+    say(f"data: {train_pipe.num_filtered} train prompts longer than data.max_prompt_length dropped")
+  return Setup(cfg, meshes, tok, task, model, train_pipe, eval_records, trace_lib.Tracer(trace_path),
+               warm_start_records=warm_records, critic=critic, teacher=teacher)
+
+
+def warm_start(setup: Setup, say=print, should_stop=lambda: False, optimizer=None,
+               start_step: int = 0) -> dict[str, float]:
+  """Supervised warm start of `setup.model` (synthetic tasks: the answers are known); an interrupted
+  one continues from `start_step` with its `optimizer`."""
+  cfg = setup.cfg
+  source = setup.task.source("train")
+  first = cfg.seed * 7919 + start_step * cfg.warm_start.batch_size
+  records = (source[i % len(source)] for i in itertools.count(first))
+  held_out = setup.eval_records if setup.warm_start_records is None else setup.warm_start_records
+  return warm_start_lib.warm_start(setup.model, records, held_out, setup.tok, cfg.warm_start,
+                                   mesh=setup.meshes.learner,
+                                   length=cfg.data.max_prompt_length + cfg.sampler.max_new_tokens, log=say,
+                                   should_stop=should_stop, optimizer=optimizer, start_step=start_step)
+
+
+# ---- RL: the policy, the sampler, the reward stage ------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RLStack:
+  """The objects the RL loop runs; each owns its own state (the policy owns the learner state)."""
+
+  policy: Policy
+  engine: Engine  # the rollout sampler
+  eval_engine: Engine  # greedy decoding of the held-out prompts, on the same devices
+  scorer: scoring.GroupScorer  # the reward stage, run on the reward workers
+  correctness: rewards.CombinedReward  # the 0/1 verifier the evals score with
+
+  def close(self):
+    self.scorer.close()
+
+
+def build_learner(cfg: Config, model: nnx.Module, mesh, critic: nnx.Module | None = None):
+  """The GRPO-family Learner, or for algo.estimator='ppo' a PPOLearner over the policy plus a value
+  head (on the policy trunk, or on `critic`); wrapped to keep learner.offload components on the host."""
+  a, rules = cfg.algo, mesh_lib.LEARNER_RULES
+  if a.estimator == "ppo":
+    # The head starts at V = 0 (zero kernel; it gets gradient from the first step on): an untrained
+    # critic's random values would otherwise be the advantage of every failed completion.
+    both = (value_lib.PolicyWithValue.create(model, seed=cfg.seed, init_std=0.0) if critic is None
+            else value_lib.PolicyWithCritic.create(model, critic, seed=cfg.seed, init_std=0.0))
+    ppo = ppo_lib.PPOConfig(gamma=a.gamma, gae_lambda=a.gae_lambda, vf_coef=a.vf_coef, vf_clip=a.vf_clip or None,
+                            kl_reward_coef=a.kl_reward_coef, whiten_advantages=a.whiten_advantages)
+    learner = ppo_lib.PPOLearner(both, learner_config(cfg), ppo, mesh=mesh, rules=rules)
+  else:
+    learner = Learner(model, learner_config(cfg), mesh=mesh, rules=rules)
+  if cfg.learner.offload:
+    learner = offload_lib.OffloadedLearner(learner, cfg.learner.offload)
+  return learner
+
+
+def build_rl(setup: Setup, *, reward: rewards.CombinedReward | None = None,
+             correctness: rewards.CombinedReward | None = None) -> RLStack:
+  """LoRA (if configured), the policy, the sampler engines and the reward stage. `reward` and
+  `correctness` replace the task's training reward and its eval verifier."""
+  cfg, tok, task = setup.cfg, setup.tok, setup.task
+  model = setup.model
+  if cfg.lora.rank:
+    model = lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha,
+                                                           targets=tuple(cfg.lora.targets)),
+                                seed=cfg.seed, mesh=setup.meshes.learner, rules=mesh_lib.LEARNER_RULES)
+  learner = build_learner(cfg, model, setup.meshes.learner, critic=setup.critic)
+  s_cfg = sampler_config(cfg, tok)
+  engine = Engine(model, s_cfg, mesh=setup.meshes.sampler)
+  eval_engine = Engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
+  policy = Policy(learner, engine, cfg, tok.pad_id, tracer=setup.tracer)
+  timeout_s = cfg.rl.reward_timeout_s
+  if correctness is None:
+    correctness = rewards.CombinedReward([task.default_rewards[0]], timeout_s=timeout_s)
+  if reward is None:
+    reward = rewards.CombinedReward(list(task.default_rewards), timeout_s=timeout_s)
+  a, process = cfg.algo, None
+  if a.process_reward is not None:  # PRM calls run on their own daemon threads while the sampler decodes
+    steps = process_lib.StepConfig(delimiter=a.step_delimiter, every_tokens=a.step_every_tokens,
+                                   timeout_s=timeout_s, workers=cfg.rl.reward_workers)
+    process = process_lib.ProcessRewardScorer(process_lib.get_process_reward(a.process_reward),
+                                              name=a.process_reward, steps=steps, tracer=setup.tracer)
+  scorer = scoring.GroupScorer(reward, tokenizer=tok, advantages=scoring.advantage_config(cfg),
+                               primary=task.default_rewards[0], process=process, teacher=setup.teacher,
+                               tracer=setup.tracer)
+  return RLStack(policy, engine, eval_engine, scorer, correctness)
+
+
+def evaluate(setup: Setup, rl: RLStack) -> dict[str, Any]:
+  """Held-out accuracy; on several processes each evaluates its shard and the numbers are combined
+  (weighted by prompts), so every process reports the same result."""
+  policy = rl.policy
+  params, _ = policy.sampler_weights()
+  with setup.tracer.span("eval", cat="eval", version=policy.version):
+    out = eval_lib.evaluate(rl.eval_engine, params, requests_for(setup.eval_records), rl.correctness, setup.tok,
+                            version=policy.version)
+  if jax.process_count() == 1:
+    return out
+  keys = sorted(k for k in out if k != "eval/num_prompts")
+  counts = [k for k in keys if k.endswith("failures")]  # summed over processes, the rest averaged
+  n = out["eval/num_prompts"]
+  rows = distributed.allgather(np.array([n] + [out[k] * (1 if k in counts else n) for k in keys], np.float32))
+  total = float(rows[:, 0].sum())
+  return {"eval/num_prompts": int(total), **{k: float(rows[:, 1 + i].sum() / (1.0 if k in counts else max(total, 1.0)))
+                                             for i, k in enumerate(keys)}}
+
+
+def collapse_detector(cfg: Config, policy: Policy) -> CollapseDetector:
+  return CollapseDetector(CollapseConfig(vocab_size=policy.model().cfg.vocab_size,
+                                         entropy_frac=cfg.rl.collapse_entropy_frac,
+                                         spike_factor=cfg.rl.collapse_spike_factor))
+
+
+def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: int | None = None,
+                 collapse: CollapseDetector | None = None, queue_counts: dict | None = None) -> AsyncRuntime:
+  """The async loop over `stream`'s prompts, with every decode program compiled first (sampler.warmup).
+  Add the run's periodic work with `runtime.hooks.add(fn, every=N)`."""
+  cfg, tok, tracer, policy = setup.cfg, setup.tok, setup.tracer, rl.policy
+  params, _ = policy.sampler_weights()
+  if cfg.sampler.warmup:  # every decode program compiled now, not in the middle of the run
+    with tracer.span("sampler_warmup", cat="sampler"):
+      rl.engine.warmup(params)
+      if policy.lora:  # later syncs hand over packed adapters (`WithAdapters`): their programs too
+        params, _ = policy.sampler_weights()
+        rl.engine.warmup(params)
+
+  def driver_factory(sink, may_start_group):
+    common = dict(source=stream, sink=sink, version=policy.version, may_start_group=may_start_group,
+                  detokenize=tok.decode, tracer=tracer)
+    if rl.scorer.process is not None:  # hands step prefixes to the PRM threads while it decodes
+      return ProcessRewardDriver(rl.engine, params, scorer=rl.scorer.process, **common)
+    if cfg.rl.env is None:
+      return RolloutDriver(rl.engine, params, **common)
+    return EpisodeDriver(rl.engine, params, make_env=CalculatorEnv,
+                         tokenize=lambda text: tok.encode(text, add_special_tokens=False),
+                         episode_config=EpisodeConfig(max_turns=cfg.rl.env_max_turns,
+                                                      step_timeout_s=cfg.rl.env_step_timeout_s), **common)
+
+  r, n_proc = cfg.rl, policy.num_processes
+  return AsyncRuntime(
+      # Each process's queue admits its own share of every batch.
+      dataclasses.replace(r, prompts_per_step=r.prompts_per_step // n_proc,
+                          dynamic_sampling=cfg.algo.dynamic_sampling), num_steps=num_steps,
+      driver_factory=driver_factory, policy=policy, score=rl.scorer, collapse=collapse, queue_counts=queue_counts)
