@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import json
 import os
 import random
@@ -105,12 +104,9 @@ def _override_flags(overrides: list[str]) -> list[str]:
 
 
 def _load_config(spec: str):
+  from tunixlike import config as config_lib  # here: the benchmark's own process never starts JAX
   path, _, arg = spec.partition(":")
-  sys.path.insert(0, ROOT)  # the config files import `configs.base`
-  module_spec = importlib.util.spec_from_file_location("chaos_config", os.path.join(ROOT, path))
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg or None)
+  return config_lib.load(os.path.join(ROOT, path), arg or None)
 
 
 def settings(spec: str, flags: list[str]) -> dict:

@@ -4,10 +4,10 @@
   python -m tunixlike.eval --checkpoint runs/addition --split test --num_examples 200 \
       --samples 8 --temperature 1.0 --out runs/addition/eval.json
 
-The run's parts are built from the config exactly as training builds them (meshes, tokenizer, task,
-model, LoRA, learner, sampler); the learner state is restored from the checkpoint into the live,
-sharded state, its weights are synced to the sampler, and the split's first `--num_examples`
-prompts (in file order, no shuffle) are decoded:
+The model is built from the config as training builds it (meshes, tokenizer, task, model, LoRA),
+with no learner or optimizer; only the policy's weights are read from the checkpoint, into the
+live sharded model, synced to the sampler, and the split's first `--num_examples` prompts (in file
+order, no shuffle) are decoded:
 
   accuracy          greedy decoding, one completion per prompt, scored by the task's 0/1 verifier
                     (exact match, GSM8K answer check), not by the shaped training reward;
@@ -107,37 +107,40 @@ def evaluate_checkpoint(cfg: config_lib.Config | None, checkpoint: str, *, step:
 
 def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -> dict[str, Any]:
   import jax
+  from flax import nnx
 
   from tunixlike.data import pipeline
-  from tunixlike.rl import build, evaluate as eval_lib
+  from tunixlike.learner import state as state_lib
+  from tunixlike.rl import build, evaluate as eval_lib, weight_sync
   from tunixlike.rl.prompts import requests_for
   from tunixlike.sampler.engine import Engine
 
   start = time.monotonic()
-  setup = build.build(cfg, say=say)
-  rl = build.build_rl(setup)
-  policy = rl.policy
-  policy.restore(ckpt, step)
-  say(f"restored {ckpt.step_dir(step)} (policy version {policy.version}) in {time.monotonic() - start:.1f} s")
+  setup = build.build(cfg, say=say, training=False)
+  model, meta = state_lib.restore_policy_weights(ckpt, step, build.policy_model(setup), lora=bool(cfg.lora.rank),
+                                                 ppo=cfg.algo.estimator == "ppo")
+  version = int(meta.get("version", step))
+  say(f"restored {ckpt.step_dir(step)} (policy version {version}) in {time.monotonic() - start:.1f} s")
 
   pipe_cfg = pipeline.PipelineConfig(seed=cfg.data.shuffle_seed, shuffle=False, num_epochs=1,
                                      max_prompt_tokens=cfg.data.max_prompt_length)
   records = list(itertools.islice(iter(pipeline.from_task(setup.task, setup.tok, split=split, config=pipe_cfg)),
                                   num_examples))
   requests = requests_for(records)
-  params, _ = policy.sampler_weights()
+  correctness = build.correctness_reward(setup)
+  s_cfg = build.sampler_config(cfg, setup.tok)
+  engine = Engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
+  params, _ = weight_sync.sync(nnx.state(model), engine.param_shardings, dtype=cfg.rl.sync_dtype)
 
-  greedy = eval_lib.evaluate(rl.eval_engine, params, requests, rl.correctness, setup.tok,
-                             version=policy.version)
+  greedy = eval_lib.evaluate(engine, params, requests, correctness, setup.tok, version=version)
   out: dict[str, Any] = {
-      "checkpoint": ckpt.step_dir(step), "step": step, "policy_version": policy.version, "split": split,
+      "checkpoint": ckpt.step_dir(step), "step": step, "policy_version": version, "split": split,
       "task": cfg.data.task, "num_prompts": greedy["eval/num_prompts"], "accuracy": greedy["eval/accuracy"],
       "mean_completion_tokens": greedy["eval/mean_completion_tokens"], "samples": samples}
   if samples > 1:
-    s_cfg = eval_lib.eval_sampler_config(build.sampler_config(cfg, setup.tok), samples=samples,
-                                         temperature=temperature)
-    engine = Engine(policy.model(), s_cfg, mesh=setup.meshes.sampler)
-    sampled = eval_lib.evaluate(engine, params, requests, rl.correctness, setup.tok, version=policy.version)
+    engine = Engine(model, eval_lib.eval_sampler_config(s_cfg, samples=samples, temperature=temperature),
+                    mesh=setup.meshes.sampler)
+    sampled = eval_lib.evaluate(engine, params, requests, correctness, setup.tok, version=version)
     out.update({"temperature": temperature, f"pass@{samples}": sampled[f"eval/pass@{samples}"],
                 "sampled_accuracy": sampled["eval/accuracy"],
                 "sampled_mean_completion_tokens": sampled["eval/mean_completion_tokens"]})

@@ -24,6 +24,7 @@ import jax
 from flax import nnx
 
 from tunixlike import checkpoint as ckpt_lib
+from tunixlike.learner import state as state_lib
 from tunixlike.models import hf, lora as lora_lib
 from tunixlike.models.config import ModelConfig, RopeScaling
 from tunixlike.models.transformer import Transformer
@@ -115,17 +116,9 @@ def export(workdir, out, step: int | None = None) -> pathlib.Path:
         model = hf.from_pretrained(hf_path, dtype=cfg.param_dtype)
         if lora_cfg is not None:
           model = lora_lib.apply_lora(model, lora_cfg)
-      trainable = nnx.LoRAParam if lora_cfg is not None else nnx.Param
-      graphdef, params, frozen = nnx.split(model, trainable, ...)
-      sharding = jax.sharding.SingleDeviceSharding(cpu)
-      to_target = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), t)
-      # PPO trains a PolicyWithValue: the policy's weights sit under "policy" (the value head is left out).
       ppo = meta.get("config", {}).get("algo", {}).get("estimator") == "ppo"
-      wrap = lambda t: {"policy": t} if ppo and jax.tree.leaves(t) else t
-      unwrap = lambda t: t["policy"] if ppo and jax.tree.leaves(t) else t
-      target = {"params": wrap(to_target(params)), "frozen": wrap(to_target(frozen)) if frozen_saved else frozen}
-      state, _ = ck.restore(step, abstract_state=target, partial=True)
-      model = nnx.merge(graphdef, unwrap(state["params"]), unwrap(state["frozen"]) if frozen_saved else frozen)
+      model, _ = state_lib.restore_policy_weights(ck, step, model, lora=lora_cfg is not None, ppo=ppo,
+                                                  sharding=jax.sharding.SingleDeviceSharding(cpu))
       if lora_cfg is not None:
         model = lora_lib.merge_lora(model)
       out = pathlib.Path(out)

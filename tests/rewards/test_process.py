@@ -19,7 +19,7 @@ from tunixlike.learner.train_step import Learner
 from tunixlike.rewards import process
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler import Engine, PromptRequest, RolloutDriver, SamplerConfig
-from tunixlike.sampler.process_driver import ProcessRewardDriver
+from tunixlike.sampler.process_steps import ProcessRewardRecorder
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
@@ -128,8 +128,8 @@ def test_prm_calls_run_while_decoding_continues_and_land_at_their_step_ends(engi
               for i in range(4)]
   RolloutDriver(engine, engine.load_params(), source=iter(requests), sink=lambda g: None).run(max_wall_s=120)  # compile
   groups = []
-  driver = ProcessRewardDriver(engine, engine.load_params(), scorer=scorer, source=iter(requests),
-                               sink=groups.append, tracer=tracer)
+  driver = RolloutDriver(engine, engine.load_params(), source=iter(requests), sink=groups.append, tracer=tracer,
+                         recorders=[ProcessRewardRecorder(scorer)])
   t0 = time.perf_counter()
   driver.run(max_wall_s=120)
   decode_s = time.perf_counter() - t0

@@ -46,7 +46,7 @@ def _check_steps(group: RolloutGroup) -> None:
   for i, c in enumerate(group.completions):
     if c.step_rewards is None or c.step_ends is None:
       raise ValueError(f"{_where(group, i)} has no step_rewards / step_ends, but algo.process_reward is on: "
-                       "the group must come from a ProcessRewardDriver and be collected by its scorer")
+                       "the group must come from a driver with a ProcessRewardRecorder and be collected by its scorer")
     ends, rewards = np.asarray(c.step_ends), np.asarray(c.step_rewards)
     if ends.ndim != 1 or ends.shape != rewards.shape:
       raise ValueError(f"{_where(group, i)}.step_ends has shape {ends.shape}, step_rewards {rewards.shape}: "

@@ -231,7 +231,7 @@ class ProcessRewardScorer:
       entry = self._attached.pop(id(group), None)
     if entry is None or entry[0] is not group:
       raise ValueError(f"RolloutGroup(prompt_id={group.prompt_id!r}) has no process-reward calls attached: it did "
-                       "not come from a ProcessRewardDriver with this scorer (or was collected twice)")
+                       "not come from a driver with a ProcessRewardRecorder with this scorer (or was collected twice)")
     t0 = time.perf_counter()
     deadline = time.monotonic() + (self.steps.timeout_s if timeout_s is None else timeout_s)
     failed = timed_out = 0

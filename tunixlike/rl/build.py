@@ -39,7 +39,7 @@ from tunixlike.sampler.config import SamplerConfig
 from tunixlike.sampler.driver import RolloutDriver
 from tunixlike.sampler.engine import Engine
 from tunixlike.sampler.episodes import EpisodeConfig, EpisodeDriver
-from tunixlike.sampler.process_driver import ProcessRewardDriver
+from tunixlike.sampler.process_steps import ProcessRewardRecorder
 
 
 # ---- config -> library configs -------------------------------------------------------------------
@@ -110,8 +110,9 @@ def build_model(cfg: Config, tok, mesh) -> nnx.Module:
                                seed=cfg.seed)
 
 
-def build(cfg: Config, trace_path: str | None = None, say=print) -> Setup:
-  """Meshes, tokenizer, task, data and the (not yet warm-started) model on the learner submesh."""
+def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bool = True) -> Setup:
+  """Meshes, tokenizer, task, data and the (not yet warm-started) model on the learner submesh.
+  `training=False`: only what sampling a checkpoint needs (no critic, no teacher)."""
   distributed.initialize(cfg.distributed)
   check_process_split(cfg, jax.process_count())
   meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices, cfg.mesh.sampler_tensor,
@@ -119,11 +120,11 @@ def build(cfg: Config, trace_path: str | None = None, say=print) -> Setup:
   tok, task = build_task(cfg)
   model = build_model(cfg, tok, meshes.learner)
   critic = None
-  if cfg.model.critic_path:  # loaded (and checked against the policy) before any training starts
+  if training and cfg.model.critic_path:  # loaded (and checked against the policy) before any training starts
     critic = value_lib.load_critic(cfg.model.critic_path, model, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
                                    dtype=cfg.model.param_dtype)
   teacher = None
-  if cfg.model.teacher_path:  # frozen, on the learner submesh; it scores groups in the reward stage
+  if training and cfg.model.teacher_path:  # frozen, on the learner submesh; it scores groups in the reward stage
     teacher = distill_lib.Teacher.load(cfg.model.teacher_path, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
                                        dtype=cfg.model.param_dtype, vocab_size=model.cfg.vocab_size, pad_id=tok.pad_id)
   pipe_cfg = pipeline.PipelineConfig(seed=cfg.data.shuffle_seed, shard_index=jax.process_index(),
@@ -195,24 +196,34 @@ def build_learner(cfg: Config, model: nnx.Module, mesh, critic: nnx.Module | Non
   return learner
 
 
+def policy_model(setup: Setup) -> nnx.Module:
+  """`setup.model` with LoRA adapters when lora.rank > 0 (the base weights frozen), else itself."""
+  cfg = setup.cfg
+  if not cfg.lora.rank:
+    return setup.model
+  return lora_lib.apply_lora(setup.model, lora_lib.LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha,
+                                                              targets=tuple(cfg.lora.targets)),
+                             seed=cfg.seed, mesh=setup.meshes.learner, rules=mesh_lib.LEARNER_RULES)
+
+
+def correctness_reward(setup: Setup) -> rewards.CombinedReward:
+  """The task's 0/1 verifier (its first reward) that evals score with, not the shaped training reward."""
+  return rewards.CombinedReward([setup.task.default_rewards[0]], timeout_s=setup.cfg.rl.reward_timeout_s)
+
+
 def build_rl(setup: Setup, *, reward: rewards.CombinedReward | None = None,
              correctness: rewards.CombinedReward | None = None) -> RLStack:
   """LoRA (if configured), the policy, the sampler engines and the reward stage. `reward` and
   `correctness` replace the task's training reward and its eval verifier."""
   cfg, tok, task = setup.cfg, setup.tok, setup.task
-  model = setup.model
-  if cfg.lora.rank:
-    model = lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha,
-                                                           targets=tuple(cfg.lora.targets)),
-                                seed=cfg.seed, mesh=setup.meshes.learner, rules=mesh_lib.LEARNER_RULES)
+  model = policy_model(setup)
   learner = build_learner(cfg, model, setup.meshes.learner, critic=setup.critic)
   s_cfg = sampler_config(cfg, tok)
   engine = Engine(model, s_cfg, mesh=setup.meshes.sampler)
   eval_engine = Engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
   policy = Policy(learner, engine, cfg, tok.pad_id, tracer=setup.tracer)
   timeout_s = cfg.rl.reward_timeout_s
-  if correctness is None:
-    correctness = rewards.CombinedReward([task.default_rewards[0]], timeout_s=timeout_s)
+  correctness = correctness or correctness_reward(setup)
   if reward is None:
     reward = rewards.CombinedReward(list(task.default_rewards), timeout_s=timeout_s)
   a, process = cfg.algo, None
@@ -268,11 +279,12 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
   def driver_factory(sink, may_start_group):
     common = dict(source=stream, sink=sink, version=policy.version, may_start_group=may_start_group,
                   detokenize=tok.decode, tracer=tracer)
-    if rl.scorer.process is not None:  # hands step prefixes to the PRM threads while it decodes
-      return ProcessRewardDriver(rl.engine, params, scorer=rl.scorer.process, **common)
     if cfg.rl.env is None:
-      return RolloutDriver(rl.engine, params, **common)
-    return EpisodeDriver(rl.engine, params, make_env=CalculatorEnv,
+      # Process rewards: step prefixes go to the PRM threads while decoding goes on.
+      recorders = [] if rl.scorer.process is None else [ProcessRewardRecorder(rl.scorer.process, tok.decode)]
+      return RolloutDriver(rl.engine, params, recorders=recorders, **common)
+    return EpisodeDriver(  # config.py refuses what episodes cannot record (process rewards, routing)
+rl.engine, params, make_env=CalculatorEnv,
                          tokenize=lambda text: tok.encode(text, add_special_tokens=False),
                          episode_config=EpisodeConfig(max_turns=cfg.rl.env_max_turns,
                                                       step_timeout_s=cfg.rl.env_step_timeout_s), **common)

@@ -11,6 +11,10 @@ It runs in its own thread beside the learner (`start` / `stop`) and takes, from 
     `drain=True` instead finishes in-flight sequences first, then swaps and resumes;
   * `may_start_group()`: admission control (staleness bound), asked before each new group.
 Every wait is bounded; an error in the loop is kept and re-raised by `join` / `check`.
+
+Features that watch what is decoded compose as `recorders` (a `Recorder` each, called on the
+sampler thread), e.g. `process_steps.ProcessRewardRecorder`, which hands step prefixes to a process
+reward model while decoding goes on. Multi-turn episodes are `episodes.EpisodeDriver`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import functools
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +68,25 @@ class _Slot:
   # Keep Routing: experts of each token's forward ([L, k] per token) and the prefill's for the prompt.
   routing: list[np.ndarray] = dataclasses.field(default_factory=list)
   prompt_routing: Any = None  # device int32 [bucket, L, k] from the prefix this slot was filled from
+
+
+class Recorder(Protocol):
+  """Work on what a driver decodes, composed into it (`RolloutDriver(recorders=[...])`).
+
+  Called on the sampler thread, so it must not block. `key` = (group start order, sample index)
+  names one completion; `tokens` is what it has sampled so far (read, do not keep: it grows).
+  """
+
+  def token(self, key: tuple[int, int], prompt_ids: np.ndarray, tokens: Sequence[int],
+            request: PromptRequest) -> None:
+    """After each sampled token of completion `key`."""
+
+  def completion(self, key: tuple[int, int], prompt_ids: np.ndarray, tokens: Sequence[int],
+                 request: PromptRequest) -> None:
+    """When completion `key` ends (its last token was passed to `token` first)."""
+
+  def group(self, seq: int, group: RolloutGroup) -> None:
+    """Just before the group that started `seq`-th leaves the driver."""
 
 
 @dataclasses.dataclass
@@ -115,11 +138,13 @@ class RolloutDriver:
                sink: Callable[[RolloutGroup], None] | Any, version: int = 0,
                may_start_group: Callable[[], bool] | None = None,
                detokenize: Callable[[Sequence[int]], str] | None = None,
-               static_batching: bool = False, tracer: trace_lib.Tracer = trace_lib.NULL_TRACER):
+               static_batching: bool = False, tracer: trace_lib.Tracer = trace_lib.NULL_TRACER,
+               recorders: Sequence[Recorder] = ()):
     """`source` yields PromptRequests (None = nothing available yet, try later; exhaustion ends it).
 
     `sink` is a callable or a queue with put(item, timeout). `static_batching=True` waits for all
     slots to empty before refilling (the baseline continuous batching is measured against).
+    `recorders` watch every token, completion and group (see `Recorder`).
     """
     cfg = engine.config
     if cfg.stop_strings and detokenize is None:
@@ -131,6 +156,7 @@ class RolloutDriver:
     self._may_start = may_start_group or (lambda: True)
     self._detokenize = detokenize
     self._static = static_batching
+    self._recorders = tuple(recorders)
     self.tracer = tracer  # spans of prefill / generate on the sampler thread's track
     self._state = engine.init_decode_state(self._version)
     self._slots: list[_Slot | None] = [None] * engine.max_concurrent_decodes
@@ -389,6 +415,8 @@ class RolloutDriver:
     info.versions.append(version)
     if mask is not None:
       info.masks.append(mask)
+    for r in self._recorders:
+      r.token((info.group.seq, info.index), info.group.prompt_ids, info.tokens, info.group.request)
 
   def _stop_reason(self, info: _Slot, token: int, eos: set[int]) -> str | None:
     """Why the slot's sequence ends at `token` (eos / stop / length), or None to go on."""
@@ -407,6 +435,8 @@ class RolloutDriver:
     return any(stop in text for stop in self.config.stop_strings)
 
   def _finish(self, slot: int, info: _Slot, reason: str) -> None:
+    for r in self._recorders:
+      r.completion((info.group.seq, info.index), info.group.prompt_ids, info.tokens, info.group.request)
     n = len(info.tokens)
     completion = Completion(
         token_ids=np.asarray(info.tokens, np.int32),
@@ -427,9 +457,11 @@ class RolloutDriver:
     if all(c is not None for c in group.completions):
       del self._in_flight[group.seq]
       req = group.request
-      self._emit(RolloutGroup(prompt_id=req.prompt_id, prompt_token_ids=group.prompt_ids.astype(np.int32),
-                              completions=list(group.completions), columns=dict(req.columns),
-                              prompt_text=req.prompt_text))
+      done = RolloutGroup(prompt_id=req.prompt_id, prompt_token_ids=group.prompt_ids.astype(np.int32),
+                          completions=list(group.completions), columns=dict(req.columns), prompt_text=req.prompt_text)
+      for r in self._recorders:
+        r.group(group.seq, done)
+      self._emit(done)
 
   def _emit(self, group: RolloutGroup) -> None:
     put = getattr(self._sink, "put", None)
