@@ -43,6 +43,7 @@ setup(
             "nbclient>=0.10",
             "nbformat>=5.10",
             "ipykernel>=6.29",
+            "wandb>=0.19",  # log.wandb (optional: imported only when it is on; tested offline)
         ],
         "jetstream": ["google-jetstream==0.2.2"],
     },

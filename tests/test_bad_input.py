@@ -44,12 +44,21 @@ def test_a_bad_record_is_named_by_its_line_in_the_file(tmp_path):
 def test_held_out_set_of_any_size_on_four_learner_devices(tmp_path):
   # 3 held-out pairs over 4 fsdp devices: the warm start's accuracy pads them with rows that do not count.
   out = train("--config", "configs/addition_grpo.py:size=tiny", "--config.data.num_eval_examples=3",
-              "--config.warm_start.max_steps=2", "--config.rl.num_steps=1", "--config.log.progress_bar=false",
+              "--config.warm_start.max_steps=2", "--config.rl.num_steps=1",
               "--config.log.tensorboard=false", f"--workdir={tmp_path}")
   assert out.returncode == 0, out.stderr[-3000:]
   records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   assert any(r.get("warm_start/steps") == 2 for r in records)
   assert [r["eval/num_prompts"] for r in records if "eval/num_prompts" in r] == [3, 3]
+  # The warm start has its own progress bar (on stderr), finished before the RL bar starts.
+  bars = [line.split(":")[0] for line in out.stderr.splitlines() if line.startswith(("warm start:", "rl:"))]
+  assert bars == ["warm start"] * bars.count("warm start") + ["rl"] * bars.count("rl") and "rl" in bars
+  assert "warm start: 100%" in out.stderr
+  # The run ends by naming its outputs.
+  lines = out.stdout.splitlines()
+  assert lines[lines.index("outputs:") + 1:] == [f"  checkpoint  {tmp_path}/checkpoints/1",
+                                                 f"  metrics     {tmp_path}/metrics.jsonl",
+                                                 f"  plot        {tmp_path}/reward.png"]
 
 
 @pytest.mark.slow

@@ -60,7 +60,7 @@ WRITE_UNTIL_FULL = """
 import json, sys
 from tunixlike import metrics
 workdir, want = sys.argv[1], sys.argv[2].split(",")
-logger = metrics.MetricsLogger(workdir, total_steps=1, progress_bar=False, tensorboard=True)
+logger = metrics.MetricsLogger(workdir, progress_bar=False, tensorboard=True)
 # LIMIT
 errors, steps = [], 0
 while steps < 20_000 and not all(any(w in e for e in errors) for w in want):
@@ -162,7 +162,7 @@ def _events(logdir):
 
 
 def test_tensorboard_events_hold_every_scalar(tmp_path):
-  logger = metrics.MetricsLogger(str(tmp_path), total_steps=2, progress_bar=False)
+  logger = metrics.MetricsLogger(str(tmp_path), progress_bar=False)
   logger.write(1, {"reward/mean": 0.25, "accuracy": 1, "done": True, "note": "text"})
   logger.write(2, {"reward/mean": float("nan")})
   logger.close()
@@ -238,8 +238,8 @@ def test_logger_appends_after_a_torn_line_and_continues_the_clock(tmp_path, capl
   path = tmp_path / "metrics.jsonl"
   _write_lines(path, *_records(0, 1, 2), '{"step": 3, "time_s": 3', end="")
   assert metrics.last_time_s(path) == 20.0
-  logger = metrics.MetricsLogger(str(tmp_path), total_steps=5, progress_bar=False, tensorboard=False,
-                                 initial_step=3, time_offset_s=metrics.last_time_s(path))
+  logger = metrics.MetricsLogger(str(tmp_path), progress_bar=False, tensorboard=False,
+                                 time_offset_s=metrics.last_time_s(path))
   with caplog.at_level(logging.WARNING):
     record = logger.write(3, {"reward/mean": 0.5})
   logger.close()
@@ -249,7 +249,7 @@ def test_logger_appends_after_a_torn_line_and_continues_the_clock(tmp_path, capl
   assert records[-1] == record and 20.0 <= record["time_s"] < 30.0
   # A whole last record lacking its newline gets one before the next record.
   _write_lines(path, *_records(0, 1), end="")
-  logger = metrics.MetricsLogger(str(tmp_path), total_steps=5, progress_bar=False, tensorboard=False)
+  logger = metrics.MetricsLogger(str(tmp_path), progress_bar=False, tensorboard=False)
   logger.write(2, {})
   logger.close()
   assert [r["step"] for r in metrics.read_jsonl(path)] == [0, 1, 2]
@@ -260,3 +260,101 @@ def test_last_time_s_without_records(tmp_path):
   assert metrics.last_time_s(path) == 0.0
   _write_lines(path, json.dumps({"step": 1, "trained": [3]}), '{"time_s": 9', end="")
   assert metrics.last_time_s(path) == 0.0
+
+
+def test_each_stage_has_its_own_progress_bar(tmp_path, capsys):
+  logger = metrics.MetricsLogger(str(tmp_path), progress_bar=True, tensorboard=False)
+  logger.info("before any stage")  # no bar yet: a plain line
+  assert capsys.readouterr().err == ""
+  logger.progress("warm start", total=4, initial=1)
+  logger.progress_to(3)
+  logger.info("warm start step 3")
+  logger.progress("rl", total=2)  # closes the warm start's bar where it stood
+  warm = capsys.readouterr().err
+  assert "warm start:  75%" in warm and "3/4" in warm and "rl:" in warm and "rl:   0%" in warm
+  logger.write(0, {"reward/mean": 0.5})
+  logger.write(1, {"eval/accuracy": 0.25}, advance=False)  # an eval does not advance the bar
+  logger.end_progress()
+  rl = capsys.readouterr().err
+  assert "1/2" in rl and "2/2" not in rl and "warm start" not in rl and "eval_acc=0.25" in rl
+  logger.close()
+
+
+BLOCK_BYTES = 32 * 1024  # W&B's transaction log: LevelDB's log format
+
+
+def _close_and_read_wandb(logger):
+  """Closes `logger`; the records of its W&B run (the run-ID.wandb file in its run directory):
+  wandb's own protobuf `Record`s in LevelDB log blocks of chunks behind 7-byte headers (checksum,
+  length, type)."""
+  import wandb
+  from wandb.proto import wandb_internal_pb2
+  logger.close()
+  wandb.teardown()  # `finish` leaves the file's last writes to W&B's service: it is whole once that stops
+  run_dir = logger.outputs["wandb"]
+  (path,) = [os.path.join(run_dir, n) for n in os.listdir(run_dir) if n.endswith(".wandb")]
+  with open(path, "rb") as f:
+    data = f.read()
+  assert data[:4] == b":W&B"
+  records, at, pending = [], 7, b""
+  while at + 7 <= len(data):
+    if BLOCK_BYTES - at % BLOCK_BYTES < 7:  # a block's tail too short for a header is padding
+      at += BLOCK_BYTES - at % BLOCK_BYTES
+      continue
+    _, length, kind = struct.unpack("<IHB", data[at:at + 7])
+    pending += data[at + 7:at + 7 + length]
+    at += 7 + length
+    if kind in (1, 4):  # a whole record, or the last chunk of one
+      records.append(wandb_internal_pb2.Record.FromString(pending))
+      pending = b""
+  return records
+
+
+def _items(items):
+  return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+
+
+def test_wandb_gets_every_record_and_a_resumed_logger_continues_its_run(tmp_path, monkeypatch):
+  monkeypatch.setenv("WANDB_MODE", "offline")  # no account, no network: the run stays in WORKDIR/wandb
+  workdir = str(tmp_path)
+  logger = metrics.MetricsLogger(workdir, progress_bar=False, tensorboard=False, wandb=True,
+                                 config={"rl": {"num_steps": 3}})
+  for step in range(3):
+    logger.write(step, {"reward/mean": 0.25 * step, "note": "not a scalar"})
+  logger.write(2, {"eval/accuracy": 0.5}, advance=False)  # the same step: one W&B row
+  first = _close_and_read_wandb(logger)
+  assert os.path.dirname(logger.outputs["wandb"]) == os.path.join(workdir, "wandb")
+  history = [_items(r.history.item) for r in first if r.HasField("history")]
+  assert [h["_step"] for h in history] == [0, 1, 2]
+  assert [h["reward/mean"] for h in history] == [0.0, 0.25, 0.5] and "note" not in history[0]
+  assert history[-1]["eval/accuracy"] == 0.5
+  summary = {}
+  for r in first:
+    if r.HasField("summary"):
+      summary.update(_items(r.summary.update))
+  assert summary["reward/mean"] == 0.5 and summary["eval/accuracy"] == 0.5
+  (run,) = [r.run for r in first if r.HasField("run")]
+  assert _items(run.config.update)["rl"] == {"num_steps": 3}
+
+  # metrics.jsonl goes on: the same W&B run goes on.
+  logger = metrics.MetricsLogger(workdir, progress_bar=False, tensorboard=False, wandb=True)
+  logger.write(3, {"reward/mean": 1.0})
+  again = _close_and_read_wandb(logger)
+  assert [r.run.run_id for r in again if r.HasField("run")] == [run.run_id]
+  assert [_items(r.history.item)["reward/mean"] for r in again if r.HasField("history")] == [1.0]
+
+  # A fresh start (no records kept in metrics.jsonl) is a new W&B run.
+  os.remove(logger.path)
+  logger = metrics.MetricsLogger(workdir, progress_bar=False, tensorboard=False, wandb=True)
+  assert [r.run.run_id for r in _close_and_read_wandb(logger) if r.HasField("run")] != [run.run_id]
+
+
+def test_wandb_without_the_package_is_named_in_one_line(tmp_path, monkeypatch):
+  from tunixlike import config as config_lib
+  monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not installed
+  with pytest.raises(config_lib.ConfigError) as error:
+    config_lib.LogSection(wandb=True)
+  assert str(error.value) == "log.wandb=True: needs the wandb package: pip install wandb"
+  with pytest.raises(ImportError, match="^log.wandb=True needs the wandb package: pip install wandb$"):
+    metrics.MetricsLogger(str(tmp_path), progress_bar=False, tensorboard=False, wandb=True)
+  config_lib.LogSection(wandb=False)  # off: never looked for

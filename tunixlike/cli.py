@@ -106,9 +106,10 @@ def refuse_none(holder: flags.FlagHolder) -> flags.FlagHolder:
   def parse(argument):
     with _quiet_absl():  # the warning would be a second line next to the error
       config = load(argument)
+    path = argument.split(":", 1)[0]
     if config is None:
-      raise NoConfigError(f"get_config of {argument.split(':', 1)[0]} returned None instead of a ConfigDict")
-    return config
+      raise NoConfigError(f"get_config of {path} returned None instead of a ConfigDict")
+    return config_lib.resolve_beside(config, os.path.dirname(os.path.abspath(path)))
 
   parser.parse = parse
   return holder

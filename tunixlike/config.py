@@ -10,6 +10,7 @@ the full key and the bad value, e.g. `rl.max_staleness=-1: must be >= 0`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -25,7 +26,7 @@ from tunixlike.distributed import DistributedConfig
 from tunixlike.learner.config import PPO_LOSSES, AlgoConfig, OptimConfig
 from tunixlike.rl.runtime import RuntimeConfig
 from tunixlike.sampler.config import SamplerConfig
-from tunixlike.settings import (DTYPES, ConfigError, check_fields, in_range, is_key, non_negative, one_of,
+from tunixlike.settings import (DTYPES, ConfigError, check_fields, in_range, is_key, non_negative, one_of, optional,
                                 positive, require, setting)
 
 __all__ = ["Config", "ConfigError", "check_paths", "default_config_dict", "from_config_dict", "load", "parse_arg",
@@ -92,22 +93,53 @@ TASKS = ("addition", "reverse", "gsm8k")
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:
-  """A built-in task or a local dataset."""
+  """A built-in task or the user's own dataset."""
 
   SECTION: ClassVar[str] = "data"
 
-  task: str = setting("addition", "built-in task: " + " | ".join(TASKS), check=one_of(*TASKS))
+  task: str | None = setting("addition", "built-in task, a preset of data, prompt template and rewards: "
+                             + " | ".join(TASKS) + " (data.train replaces its data, `rewards` its rewards)",
+                             check=optional(one_of(*TASKS)))
+  train: str | None = setting(None, "your training prompts: a JSONL / Parquet / Arrow file, a glob of them, or a "
+                                    "Hugging Face save_to_disk directory")
+  eval: str | None = setting(None, "held-out prompts, the same kinds; None: a seeded held-out split carved from "
+                                   "data.train")
+  prompt_field: str = setting("prompt", "the column holding the prompt text (every column reaches the rewards)")
+  messages_field: str | None = setting(None, "instead: a column of chat messages [{role, content}], rendered with "
+                                             "the model's chat template")
+  system_prompt: str | None = setting(None, "a system message before each prompt (with a chat template)")
+  skip_bad_lines: bool = setting(False, "JSONL lines that do not parse are skipped and counted instead of failing")
   path: str | None = setting(None, "gsm8k: a directory with train.jsonl and test.jsonl (None: the copy shipped with "
                                    "tunixlike)")
   digits: int = setting(3, "addition: operand digits (difficulty)", check=positive)
   max_prompt_length: int = setting(64, "longer prompts are filtered out and counted", check=positive)
-  shuffle_seed: int = setting(0, "order of the training prompts (reshuffled every epoch)")
+  shuffle_seed: int = setting(0, "order of the training prompts (reshuffled every epoch) and the carved eval split")
   num_eval_examples: int = setting(500, "held-out accuracy swings 10-15 points on small evals", check=positive, resumable=True)
 
   def __post_init__(self):
     check_fields(self)
     require(self.task == "gsm8k" or self.path is None, "data.path", self.path,
             f"is only read by data.task='gsm8k' (data.task={self.task!r} generates its own data)")
+    require(self.task is not None or self.train is not None, "data.task", None,
+            "needs a dataset instead: set data.train to a file, a glob or a directory")
+    require(self.eval is None or self.train is not None, "data.eval", self.eval, "needs data.train")
+    require(self.messages_field is None or self.train is not None, "data.messages_field", self.messages_field,
+            "is read from a user dataset (data.train)")
+
+
+def _reward_terms(v) -> str | None:
+  if not isinstance(v, (tuple, list)):
+    return "must be a list of {fn, weight, kwargs}"
+  for i, term in enumerate(v):
+    if not isinstance(term, Mapping) or not isinstance(term.get("fn"), str) or set(term) - {"fn", "weight", "kwargs",
+                                                                                             "name"}:
+      return f"item {i} must be a dict with a string 'fn' and optional 'weight', 'kwargs', 'name'"
+    weight = term.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+      return f"item {i}: weight={weight!r} must be a finite number"
+    if not isinstance(term.get("kwargs", {}), Mapping):
+      return f"item {i}: kwargs must be a dict"
+  return None
 
 
 OFFLOAD_COMPONENTS = ("reference", "optimizer", "critic")
@@ -175,14 +207,28 @@ class EvalSection:
     check_fields(self)
 
 
+def _needs_wandb(on: bool) -> str | None:
+  """Found up front (without importing it: only the run does), so --check_only names the missing package."""
+  if on and importlib.util.find_spec("wandb") is None:
+    return "needs the wandb package: pip install wandb"
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class LogSection:
   SECTION: ClassVar[str] = "log"
   RESUMABLE: ClassVar[bool] = True
 
   tensorboard: bool = setting(True, "WORKDIR/tensorboard event files")
-  progress_bar: bool = setting(True, "console progress bar (off in tests and notebooks)")
+  progress_bar: bool = setting(True, "console progress bars of the warm start and of RL (off in tests and notebooks)")
   trace: bool = setting(False, "write WORKDIR/trace.json (Chrome / Perfetto) of sampler, learner, sync, reward spans")
+  wandb: bool = setting(False, "also log every record to Weights & Biases (pip install wandb; WANDB_MODE=offline "
+                               "keeps it in WORKDIR/wandb)", check=_needs_wandb)
+  wandb_project: str = setting("tunixlike", "the W&B project of log.wandb",
+                               check=lambda name: None if name else "must name a project")
+
+  def __post_init__(self):
+    check_fields(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +252,8 @@ class Config:
   SECTION: ClassVar[str] = ""
 
   seed: int = setting(0, "model init, sampling noise and data order all derive from it")
+  rewards: tuple = setting((), "reward terms, each {fn, weight, kwargs}: fn a registered name, 'package.module:"
+                           "function' or 'file.py:function'; () = the task's own", check=_reward_terms)
   model: ModelSection = ModelSection()
   mesh: MeshSection = MeshSection()
   data: DataSection = DataSection()
@@ -254,6 +302,9 @@ class Config:
     require(batch % (self.optim.micro_batches * fsdp) == 0, "rl.prompts_per_step", self.rl.prompts_per_step,
             f"prompts_per_step * algo.group_size = {batch} must be divisible by optim.micro_batches * "
             f"learner fsdp devices = {self.optim.micro_batches} * {fsdp}")
+    require(not self.warm_start.max_steps or self.data.train is None, "warm_start.max_steps",
+            self.warm_start.max_steps, "the supervised warm start learns a built-in task's generated answers: set it "
+            "to 0 with data.train")
     require(not self.warm_start.max_steps or self.warm_start.batch_size % fsdp == 0, "warm_start.batch_size",
             self.warm_start.batch_size, "must be divisible by the learner fsdp devices "
             f"(mesh.learner_devices / mesh.learner_tensor = {fsdp}); the warm start shards its batch over them")
@@ -270,8 +321,9 @@ class Config:
             "on-policy distillation needs both algo.advantage='distill' and model.teacher_path (the teacher's HF dir)")
     if a.process_reward is not None:
       from tunixlike.rewards import process  # the PRM registry (a leaf module: numpy only)
-      require(a.process_reward in process.process_reward_names(), "algo.process_reward", a.process_reward,
-              f"not a registered process reward; choose one of {process.process_reward_names()}")
+      require(a.process_reward in process.process_reward_names() or ":" in a.process_reward, "algo.process_reward",
+              a.process_reward, f"not a registered process reward ({process.process_reward_names()}) nor an import "
+              "path 'package.module:function'")
       require(a.process_reward_coef > 0, "algo.process_reward_coef", a.process_reward_coef, "must be > 0")
       require(bool(a.step_delimiter) or a.step_every_tokens > 0, "algo.step_delimiter", a.step_delimiter,
               "a process reward needs step boundaries: a delimiter or algo.step_every_tokens > 0")
@@ -355,7 +407,29 @@ def load(path: str | os.PathLike, arg: str | None = None) -> ml_collections.Conf
     raise OSError(f"{path}: not a Python config file")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config(arg)
+  return resolve_beside(module.get_config(arg), os.path.dirname(os.path.abspath(path)))
+
+
+def _beside(value: str | None, directory: str) -> str | None:
+  """`./x` or `../x` (a path, or the file of an import path `./x.py:fn`) made absolute under `directory`."""
+  if isinstance(value, str) and value.startswith(("./", "../")):
+    return os.path.normpath(os.path.join(directory, value))
+  return value
+
+
+def resolve_beside(config: ml_collections.ConfigDict, directory: str) -> ml_collections.ConfigDict:
+  """A config file's paths that start with ./ or ../ (data.train, data.eval, rewards[i].fn, rl.env,
+  algo.process_reward) are relative to the file's own directory: made absolute here."""
+  if config is None:
+    return config
+  with config.unlocked() if hasattr(config, "unlocked") else contextlib.nullcontext():
+    for section, key in (("data", "train"), ("data", "eval"), ("rl", "env"), ("algo", "process_reward")):
+      if section in config and key in config[section]:
+        config[section][key] = _beside(config[section][key], directory)
+    if "rewards" in config and config.rewards:
+      config.rewards = tuple({**term, "fn": _beside(term["fn"], directory)} if isinstance(term, Mapping) and "fn" in term
+                             else term for term in config.rewards)
+  return config
 
 
 # ---- ConfigDict -> Config -------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Metrics to the console (a progress bar and readable lines), WORKDIR/metrics.jsonl, TensorBoard, and
-a PNG plot of reward and eval accuracy against time written at the end.
+"""Metrics to the console (a progress bar per stage and readable lines), WORKDIR/metrics.jsonl,
+TensorBoard, optionally Weights & Biases, and a PNG plot of reward and eval accuracy against time
+written at the end.
 
 Every log file is written on the caller's thread, so a failed write (a full disk) raises
 `LogWriteError` from `MetricsLogger.write` / `close` instead of dying unseen in a background thread.
@@ -15,6 +16,7 @@ import math
 import os
 import tempfile
 import time
+import uuid
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -110,6 +112,40 @@ class _TensorBoardWriter:
     self._events.close()
 
 
+class _WandbWriter:
+  """Scalars to a Weights & Biases run kept in WORKDIR/wandb (`WANDB_MODE=offline`: only there).
+
+  The W&B run follows metrics.jsonl: a logger that continues a non-empty metrics.jsonl (a resumed
+  run) resumes the W&B run whose id is kept in WORKDIR/wandb/run_id; an empty one starts a new run.
+  W&B accepts only increasing steps: steps redone after a resume are dropped there (with a warning),
+  while metrics.jsonl is cut back and rewritten.
+  """
+
+  what = "W&B writer"
+
+  def __init__(self, workdir: str, *, project: str, config: Mapping[str, Any] | None, resume: bool):
+    try:
+      import wandb
+    except ImportError as e:
+      raise ImportError("log.wandb=True needs the wandb package: pip install wandb") from e
+    id_path = os.path.join(workdir, "wandb", "run_id")
+    run_id = open(id_path, encoding="utf-8").read().strip() if resume and os.path.exists(id_path) else None
+    if run_id is None:
+      run_id = uuid.uuid4().hex[:12]
+      os.makedirs(os.path.dirname(id_path), exist_ok=True)
+      with open(id_path, "w", encoding="utf-8") as f:
+        f.write(run_id + "\n")
+    self._run = wandb.init(project=project, dir=workdir, id=run_id, resume="allow",
+                           config=dict(config) if config is not None else None)
+    self.path = self._run.settings.sync_dir  # the local copy of the run (online runs also print their URL)
+
+  def write(self, step: int, record: dict[str, Any]):
+    self._run.log({k: v for k, v in record.items() if k != "step" and _is_scalar(v)}, step=int(step))
+
+  def close(self):
+    self._run.finish()
+
+
 def _abandon(writer):
   """Releases a writer that failed; its buffered data cannot be written either."""
   try:
@@ -123,10 +159,13 @@ class MetricsLogger:
 
   Appends to an existing metrics.jsonl, so a resumed run continues the same file (opened at the first
   write). A log that fails to write raises `LogWriteError` once and is dropped: the other logs go on.
+  `outputs` names where the logs go: "metrics", and "tensorboard" / "wandb" when they are on.
+  The console shows one progress bar per stage (`progress`), none before the first stage starts.
   """
 
-  def __init__(self, workdir: str, *, total_steps: int, tensorboard: bool = True,
-               progress_bar: bool = True, initial_step: int = 0, time_offset_s: float = 0.0):
+  def __init__(self, workdir: str, *, tensorboard: bool = True, progress_bar: bool = True,
+               time_offset_s: float = 0.0, wandb: bool = False, wandb_project: str = "tunixlike",
+               config: Mapping[str, Any] | None = None):
     try:
       os.makedirs(workdir, exist_ok=True)
     except OSError as e:
@@ -134,21 +173,43 @@ class MetricsLogger:
     self.workdir = workdir
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._start = time.monotonic() - time_offset_s
+    resume = os.path.exists(self.path) and os.path.getsize(self.path) > 0  # before the first write
     self._writers: list = [_JsonlWriter(self.path)]
+    self.outputs = {"metrics": self.path}
     if tensorboard:
       logdir = os.path.join(workdir, "tensorboard")
       try:
         self._writers.append(_TensorBoardWriter(logdir))
       except OSError as e:
         raise _write_error([(logdir, _TensorBoardWriter.what, e)]) from e
+      self.outputs["tensorboard"] = logdir
+    if wandb:
+      self._writers.append(_WandbWriter(workdir, project=wandb_project, config=config, resume=resume))
+      self.outputs["wandb"] = self._writers[-1].path
+    self._progress_bar = progress_bar
     self._bar = None
-    if progress_bar:
-      from tqdm.auto import tqdm
-      self._bar = tqdm(total=total_steps, initial=initial_step, desc="rl", unit="step", dynamic_ncols=True)
 
   @property
   def elapsed_s(self) -> float:
     return time.monotonic() - self._start
+
+  def progress(self, desc: str, total: int, initial: int = 0):
+    """Shows the progress bar of a stage (closing the one before); `write` advances it by a step and
+    `info` lines print above it. Nothing is shown without `progress_bar`."""
+    self.end_progress()
+    if self._progress_bar:
+      from tqdm.auto import tqdm
+      self._bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+
+  def progress_to(self, done: int):
+    """Moves the stage's bar to `done` steps (for a stage that writes no record per step)."""
+    if self._bar is not None and done != self._bar.n:
+      self._bar.update(done - self._bar.n)
+
+  def end_progress(self):
+    if self._bar is not None:
+      bar, self._bar = self._bar, None
+      bar.close()
 
   def write(self, step: int, metrics: Mapping[str, Any], *, advance: bool = True) -> dict[str, Any]:
     """Logs one record; raises LogWriteError when a log could not be written."""
@@ -187,8 +248,7 @@ class MetricsLogger:
 
   def close(self):
     """Flushes and closes every log (also after a failure); raises LogWriteError if one failed now."""
-    if self._bar is not None:
-      self._bar.close()
+    self.end_progress()
     self._each(lambda w: w.close(), closing=True)
 
 

@@ -59,7 +59,7 @@ def test_combined_reward_weights_and_metrics():
   assert metrics["rewards/stopped"] == 0.5
   assert metrics["rewards/total"] == pytest.approx(0.625)
   assert metrics["rewards/exact_match/failures"] == 0.0
-  with pytest.raises(ValueError, match="RewardSpec.name='nope'"):
+  with pytest.raises(ValueError, match=r"rewards\[0\]\.fn='nope': not a registered name"):
     rewards.CombinedReward(["nope"])
   with pytest.raises(ValueError, match="repeat"):
     rewards.CombinedReward(["stopped", "stopped"])

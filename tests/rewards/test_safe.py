@@ -37,9 +37,9 @@ def test_timeout_scores_zero_and_never_hangs():
   release.set()
 
 
-def test_nan_none_and_junk_values_score_zero():
+def test_nan_and_junk_values_score_zero_and_none_is_skipped():
   fn = SafeReward(lambda p, c, **_: [1.0, math.nan, None, "x", math.inf, 2], name="junk")
-  assert fn([""] * 6, ["c"] * 6) == ([1.0, 0.0, 0.0, 0.0, 0.0, 2.0], 4)
+  assert fn([""] * 6, ["c"] * 6) == ([1.0, 0.0, None, 0.0, 0.0, 2.0], 3)
 
 
 def test_wrong_number_of_values_scores_zero():

@@ -32,6 +32,7 @@ class PipelineConfig:
   shard_count: int = 1  # Usually jax.process_count().
   prompt_template: str | None = None  # str.format over the record's columns; None: the task's or "{prompt}".
   system_prompt: str | None = None  # Only used with a chat template.
+  messages_field: str | None = None  # A column of chat messages to render with the chat template, instead.
   use_chat_template: bool = True  # Apply the tokenizer's chat template when it has one.
   max_prompt_tokens: int | None = None  # Longer prompts are dropped (and counted) before shuffling.
   num_threads: int = 1  # grain read threads; tokenization is cheap, prompts are consumed slowly.
@@ -57,23 +58,6 @@ def _template_fields(template: str) -> set[str]:
     raise ValueError(f"prompt_template={template!r} is not a valid str.format template: {e}") from None
 
 
-class _Subset(sources.RecordSource):
-  """The records of `parent` at `indices` (the prompts that passed the length filter)."""
-
-  def __init__(self, parent: sources.RecordSource, indices: np.ndarray):
-    self.parent, self.indices = parent, indices
-    self.name, self.columns = parent.name, parent.columns
-
-  def __len__(self) -> int:
-    return len(self.indices)
-
-  def __getitem__(self, index):
-    i = int(self.indices[index])
-    record = dict(self.parent[i])
-    record.setdefault("id", f"{self.name}#{i}")  # Stable: the row index in the source.
-    return record
-
-
 class PromptPipeline:
   """Formats and tokenizes the prompts of `source`; iterate it to get prompt records.
 
@@ -85,7 +69,7 @@ class PromptPipeline:
                *, default_template: str = "{prompt}"):
     self.source, self.tokenizer, self.config = source, tokenizer, config
     self.template = config.prompt_template or default_template
-    self.templated = bool(config.use_chat_template and tokenizer.chat_template)
+    self.templated = bool((config.use_chat_template or config.messages_field) and tokenizer.chat_template)
     if len(source) == 0:
       raise ValueError(f"{source.name}: the dataset is empty")
     self._check_columns()
@@ -96,7 +80,7 @@ class PromptPipeline:
                        f"max_prompt_tokens={config.max_prompt_tokens}; need at least shard_count={config.shard_count}")
     # Equal shard lengths keep processes in lock step; at most shard_count - 1 prompts are unused.
     kept = kept[: len(kept) - len(kept) % config.shard_count]
-    ds = grain.MapDataset.source(_Subset(source, kept))
+    ds = grain.MapDataset.source(sources.Subset(source, kept))
     if config.shuffle:
       ds = ds.shuffle(seed=config.seed)
     ds = ds[config.shard_index :: config.shard_count]
@@ -106,15 +90,21 @@ class PromptPipeline:
 
   def _check_columns(self):
     """Every record has the template's columns. A table's rows share its columns; JSONL lines need not."""
-    fields = _template_fields(self.template)
+    if self.config.messages_field is not None and not self.tokenizer.chat_template:
+      raise ValueError(f"data.messages_field={self.config.messages_field!r} needs a tokenizer with a chat template "
+                       "(a model.hf_path whose tokenizer_config.json has one)")
+    fields = {self.config.messages_field} if self.config.messages_field else _template_fields(self.template)
     rows = range(len(self.source)) if isinstance(self.source, sources.ListSource) else range(1)
     for i in rows:
       missing = fields - set(self.source[i])
       if missing:
-        raise ValueError(f"{self.source.where(i)}: prompt_template {self.template!r} needs column(s) "
-                         f"{sorted(missing)}, the data has {sorted(self.source[i])}")
+        needs = (f"data.messages_field needs column {self.config.messages_field!r}" if self.config.messages_field
+                 else f"prompt_template {self.template!r} needs column(s) {sorted(missing)}")
+        raise ValueError(f"{self.source.where(i)}: {needs}; the data has {sorted(self.source[i])}")
 
   def format(self, record: dict[str, Any], where: str | None = None) -> str:
+    if self.config.messages_field is not None:
+      return self._render_messages(record, where)
     try:
       text = self.template.format(**record)
     except (KeyError, IndexError) as e:
@@ -122,6 +112,19 @@ class PromptPipeline:
       raise ValueError(f"{where}: lacks column {e} needed by prompt_template {self.template!r}") from None
     return self.tokenizer.format_prompt(text, system=self.config.system_prompt,
                                         use_chat_template=self.config.use_chat_template)
+
+  def _render_messages(self, record: dict[str, Any], where: str | None) -> str:
+    field = self.config.messages_field
+    messages = record.get(field)
+    ok = isinstance(messages, (list, tuple)) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+    if not ok:
+      where = where or f"{self.source.name}: record {record.get('id')!r}"
+      raise ValueError(f"{where}: column {field!r} (data.messages_field) must be a non-empty list of "
+                       f"{{role, content}} messages, got {str(messages)[:80]!r}")
+    system = self.config.system_prompt
+    messages = ([{"role": "system", "content": system}] if system else []) + [dict(m) for m in messages]
+    return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
   def _length_filter(self) -> np.ndarray:
     n = len(self.source)

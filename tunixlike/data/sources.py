@@ -8,9 +8,12 @@ line fails at start-up with its line number rather than hours into a run.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from typing import Any, Sequence
+
+import numpy as np
 
 
 class RecordSource(Sequence[dict[str, Any]]):
@@ -29,6 +32,8 @@ class RecordSource(Sequence[dict[str, Any]]):
 
 class ListSource(RecordSource):
   """`lines`: the 1-based line of each record in its file, which error messages then name."""
+
+  skipped: int = 0  # lines that were not records (read_jsonl with skip_bad_lines)
 
   def __init__(self, records: list[dict[str, Any]], name: str, lines: Sequence[int] | None = None):
     self.records, self.name, self.lines = records, name, lines
@@ -74,28 +79,39 @@ class HFDiskSource(RecordSource):
     return dict(self.dataset[int(index)])
 
 
-def read_jsonl(path: str) -> ListSource:
-  """Reads a JSONL file of objects; errors name the file and the 1-based line."""
+def read_jsonl(path: str, *, skip_bad_lines: bool = False) -> ListSource:
+  """Reads a JSONL file of objects; errors name the file and the 1-based line. With `skip_bad_lines`
+  a line that is not a JSON object is skipped and counted (`ListSource.skipped`) instead."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no such data file: {path}")
-  records, lines = [], []
+  records, lines, skipped = [], [], 0
   with open(path, "rb") as f:
     for line_no, raw in enumerate(f, start=1):
+      record, problem = None, None
       try:
         line = raw.decode("utf-8")
       except UnicodeDecodeError as e:
-        raise ValueError(f"{path}:{line_no}: not valid UTF-8 ({e})") from None
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{line_no}: invalid JSON ({e})") from None
-      if not isinstance(record, dict):
-        raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+        problem = f"not valid UTF-8 ({e})"
+      else:
+        if not line.strip():
+          continue
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError as e:
+          problem = f"invalid JSON ({e})"
+        else:
+          if not isinstance(record, dict):
+            problem = f"expected a JSON object, got {type(record).__name__}"
+      if problem is not None:
+        if skip_bad_lines:
+          skipped += 1
+          continue
+        raise ValueError(f"{path}:{line_no}: {problem} (or set data.skip_bad_lines to skip such lines)")
       records.append(record)
       lines.append(line_no)  # blank lines are skipped: a record's index is not its line
-  return ListSource(records, path, lines)
+  source = ListSource(records, path, lines)
+  source.skipped = skipped
+  return source
 
 
 def read_parquet(path: str) -> ArrowSource:
@@ -143,7 +159,66 @@ _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arr
                ".ipc": "arrow"}
 
 
-def open_source(path: str, format: str | None = None) -> RecordSource:
+class Subset(RecordSource):
+  """The records of `parent` at `indices`; a record without an `id` gets its row in `parent`."""
+
+  def __init__(self, parent: RecordSource, indices: np.ndarray):
+    self.parent, self.indices = parent, np.asarray(indices)
+    self.name, self.columns = parent.name, parent.columns
+    self.skipped = getattr(parent, "skipped", 0)
+
+  def __len__(self) -> int:
+    return len(self.indices)
+
+  def where(self, index: int) -> str:
+    return self.parent.where(int(self.indices[index]))
+
+  def __getitem__(self, index):
+    i = int(self.indices[index])
+    record = dict(self.parent[i])
+    record.setdefault("id", f"{self.name}#{i}")  # Stable: the row index in the source.
+    return record
+
+
+class ConcatSource(RecordSource):
+  """The records of several sources, one after the other (the files of a glob, in sorted order)."""
+
+  def __init__(self, parts: Sequence[RecordSource], name: str):
+    self.parts, self.name = list(parts), name
+    self.columns = parts[0].columns
+    self._starts = np.cumsum([0] + [len(p) for p in parts])
+    self.skipped = sum(getattr(p, "skipped", 0) for p in parts)
+
+  def __len__(self) -> int:
+    return int(self._starts[-1])
+
+  def _locate(self, index: int) -> tuple[RecordSource, int]:
+    if not 0 <= index < len(self):
+      raise IndexError(f"{self.name}: row {index} out of range ({len(self)} rows)")
+    part = int(np.searchsorted(self._starts, index, side="right")) - 1
+    return self.parts[part], index - int(self._starts[part])
+
+  def where(self, index: int) -> str:
+    part, i = self._locate(index)
+    return part.where(i)
+
+  def __getitem__(self, index):
+    part, i = self._locate(int(index))
+    return part[i]
+
+
+def open_path(path: str, *, skip_bad_lines: bool = False) -> RecordSource:
+  """A file, a Hugging Face save_to_disk directory, or a glob of files (their records in file order)."""
+  if not glob.has_magic(path):
+    return open_source(path, skip_bad_lines=skip_bad_lines)
+  files = sorted(glob.glob(path))
+  if not files:
+    raise FileNotFoundError(f"no data file matches {path}")
+  parts = [open_source(f, skip_bad_lines=skip_bad_lines) for f in files]
+  return parts[0] if len(parts) == 1 else ConcatSource(parts, path)
+
+
+def open_source(path: str, format: str | None = None, *, skip_bad_lines: bool = False) -> RecordSource:
   """Opens `path` as a record source; `format` is one of jsonl/parquet/arrow/hf_disk or inferred."""
   if format is None:
     if os.path.isdir(path):
@@ -154,4 +229,6 @@ def open_source(path: str, format: str | None = None) -> RecordSource:
         raise ValueError(f"cannot infer the format of {path}; pass format= one of {sorted(_READERS)}")
   if format not in _READERS:
     raise ValueError(f"format={format!r} for {path}; expected one of {sorted(_READERS)}")
+  if format == "jsonl":
+    return read_jsonl(path, skip_bad_lines=skip_bad_lines)
   return _READERS[format](path)

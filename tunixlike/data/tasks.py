@@ -165,6 +165,75 @@ class Gsm8kTask:
     return sources.ListSource(records, path, raw.lines[:len(records)])
 
 
+def as_source(data: Any, *, key: str, skip_bad_lines: bool = False) -> sources.RecordSource:
+  """A record source from a path or glob (`sources.open_path`), a `RecordSource`, or an in-memory
+  sequence of dicts (a list, a `grain.MapDataset`); `key` names it in errors. No rows is an error."""
+  if isinstance(data, (str, os.PathLike)):
+    try:
+      source = sources.open_path(os.fspath(data), skip_bad_lines=skip_bad_lines)
+    except (OSError, ValueError) as e:
+      raise ValueError(f"{key}={os.fspath(data)!r}: {e}") from None
+  elif isinstance(data, sources.RecordSource):
+    source = data
+  else:
+    try:
+      records = [dict(r) for r in data]
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"{key}: expected a path, a RecordSource or a sequence of dicts ({type(e).__name__}: {e})"
+                       ) from None
+    source = sources.ListSource(records, key)
+  if len(source) == 0:
+    raise ValueError(f"{key}={getattr(source, 'name', data)!r}: the dataset has no rows"
+                     + (f" ({source.skipped} bad lines skipped)" if getattr(source, "skipped", 0) else ""))
+  return source
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetTask:
+  """The user's own dataset: prompts from a column (or chat messages), every column passed to the rewards.
+
+  `train` and `eval`: what `as_source` takes. Without `eval`, a held-out split of
+  min(`holdout`, 10% of train) rows, chosen by the seed, is carved from train, which keeps the rest.
+  The rewards come from the config (`rewards`), else `default_rewards`.
+  """
+
+  train: Any
+  eval: Any = None
+  prompt_field: str = "prompt"
+  holdout: int = 500
+  skip_bad_lines: bool = False
+  default_rewards: tuple = ()  # used when the config names no `rewards` (a preset's, e.g. exact_match)
+  name: ClassVar[str] = "dataset"
+
+  @property
+  def prompt_template(self) -> str:
+    return "{" + self.prompt_field + "}"
+
+  def columns(self) -> tuple[str, ...]:
+    """The columns of the training data (what reward functions can name)."""
+    return tuple(self._open(self.train, "data.train").columns)
+
+  def _open(self, data, key) -> sources.RecordSource:
+    return as_source(data, key=key, skip_bad_lines=self.skip_bad_lines)
+
+  def source(self, split: str = "train", *, size: int | None = None, seed: int = 0) -> sources.RecordSource:
+    if split not in SPLITS:
+      raise ValueError(f"split={split!r}, expected one of {SPLITS}")
+    if split == "test" and self.eval is not None:
+      source = self._open(self.eval, "data.eval")
+    else:
+      train = self._open(self.train, "data.train")
+      if len(train) < 2:
+        raise ValueError(f"data.train={train.name!r}: {len(train)} row; carving a held-out split needs at least 2 "
+                         "(or give data.eval)")
+      n_test = max(1, min(self.holdout, len(train) // 10)) if self.eval is None else 0
+      order = np.random.default_rng([seed, 7]).permutation(len(train))
+      source = sources.Subset(train, order[:n_test] if split == "test" else np.sort(order[n_test:]))
+    if size is not None and size < len(source):
+      source = sources.Subset(source, np.arange(size))
+    return source
+
+
 TASKS: dict[str, Any] = {"addition": AdditionTask, "reverse": ReverseTask, "gsm8k": Gsm8kTask}
 
 

@@ -3,44 +3,64 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from tunixlike.rewards import registry
+from tunixlike.rewards import loader, registry
 from tunixlike.rewards.safe import SafeReward
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
-  """One term of the reward: `weight * get(name, **kwargs)(prompts, completions, **columns)`."""
+  """One term of the reward: `weight * fn(...)`, with `kwargs` bound.
 
-  name: str
+  `fn`: a registered name (`exact_match`), an import path (`package.module:function`), a file
+  (`/path/rewards.py:function`) or a callable. `name` (its metric name) defaults to the registered
+  or function name.
+  """
+
+  fn: str | Callable
   weight: float = 1.0
   kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  name: str | None = None
 
   def __post_init__(self):
-    if self.name not in registry.names():
-      raise ValueError(f"RewardSpec.name={self.name!r} is not a registered reward; known: {registry.names()}")
-    if not np.isfinite(self.weight):
-      raise ValueError(f"RewardSpec({self.name!r}).weight={self.weight} must be finite")
+    if not (callable(self.fn) or isinstance(self.fn, str)):
+      raise ValueError(f"RewardSpec.fn={self.fn!r}: a registered name, an import path or a callable")
+    if not isinstance(self.weight, (int, float)) or not np.isfinite(self.weight):
+      raise ValueError(f"RewardSpec({self.fn!r}).weight={self.weight!r} must be a finite number")
 
 
 class CombinedReward:
   """`__call__(prompts, completions, **columns) -> (rewards float32 [N], metrics)`.
 
-  metrics: `rewards/<name>` (mean unweighted score), `rewards/<name>/failures` (samples that
-  scored 0 by failure in this call) and `rewards/total` (mean weighted sum).
+  metrics: `rewards/<name>` (mean unweighted score over the samples it scored),
+  `rewards/<name>/failures` (samples that scored 0 by failure in this call), `rewards/<name>/skipped`
+  (samples it returned None for: they get no term from it) and `rewards/total` (mean weighted sum).
+  `where` names the specs in errors (the config key, `rewards`); `columns`, when known, are the
+  dataset's columns each function's parameters are checked against before any call.
   """
 
-  def __init__(self, specs: Sequence[RewardSpec | str | tuple], *, timeout_s: float = 60.0):
+  def __init__(self, specs: Sequence[RewardSpec | str | tuple | Callable | Mapping], *, timeout_s: float = 60.0,
+               where: str = "rewards", columns: Iterable[str] | None = None):
     if not specs:
       raise ValueError("CombinedReward needs at least one reward function")
-    self.specs = [_as_spec(s) for s in specs]
+    self.specs, self.fns = [], []
+    for i, s in enumerate(specs):
+      key = f"{where}[{i}]"
+      try:
+        spec = _as_spec(s)
+      except (TypeError, ValueError) as e:
+        raise loader.LoadError(f"{key}: {e}") from None
+      fn = loader.load(spec.fn, key=f"{key}.fn", registry=registry.registered())
+      name = spec.name or loader.name_of(fn, spec.fn)
+      self.specs.append(dataclasses.replace(spec, name=name))
+      call = loader.batch_reward(fn, key=f"{key}.fn", bound=dict(spec.kwargs), columns=columns)
+      self.fns.append(SafeReward(call, name=name, timeout_s=timeout_s))
     names = [s.name for s in self.specs]
     if len(set(names)) != len(names):
-      raise ValueError(f"CombinedReward: reward names repeat: {names}")
-    self.fns = [SafeReward(registry.get(s.name, **s.kwargs), name=s.name, timeout_s=timeout_s) for s in self.specs]
+      raise ValueError(f"{where}: reward names repeat: {names} (give one a name=)")
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns) -> tuple[np.ndarray,
                                                                                              dict[str, float]]:
@@ -50,20 +70,29 @@ class CombinedReward:
     metrics: dict[str, float] = {}
     for spec, fn in zip(self.specs, self.fns):
       scores, failed = fn(prompts, completions, **columns)
-      scores_n = np.asarray(scores, np.float32)
+      scored_n = np.array([s is not None for s in scores], bool)
+      scores_n = np.array([0.0 if s is None else s for s in scores], np.float32)
       total_n += spec.weight * scores_n
-      metrics[f"rewards/{spec.name}"] = float(scores_n.mean()) if len(scores_n) else 0.0
+      metrics[f"rewards/{spec.name}"] = float(scores_n[scored_n].mean()) if scored_n.any() else 0.0
       metrics[f"rewards/{spec.name}/failures"] = float(failed)
+      metrics[f"rewards/{spec.name}/skipped"] = float((~scored_n).sum())
     metrics["rewards/total"] = float(total_n.mean()) if len(total_n) else 0.0
     return total_n, metrics
 
 
-def _as_spec(spec: RewardSpec | str | tuple) -> RewardSpec:
-  """Accepts RewardSpec, "name", (name, weight) or (name, weight, kwargs)."""
+def _as_spec(spec) -> RewardSpec:
+  """Accepts a RewardSpec, a name or callable, (fn, weight[, kwargs]) or {fn, weight, kwargs, name}."""
   if isinstance(spec, RewardSpec):
     return spec
-  if isinstance(spec, str):
+  if isinstance(spec, str) or callable(spec):
     return RewardSpec(spec)
   if isinstance(spec, tuple) and 1 <= len(spec) <= 3:
     return RewardSpec(*spec)
-  raise ValueError(f"cannot read reward spec {spec!r}; use 'name', (name, weight) or (name, weight, kwargs)")
+  if isinstance(spec, Mapping):
+    unknown = sorted(set(spec) - {"fn", "weight", "kwargs", "name"})
+    if unknown or "fn" not in spec:
+      raise ValueError(f"{dict(spec)!r}: a reward is {{fn, weight, kwargs, name}} with fn required"
+                       + (f" (unknown {unknown})" if unknown else ""))
+    return RewardSpec(spec["fn"], spec.get("weight", 1.0), dict(spec.get("kwargs") or {}), spec.get("name"))
+  raise ValueError(f"cannot read reward spec {spec!r}; use a name, a callable, (fn, weight[, kwargs]) or "
+                   "{fn, weight, kwargs}")

@@ -40,3 +40,7 @@ def get(name: str, **kwargs) -> RewardFn:
 
 def names() -> list[str]:
   return sorted(_REGISTRY)
+
+
+def registered() -> dict[str, RewardFn]:
+  return dict(_REGISTRY)

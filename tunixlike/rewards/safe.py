@@ -5,7 +5,8 @@ worker thread with a timeout. Any failure scores 0 for the samples it affects an
   * an exception: the batch is retried one sample at a time, so one bad completion costs only itself;
   * a timeout: the whole batch scores 0 (retrying would multiply the wait);
   * a wrong number of values: the whole batch scores 0;
-  * None, NaN, inf or a non-number for a sample: that sample scores 0.
+  * NaN, inf or a non-number for a sample: that sample scores 0.
+None for a sample is no failure: the function does not apply to it (skipped; the caller counts it).
 Workers are daemon threads: Python cannot kill a stuck thread, so a timed-out call is abandoned
 and can never block interpreter exit (a ThreadPoolExecutor would join it at exit and hang).
 """
@@ -60,8 +61,12 @@ def _slice_columns(columns: dict[str, Any], i: int, n: int) -> dict[str, Any]:
   return out
 
 
+_SKIPPED = object()  # a sample the function returned None for
+
+
 class SafeReward:
-  """Wraps `fn(prompts, completions, **columns) -> list[float]`; calls return (scores, num_failed)."""
+  """Wraps `fn(prompts, completions, **columns) -> list[float | None]`; calls return (scores, num_failed),
+  each score a float or None (skipped)."""
 
   def __init__(self, fn: Callable[..., Sequence[float]], *, name: str, timeout_s: float = 60.0):
     if timeout_s <= 0:
@@ -88,7 +93,7 @@ class SafeReward:
       return self._fail(n, f"returned {type(values).__name__}, expected a list of {n} floats")
     if count != n:
       return self._fail(n, f"returned {count} values for {n} completions")
-    return self._collect([as_score(v) for v in values])
+    return self._collect([_SKIPPED if v is None else as_score(v) for v in values])
 
   def _per_sample(self, prompts, completions, columns, deadline) -> tuple[list[float], int]:
     n = len(completions)
@@ -97,15 +102,15 @@ class SafeReward:
     for c in calls:
       ok = c.wait(deadline) and c.error is None
       result = c.result if ok else None
-      single = result[0] if ok and isinstance(result, Sequence) and len(result) == 1 else None
-      scores.append(as_score(single))
+      single = result[0] if ok and isinstance(result, Sequence) and len(result) == 1 else math.nan
+      scores.append(_SKIPPED if single is None else as_score(single))
     return self._collect(scores)
 
-  def _collect(self, scores: list[float | None]) -> tuple[list[float], int]:
+  def _collect(self, scores: list) -> tuple[list[float | None], int]:
     failed = sum(s is None for s in scores)
     if failed:
-      self._count(failed, f"{failed} of {len(scores)} samples failed (exception, None, NaN or non-number)")
-    return [0.0 if s is None else s for s in scores], failed
+      self._count(failed, f"{failed} of {len(scores)} samples failed (exception, NaN or non-number)")
+    return [None if s is _SKIPPED else 0.0 if s is None else s for s in scores], failed
 
   def _fail(self, n: int, why: str) -> tuple[list[float], int]:
     self._count(n, why)

@@ -21,18 +21,19 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tunixlike import distributed, mesh as mesh_lib, models, rewards, trace as trace_lib
+from tunixlike import distributed, mesh as mesh_lib, models, rewards as rewards_lib, trace as trace_lib
 from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokenizer_lib
 from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, value as value_lib
 from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.train_step import Learner
 from tunixlike.models import lora as lora_lib
-from tunixlike.rewards import process as process_lib
+from tunixlike.rewards import loader, process as process_lib
 from tunixlike.rewards.envs import CalculatorEnv
 from tunixlike.rl import distill as distill_lib, evaluate as eval_lib, scoring, warm_start as warm_start_lib
 from tunixlike.rl.collapse import CollapseConfig, CollapseDetector
 from tunixlike.rl.policy import Policy
+from tunixlike.rl import prompts as prompts_lib
 from tunixlike.rl.prompts import PromptStream, requests_for
 from tunixlike.rl.runtime import AsyncRuntime
 from tunixlike.sampler.config import SamplerConfig
@@ -83,21 +84,55 @@ class Setup:
   train_pipe: pipeline.PromptPipeline
   eval_records: list  # this process's share of the held-out prompts
   tracer: trace_lib.Tracer
+  rewards: tuple = ()  # the training reward's terms (`rewards.CombinedReward` specs); the first is the eval's verifier
+  make_env: Any = None  # rl.env: builds one `Env` per episode (None: single-turn)
   warm_start_records: list | None = None  # held-out set of the warm start: the same on every process
   critic: nnx.Module | None = None  # PPO's separate critic trunk (model.critic_path), on the learner mesh
   teacher: distill_lib.Teacher | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
 
 
-def build_task(cfg: Config):
-  """(tokenizer, task): a character tokenizer for built-in tasks, the model's own for HF models."""
+def build_task(cfg: Config, dataset=None, eval_dataset=None):
+  """(tokenizer, task): a character tokenizer for built-in tasks, the model's own for HF models.
+  With data.train (or `dataset` / `eval_dataset` given in memory: a list of dicts, a grain
+  MapDataset, a RecordSource) the task is the user's dataset, with data.task's rewards as its default."""
   if cfg.model.hf_path:
     tok = tokenizer_lib.load(cfg.model.hf_path)
   else:
     tok = char_tokenizer.build()
-  kwargs = {"digits": cfg.data.digits} if cfg.data.task == "addition" else {}
-  if cfg.data.task == "gsm8k":
-    kwargs = {} if cfg.data.path is None else {"path": cfg.data.path}
-  return tok, tasks.get(cfg.data.task, **kwargs)
+  d = cfg.data
+  if dataset is not None and cfg.warm_start.max_steps:
+    raise ValueError(f"warm_start.max_steps={cfg.warm_start.max_steps}: the supervised warm start learns a built-in "
+                     "task's generated answers: set it to 0 with a dataset")
+  if d.train is not None or dataset is not None:
+    preset = tasks.TASKS[d.task].default_rewards if d.task is not None else ()
+    return tok, tasks.DatasetTask(dataset if dataset is not None else d.train,
+                                  eval_dataset if eval_dataset is not None else d.eval,
+                                  prompt_field=d.prompt_field, holdout=d.num_eval_examples,
+                                  skip_bad_lines=d.skip_bad_lines, default_rewards=preset)
+  kwargs = {"digits": d.digits} if d.task == "addition" else {}
+  if d.task == "gsm8k":
+    kwargs = {} if d.path is None else {"path": d.path}
+  return tok, tasks.get(d.task, **kwargs)
+
+
+def reward_terms(cfg: Config, task, rewards=None) -> tuple:
+  """The reward's terms: `rewards` given in Python, else the config's, else the task's own."""
+  terms = tuple(rewards if rewards is not None else cfg.rewards or task.default_rewards)
+  if not terms:
+    raise ValueError("rewards: a dataset without data.task needs reward functions: set rewards=[{fn, weight}] in "
+                     "the config (or pass rewards=[...] to tunixlike.train)")
+  return terms
+
+
+def env_factory(cfg: Config, env=None):
+  """What builds one environment per episode: `env` given in Python, or rl.env (built in or an import path)."""
+  spec = env if env is not None else cfg.rl.env
+  if spec is None:
+    return None
+  cls = loader.load(spec, key="rl.env", registry={"calculator": CalculatorEnv})
+  if not callable(cls):
+    raise loader.LoadError(f"rl.env={spec!r}: {cls!r} is not a class or factory of Env")
+  return cls
 
 
 def build_model(cfg: Config, tok, mesh) -> nnx.Module:
@@ -110,14 +145,24 @@ def build_model(cfg: Config, tok, mesh) -> nnx.Module:
                                seed=cfg.seed)
 
 
-def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bool = True) -> Setup:
-  """Meshes, tokenizer, task, data and the (not yet warm-started) model on the learner submesh.
-  `training=False`: only what sampling a checkpoint needs (no critic, no teacher)."""
+def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bool = True, dataset=None,
+          eval_dataset=None, rewards=None, env=None) -> Setup:
+  """Meshes, tokenizer, task, data, rewards and the (not yet warm-started) model on the learner submesh.
+  `training=False`: only what sampling a checkpoint needs (no critic, no teacher). `dataset`,
+  `eval_dataset`, `rewards` and `env` are in-memory objects that replace data.train, data.eval,
+  rewards and rl.env (see `tunixlike.train`). User code is loaded and checked before the model is built."""
   distributed.initialize(cfg.distributed)
   check_process_split(cfg, jax.process_count())
+  tok, task = build_task(cfg, dataset, eval_dataset)
+  terms = reward_terms(cfg, task, rewards)
+  # What a reward can name besides the rollout's fields (`PromptStream` passes every other column).
+  columns = ([c for c in task.columns() if c not in prompts_lib.NOT_COLUMNS] if isinstance(task, tasks.DatasetTask)
+             else None)
+  # Loaded now so that a bad import path or signature fails before any compilation.
+  rewards_lib.CombinedReward(terms, timeout_s=cfg.rl.reward_timeout_s, columns=columns)
+  make_env = env_factory(cfg, env)
   meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices, cfg.mesh.sampler_tensor,
                                 cfg.mesh.learner_tensor)
-  tok, task = build_task(cfg)
   model = build_model(cfg, tok, meshes.learner)
   critic = None
   if training and cfg.model.critic_path:  # loaded (and checked against the policy) before any training starts
@@ -127,8 +172,7 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   if training and cfg.model.teacher_path:  # frozen, on the learner submesh; it scores groups in the reward stage
     teacher = distill_lib.Teacher.load(cfg.model.teacher_path, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
                                        dtype=cfg.model.param_dtype, vocab_size=model.cfg.vocab_size, pad_id=tok.pad_id)
-  pipe_cfg = pipeline.PipelineConfig(seed=cfg.data.shuffle_seed, shard_index=jax.process_index(),
-                                     shard_count=jax.process_count(), max_prompt_tokens=cfg.data.max_prompt_length)
+  pipe_cfg = pipeline_config(cfg)
   train_pipe = pipeline.from_task(task, tok, split="train", config=pipe_cfg)
   eval_pipe = pipeline.from_task(task, tok, split="test", config=dataclasses.replace(pipe_cfg, shuffle=False,
                                                                                       num_epochs=1))
@@ -143,11 +187,21 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
     warm_records = list(itertools.islice(iter(whole), cfg.data.num_eval_examples))
   if train_pipe.num_filtered:
     say(f"data: {train_pipe.num_filtered} train prompts longer than data.max_prompt_length dropped")
-  return Setup(cfg, meshes, tok, task, model, train_pipe, eval_records, trace_lib.Tracer(trace_path),
-               warm_start_records=warm_records, critic=critic, teacher=teacher)
+  if getattr(train_pipe.source, "skipped", 0):
+    say(f"data: {train_pipe.source.skipped} bad lines skipped (data.skip_bad_lines)")
+  return Setup(cfg, meshes, tok, task, model, train_pipe, eval_records, trace_lib.Tracer(trace_path), rewards=terms,
+               make_env=make_env, warm_start_records=warm_records, critic=critic, teacher=teacher)
 
 
-def warm_start(setup: Setup, say=print, should_stop=lambda: False, optimizer=None,
+def pipeline_config(cfg: Config, **changes) -> pipeline.PipelineConfig:
+  """The prompt pipeline's settings from the data section (this process's shard of the data)."""
+  d = cfg.data
+  return pipeline.PipelineConfig(seed=d.shuffle_seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
+                                 max_prompt_tokens=d.max_prompt_length, system_prompt=d.system_prompt,
+                                 messages_field=d.messages_field, **changes)
+
+
+def warm_start(setup: Setup, say=print, should_stop=lambda: False, on_step=lambda step: None, optimizer=None,
                start_step: int = 0) -> dict[str, float]:
   """Supervised warm start of `setup.model` (synthetic tasks: the answers are known); an interrupted
   one continues from `start_step` with its `optimizer`."""
@@ -159,7 +213,8 @@ def warm_start(setup: Setup, say=print, should_stop=lambda: False, optimizer=Non
   return warm_start_lib.warm_start(setup.model, records, held_out, setup.tok, cfg.warm_start,
                                    mesh=setup.meshes.learner,
                                    length=cfg.data.max_prompt_length + cfg.sampler.max_new_tokens, log=say,
-                                   should_stop=should_stop, optimizer=optimizer, start_step=start_step)
+                                   should_stop=should_stop, on_step=on_step, optimizer=optimizer,
+                                   start_step=start_step)
 
 
 # ---- RL: the policy, the sampler, the reward stage ------------------------------------------------
@@ -171,7 +226,7 @@ class RLStack:
   engine: Engine  # the rollout sampler
   eval_engine: Engine  # greedy decoding of the held-out prompts, on the same devices
   scorer: scoring.GroupScorer  # the reward stage, run on the reward workers
-  correctness: rewards.CombinedReward  # the 0/1 verifier the evals score with
+  correctness: rewards_lib.CombinedReward  # the 0/1 verifier the evals score with
 
   def close(self):
     self.scorer.close()
@@ -206,13 +261,13 @@ def policy_model(setup: Setup) -> nnx.Module:
                              seed=cfg.seed, mesh=setup.meshes.learner, rules=mesh_lib.LEARNER_RULES)
 
 
-def correctness_reward(setup: Setup) -> rewards.CombinedReward:
-  """The task's 0/1 verifier (its first reward) that evals score with, not the shaped training reward."""
-  return rewards.CombinedReward([setup.task.default_rewards[0]], timeout_s=setup.cfg.rl.reward_timeout_s)
+def correctness_reward(setup: Setup) -> rewards_lib.CombinedReward:
+  """The 0/1 verifier evals score with (the first reward term), not the shaped training reward."""
+  return rewards_lib.CombinedReward(setup.rewards[:1], timeout_s=setup.cfg.rl.reward_timeout_s)
 
 
-def build_rl(setup: Setup, *, reward: rewards.CombinedReward | None = None,
-             correctness: rewards.CombinedReward | None = None) -> RLStack:
+def build_rl(setup: Setup, *, reward: rewards_lib.CombinedReward | None = None,
+             correctness: rewards_lib.CombinedReward | None = None) -> RLStack:
   """LoRA (if configured), the policy, the sampler engines and the reward stage. `reward` and
   `correctness` replace the task's training reward and its eval verifier."""
   cfg, tok, task = setup.cfg, setup.tok, setup.task
@@ -225,15 +280,17 @@ def build_rl(setup: Setup, *, reward: rewards.CombinedReward | None = None,
   timeout_s = cfg.rl.reward_timeout_s
   correctness = correctness or correctness_reward(setup)
   if reward is None:
-    reward = rewards.CombinedReward(list(task.default_rewards), timeout_s=timeout_s)
+    reward = rewards_lib.CombinedReward(setup.rewards, timeout_s=timeout_s)
   a, process = cfg.algo, None
   if a.process_reward is not None:  # PRM calls run on their own daemon threads while the sampler decodes
     steps = process_lib.StepConfig(delimiter=a.step_delimiter, every_tokens=a.step_every_tokens,
                                    timeout_s=timeout_s, workers=cfg.rl.reward_workers)
-    process = process_lib.ProcessRewardScorer(process_lib.get_process_reward(a.process_reward),
+    prm = (process_lib.get_process_reward(a.process_reward) if a.process_reward in process_lib.process_reward_names()
+           else loader.load(a.process_reward, key="algo.process_reward"))
+    process = process_lib.ProcessRewardScorer(prm,
                                               name=a.process_reward, steps=steps, tracer=setup.tracer)
   scorer = scoring.GroupScorer(reward, tokenizer=tok, advantages=scoring.advantage_config(cfg),
-                               primary=task.default_rewards[0], process=process, teacher=setup.teacher,
+                               primary=reward.specs[0].name, process=process, teacher=setup.teacher,
                                tracer=setup.tracer)
   return RLStack(policy, engine, eval_engine, scorer, correctness)
 
@@ -279,12 +336,12 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
   def driver_factory(sink, may_start_group):
     common = dict(source=stream, sink=sink, version=policy.version, may_start_group=may_start_group,
                   detokenize=tok.decode, tracer=tracer)
-    if cfg.rl.env is None:
+    if setup.make_env is None:
       # Process rewards: step prefixes go to the PRM threads while decoding goes on.
       recorders = [] if rl.scorer.process is None else [ProcessRewardRecorder(rl.scorer.process, tok.decode)]
       return RolloutDriver(rl.engine, params, recorders=recorders, **common)
-    return EpisodeDriver(  # config.py refuses what episodes cannot record (process rewards, routing)
-rl.engine, params, make_env=CalculatorEnv,
+    # Config refuses what episodes cannot record (process rewards, routing).
+    return EpisodeDriver(rl.engine, params, make_env=setup.make_env,
                          tokenize=lambda text: tok.encode(text, add_special_tokens=False),
                          episode_config=EpisodeConfig(max_turns=cfg.rl.env_max_turns,
                                                       step_timeout_s=cfg.rl.env_step_timeout_s), **common)

@@ -48,10 +48,7 @@ class PromptStream:
         r = next(self._it)
         index, self.position = self.position, self.position + 1
       self.outstanding.add(index)
-    columns = {k: v for k, v in r.items() if k not in ("prompt_token_ids", "prompt_text", "id", "prompt")}
-    columns["stream_index"] = index
-    return PromptRequest(prompt_id=r["id"], token_ids=np.asarray(r["prompt_token_ids"], np.int32),
-                         columns=columns, prompt_text=r["prompt_text"])
+    return request_for(r, stream_index=index)
 
   def done(self, groups: Sequence[RolloutGroup]):
     with self._lock:
@@ -63,6 +60,15 @@ class PromptStream:
       return {"position": self.position, "outstanding": sorted(self.outstanding | set(self._replay))}
 
 
+NOT_COLUMNS = ("prompt_token_ids", "prompt_text", "id", "prompt")  # the request carries these itself
+
+
+def request_for(record: dict, **extra) -> PromptRequest:
+  """A pipeline record as a request; its other columns (and `extra`) reach the reward functions."""
+  columns = {k: v for k, v in record.items() if k not in NOT_COLUMNS}
+  return PromptRequest(prompt_id=record["id"], token_ids=np.asarray(record["prompt_token_ids"], np.int32),
+                       columns={**columns, **extra}, prompt_text=record["prompt_text"])
+
+
 def requests_for(records) -> list[PromptRequest]:
-  return [PromptRequest(prompt_id=r["id"], token_ids=np.asarray(r["prompt_token_ids"], np.int32),
-                        columns={"answer": r["answer"]}, prompt_text=r["prompt_text"]) for r in records]
+  return [request_for(r) for r in records]

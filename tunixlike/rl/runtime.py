@@ -33,6 +33,11 @@ if TYPE_CHECKING:  # policy.py reads the run config, whose `rl` section is defin
   from tunixlike.rl.policy import Policy
 
 
+def _env_name(v) -> str | None:
+  ok = isinstance(v, str) and (v == "calculator" or ":" in v)
+  return None if ok else "must be 'calculator' or an import path 'package.module:MyEnv' / 'file.py:MyEnv'"
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
   """The `rl` section of the config: the async loop, rewards, multi-turn episodes, stop conditions."""
@@ -56,8 +61,9 @@ class RuntimeConfig:
                                          "policy)", check=in_range(0, 1, low_open=True, high_open=True), resumable=True)
   collapse_spike_factor: float = setting(1000.0, "also collapsed: grad norm this many times its recent median "
                                          "(0 = off)", check=non_negative, resumable=True)
-  env: str | None = setting(None, "multi-turn episodes that interleave decoding with tool calls: 'calculator' = "
-                            "the built-in tool environment; None = single-turn", check=optional(one_of("calculator")))
+  env: str | None = setting(None, "multi-turn episodes that interleave decoding with tool calls: 'calculator' (built "
+                            "in), an Env class 'package.module:MyEnv' or 'file.py:MyEnv'; None = single-turn",
+                            check=optional(_env_name))
   env_max_turns: int = setting(4, "policy turns per episode", check=positive)
   env_step_timeout_s: float = setting(30.0, "a tool slower than this costs its episode, not the run", check=positive)
   dynamic_sampling: bool = run_value(False, "algo.dynamic_sampling: drop groups whose rewards have no variance, "

@@ -50,8 +50,9 @@ class SetupError(ValueError):
   """Bad input found while building the run (mesh sizes, model files, data, workdir): one clear line."""
 
 
-def run(cfg: Config, workdir: str) -> dict[str, Any]:
-  """Trains (or resumes the run in `workdir`); returns a summary. See the module docstring."""
+def run(cfg: Config, workdir: str, **user) -> dict[str, Any]:
+  """Trains (or resumes the run in `workdir`); returns a summary. See the module docstring.
+  `user`: in-memory `dataset`, `eval_dataset`, `rewards`, `env` (see `tunixlike.train`)."""
   try:  # before anything touches a JAX backend (the checkpointer does)
     distributed.initialize(cfg.distributed)
   except ValueError as e:
@@ -65,7 +66,7 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
     raise SetupError(str(e)) from e
   try:
     with Preemption() as preemption:
-      r = _Run(cfg, workdir, preemption)
+      r = _Run(cfg, workdir, preemption, **user)
       try:
         return _stages(r)
       except BaseException:
@@ -122,14 +123,17 @@ def _warm_start(r: _Run) -> bool:
   try:
     optimizer = warm_start_lib.make_optimizer(setup.model, r.cfg.warm_start)
     start = _resume_warm_start(r, paused, optimizer)
-    summary = build_lib.warm_start(setup, say=r.say, should_stop=r.stop_requested, optimizer=optimizer,
-                                   start_step=start)
+    r.logger.progress("warm start", total=r.cfg.warm_start.max_steps, initial=start)
+    summary = build_lib.warm_start(setup, say=r.say, should_stop=r.stop_requested, on_step=r.logger.progress_to,
+                                   optimizer=optimizer, start_step=start)
+    r.logger.progress_to(summary["warm_start/steps"])
     if summary["warm_start/interrupted"]:
       step = summary["warm_start/steps"]
       paused.save(step, _warm_start_state(setup.model, optimizer), {"config": dataclasses.asdict(r.cfg)}, force=True)
       r.say(f"stopped during the warm start at step {step}; saved it: the next run with this --workdir continues it")
       return False
   finally:
+    r.logger.end_progress()  # the RL stage gets its own bar
     paused.close()
   r.logger.write(0, summary, advance=False)
   return True
@@ -190,6 +194,7 @@ def _rl(r: _Run) -> dict[str, Any]:
                                      collapse=build_lib.collapse_detector(cfg, rl.policy),
                                      queue_counts=r.queue_counts)
   r.add_hooks(r.runtime)
+  r.logger.progress("rl", total=cfg.rl.num_steps, initial=r.version)
   try:
     summary = r.runtime.run()
   except collapse_lib.PolicyCollapse:
@@ -208,6 +213,8 @@ def _rl(r: _Run) -> dict[str, Any]:
       except Exception as e:  # e.g. the same full disk: report it, but re-raise the run's own error
         r.say(f"the checkpoint could not be saved either ({type(e).__name__}: {e})")
     raise
+  finally:
+    r.logger.end_progress()  # the final eval and the summary print below the finished bar
   if r.runtime.preempted:
     return _stopped(r, summary)
   return summary
@@ -223,13 +230,17 @@ def _stopped(r: _Run, summary: dict) -> dict[str, Any]:
 
 
 def _finish(r: _Run, acc_after: float) -> dict[str, Any]:
+  """The final line of accuracy, then where the run's outputs are (also in the summary, None when off)."""
   acc_before = r.evals[min(r.evals)] if r.evals else float("nan")
-  path, elapsed_s = r.logger.path, r.logger.elapsed_s
+  logs, elapsed_s, latest = r.logger.outputs, r.logger.elapsed_s, r.ckpt.latest_step()
   r.say(f"held-out accuracy {acc_before:.3f} -> {acc_after:.3f} ({100 * (acc_after - acc_before):+.1f} points) "
-        f"in {elapsed_s:.0f} s; metrics in {path}")
-  r.close()
-  plot = metrics_lib.plot(path, os.path.join(r.dir, "reward.png")) if r.pid == 0 else None
-  return {"eval/accuracy_before": acc_before, "eval/accuracy_after": acc_after, "plot": plot,
+        f"in {elapsed_s:.0f} s")
+  r.close()  # the trace and the logs are complete from here
+  outputs = {"checkpoint": None if latest is None else r.ckpt.step_dir(latest), "metrics": logs["metrics"],
+             "plot": metrics_lib.plot(logs["metrics"], os.path.join(r.dir, "reward.png")) if r.pid == 0 else None,
+             "tensorboard": logs.get("tensorboard"), "trace": r.trace_path, "wandb": logs.get("wandb")}
+  r.say("outputs:" + "".join(f"\n  {key:<12}{path}" for key, path in outputs.items() if path is not None))
+  return {"eval/accuracy_before": acc_before, "eval/accuracy_after": acc_after, **outputs,
           "wall_s_total": elapsed_s, **r.counters}
 
 
@@ -262,13 +273,14 @@ def checkpoint_meta(setup: build_lib.Setup, rl: build_lib.RLStack, stream: Promp
 class _Run:
   """One run: its setup and RL stack, logs, checkpoints, prompt accounting, evals and hooks."""
 
-  def __init__(self, cfg: Config, workdir: str, preemption: Preemption):
+  def __init__(self, cfg: Config, workdir: str, preemption: Preemption, **user):
     self.cfg, self.workdir, self.preemption = cfg, workdir, preemption
     self.multi, self.pid = jax.process_count() > 1, jax.process_index()
     self.dir = workdir_lib.local_dir(workdir, self.pid)  # this process's logs (WORKDIR itself on process 0)
     self.say = print
+    self.trace_path = os.path.join(self.dir, "trace.json") if cfg.log.trace else None
     try:  # fails fast on bad meshes, model files or data, before any output (and before orbax's threads)
-      self.setup = build_lib.build(cfg, os.path.join(self.dir, "trace.json") if cfg.log.trace else None)
+      self.setup = build_lib.build(cfg, self.trace_path, **user)
     except (ValueError, OSError, models.CheckpointError) as e:
       raise SetupError(str(e)) from e
     self.ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), keep=cfg.checkpoint.keep,
@@ -317,10 +329,10 @@ class _Run:
     run's one-line description."""
     offset = resume_lib.cut_logs(self.dir, step)
     cfg, setup = self.cfg, self.setup
-    self.logger = metrics_lib.MetricsLogger(self.dir, total_steps=cfg.rl.num_steps,
-                                            tensorboard=cfg.log.tensorboard and self.pid == 0,
+    self.logger = metrics_lib.MetricsLogger(self.dir, tensorboard=cfg.log.tensorboard and self.pid == 0,
                                             progress_bar=cfg.log.progress_bar and self.pid == 0,
-                                            initial_step=step or 0, time_offset_s=offset)
+                                            time_offset_s=offset, wandb=cfg.log.wandb and self.pid == 0,
+                                            wandb_project=cfg.log.wandb_project, config=dataclasses.asdict(cfg))
     self.say = self.preemption.say = self.logger.info
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(setup.model, nnx.Param)))
     self.say(f"tunixlike: task {cfg.data.task}, {n_params:,} params, sampler {dict(setup.meshes.sampler.shape)}, "

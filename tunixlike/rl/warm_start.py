@@ -84,9 +84,11 @@ def make_optimizer(model, cfg: WarmStartSection) -> nnx.Optimizer:
 def warm_start(model, records: Iterator[dict], held_out: Sequence[dict], tokenizer: Tokenizer,
                cfg: WarmStartSection, *, mesh: jax.sharding.Mesh | None = None, length: int = 32,
                log: Callable[[str], None] = print, should_stop: Callable[[], bool] = lambda: False,
-               optimizer: nnx.Optimizer | None = None, start_step: int = 0) -> dict[str, float]:
+               on_step: Callable[[int], None] = lambda step: None, optimizer: nnx.Optimizer | None = None,
+               start_step: int = 0) -> dict[str, float]:
   """Trains `model` in place until held-out accuracy >= target or max_steps. Returns a summary;
-  `warm_start/interrupted` is 1 when `should_stop()` (a preemption) ended it early.
+  `warm_start/interrupted` is 1 when `should_stop()` (a preemption, asked before every step) ended
+  it early. `on_step(steps_done)` follows every step (the trainer's progress bar).
 
   An interrupted warm start continues from `start_step` with its `optimizer` (and `records`
   positioned after the batches already used)."""
@@ -104,6 +106,7 @@ def warm_start(model, records: Iterator[dict], held_out: Sequence[dict], tokeniz
     tokens, mask = encode_pairs(batch, tokenizer, length)
     loss = float(_train_step(model, optimizer, put(tokens), put(mask)))
     step += 1
+    on_step(step)
     if step % cfg.eval_every == 0 or step == cfg.max_steps:
       accuracy = teacher_forced_accuracy(model, eval_tokens, eval_mask, sharding)
       log(f"warm start step {step}: loss {loss:.3f}, held-out accuracy {accuracy:.3f}")

@@ -1,0 +1,35 @@
+"""Async GRPO on Countdown: reach the target from three numbers with + - * / and parentheses.
+
+A user dataset (train.jsonl / test.jsonl, written by make_data.py) and user rewards (rewards.py):
+the example of docs/own_data.md. Paths starting with ./ are relative to this file.
+Run: python -m tunixlike.train --config examples/countdown/config.py --workdir runs/countdown
+Variants: :size=tiny (the test-suite size).
+"""
+
+from tunixlike import config
+
+
+def get_config(arg: str | None = None):
+  variant = config.parse_arg(arg, size=("default", "tiny"))
+  c = config.default_config_dict()
+  c.data.task = None  # not a built-in task: the prompts come from data.train
+  c.data.train = "./train.jsonl"  # 1725 problems; make_data.py writes them
+  c.data.eval = "./test.jsonl"  # 200 problems never seen in train (None would carve a split from train)
+  c.data.prompt_field = "problem"  # the column holding the prompt text, e.g. "3 5 7 to 22:"
+  c.data.num_eval_examples = 200  # all of test.jsonl
+  c.data.max_prompt_length = 24  # prompts are at most 13 tokens with <bos>; longer ones are filtered and counted
+  c.sampler.max_prefill_length = 32  # the power-of-two bucket above data.max_prompt_length
+  c.sampler.max_new_tokens = 16  # a solution has at most 7 characters; room for a wrong longer try
+  c.warm_start.max_steps = 0  # the supervised warm start is for the built-in synthetic tasks only
+  c.rewards = [
+      dict(fn="./rewards.py:correct", weight=1.0),  # first = the evals' 0/1 accuracy
+      dict(fn="./rewards.py:well_formed", weight=0.1),  # small shaping: any valid expression beats junk
+  ]
+  c.optim.schedule = "cosine"  # ends on a plateau instead of swinging between evals, as configs/addition_grpo.py
+  c.rl.num_steps = 300  # the budget of configs/addition_grpo.py
+  c.eval.every_steps = 100  # a held-out curve, not just two points
+  if variant.size == "tiny":  # the end-to-end test: a couple of steps only (the default model is already tiny)
+    c.rl.num_steps = 3
+    c.rl.prompts_per_step = 8
+    c.data.num_eval_examples = 16
+  return c

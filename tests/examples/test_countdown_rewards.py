@@ -1,0 +1,84 @@
+"""examples/countdown/rewards.py against hand-made completions (no JAX: pure Python rewards)."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+COUNTDOWN = pathlib.Path(__file__).resolve().parents[2] / "examples" / "countdown"
+
+
+def _load_rewards():
+  spec = importlib.util.spec_from_file_location("countdown_rewards", COUNTDOWN / "rewards.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)  # examples/ is not a package: load the file the config names
+  return module
+
+
+rewards = _load_rewards()
+
+NUMBERS, TARGET = [3, 5, 7], 22
+
+
+@pytest.mark.parametrize("completion, score", [
+    ("3*5+7", 1.0),                 # correct
+    (" 7+3*5 \nsome explanation", 1.0),  # only the first line counts, stripped
+    ("(3+5)*7", 0.0),               # wrong value (56)
+    ("3*5+5+2", 0.0),               # 5 used twice, 2 not given
+    ("3*7+1", 0.0),                 # 1 is not a given number (value 22)
+    ("3*5+7+0", 0.0),               # 0 is not given either
+    ("3+7+5+7", 0.0),               # 7 used twice (value 22)
+    ("", 0.0),
+    ("the answer is 22", 0.0),      # junk text
+    ("22", 0.0),                    # the target itself is not a given number
+    ("3*5+7)", 0.0),                # unbalanced
+    ("-3+25", 0.0),                 # unary minus is not allowed
+    ("0x3*5+7", 0.0),               # only plain decimal literals
+    ("3.0*5+7", 0.0),               # no floats
+    ("__import__('os').system('true')", 0.0),  # code is not an expression here, and never runs
+    ("(lambda: 22)()", 0.0),
+    ("[3, 5, 7]", 0.0),
+])
+def test_correct(completion, score):
+  assert rewards.correct([completion], [NUMBERS], [TARGET]) == [score]
+
+
+def test_correct_division_is_exact():
+  assert rewards.correct(["6/(4-1)"], [[6, 4, 1]], [2]) == [1.0]
+  assert rewards.correct(["7/2*4"], [[7, 2, 4]], [14]) == [1.0]  # 3.5 * 4: exact, not floor division
+  assert rewards.correct(["7/2"], [[7, 2, 4]], [3]) == [0.0]  # 3.5 is not 3
+  assert rewards.correct(["9/(3-3)"], [[9, 3, 3]], [1]) == [0.0]  # division by zero scores 0, no error
+
+
+def test_correct_repeated_numbers_may_each_be_used_once():
+  assert rewards.correct(["3*3+1"], [[3, 3, 1]], [10]) == [1.0]
+  assert rewards.correct(["3*3*3+1"], [[3, 3, 1]], [28]) == [0.0]
+
+
+def test_correct_scores_a_batch_in_order():
+  completions = ["3*5+7", "junk", "9-1"]
+  assert rewards.correct(completions, [NUMBERS, NUMBERS, [9, 1, 2]], [22, 22, 8]) == [1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("completion, score", [
+    ("3*5+7", 1.0),
+    ("(1+2)/0", 1.0),  # well formed, though it divides by zero: the form, not the value
+    ("99", 1.0),
+    ("", 0.0),
+    ("abc", 0.0),
+    ("2**3", 0.0),     # no powers
+    ("3 5 7 to 22:", 0.0),
+    ("__import__('os')", 0.0),
+    ("1+" * 100 + "1", 0.0),  # over the length bound
+])
+def test_well_formed(completion, score):
+  assert rewards.well_formed([completion]) == [score]
+
+
+def test_shipped_solutions_are_correct():
+  for name in ("train.jsonl", "test.jsonl"):
+    rows = [json.loads(line) for line in (COUNTDOWN / name).read_text().splitlines()]
+    assert rows and all(len(r["problem"]) + 1 <= 24 for r in rows)  # + <bos>: data.max_prompt_length of the config
+    scores = rewards.correct([r["solution"] for r in rows], [r["numbers"] for r in rows], [r["target"] for r in rows])
+    assert scores == [1.0] * len(rows), name
