@@ -100,6 +100,7 @@ def _build(tmp_path, rows=None, rewards=None, **data):
 def test_rewards_that_do_not_load_or_do_not_fit_the_batch_are_named(tmp_path):
   (tmp_path / "r.py").write_text("def ok(completions, total):\n  return [0.0] * len(completions)\n"
                                  "def wants(completions, solution):\n  return [0.0] * len(completions)\n"
+                                 "def one(completions):\n  return [1.0]\n"
                                  "raise_at_import = None\n")
   (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
   cases = [
@@ -111,6 +112,8 @@ def test_rewards_that_do_not_load_or_do_not_fit_the_batch_are_named(tmp_path):
        r"rewards\[1\]\.fn: wants\(completions, solution\) needs \['solution'\].*columns are \['level', 'question', 'total'\]"),
       ([dict(fn="not_registered")], r"rewards\[0\]\.fn='not_registered': not a registered name"),
       ([dict(fn=f"{tmp_path}/r.py:ok", kwargs={"scale": 2})], r"rewards\[0\]\.fn: kwargs \['scale'\] are not parameters"),
+      ([dict(fn=f"{tmp_path}/r.py:ok"), dict(fn=f"{tmp_path}/r.py:one")],
+       r"rewards\[1\]\.fn: one returned 1 scores for 2 completions: return one float \(or None\) per completion"),
   ]
   for rewards, expected in cases:
     with pytest.raises(ValueError, match=expected):

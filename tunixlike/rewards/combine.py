@@ -61,6 +61,21 @@ class CombinedReward:
     names = [s.name for s in self.specs]
     if len(set(names)) != len(names):
       raise ValueError(f"{where}: reward names repeat: {names} (give one a name=)")
+    self.where = where
+
+  def check_counts(self, rows: Sequence[Mapping[str, Any]], prompts: Sequence[str]) -> None:
+    """Calls each function once on dataset `rows` with empty completions: one that returns the wrong
+    number of scores is a bug reported now (LoadError naming its key), not a 0 at every step. A call
+    that raises or is slow proves nothing here and is let go."""
+    n = len(rows)
+    columns = {k: [r.get(k) for r in rows] for k in rows[0]}
+    batch = dict(columns, completion_lengths=[0] * n, finish_reasons=["eos"] * n,
+                 prompt_ids=[r.get("id", i) for i, r in enumerate(rows)])
+    for i, (spec, fn) in enumerate(zip(self.specs, self.fns)):
+      count = fn.count_of(list(prompts), [""] * n, **batch)
+      if count is not None and count != n:
+        raise loader.LoadError(f"{self.where}[{i}].fn: {spec.name} returned {count} scores for {n} completions: "
+                               "return one float (or None) per completion")
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns) -> tuple[np.ndarray,
                                                                                              dict[str, float]]:

@@ -158,8 +158,12 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   # What a reward can name besides the rollout's fields (`PromptStream` passes every other column).
   columns = ([c for c in task.columns() if c not in prompts_lib.NOT_COLUMNS] if isinstance(task, tasks.DatasetTask)
              else None)
-  # Loaded now so that a bad import path or signature fails before any compilation.
-  rewards_lib.CombinedReward(terms, timeout_s=cfg.rl.reward_timeout_s, columns=columns)
+  # Loaded and tried on two rows now, so that a bad import path, signature or count fails before any compilation.
+  reward = rewards_lib.CombinedReward(terms, timeout_s=cfg.rl.reward_timeout_s, columns=columns)
+  rows = [dict(task.source("train")[i]) for i in range(2)]
+  field = cfg.data.prompt_field if isinstance(task, tasks.DatasetTask) else "prompt"
+  reward.check_counts([{k: v for k, v in r.items() if k not in prompts_lib.NOT_COLUMNS} for r in rows],
+                      [str(r.get(field, "")) for r in rows])
   make_env = env_factory(cfg, env)
   meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices, cfg.mesh.sampler_tensor,
                                 cfg.mesh.learner_tensor)
