@@ -181,3 +181,17 @@ def test_an_environment_from_an_import_path_or_in_memory(tmp_path):
     build_lib.env_factory(tunixlike.load_config(TINY, {"rl.env": "nowhere:Env"}))
   with pytest.raises(ValueError, match=r"rl.env='gym': must be 'calculator' or an import path"):
     tunixlike.load_config(TINY, {"rl.env": "gym"})
+
+
+def test_a_process_reward_from_an_import_path(tmp_path):
+  (tmp_path / "prm.py").write_text("def prm(prefix):\n  return float(len(prefix.token_ids))\n")
+  steps = {"algo.step_delimiter": "", "algo.step_every_tokens": 1}
+  setup = build_lib.build(tunixlike.load_config(TINY, {**FAST, **steps, "algo.process_reward": f"{tmp_path}/prm.py:prm"}))
+  rl = build_lib.build_rl(setup)
+  try:
+    assert rl.scorer.process.fn.__name__ == "prm"
+  finally:
+    rl.close()
+  with pytest.raises(ValueError, match=r"algo.process_reward='nowhere:prm': importing nowhere failed"):
+    build_lib.build_rl(build_lib.build(tunixlike.load_config(TINY, {**FAST, **steps,
+                                                                     "algo.process_reward": "nowhere:prm"})))
