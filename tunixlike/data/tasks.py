@@ -9,6 +9,7 @@ falls below `test_fraction`, and each split only keeps the problems it owns.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import zlib
@@ -211,18 +212,24 @@ class DatasetTask:
 
   def columns(self) -> tuple[str, ...]:
     """The columns of the training data (what reward functions can name)."""
-    return tuple(self._open(self.train, "data.train").columns)
+    return tuple(self._train.columns)
 
-  def _open(self, data, key) -> sources.RecordSource:
-    return as_source(data, key=key, skip_bad_lines=self.skip_bad_lines)
+  # Each file is read once, however many splits and checks ask for it.
+  @functools.cached_property
+  def _train(self) -> sources.RecordSource:
+    return as_source(self.train, key="data.train", skip_bad_lines=self.skip_bad_lines)
+
+  @functools.cached_property
+  def _eval(self) -> sources.RecordSource:
+    return as_source(self.eval, key="data.eval", skip_bad_lines=self.skip_bad_lines)
 
   def source(self, split: str = "train", *, size: int | None = None, seed: int = 0) -> sources.RecordSource:
     if split not in SPLITS:
       raise ValueError(f"split={split!r}, expected one of {SPLITS}")
     if split == "test" and self.eval is not None:
-      source = self._open(self.eval, "data.eval")
+      source = self._eval
     else:
-      train = self._open(self.train, "data.train")
+      train = self._train
       if len(train) < 2:
         raise ValueError(f"data.train={train.name!r}: {len(train)} row; carving a held-out split needs at least 2 "
                          "(or give data.eval)")

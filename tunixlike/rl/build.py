@@ -84,7 +84,7 @@ class Setup:
   train_pipe: pipeline.PromptPipeline
   eval_records: list  # this process's share of the held-out prompts
   tracer: trace_lib.Tracer
-  rewards: tuple = ()  # the training reward's terms (`rewards.CombinedReward` specs); the first is the eval's verifier
+  reward: rewards_lib.CombinedReward | None = None  # the training reward; its first term is the evals' verifier
   make_env: Any = None  # rl.env: builds one `Env` per episode (None: single-turn)
   warm_start_records: list | None = None  # held-out set of the warm start: the same on every process
   critic: nnx.Module | None = None  # PPO's separate critic trunk (model.critic_path), on the learner mesh
@@ -193,7 +193,7 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
     say(f"data: {train_pipe.num_filtered} train prompts longer than data.max_prompt_length dropped")
   if getattr(train_pipe.source, "skipped", 0):
     say(f"data: {train_pipe.source.skipped} bad lines skipped (data.skip_bad_lines)")
-  return Setup(cfg, meshes, tok, task, model, train_pipe, eval_records, trace_lib.Tracer(trace_path), rewards=terms,
+  return Setup(cfg, meshes, tok, task, model, train_pipe, eval_records, trace_lib.Tracer(trace_path), reward=reward,
                make_env=make_env, warm_start_records=warm_records, critic=critic, teacher=teacher)
 
 
@@ -267,14 +267,14 @@ def policy_model(setup: Setup) -> nnx.Module:
 
 def correctness_reward(setup: Setup) -> rewards_lib.CombinedReward:
   """The 0/1 verifier evals score with (the first reward term), not the shaped training reward."""
-  return rewards_lib.CombinedReward(setup.rewards[:1], timeout_s=setup.cfg.rl.reward_timeout_s)
+  return rewards_lib.CombinedReward(setup.reward.specs[:1], timeout_s=setup.cfg.rl.reward_timeout_s)
 
 
 def build_rl(setup: Setup, *, reward: rewards_lib.CombinedReward | None = None,
              correctness: rewards_lib.CombinedReward | None = None) -> RLStack:
   """LoRA (if configured), the policy, the sampler engines and the reward stage. `reward` and
   `correctness` replace the task's training reward and its eval verifier."""
-  cfg, tok, task = setup.cfg, setup.tok, setup.task
+  cfg, tok = setup.cfg, setup.tok
   model = policy_model(setup)
   learner = build_learner(cfg, model, setup.meshes.learner, critic=setup.critic)
   s_cfg = sampler_config(cfg, tok)
@@ -283,8 +283,7 @@ def build_rl(setup: Setup, *, reward: rewards_lib.CombinedReward | None = None,
   policy = Policy(learner, engine, cfg, tok.pad_id, tracer=setup.tracer)
   timeout_s = cfg.rl.reward_timeout_s
   correctness = correctness or correctness_reward(setup)
-  if reward is None:
-    reward = rewards_lib.CombinedReward(setup.rewards, timeout_s=timeout_s)
+  reward = reward or setup.reward
   a, process = cfg.algo, None
   if a.process_reward is not None:  # PRM calls run on their own daemon threads while the sampler decodes
     steps = process_lib.StepConfig(delimiter=a.step_delimiter, every_tokens=a.step_every_tokens,
