@@ -28,6 +28,8 @@ setup(
         "tensorboardX>=2.6",
         "matplotlib>=3.9",
         "tqdm>=4.66",
+        "starlette>=0.40",  # the agent server (rl.agent): an ASGI app
+        "uvicorn>=0.30",  # ... and its server
     ],
     extras_require={
         "test": [
@@ -44,6 +46,8 @@ setup(
             "nbformat>=5.10",
             "ipykernel>=6.29",
             "wandb>=0.19",  # log.wandb (optional: imported only when it is on; tested offline)
+            "openai>=1.40",  # the agent example and tests talk to the agent server with the official client
+            "httpx>=0.27",
         ],
         "jetstream": ["google-jetstream==0.2.2"],
     },

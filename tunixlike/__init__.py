@@ -52,7 +52,7 @@ def load_config(spec: str | Mapping | Config, overrides: Mapping[str, Any] | Non
 
 
 def train(config: str | Mapping | Config, workdir: str, *, dataset=None, eval_dataset=None, rewards=None,
-          env=None) -> dict[str, Any]:
+          env=None, agent=None) -> dict[str, Any]:
   """Trains, or resumes the run in `workdir`; returns the summary (eval accuracy before and after,
   counters, where the outputs are).
 
@@ -61,9 +61,12 @@ def train(config: str | Mapping | Config, workdir: str, *, dataset=None, eval_da
     rewards                 `rewards`: callables, or {fn, weight, kwargs} with fn a callable or a name;
                             the first is the evals' 0/1 verifier;
     env                     rl.env: an `Env` class (or factory) for multi-turn episodes.
+    agent                   rl.agent: your agent loop, run_episode(base_url, episode_id, row), talking
+                            to the policy through the OpenAI-compatible server (docs/agents.md).
   Resume a run given in-memory objects by passing the same objects again.
   """
   from tunixlike.rl import trainer  # JAX starts here: set XLA_FLAGS before calling
 
   cfg = load_config(config)
-  return trainer.run(cfg, workdir, dataset=dataset, eval_dataset=eval_dataset, rewards=rewards, env=env)
+  return trainer.run(cfg, workdir, dataset=dataset, eval_dataset=eval_dataset, rewards=rewards, env=env,
+                     agent=agent)

@@ -288,9 +288,14 @@ class Config:
             True, "needs sampler.record_sampling_mask=True (the sampler must ship the masks)")
     require(not self.algo.keep_routing or self.sampler.record_routing, "algo.keep_routing",
             True, "needs sampler.record_routing=True (the sampler must ship the experts it chose)")
-    require(not self.sampler.record_routing or (self.rl.env is None and self.algo.estimator != "ppo"),
-            "sampler.record_routing", True, "is supported for single-turn GRPO-family runs only (not rl.env "
-            "episodes, whose environment tokens the decode loop never routes, nor algo.estimator='ppo')")
+    require(self.rl.agent is None or self.rl.env is None, "rl.agent", self.rl.agent,
+            f"and rl.env={self.rl.env!r} are both set: an episode is run by one of them")
+    require(self.rl.agent is None or not self.sampler.record_sampling_mask, "sampler.record_sampling_mask", True,
+            "is not supported with rl.agent (agent turns are prefilled from the agent's history)")
+    require(not self.sampler.record_routing or (self.rl.env is None and self.rl.agent is None
+                                                and self.algo.estimator != "ppo"),
+            "sampler.record_routing", True, "is supported for single-turn GRPO-family runs only (not rl.env or "
+            "rl.agent episodes, whose environment tokens the decode loop never routes, nor algo.estimator='ppo')")
     require(self.sampler.max_concurrent_decodes >= self.algo.group_size, "sampler.max_concurrent_decodes",
             self.sampler.max_concurrent_decodes, f"must be >= algo.group_size={self.algo.group_size}")
     replicas = self.mesh.sampler_devices // self.mesh.sampler_tensor
@@ -334,6 +339,7 @@ class Config:
             f"{what} gives per-token advantages: use one of {list(PPO_LOSSES)}")
     require(a.estimator == "grpo_family", "algo.estimator", a.estimator, f"{what} works with 'grpo_family' only")
     require(self.rl.env is None, "rl.env", self.rl.env, f"{what} is single-turn only")
+    require(self.rl.agent is None, "rl.agent", self.rl.agent, f"{what} is single-turn only")
     if distill:  # the sampler's logprobs must be the student's own distribution for r_t to be the reverse KL
       require(s.temperature == 1.0, "sampler.temperature", s.temperature, "distillation samples at temperature 1")
       require(s.top_k == 0 and s.top_p == 1.0, "sampler.top_k" if s.top_k else "sampler.top_p",
@@ -419,11 +425,12 @@ def _beside(value: str | None, directory: str) -> str | None:
 
 def resolve_beside(config: ml_collections.ConfigDict, directory: str) -> ml_collections.ConfigDict:
   """A config file's paths that start with ./ or ../ (data.train, data.eval, rewards[i].fn, rl.env,
-  algo.process_reward) are relative to the file's own directory: made absolute here."""
+  rl.agent, algo.process_reward) are relative to the file's own directory: made absolute here."""
   if config is None:
     return config
   with config.unlocked() if hasattr(config, "unlocked") else contextlib.nullcontext():
-    for section, key in (("data", "train"), ("data", "eval"), ("rl", "env"), ("algo", "process_reward")):
+    for section, key in (("data", "train"), ("data", "eval"), ("rl", "env"), ("rl", "agent"),
+                         ("algo", "process_reward")):
       if section in config and key in config[section]:
         config[section][key] = _beside(config[section][key], directory)
     if "rewards" in config and config.rewards:

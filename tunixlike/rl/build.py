@@ -31,6 +31,7 @@ from tunixlike.models import lora as lora_lib
 from tunixlike.rewards import loader, process as process_lib
 from tunixlike.rewards.envs import CalculatorEnv
 from tunixlike.rl import distill as distill_lib, evaluate as eval_lib, scoring, warm_start as warm_start_lib
+from tunixlike.agents.driver import AgentConfig, AgentDriver
 from tunixlike.rl.collapse import CollapseConfig, CollapseDetector
 from tunixlike.rl.policy import Policy
 from tunixlike.rl import prompts as prompts_lib
@@ -86,6 +87,7 @@ class Setup:
   tracer: trace_lib.Tracer
   reward: rewards_lib.CombinedReward | None = None  # the training reward; its first term is the evals' verifier
   make_env: Any = None  # rl.env: builds one `Env` per episode (None: single-turn)
+  agent: Any = None  # rl.agent: run_episode(base_url, episode_id, row), served by the agent server
   warm_start_records: list | None = None  # held-out set of the warm start: the same on every process
   critic: nnx.Module | None = None  # PPO's separate critic trunk (model.critic_path), on the learner mesh
   teacher: distill_lib.Teacher | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
@@ -135,6 +137,17 @@ def env_factory(cfg: Config, env=None):
   return cls
 
 
+def agent_function(cfg: Config, agent=None):
+  """The user's agent loop: `agent` given in Python, or rl.agent (an import path), checked callable."""
+  spec = agent if agent is not None else cfg.rl.agent
+  if spec is None:
+    return None
+  fn = loader.load(spec, key="rl.agent")
+  if not callable(fn):
+    raise loader.LoadError(f"rl.agent={spec!r}: {fn!r} is not a function run_episode(base_url, episode_id, row)")
+  return fn
+
+
 def build_model(cfg: Config, tok, mesh) -> nnx.Module:
   m = cfg.model
   if m.hf_path:
@@ -146,11 +159,11 @@ def build_model(cfg: Config, tok, mesh) -> nnx.Module:
 
 
 def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bool = True, dataset=None,
-          eval_dataset=None, rewards=None, env=None) -> Setup:
+          eval_dataset=None, rewards=None, env=None, agent=None) -> Setup:
   """Meshes, tokenizer, task, data, rewards and the (not yet warm-started) model on the learner submesh.
   `training=False`: only what sampling a checkpoint needs (no critic, no teacher). `dataset`,
-  `eval_dataset`, `rewards` and `env` are in-memory objects that replace data.train, data.eval,
-  rewards and rl.env (see `tunixlike.train`). User code is loaded and checked before the model is built."""
+  `eval_dataset`, `rewards`, `env` and `agent` are in-memory objects that replace data.train, data.eval,
+  rewards, rl.env and rl.agent (see `tunixlike.train`). User code is loaded and checked before the model is built."""
   distributed.initialize(cfg.distributed)
   check_process_split(cfg, jax.process_count())
   tok, task = build_task(cfg, dataset, eval_dataset)
@@ -165,6 +178,9 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   reward.check_counts([{k: v for k, v in r.items() if k not in prompts_lib.NOT_COLUMNS} for r in rows],
                       [str(r.get(field, "")) for r in rows])
   make_env = env_factory(cfg, env)
+  agent = agent_function(cfg, agent)
+  if make_env is not None and agent is not None:
+    raise ValueError("rl.agent and rl.env are both given: an episode is run by one of them")
   meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices, cfg.mesh.sampler_tensor,
                                 cfg.mesh.learner_tensor)
   model = build_model(cfg, tok, meshes.learner)
@@ -194,7 +210,7 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   if getattr(train_pipe.source, "skipped", 0):
     say(f"data: {train_pipe.source.skipped} bad lines skipped (data.skip_bad_lines)")
   return Setup(cfg, meshes, tok, task, model, train_pipe, eval_records, trace_lib.Tracer(trace_path), reward=reward,
-               make_env=make_env, warm_start_records=warm_records, critic=critic, teacher=teacher)
+               make_env=make_env, agent=agent, warm_start_records=warm_records, critic=critic, teacher=teacher)
 
 
 def pipeline_config(cfg: Config, **changes) -> pipeline.PipelineConfig:
@@ -324,7 +340,8 @@ def collapse_detector(cfg: Config, policy: Policy) -> CollapseDetector:
 
 
 def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: int | None = None,
-                 collapse: CollapseDetector | None = None, queue_counts: dict | None = None) -> AsyncRuntime:
+                 collapse: CollapseDetector | None = None, queue_counts: dict | None = None,
+                 say=print) -> AsyncRuntime:
   """The async loop over `stream`'s prompts, with every decode program compiled first (sampler.warmup).
   Add the run's periodic work with `runtime.hooks.add(fn, every=N)`."""
   cfg, tok, tracer, policy = setup.cfg, setup.tok, setup.tracer, rl.policy
@@ -339,6 +356,14 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
   def driver_factory(sink, may_start_group):
     common = dict(source=stream, sink=sink, version=policy.version, may_start_group=may_start_group,
                   detokenize=tok.decode, tracer=tracer)
+    if setup.agent is not None:  # the user's agent loop, served over HTTP on the same decode slots
+      driver = AgentDriver(rl.engine, params, source=stream, sink=sink, version=policy.version,
+                           may_start_group=may_start_group, tracer=tracer, agent=setup.agent, tokenizer=tok,
+                           agent_config=AgentConfig(max_turns=cfg.rl.env_max_turns, workers=cfg.rl.agent_workers,
+                                                    episode_timeout_s=cfg.rl.episode_timeout_s,
+                                                    port=cfg.rl.agent_port))
+      say(f"agent server: {driver.base_url} (model {driver.model_name!r})")
+      return driver
     if setup.make_env is None:
       # Process rewards: step prefixes go to the PRM threads while decoding goes on.
       recorders = [] if rl.scorer.process is None else [ProcessRewardRecorder(rl.scorer.process, tok.decode)]

@@ -38,6 +38,10 @@ def _env_name(v) -> str | None:
   return None if ok else "must be 'calculator' or an import path 'package.module:MyEnv' / 'file.py:MyEnv'"
 
 
+def _import_path(v) -> str | None:
+  return None if isinstance(v, str) and ":" in v else "must be an import path 'package.module:fn' or 'file.py:fn'"
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
   """The `rl` section of the config: the async loop, rewards, multi-turn episodes, stop conditions."""
@@ -64,8 +68,17 @@ class RuntimeConfig:
   env: str | None = setting(None, "multi-turn episodes that interleave decoding with tool calls: 'calculator' (built "
                             "in), an Env class 'package.module:MyEnv' or 'file.py:MyEnv'; None = single-turn",
                             check=optional(_env_name))
-  env_max_turns: int = setting(4, "policy turns per episode", check=positive)
+  env_max_turns: int = setting(4, "policy turns per episode (rl.env steps, or rl.agent requests)", check=positive)
   env_step_timeout_s: float = setting(30.0, "a tool slower than this costs its episode, not the run", check=positive)
+  agent: str | None = setting(None, "your own agent loop, any framework: a function 'package.module:run_episode' or "
+                              "'file.py:run_episode' (base_url, episode_id, row) that talks to the policy through "
+                              "the OpenAI-compatible server (docs/agents.md); None = no agent",
+                              check=optional(_import_path))
+  agent_workers: int = setting(64, "agent episodes running at once (one thread each)", check=positive)
+  agent_port: int = setting(0, "port of the agent server on 127.0.0.1 (0 = any free port)",
+                            check=in_range(0, 65535))
+  episode_timeout_s: float = setting(300.0, "an agent episode longer than this is aborted (and counted)",
+                                     check=positive)
   dynamic_sampling: bool = run_value(False, "algo.dynamic_sampling: drop groups whose rewards have no variance, "
                                      "refill")
 

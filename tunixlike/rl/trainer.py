@@ -52,7 +52,7 @@ class SetupError(ValueError):
 
 def run(cfg: Config, workdir: str, **user) -> dict[str, Any]:
   """Trains (or resumes the run in `workdir`); returns a summary. See the module docstring.
-  `user`: in-memory `dataset`, `eval_dataset`, `rewards`, `env` (see `tunixlike.train`)."""
+  `user`: in-memory `dataset`, `eval_dataset`, `rewards`, `env`, `agent` (see `tunixlike.train`)."""
   try:  # before anything touches a JAX backend (the checkpointer does)
     distributed.initialize(cfg.distributed)
   except ValueError as e:
@@ -192,7 +192,7 @@ def _rl(r: _Run) -> dict[str, Any]:
     return _stopped(r, {})
   r.runtime = build_lib.make_runtime(r.setup, rl, r.stream, num_steps=max(cfg.rl.num_steps - r.version, 0),
                                      collapse=build_lib.collapse_detector(cfg, rl.policy),
-                                     queue_counts=r.queue_counts)
+                                     queue_counts=r.queue_counts, say=r.say)
   r.add_hooks(r.runtime)
   r.logger.progress("rl", total=cfg.rl.num_steps, initial=r.version)
   try:

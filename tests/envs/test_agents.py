@@ -1,0 +1,265 @@
+"""Agents served over HTTP: the real server (uvicorn), real clients (openai, httpx), the tiny model."""
+
+import json
+import time
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+
+from tunixlike.agents.driver import AgentConfig, AgentDriver
+from tunixlike.sampler import PromptRequest
+from tunixlike.sampler.driver import _KEY_BLOCK, _sample_keys
+
+G = 2
+
+
+def _requests(tokenizer, n):
+  return [PromptRequest(prompt_id=i, token_ids=np.asarray(tokenizer.encode(f"2+{i}="), np.int32),
+                        columns={"answer": str(2 + i)}, prompt_text=f"2+{i}=") for i in range(n)]
+
+
+def _run(engine, tokenizer, agent, *, n=1, params=None, **ac):
+  """Runs `agent` (given the driver too) on n prompts x G episodes; returns (driver, groups, episodes)."""
+  out, holder, episodes = [], {}, {}
+
+  def run_episode(base_url, episode_id, row):
+    episodes[episode_id] = holder["driver"].episode(episode_id)
+    return agent(base_url, episode_id, row)
+
+  driver = AgentDriver(engine, engine.load_params() if params is None else params, source=iter(_requests(tokenizer, n)),
+                       sink=out.append, agent=run_episode, tokenizer=tokenizer,
+                       agent_config=AgentConfig(**{"max_turns": 3, "workers": 8, **ac}))
+  holder["driver"] = driver
+  try:
+    driver.run(max_wall_s=120)
+  finally:
+    driver.stop()
+  return driver, out, episodes
+
+
+def _client(base_url, episode_id):
+  return openai.OpenAI(base_url=base_url, api_key="unused", default_headers={"X-Episode-Id": episode_id},
+                       max_retries=0, timeout=60)
+
+
+def _direct_decode(engine, params, prompt_ids, key, max_new):
+  """The same turn decoded with the Engine API alone: one slot, the same noise key."""
+  state = engine.insert(engine.prefill(params, np.asarray(prompt_ids, np.int32)), engine.init_decode_state(), 0,
+                        key=key, max_new_tokens=max_new)
+  tokens, logprobs = [], []
+  while True:
+    state, result = engine.generate(params, state)
+    host = jax.device_get(result)
+    for k in np.flatnonzero(host.valid_ks[:, 0]):
+      tokens.append(int(host.tokens_ks[k, 0]))
+      logprobs.append(float(host.logprobs_ks[k, 0]))
+    if host.done_s[0]:
+      return tokens, logprobs
+
+
+def _turns(chain):
+  """(prompt ids, sampled ids, their logprobs) of each policy turn recorded in a chain."""
+  mask = np.asarray(chain.loss_mask)
+  out, i = [], 0
+  while i < len(mask):
+    if mask[i]:
+      j = i
+      while j < len(mask) and mask[j]:
+        j += 1
+      out.append((chain.prompt_ids + chain.tokens[:i], chain.tokens[i:j], chain.logprobs[i:j]))
+      i = j
+    else:
+      i += 1
+  return out
+
+
+def _two_turn_agent(stream, log):
+  def agent(base_url, episode_id, row):
+    client = _client(base_url, episode_id)
+    messages = [{"role": "user", "content": row["prompt_text"]}]
+    for turn in range(2):
+      kw = dict(model="policy", messages=messages, max_tokens=6)
+      if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw))
+      else:
+        reply = client.chat.completions.create(logprobs=True, **kw)
+        text = reply.choices[0].message.content
+        log[(episode_id, turn)] = [x.logprob for x in reply.choices[0].logprobs.content]
+      log[(episode_id, "text", turn)] = text
+      messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": "=4\n"}]
+    return 1.0
+  return agent
+
+
+def test_recorded_turns_equal_a_direct_engine_decode_and_the_group_is_the_chain(make_engine, tokenizer):
+  engine = make_engine(group_size=G)
+  params = engine.load_params()
+  log = {}
+  driver, groups, episodes = _run(engine, tokenizer, _two_turn_agent(False, log), params=params)
+  assert len(groups) == 1 and driver.stats.episodes == G and driver.stats.requests == 2 * G
+  keys = np.asarray(_sample_keys(jax.random.PRNGKey(engine.config.seed), 0, G, _KEY_BLOCK, 3))[0]
+  group = groups[0]
+  np.testing.assert_array_equal(group.rewards, [1.0] * G)
+  for i, completion in enumerate(group.completions):
+    ep = episodes[f"0-{i}"]
+    turns = [t for chain in ep.recording.chains for t in _turns(chain)]
+    assert len(turns) == 2
+    for number, (prompt, tokens, logprobs) in enumerate(turns):
+      want_tokens, want_logprobs = _direct_decode(engine, params, prompt, keys[i, number], 6)
+      assert tokens == want_tokens
+      np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-5)
+      np.testing.assert_allclose(log[(ep.id, number)], logprobs, atol=1e-6)  # what the client was told
+      assert log[(ep.id, "text", number)] == tokenizer.decode(tokens)
+    # The group trains on the episode's last chain: the shared prompt, then everything after it.
+    chain = ep.recording.chains[-1]
+    assert list(group.prompt_token_ids) + list(completion.token_ids) == chain.ids
+    head = len(chain.prompt_ids) - len(group.prompt_token_ids)
+    assert list(completion.loss_mask) == [0] * head + chain.loss_mask
+    assert completion.logprobs[completion.loss_mask == 1].tolist() == pytest.approx(
+        [x for x, m in zip(chain.logprobs, chain.loss_mask) if m])
+    # The tool result entered the chain as tokens the model did not write, tokenized once.
+    if len(ep.recording.chains) == 1:
+      assert tokenizer.decode(chain.tokens, skip_special_tokens=False).count("=4\n") == 1
+  assert driver.stats.history_edits == sum(len(e.recording.chains) - 1 for e in episodes.values())
+
+
+def test_streamed_and_non_streamed_answers_are_identical(make_engine, tokenizer):
+  engine = make_engine(group_size=G)
+  params = engine.load_params()
+  plain, streamed = {}, {}
+  _, groups_plain, _ = _run(engine, tokenizer, _two_turn_agent(False, plain), n=2, params=params)
+  _, groups_streamed, _ = _run(engine, tokenizer, _two_turn_agent(True, streamed), n=2, params=params)
+  texts = lambda log: {k: v for k, v in log.items() if "text" in k}
+  assert texts(plain) == texts(streamed) and len(texts(plain)) == 2 * 2 * G
+  by_id = lambda groups: {g.prompt_id: g for g in groups}
+  for pid, g in by_id(groups_plain).items():
+    h = by_id(groups_streamed)[pid]
+    np.testing.assert_array_equal(g.prompt_token_ids, h.prompt_token_ids)
+    for a, b in zip(g.completions, h.completions):
+      np.testing.assert_array_equal(a.token_ids, b.token_ids)
+      np.testing.assert_array_equal(a.logprobs, b.logprobs)
+      np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+
+
+def test_an_agent_that_edits_its_history_splits_its_episode_and_is_counted(make_engine, tokenizer):
+  engine = make_engine(group_size=G)
+
+  def agent(base_url, episode_id, row):
+    client = _client(base_url, episode_id)
+    first = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2+2="}],
+                                           max_tokens=4)
+    # The next request rewrites the question: it does not extend what the model saw.
+    client.chat.completions.create(model="policy", max_tokens=4, messages=[
+        {"role": "user", "content": "3+3="}, {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "ok"}])
+    return 0.5
+
+  driver, groups, episodes = _run(engine, tokenizer, agent)
+  assert driver.stats.history_edits == G
+  assert groups[0].reward_metrics["agent/history_edits"] == 1.0
+  for ep, completion in zip((episodes[f"0-{i}"] for i in range(G)), groups[0].completions):
+    assert len(ep.recording.chains) == 2
+    assert tokenizer.decode(ep.recording.chains[1].prompt_ids).startswith("3+3=")
+    # Trained: the second chain only, its prompt (after the shared part) masked out.
+    assert list(groups[0].prompt_token_ids) + list(completion.token_ids) == ep.recording.chains[1].ids
+
+
+def test_bad_requests_get_clear_4xx_answers_and_the_run_goes_on(make_engine, tokenizer):
+  engine = make_engine(group_size=G)
+  answers = {}
+
+  def agent(base_url, episode_id, row):
+    http = httpx.Client(base_url=base_url, headers={"X-Episode-Id": episode_id}, timeout=60)
+    ok = {"model": "policy", "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 4}
+    tries = {
+        "malformed_json": http.post("/chat/completions", content=b"{not json",
+                                    headers={"content-type": "application/json"}),
+        "unknown_model": http.post("/chat/completions", json={**ok, "model": "gpt-9"}),
+        "too_long": http.post("/chat/completions", json={**ok, "messages": [{"role": "user", "content": "1" * 100}]}),
+        "unknown_episode": http.post("/chat/completions", json=ok, headers={"X-Episode-Id": "nope"}),
+        "no_episode": httpx.post(f"{base_url}/chat/completions", json=ok),
+        "bad_role": http.post("/chat/completions", json={**ok, "messages": [{"role": "robot", "content": "x"}]}),
+        "n_2": http.post("/chat/completions", json={**ok, "n": 2}),
+        "clamped": http.post("/chat/completions", json={**ok, "temperature": 0.3, "max_tokens": 999}),
+        "completion": http.post("/completions", json={"model": "policy", "prompt": "2+2=", "max_tokens": 3}),
+        "reward": http.post(f"/episodes/{episode_id}/reward", json={"reward": 1.0}),
+        "reward_again": http.post(f"/episodes/{episode_id}/reward", json={"reward": 1.0}),
+        "reward_unknown": http.post("/episodes/nope/reward", json={"reward": 1.0}),
+        "models": http.get("/models"),
+    }
+    answers[episode_id] = {k: (r.status_code, r.json(), r.headers) for k, r in tries.items()}
+
+  driver, groups, _ = _run(engine, tokenizer, agent)
+  assert len(groups) == 1  # the run went on
+  for got in answers.values():
+    status = {k: v[0] for k, v in got.items()}
+    assert status == {"malformed_json": 400, "unknown_model": 404, "too_long": 400, "unknown_episode": 404,
+                      "no_episode": 400, "bad_role": 400, "n_2": 400, "clamped": 200, "completion": 200,
+                      "reward": 200, "reward_again": 409, "reward_unknown": 404, "models": 200}
+    message = lambda k: got[k][1]["error"]["message"]
+    assert "not valid JSON" in message("malformed_json")
+    assert "'gpt-9' does not exist" in message("unknown_model") and got["unknown_model"][1]["error"]["code"] == \
+        "model_not_found"
+    assert "max_prefill_length=64" in message("too_long")
+    assert "unknown episode id 'nope'" in message("unknown_episode")
+    assert "X-Episode-Id" in message("no_episode")
+    assert "already has a reward" in message("reward_again")
+    assert got["clamped"][2]["x-tunixlike-clamped"] == "temperature,max_tokens"
+    assert got["clamped"][1]["usage"]["completion_tokens"] <= engine.config.max_new_tokens
+    assert got["models"][1]["data"][0]["id"] == "policy"
+  assert driver.stats.refused_requests == 9 * G and driver.stats.clamped_requests == G
+  np.testing.assert_array_equal(groups[0].rewards, [1.0] * G)  # the posted reward, once
+  assert groups[0].reward_metrics["agent/clamped_requests"] == 1.0
+
+
+def test_a_client_gone_mid_stream_frees_its_slot_and_aborts_its_episode(make_engine, tokenizer):
+  engine = make_engine(group_size=G, max_new_tokens=64, steps_per_call=1, eos_ids=())
+  late = {}
+
+  def agent(base_url, episode_id, row):
+    body = {"model": "policy", "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 64,
+            "stream": episode_id.endswith("-0")}
+    if not body["stream"]:
+      httpx.post(f"{base_url}/chat/completions", json=body, headers={"X-Episode-Id": episode_id}, timeout=60)
+      time.sleep(4.0)  # keeps the group (and so the aborted episode's id) alive for the late request
+      return 1.0
+    with httpx.stream("POST", f"{base_url}/chat/completions", json=body, headers={"X-Episode-Id": episode_id},
+                      timeout=60) as response:
+      for line in response.iter_lines():
+        if line.startswith("data:") and json.loads(line[5:])["choices"][0]["delta"].get("content"):
+          break  # gone after the first text: the connection closes here
+    time.sleep(1.0)  # the episode is aborted meanwhile; a request now is refused
+    r = httpx.post(f"{base_url}/chat/completions", json={**body, "stream": False},
+                   headers={"X-Episode-Id": episode_id}, timeout=60)
+    late["answer"] = (r.status_code, r.json()["error"]["message"])
+    return 1.0
+
+  driver, groups, episodes = _run(engine, tokenizer, agent)
+  assert driver.stats.disconnects == 1 and driver.stats.aborted_episodes == 1 and driver.stats.agent_errors == 0
+  assert late["answer"] == (409, "episode '0-0' is over (aborted)")
+  first = groups[0].completions[0]
+  assert first.finish_reason == "aborted" and first.loss_mask.sum() == 0  # no turn finished in it
+  assert groups[0].completions[1].loss_mask.sum() == 64
+  assert groups[0].reward_metrics["agent/disconnects"] == 0.5
+  assert driver.is_idle and all(s is None for s in driver._slots)
+
+
+def test_an_agent_that_raises_or_hangs_costs_its_episode_not_the_run(make_engine, tokenizer):
+  engine = make_engine(group_size=G)
+
+  def agent(base_url, episode_id, row):
+    _client(base_url, episode_id).completions.create(model="policy", prompt=row["prompt_text"], max_tokens=3)
+    if episode_id.endswith("-0"):
+      raise RuntimeError("the agent's own bug")
+    time.sleep(30)  # past episode_timeout_s
+
+  driver, groups, _ = _run(engine, tokenizer, agent, n=2, episode_timeout_s=2.0)
+  assert len(groups) == 2
+  assert driver.stats.agent_errors == 2 and driver.stats.timeouts == 2 and driver.stats.aborted_episodes == 4
+  for g in groups:
+    assert [c.finish_reason for c in g.completions] == ["aborted", "aborted"]
+    assert g.rewards is None  # no agent reward: the run's reward functions score the recorded text
+    assert g.reward_metrics["agent/errors"] == 0.5 and g.reward_metrics["agent/timeouts"] == 0.5

@@ -1,0 +1,474 @@
+"""Agent episodes: the policy served to the user's own agent code, one request per policy turn.
+
+`AgentDriver` is a `RolloutDriver` whose episodes are run by an agent function written with any
+framework (`run_episode(base_url, episode_id, row)`, plain or async). For each prompt it starts G
+episodes on a pool of worker threads (`EnvRunner`, with `episode_timeout_s`); each agent talks to
+the policy through the OpenAI-compatible server (`server.py`) and names its episode in every request:
+
+  1. the server renders the request (chat template) and the episode's `Recording` turns it into a
+     prompt that extends the episode's token chain (or splits it, counted, if the agent edited its
+     history); `submit` queues the turn;
+  2. the turn waits for a free decode slot, with the other rollouts and agents (continuous batching),
+     prefills its conversation with the current weights and decodes, its tokens streamed to the
+     client as they come;
+  3. at EOS, a stop string or `max_tokens` the slot is freed and the answer returned; the sampled
+     tokens join the chain with their logprobs and per-token policy versions (loss_mask 1), while
+     what the agent adds in between (tool results, its own turns) enters the chain with loss_mask 0;
+  4. when the agent function returns, the episode is over. Its reward is the one posted to
+     `/v1/episodes/{id}/reward`, else the number the function returned; a group where no episode
+     has one is scored by the run's reward functions on the recorded text. The G episodes of a
+     prompt form a `RolloutGroup` (each trains on its last chain) that goes to the sink.
+
+Admission control and the staleness bound apply per group, as for every driver; an agent that
+raises, exceeds `episode_timeout_s` or disconnects mid-stream ends its own episode (aborted,
+counted), never the run.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from tunixlike.agents.chains import Recording
+from tunixlike.rewards.envs.runner import EnvRunner, EnvTimeout
+from tunixlike.rollout import Completion, RolloutGroup
+from tunixlike.sampler.driver import DriverError, DriverStats, PromptRequest, RolloutDriver
+from tunixlike.sampler.engine import Engine
+
+_log = logging.getLogger(__name__)
+
+_PREFIXES = 8  # prefills kept for reuse: the G episodes of a prompt usually open with the same request
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+  max_turns: int = 4  # requests (policy turns) per episode
+  workers: int = 64  # agent functions running at once = episodes in flight
+  episode_timeout_s: float = 300.0
+  port: int = 0  # 0 = any free port
+  failure_reward: float = 0.0  # reward of an episode without one when the agent gives rewards
+
+
+class RequestError(Exception):
+  """A request the server answers with a 4xx: `status`, OpenAI-style `code` and a message."""
+
+  def __init__(self, status: int, message: str, code: str = "invalid_request_error"):
+    super().__init__(message)
+    self.status, self.code, self.message = status, code, message
+
+
+@dataclasses.dataclass
+class AgentStats(DriverStats):
+  episodes: int = 0
+  requests: int = 0  # turns accepted
+  refused_requests: int = 0  # answered with a 4xx
+  history_edits: int = 0  # requests that did not extend their episode's chain (the episode split)
+  clamped_requests: int = 0  # sampling settings the run cannot train on, served at the run's
+  timeouts: int = 0
+  disconnects: int = 0  # clients gone mid-request: slot freed, episode aborted
+  agent_errors: int = 0  # agent functions that raised
+  aborted_episodes: int = 0
+
+
+@dataclasses.dataclass
+class TurnResult:
+  text: str  # content returned: special tokens skipped, cut before a stop string
+  full_text: str  # the same, not cut (include_stop_str_in_output)
+  finish_reason: str  # OpenAI's: "stop" (EOS or a stop string) or "length"
+  prompt_tokens: int
+  token_ids: list[int]
+  logprobs: list[float]
+  token_texts: list[str]
+
+
+@dataclasses.dataclass(eq=False)
+class Turn:
+  """One request being served: a policy turn of an episode."""
+
+  episode: "AgentEpisode"
+  number: int  # the episode's turn index (with the group and episode, it sets the sampling noise)
+  prompt_ids: np.ndarray
+  max_new: int
+  stops: tuple[str, ...]
+  post: Callable[[tuple], None]  # thread-safe delivery to the request: ("delta", text) / ("done", TurnResult)
+  stream: bool = False
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+  sent: int = 0  # characters of content already streamed
+  cancelled: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class _AgentGroup:
+  seq: int
+  request: PromptRequest
+  record: dict[str, Any]
+  episodes: list["AgentEpisode"] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class AgentEpisode:
+  id: str
+  group: _AgentGroup
+  index: int
+  recording: Recording
+  turns: int = 0
+  turn: Turn | None = None  # the request in flight
+  reward: float | None = None  # posted
+  returned: float | None = None  # returned by the agent function
+  finish_reason: str = "stop"  # of the last turn ("aborted" if the episode was)
+  finished: bool = False
+  counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+  n = min(len(a), len(b))
+  for i in range(n):
+    if a[i] != b[i]:
+      return i
+  return n
+
+
+class AgentDriver(RolloutDriver):
+  """Runs G agent episodes per prompt, served by an OpenAI-compatible server; see the module docstring."""
+
+  def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None], sink,
+               agent: Callable[..., Any], tokenizer, agent_config: AgentConfig = AgentConfig(), version: int = 0,
+               may_start_group: Callable[[], bool] | None = None, tracer=None, model_name: str = "policy"):
+    """`agent(base_url, episode_id, row)` runs one episode against `base_url` (its OpenAI base URL)."""
+    if engine.config.record_routing or engine.config.record_sampling_mask:
+      raise ValueError("sampler.record_routing and sampler.record_sampling_mask are not supported with rl.agent: "
+                       "agent turns are prefilled from the agent's history, not decoded in one sequence")
+    if not callable(agent):
+      raise TypeError(f"rl.agent must be a function run_episode(base_url, episode_id, row), got {agent!r}")
+    super().__init__(engine, params, source=source, sink=sink, version=version, may_start_group=may_start_group,
+                     detokenize=tokenizer.decode, **({} if tracer is None else {"tracer": tracer}))
+    self.agent_config = ac = agent_config
+    self.tokenizer, self.model_name = tokenizer, model_name
+    self._agent = agent
+    self._key_turns = ac.max_turns
+    self.stats = AgentStats()
+    self._inbox: queue.SimpleQueue[Turn] = queue.SimpleQueue()  # accepted by the server, waiting for a slot
+    self._cancels: queue.SimpleQueue[Turn] = queue.SimpleQueue()
+    self._episodes: dict[str, AgentEpisode] = {}
+    self._episode_lock = threading.Lock()  # the server thread accepts requests, this one finishes turns
+    self._tickets: dict[int, AgentEpisode] = {}
+    self._live_episodes = 0
+    self._prefixes: collections.OrderedDict = collections.OrderedDict()
+    self._runner = EnvRunner(num_workers=ac.workers, timeout_s=ac.episode_timeout_s, name="agent")
+    from tunixlike.agents.server import AgentServer  # the server reads this driver's types
+    self.server = AgentServer(self, port=ac.port)
+    self.server.start()
+    self.base_url = self.server.base_url
+
+  # ------------------------------------------------------------------ state
+
+  @property
+  def is_idle(self) -> bool:
+    return self._live_episodes == 0 and all(s is None for s in self._slots)
+
+  def episode(self, episode_id: str) -> AgentEpisode | None:
+    with self._episode_lock:
+      return self._episodes.get(episode_id)
+
+  def stop(self, timeout_s: float = 60.0) -> None:
+    try:
+      super().stop(timeout_s)
+    finally:  # requests still waiting get an answer, so the server's handlers end before it stops
+      with self._episode_lock:
+        for ep in self._episodes.values():
+          ep.finished = True
+          if ep.turn is not None:
+            ep.turn.post(("error", RequestError(503, "the run is stopping", "shutting_down")))
+      self._runner.close()
+      self.server.stop()
+
+  # ------------------------------------------------------------------ requests (server thread)
+
+  def submit(self, episode_id: str, text: str, *, add_special_tokens: bool, max_tokens: int,
+             stops: tuple[str, ...], post: Callable[[tuple], None], stream: bool) -> Turn:
+    """Accepts a request of `episode_id` rendering to `text`, or raises RequestError (nothing recorded)."""
+    with self._episode_lock:
+      ep = self._episodes.get(episode_id)
+      if ep is None:
+        raise RequestError(404, f"unknown episode id {episode_id!r}: ids are given to the agent function and "
+                           "live until the episode's group is trained", "episode_not_found")
+      if ep.finished:
+        raise RequestError(409, f"episode {episode_id!r} is over ({ep.finish_reason})", "episode_finished")
+      if ep.turn is not None:
+        raise RequestError(409, f"episode {episode_id!r} already has a request in flight: an episode is one "
+                           "conversation, one request at a time", "request_in_flight")
+      if ep.turns >= self.agent_config.max_turns:
+        raise RequestError(400, f"episode {episode_id!r} used all its rl.env_max_turns="
+                           f"{self.agent_config.max_turns} requests", "turn_limit")
+      ext = ep.recording.extend(text, add_special_tokens=add_special_tokens)
+      limit = self.engine.max_prefill_length
+      if not ext.ids:
+        raise RequestError(400, "the prompt is empty", "empty_prompt")
+      if len(ext.ids) > limit:
+        raise RequestError(400, f"the conversation is {len(ext.ids)} tokens, over the sampler's "
+                           f"max_prefill_length={limit}", "context_length_exceeded")
+      if min(ext.ids) < 0 or max(ext.ids) >= self.engine.vocab_size:
+        raise RequestError(400, f"the prompt has token ids outside [0, {self.engine.vocab_size})")
+      ep.recording.commit(ext, self._version)
+      if ext.split:
+        self.stats.history_edits += 1
+        ep.counts["history_edits"] += 1
+      turn = Turn(ep, ep.turns, np.asarray(ext.ids, np.int32), max_tokens, stops, post, stream)
+      ep.turns += 1
+      ep.turn = turn
+      self.stats.requests += 1
+    self._inbox.put(turn)
+    return turn
+
+  def cancel(self, turn: Turn) -> None:
+    """The client went away (server thread): the driver frees its slot and aborts its episode."""
+    turn.cancelled = True
+    self._cancels.put(turn)
+
+  def post_reward(self, episode_id: str, reward) -> None:
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+      raise RequestError(400, f"reward must be a finite number, got {reward!r}")
+    with self._episode_lock:
+      ep = self._episodes.get(episode_id)
+      if ep is None:
+        raise RequestError(404, f"unknown episode id {episode_id!r}", "episode_not_found")
+      if ep.finished:
+        raise RequestError(409, f"episode {episode_id!r} is over: post its reward before the agent function "
+                           "returns", "episode_finished")
+      if ep.reward is not None:
+        raise RequestError(409, f"episode {episode_id!r} already has a reward ({ep.reward:g})", "reward_posted")
+      ep.reward = float(reward)
+
+  def count_clamped(self, episode_id: str) -> None:
+    with self._episode_lock:
+      self.stats.clamped_requests += 1
+      ep = self._episodes.get(episode_id)
+      if ep is not None:
+        ep.counts["clamped_requests"] += 1
+
+  # ------------------------------------------------------------------ one step (driver thread)
+
+  def _prepare(self) -> None:
+    self._take_cancels()
+    self._poll_agents()
+    self._start_groups()
+
+  def _take_cancels(self) -> None:
+    while True:
+      try:
+        turn = self._cancels.get_nowait()
+      except queue.Empty:
+        return
+      if not turn.episode.finished and turn.episode.turn is turn:
+        self.stats.disconnects += 1
+        turn.episode.counts["disconnects"] += 1
+        self._abort(turn.episode, RequestError(499, "the client disconnected"))
+
+  def _poll_agents(self) -> None:
+    for ticket, value, error in self._runner.poll():
+      ep = self._tickets.pop(ticket, None)
+      if ep is None or ep.finished:
+        continue
+      if error is None and value is not None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+          error = TypeError(f"the agent function returned {value!r}: return None or a finite reward")
+        else:
+          ep.returned = float(value)
+      if error is None:
+        self._finish_episode(ep, ep.finish_reason)
+        continue
+      if isinstance(error, EnvTimeout):
+        self.stats.timeouts += 1
+        ep.counts["timeouts"] += 1
+      else:
+        self.stats.agent_errors += 1
+        ep.counts["errors"] += 1
+        _log.warning("agent episode %s failed: %r", ep.id, error)
+      self._abort(ep, error)
+
+  def _start_groups(self) -> None:
+    g = self.config.group_size
+    while (not self._exhausted and self._live_episodes + g <= max(self.agent_config.workers, g)
+           and not self._admission_closed() and self._may_start()):
+      try:
+        request = next(self._source)
+      except StopIteration:
+        self._exhausted = True
+        return
+      if request is None:
+        return
+      self._check_prompt(request)
+      record = dict(request.columns)
+      record.setdefault("prompt_id", request.prompt_id)
+      record.setdefault("prompt_text", request.prompt_text)
+      group = _AgentGroup(seq=self._next_seq, request=request, record=record)
+      self._next_seq += 1
+      self._in_flight[group.seq] = group
+      encode = lambda text, special: self.tokenizer.encode(text, add_special_tokens=special)
+      with self._episode_lock:
+        for i in range(g):
+          ep = AgentEpisode(id=f"{group.seq}-{i}", group=group, index=i, recording=Recording(encode))
+          group.episodes.append(ep)
+          self._episodes[ep.id] = ep
+      for ep in group.episodes:
+        self._live_episodes += 1
+        self._tickets[self._runner.submit(self._agent, self.base_url, ep.id, dict(record))] = ep
+
+  def _refill(self) -> None:
+    free = [i for i, s in enumerate(self._slots) if s is None]
+    while free:
+      try:
+        turn = self._inbox.get_nowait()
+      except queue.Empty:
+        return
+      if turn.cancelled or turn.episode.finished:
+        continue
+      t0 = time.perf_counter()
+      key = (turn.prompt_ids.tobytes(), self._version)
+      prefix = self._prefixes.get(key)
+      if prefix is None:
+        with self.tracer.span("prefill", cat="sampler", version=self._version):
+          prefix = self.engine.prefill(self._params, turn.prompt_ids, version=self._version)
+        self.stats.prefills += 1
+        self._prefixes[key] = prefix
+        if len(self._prefixes) > _PREFIXES:
+          self._prefixes.popitem(last=False)
+      ep = turn.episode
+      noise = self._group_keys(ep.group.seq)[ep.index, turn.number]
+      slot = free.pop(0)
+      self._state = self.engine.insert(prefix, self._state, slot, key=noise, max_new_tokens=turn.max_new)
+      self.stats.busy_time_s += time.perf_counter() - t0
+      self._slots[slot] = turn
+
+  # ------------------------------------------------------------------ results (driver thread)
+
+  def _record(self, info: Turn, token: int, logprob: float, version: int, mask) -> None:
+    info.tokens.append(token)
+    info.logprobs.append(logprob)
+    info.versions.append(version)
+
+  def _stop_reason(self, info: Turn, token: int, eos: set[int]) -> str | None:
+    if token in eos:
+      return "eos"
+    if info.stops and any(s in self.tokenizer.decode(info.tokens) for s in info.stops):
+      return "stop"
+    if len(info.tokens) >= info.max_new:
+      return "length"
+    return None
+
+  def _collect(self, host) -> None:
+    super()._collect(host)
+    for turn in self._slots:  # what live streaming turns decoded in this call
+      if turn is not None and turn.stream:
+        self._stream(turn, final=False)
+
+  def _stream(self, turn: Turn, final: bool) -> str:
+    """Sends the new part of `turn`'s content; held back: what a stop string might still cut."""
+    text = self.tokenizer.decode(turn.tokens)
+    if final:
+      cut = [text.find(s) for s in turn.stops if s in text]
+      safe = text[:min(cut)] if cut else text
+    else:
+      hold = max((len(s) - 1 for s in turn.stops), default=0)
+      safe = text[:len(text) - hold] if hold else text
+      safe = safe.rstrip("\ufffd")  # an incomplete multi-byte character
+    if turn.stream and len(safe) > turn.sent:
+      turn.post(("delta", safe[turn.sent:]))
+    turn.sent = max(turn.sent, len(safe))
+    return safe
+
+  def _finish(self, slot: int, info: Turn, reason: str) -> None:
+    self._slots[slot] = None
+    turn, ep = info, info.episode
+    text = self._stream(turn, final=True)
+    self.stats.tokens_generated += len(turn.tokens)
+    self.stats.completions += 1
+    with self._episode_lock:
+      ep.recording.current.sample(turn.tokens, turn.logprobs, turn.versions,
+                                  self.tokenizer.decode(turn.tokens, skip_special_tokens=False))
+      ep.turn = None
+      ep.finish_reason = reason
+    texts = [self.tokenizer.decode([t], skip_special_tokens=False) for t in turn.tokens]
+    turn.post(("done", TurnResult(text=text, full_text=self.tokenizer.decode(turn.tokens), finish_reason="length" if reason == "length" else "stop",
+                                  prompt_tokens=len(turn.prompt_ids), token_ids=list(turn.tokens),
+                                  logprobs=list(turn.logprobs), token_texts=texts)))
+
+  def _abort(self, ep: AgentEpisode, error: BaseException) -> None:
+    """Ends `ep` now: its request in flight (if any) leaves its slot and is answered with an error."""
+    turn = ep.turn
+    if turn is not None:
+      for slot, info in enumerate(self._slots):
+        if info is turn:
+          self._state = self.engine.release(self._state, slot)
+          self._slots[slot] = None
+      status = error.status if isinstance(error, RequestError) else 408 if isinstance(error, EnvTimeout) else 500
+      turn.post(("error", RequestError(status, f"episode {ep.id!r} was aborted: {error}", "episode_aborted")))
+    self._finish_episode(ep, "aborted")
+
+  def _finish_episode(self, ep: AgentEpisode, reason: str) -> None:
+    with self._episode_lock:
+      ep.finished, ep.turn = True, None
+      ep.finish_reason = reason
+    self._live_episodes -= 1
+    self.stats.episodes += 1
+    self.stats.aborted_episodes += reason == "aborted"
+    group = ep.group
+    if all(e.finished for e in group.episodes):
+      self._emit_group(group)
+
+  def _emit_group(self, group: _AgentGroup) -> None:
+    """The G episodes as one group: each its last chain after the prompt their chains share."""
+    chains = [ep.recording.current for ep in group.episodes]
+    ref = next((c for c in chains if c is not None), None)
+    if ref is None:
+      raise DriverError(f"every episode of prompt {group.request.prompt_id!r} ended before its first request: "
+                        "check that the agent function (rl.agent) sends its episode id to the server")
+    chains = [c if c is not None and c.prompt_ids[:1] == ref.prompt_ids[:1] else None for c in chains]
+    shared = min(_common_prefix(c.prompt_ids, ref.prompt_ids) for c in chains if c is not None)
+    completions = []
+    for ep, c in zip(group.episodes, chains):
+      if c is None:
+        if ep.recording.current is not None:  # its conversation shares not even a first token with the others
+          ep.counts["prompt_mismatch"] += 1
+        completions.append(Completion(np.zeros((0,), np.int32), np.zeros((0,), np.float32),
+                                      np.zeros((0,), np.int32), "aborted", np.zeros((0,), np.int32), text=""))
+        continue
+      head = c.prompt_ids[shared:]
+      ids = head + c.tokens
+      finish = ep.finish_reason if ep.finish_reason in ("eos", "stop", "length", "aborted") else "stop"
+      completions.append(Completion(
+          token_ids=np.asarray(ids, np.int32),
+          logprobs=np.asarray([0.0] * len(head) + c.logprobs, np.float32),
+          policy_versions=np.asarray([c.version] * len(head) + c.versions, np.int32),
+          finish_reason=finish, loss_mask=np.asarray([0] * len(head) + c.loss_mask, np.int32),
+          text=self.tokenizer.decode(ids)))
+    given = [ep.reward if ep.reward is not None else ep.returned for ep in group.episodes]
+    rewards = None
+    if any(r is not None for r in given):  # the agent gives rewards: an episode without one gets failure_reward
+      for ep, r in zip(group.episodes, given):
+        ep.counts["no_reward"] += r is None
+      rewards = np.asarray([self.agent_config.failure_reward if r is None else r for r in given], np.float32)
+    metrics = {}
+    for name in ("history_edits", "clamped_requests", "timeouts", "disconnects", "errors", "no_reward",
+                 "prompt_mismatch"):
+      metrics[f"agent/{name}"] = float(np.mean([ep.counts[name] for ep in group.episodes]))
+    metrics["agent/turns"] = float(np.mean([ep.turns for ep in group.episodes]))
+    metrics["agent/aborted"] = float(np.mean([ep.finish_reason == "aborted" for ep in group.episodes]))
+    with self._episode_lock:
+      for ep in group.episodes:
+        del self._episodes[ep.id]
+    del self._in_flight[group.seq]
+    req = group.request
+    self._emit(RolloutGroup(prompt_id=req.prompt_id, prompt_token_ids=np.asarray(ref.prompt_ids[:shared], np.int32),
+                            completions=completions, columns=dict(req.columns), prompt_text=req.prompt_text,
+                            rewards=rewards, reward_metrics=metrics))

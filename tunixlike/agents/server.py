@@ -1,0 +1,318 @@
+"""An OpenAI-compatible server on the sampler, so agents written with any framework can be trained.
+
+    GET  /v1/models                         the one model served: the policy being trained
+    POST /v1/chat/completions               messages -> the policy's next turn (stream or not)
+    POST /v1/completions                    a text prompt -> its continuation (stream or not)
+    POST /v1/episodes/{episode_id}/reward   {"reward": 1.0}: the episode's reward (once)
+
+Starlette on uvicorn, in a thread of the training process; the requests are served by the run's
+`AgentDriver`, on the same decode slots as everything else. Every request names its episode: the
+`X-Episode-Id` header, or the body's `metadata.episode_id` or `user` field.
+
+Sampling: the learner corrects only for the run's own sampling distribution (`sampler.temperature`,
+`top_p`), so a request asking for another one is served at the run's and counted (clamped, and the
+response carries the header `X-Tunixlike-Clamped`); so is a `max_tokens` over `sampler.max_new_tokens`.
+`stop` strings are honoured and, as OpenAI does, left out of the returned text unless the request
+sets vLLM's `include_stop_str_in_output`. One choice per request (`n` = 1): a GRPO group is G episodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from tunixlike.agents.chains import PLAIN_CHAT_TEMPLATE
+from tunixlike.agents.driver import RequestError, TurnResult
+from tunixlike.data import chat_template
+
+EPISODE_HEADER = "x-episode-id"
+CLAMPED_HEADER = "x-tunixlike-clamped"
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+
+
+def _error(status: int, message: str, code: str = "invalid_request_error") -> JSONResponse:
+  kind = "invalid_request_error" if status < 500 else "server_error"
+  return JSONResponse({"error": {"message": message, "type": kind, "code": code, "param": None}}, status_code=status)
+
+
+class _Gone(Exception):
+  """The client disconnected."""
+
+
+class AgentServer:
+  """Serves an `AgentDriver` on 127.0.0.1:`port` (0 = a free port) from a daemon thread."""
+
+  def __init__(self, driver, *, host: str = "127.0.0.1", port: int = 0):
+    self.driver = driver
+    cfg = driver.engine.config
+    self._temperature, self._top_p, self._max_new = cfg.temperature, cfg.top_p, cfg.max_new_tokens
+    tok = driver.tokenizer
+    self._template = tok.chat_template or PLAIN_CHAT_TEMPLATE
+    self._special = {k: v for k, v in tok.special_tokens.items() if v is not None}
+    routes = [Route("/v1/models", self.models, methods=["GET"]),
+              Route("/v1/chat/completions", self.chat, methods=["POST"]),
+              Route("/v1/completions", self.completions, methods=["POST"]),
+              Route("/v1/episodes/{episode_id}/reward", self.reward, methods=["POST"])]
+    self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+    self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      self._sock.bind((host, port))
+    except OSError as e:
+      self._sock.close()
+      raise ValueError(f"rl.agent_port={port}: cannot listen on {host}:{port}: {e}") from e
+    self.port = self._sock.getsockname()[1]
+    self.base_url = f"http://{host}:{self.port}/v1"
+    self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                                 timeout_graceful_shutdown=1))
+    self._thread: threading.Thread | None = None
+
+  def start(self, timeout_s: float = 30.0) -> None:
+    self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                    name="agent-server", daemon=True)
+    self._thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not self._server.started:
+      if not self._thread.is_alive() or time.monotonic() > deadline:
+        raise RuntimeError(f"the agent server did not start on {self.base_url}")
+      time.sleep(0.01)
+
+  def stop(self) -> None:
+    self._server.should_exit = True
+    if self._thread is not None:
+      self._thread.join(10)
+    self._sock.close()
+
+  # ------------------------------------------------------------------ endpoints
+
+  async def models(self, request: Request):
+    return JSONResponse({"object": "list", "data": [{"id": self.driver.model_name, "object": "model",
+                                                     "created": 0, "owned_by": "tunixlike"}]})
+
+  async def chat(self, request: Request):
+    try:
+      body, episode_id = await self._parse(request)
+      messages = body.get("messages")
+      if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "'messages' must be a non-empty list of {role, content} objects")
+      messages = [self._message(i, m) for i, m in enumerate(messages)]
+      variables = dict(self._special)
+      if body.get("tools") is not None:
+        variables["tools"] = body["tools"]
+      try:
+        text = chat_template.render(self._template, messages, add_generation_prompt=True, **variables)
+      except Exception as e:  # the template is the model's code: its message is the user's best clue
+        raise RequestError(400, f"the chat template cannot render these messages: {e}") from None
+    except RequestError as e:
+      return self._refuse(e)
+    return await self._serve(request, body, episode_id, text, chat=True)
+
+  async def completions(self, request: Request):
+    try:
+      body, episode_id = await self._parse(request)
+      prompt = body.get("prompt")
+      if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+      if not isinstance(prompt, str) or not prompt:
+        raise RequestError(400, "'prompt' must be a non-empty string (one prompt per request)")
+    except RequestError as e:
+      return self._refuse(e)
+    return await self._serve(request, body, episode_id, prompt, chat=False)
+
+  async def reward(self, request: Request):
+    try:
+      body = await self._body(request)
+      if "reward" not in body:
+        raise RequestError(400, "the body must be {\"reward\": <number>}")
+      self.driver.post_reward(request.path_params["episode_id"], body["reward"])
+    except RequestError as e:
+      return self._refuse(e)
+    return JSONResponse({"episode_id": request.path_params["episode_id"], "reward": float(body["reward"])})
+
+  async def _http_error(self, request: Request, exc: HTTPException):
+    return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", "not_found"
+                  if exc.status_code == 404 else "invalid_request_error")
+
+  # ------------------------------------------------------------------ parsing
+
+  def _refuse(self, e: RequestError) -> JSONResponse:
+    self.driver.stats.refused_requests += 1
+    return _error(e.status, e.message, e.code)
+
+  async def _body(self, request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+      body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise RequestError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+    if not isinstance(body, dict):
+      raise RequestError(400, f"the request body must be a JSON object, got {type(body).__name__}", "invalid_json")
+    return body
+
+  async def _parse(self, request: Request) -> tuple[dict[str, Any], str]:
+    body = await self._body(request)
+    model = body.get("model")
+    if model != self.driver.model_name:
+      raise RequestError(404, f"model {model!r} does not exist: this server serves {self.driver.model_name!r}",
+                         "model_not_found")
+    metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+    episode_id = request.headers.get(EPISODE_HEADER) or metadata.get("episode_id") or body.get("user")
+    if not isinstance(episode_id, str) or not episode_id:
+      raise RequestError(400, f"no episode id: send the header X-Episode-Id (or metadata.episode_id, or user) with "
+                         "the id the agent function was given", "missing_episode_id")
+    if body.get("n", 1) != 1:
+      raise RequestError(400, f"n={body.get('n')!r}: one choice per request (a GRPO group is G episodes)")
+    return body, episode_id
+
+  @staticmethod
+  def _message(i: int, m) -> dict[str, Any]:
+    if not isinstance(m, dict) or m.get("role") not in _ROLES:
+      raise RequestError(400, f"messages[{i}] must be an object with a role in {list(_ROLES)}, got {m!r:.120}")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: only text is supported
+      if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        raise RequestError(400, f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
+                           "supported")
+      content = "".join(p["text"] for p in content)
+    if content is None:
+      content = ""
+    if not isinstance(content, str):
+      raise RequestError(400, f"messages[{i}].content must be a string or a list of text parts")
+    return {**m, "content": content}
+
+  def _sampling(self, body: dict[str, Any]) -> tuple[int, tuple[str, ...], list[str]]:
+    """max_tokens, stop strings, and the names of settings served at the run's value instead."""
+    clamped = []
+    for name, run_value in (("temperature", self._temperature), ("top_p", self._top_p)):
+      value = body.get(name)
+      if value is None:
+        continue
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(400, f"{name}={value!r} must be a number")
+      if not math.isclose(value, run_value, abs_tol=1e-6):
+        clamped.append(name)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+      max_tokens = self._max_new
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+      raise RequestError(400, f"max_tokens={max_tokens!r} must be an integer >= 1")
+    if max_tokens > self._max_new:
+      clamped.append("max_tokens")
+      max_tokens = self._max_new
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+      raise RequestError(400, f"stop={stop!r} must be a string or a list of up to 4 non-empty strings")
+    return max_tokens, tuple(stops), clamped
+
+  # ------------------------------------------------------------------ serving
+
+  async def _serve(self, request: Request, body: dict[str, Any], episode_id: str, text: str, *, chat: bool):
+    stream = bool(body.get("stream", False))
+    try:
+      max_tokens, stops, clamped = self._sampling(body)
+      loop = asyncio.get_running_loop()
+      events: asyncio.Queue = asyncio.Queue()
+      post = lambda item: loop.call_soon_threadsafe(events.put_nowait, item)
+      turn = self.driver.submit(episode_id, text, add_special_tokens=not chat, max_tokens=max_tokens, stops=stops,
+                                post=post, stream=stream)
+    except RequestError as e:
+      return self._refuse(e)
+    if clamped:
+      self.driver.count_clamped(episode_id)
+    headers = {CLAMPED_HEADER: ",".join(clamped)} if clamped else {}
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    keep_stop = bool(body.get("include_stop_str_in_output", False))
+    want_logprobs = bool(body.get("logprobs"))
+    if not stream:
+      try:
+        while True:
+          kind, value = await self._next(events, request)
+          if kind == "done":
+            return JSONResponse(self._response(rid, value, chat, keep_stop, want_logprobs), headers=headers)
+          if kind == "error":
+            return _error(value.status, value.message, value.code)
+      except _Gone:
+        self.driver.cancel(turn)
+        return _error(499, "client disconnected")
+    return StreamingResponse(self._chunks(rid, turn, events, request, chat, keep_stop),
+                             media_type="text/event-stream", headers=headers)
+
+  async def _next(self, events: asyncio.Queue, request: Request):
+    while True:
+      try:
+        return await asyncio.wait_for(events.get(), _POLL_S)
+      except TimeoutError:
+        if await request.is_disconnected():
+          raise _Gone() from None
+
+  def _response(self, rid: str, result: TurnResult, chat: bool, keep_stop: bool, want_logprobs: bool) -> dict:
+    text = self._text(result, keep_stop)
+    usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.token_ids),
+             "total_tokens": result.prompt_tokens + len(result.token_ids)}
+    logprobs = None
+    if want_logprobs:
+      content = [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                 for t, lp in zip(result.token_texts, result.logprobs)]
+      logprobs = {"content": content} if chat else {"tokens": result.token_texts, "token_logprobs": result.logprobs}
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": result.finish_reason,
+               "logprobs": logprobs} if chat else
+              {"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": logprobs})
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": self.driver.model_name, "choices": [choice], "usage": usage}
+
+  @staticmethod
+  def _text(result: TurnResult, keep_stop: bool) -> str:
+    if not keep_stop or result.finish_reason != "stop":
+      return result.text
+    return result.full_text
+
+  def _chunk(self, rid: str, chat: bool, text: str | None, finish: str | None, role: bool = False) -> str:
+    if chat:
+      delta = ({"role": "assistant", "content": ""} if role else {} if text is None else {"content": text})
+      choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    else:
+      choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+    body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": self.driver.model_name, "choices": [choice]}
+    return f"data: {json.dumps(body)}\n\n"
+
+  async def _chunks(self, rid, turn, events, request, chat: bool, keep_stop: bool):
+    finished = False
+    try:
+      if chat:
+        yield self._chunk(rid, chat, None, None, role=True)
+      while True:
+        kind, value = await self._next(events, request)
+        if kind == "delta":
+          yield self._chunk(rid, chat, value, None)
+        elif kind == "done":
+          finished = True
+          tail = value.full_text[len(value.text):] if keep_stop and value.finish_reason == "stop" else ""
+          if tail:
+            yield self._chunk(rid, chat, tail, None)
+          yield self._chunk(rid, chat, None, value.finish_reason)
+          yield "data: [DONE]\n\n"
+          return
+        else:
+          finished = True
+          error = {"error": {"message": value.message, "type": "invalid_request_error", "code": value.code}}
+          yield f"data: {json.dumps(error)}\n\n"
+          return
+    finally:
+      if not finished:  # the client went away (or the stream was cancelled): free its slot, abort the episode
+        self.driver.cancel(turn)
