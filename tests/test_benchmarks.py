@@ -97,3 +97,11 @@ def test_sampler_throughput_benchmark(tmp_path):
   # Continuous batching never decodes more steps than static batching on the same requests.
   assert r["decode_steps"]["continuous"] <= r["decode_steps"]["static"]
   assert 0 < r["slot_occupancy"] <= 1 and r["slot_occupancy"] >= r["static_slot_occupancy"]
+
+
+@pytest.mark.slow
+def test_agent_endpoint_benchmark(tmp_path):
+  r = run_benchmark("agent_endpoint", tmp_path)
+  assert_positive(r, "endpoint_tok_s", "inprocess_tok_s", "endpoint_vs_inprocess")
+  assert r["endpoint_vs_inprocess"] == pytest.approx(r["inprocess_tok_s"] / r["endpoint_tok_s"], rel=1e-2)
+  assert r["workload"]["requests_per_run"] == r["workload"]["prompts"] * 8

@@ -86,7 +86,6 @@ class TurnResult:
   prompt_tokens: int
   token_ids: list[int]
   logprobs: list[float]
-  token_texts: list[str]
 
 
 @dataclasses.dataclass(eq=False)
@@ -398,10 +397,10 @@ class AgentDriver(RolloutDriver):
                                   self.tokenizer.decode(turn.tokens, skip_special_tokens=False))
       ep.turn = None
       ep.finish_reason = reason
-    texts = [self.tokenizer.decode([t], skip_special_tokens=False) for t in turn.tokens]
-    turn.post(("done", TurnResult(text=text, full_text=self.tokenizer.decode(turn.tokens), finish_reason="length" if reason == "length" else "stop",
+    turn.post(("done", TurnResult(text=text, full_text=self.tokenizer.decode(turn.tokens),
+                                  finish_reason="length" if reason == "length" else "stop",
                                   prompt_tokens=len(turn.prompt_ids), token_ids=list(turn.tokens),
-                                  logprobs=list(turn.logprobs), token_texts=texts)))
+                                  logprobs=list(turn.logprobs))))
 
   def _abort(self, ep: AgentEpisode, error: BaseException) -> None:
     """Ends `ep` now: its request in flight (if any) leaves its slot and is answered with an error."""

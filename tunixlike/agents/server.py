@@ -266,9 +266,10 @@ class AgentServer:
              "total_tokens": result.prompt_tokens + len(result.token_ids)}
     logprobs = None
     if want_logprobs:
+      texts = [self.driver.tokenizer.decode([t], skip_special_tokens=False) for t in result.token_ids]
       content = [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                 for t, lp in zip(result.token_texts, result.logprobs)]
-      logprobs = {"content": content} if chat else {"tokens": result.token_texts, "token_logprobs": result.logprobs}
+                 for t, lp in zip(texts, result.logprobs)]
+      logprobs = {"content": content} if chat else {"tokens": texts, "token_logprobs": result.logprobs}
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": result.finish_reason,
                "logprobs": logprobs} if chat else
               {"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": logprobs})
