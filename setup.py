@@ -29,7 +29,9 @@ setup(
         "matplotlib>=3.9",
         "tqdm>=4.66",
         "starlette>=0.40",  # the agent server (rl.agent): an ASGI app
-        "uvicorn>=0.30",  # ... and its server
+        "uvicorn>=0.30",  # ... and its server, which uses the two below (C parsers and event loop) when present
+        "httptools>=0.6",
+        "uvloop>=0.19; sys_platform != 'win32'",
     ],
     extras_require={
         "test": [

@@ -4,13 +4,15 @@
       [--out FILE] [--quick]
 
 Prints one JSON object. Model: the sampler benchmark's size (4 layers, hidden 256, ffn 1024, 4 heads,
-2 KV heads, fp32) over the character tokenizer, random weights, 64 decode slots on one device.
+2 KV heads, fp32) over the character tokenizer, random weights, `--slots` decode slots on one device.
 Workload: `--prompts` prompts x G = 8 samples, `--tokens` new tokens each (no EOS, so both modes
-decode exactly the same tokens). In process: a `RolloutDriver` samples the groups. Endpoint: an
+decode exactly the same tokens). With more agents than slots, as in agent RL (agents spend time in
+their own code and tools), requests queue for slots instead of each wave of finished agents leaving
+the slots empty while the next ones send their requests. In process: a `RolloutDriver` samples the groups. Endpoint: an
 `AgentDriver` runs one agent per sample, `--agents` at once, each a function that sends one
-chat completion with the official `openai` client (one client per worker thread) to the run's
-server (Starlette on uvicorn) and posts its reward: every token goes through the real HTTP path and
-is recorded.
+chat completion with the official `openai` client (one client shared by all agents) to the run's
+server (Starlette on uvicorn) and returns its reward: every token goes through the real HTTP path
+and is recorded.
 `endpoint_vs_inprocess` is the endpoint's wall time over the in-process one (median of `--repeats`
 timed runs each, after a warm-up run of each that compiles every program).
 """
@@ -18,17 +20,18 @@ timed runs each, after a warm-up run of each that compiles every program).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 
 def _parse():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--agents", type=int, default=64, help="agents (episodes) running at once")
+  p.add_argument("--slots", type=int, default=32, help="decode slots (both modes)")
   p.add_argument("--prompts", type=int, default=32, help="prompts per run (x 8 samples)")
   p.add_argument("--tokens", type=int, default=64, help="new tokens per sample")
   p.add_argument("--repeats", type=int, default=3)
@@ -41,7 +44,6 @@ ARGS = _parse()
 if "jax" not in sys.modules:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()
 
-import httpx  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import openai  # noqa: E402
@@ -65,17 +67,20 @@ def _requests(tok, n):
   return out
 
 
-def _agent(tokens):
-  local = threading.local()  # one client per worker thread, reused across its episodes (as agents should)
+@functools.lru_cache(maxsize=None)
+def _client(base_url):
+  """One client for all agents of a run: it is thread-safe, and building one (an SSL context, a
+  connection pool) costs more CPU than a request."""
+  return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
 
+
+def _agent(tokens):
   def run_episode(base_url, episode_id, row):
-    if not hasattr(local, "client"):
-      local.client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
-    reply = local.client.chat.completions.create(model="policy", max_tokens=tokens,
-                                                 messages=[{"role": "user", "content": row["prompt_text"]}],
-                                                 extra_headers={"X-Episode-Id": episode_id})
-    reward = float(len(reply.choices[0].message.content) > 0)
-    local.client.post(f"/episodes/{episode_id}/reward", body={"reward": reward}, cast_to=httpx.Response)
+    client = _client(base_url)
+    reply = client.chat.completions.create(model="policy", max_tokens=tokens,
+                                           messages=[{"role": "user", "content": row["prompt_text"]}],
+                                           extra_headers={"X-Episode-Id": episode_id})
+    return float(len(reply.choices[0].message.content) > 0)  # the episode's reward
   return run_episode
 
 
@@ -99,7 +104,7 @@ def main():
   cfg = models.tiny_config(vocab_size=tok.vocab_size, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
                            intermediate_size=1024, num_layers=4)
   model = models.Transformer(cfg, rngs=nnx.Rngs(0))
-  slots = 64
+  slots = ARGS.slots
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("replica", "tensor"))
   engine = Engine(model, SamplerConfig(max_prefill_length=32, max_new_tokens=tokens, max_concurrent_decodes=slots,
                                        steps_per_call=8, attend_bucket=32, min_prefill_bucket=32, eos_ids=(),

@@ -324,30 +324,36 @@ class AgentDriver(RolloutDriver):
         self._tickets[self._runner.submit(self._agent, self.base_url, ep.id, dict(record))] = ep
 
   def _refill(self) -> None:
+    """Waiting turns into free slots; turns with the same prompt (the G episodes' first requests
+    usually are) share one prefill and one insert call."""
     free = [i for i, s in enumerate(self._slots) if s is None]
-    while free:
+    batches: dict[tuple[bytes, int], list[Turn]] = {}
+    taken = 0
+    while taken < len(free):
       try:
         turn = self._inbox.get_nowait()
       except queue.Empty:
-        return
-      if turn.cancelled or turn.episode.finished:
-        continue
+        break
+      if not (turn.cancelled or turn.episode.finished):
+        batches.setdefault((turn.prompt_ids.tobytes(), turn.max_new), []).append(turn)
+        taken += 1
+    for (ids, max_new), turns in batches.items():
       t0 = time.perf_counter()
-      key = (turn.prompt_ids.tobytes(), self._version)
+      key = (ids, self._version)
       prefix = self._prefixes.get(key)
       if prefix is None:
         with self.tracer.span("prefill", cat="sampler", version=self._version):
-          prefix = self.engine.prefill(self._params, turn.prompt_ids, version=self._version)
+          prefix = self.engine.prefill(self._params, turns[0].prompt_ids, version=self._version)
         self.stats.prefills += 1
         self._prefixes[key] = prefix
         if len(self._prefixes) > _PREFIXES:
           self._prefixes.popitem(last=False)
-      ep = turn.episode
-      noise = self._group_keys(ep.group.seq)[ep.index, turn.number]
-      slot = free.pop(0)
-      self._state = self.engine.insert(prefix, self._state, slot, key=noise, max_new_tokens=turn.max_new)
+      slots = [free.pop(0) for _ in turns]
+      noise = [self._group_keys(t.episode.group.seq)[t.episode.index, t.number] for t in turns]
+      self._state = self.engine.bulk_insert(prefix, self._state, slots, keys=noise, max_new_tokens=max_new)
       self.stats.busy_time_s += time.perf_counter() - t0
-      self._slots[slot] = turn
+      for slot, turn in zip(slots, turns):
+        self._slots[slot] = turn
 
   # ------------------------------------------------------------------ results (driver thread)
 
