@@ -1,6 +1,21 @@
-"""Shared test set-up: 8 virtual CPU devices (4 sampler + 4 learner) before JAX starts."""
+"""Shared test set-up: 8 virtual CPU devices (4 sampler + 4 learner) before JAX starts, and one
+persistent XLA compilation cache for the whole run."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Most of the suite's time is XLA compiling the same tiny programs again: in every CLI run a test
+# starts (each a new process) and in every test that builds its own learner or engine. JAX's
+# persistent cache compiles each program once per test run; the first process to get here makes
+# the directory and every later one (pytest-xdist workers, the tests' subprocesses) inherits it
+# through the environment. A fresh directory per run: timings do not depend on earlier runs.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache_dir = tempfile.mkdtemp(prefix="tunixlike-test-jax-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the default 1 s leaves half the time out

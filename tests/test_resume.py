@@ -16,8 +16,10 @@ ARGS = ["--config", "configs/addition_grpo.py:size=tiny", "--config.warm_start.m
         "--config.checkpoint.every_steps=2", "--config.rl.max_staleness=1"]
 
 
-def start(workdir, steps, *extra):
+def start(workdir, steps, *extra, compile_cache=True):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  if not compile_cache:  # compiles everything, as a first run does (tests/conftest.py sets the cache)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
   return subprocess.Popen([sys.executable, "-m", "tunixlike.train", *ARGS, f"--config.rl.num_steps={steps}",
                            *extra, f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
@@ -126,7 +128,8 @@ def test_signals_during_the_warm_start_and_the_first_eval(tmp_path):
   paused = int(proc.text.split("stopped during the warm start at step ")[1].split(";")[0])
   assert paused >= 5
 
-  proc = Output(start(workdir, 2, f"--config.warm_start.max_steps={paused + 5}", *warm))
+  # Without the compile cache: its compilation is most of the first eval (1 s cached), the signal's window.
+  proc = Output(start(workdir, 2, f"--config.warm_start.max_steps={paused + 5}", *warm, compile_cache=False))
   wait_for(lambda: f"warm start step {paused + 5}:" in proc.text, 300, proc.proc)
   proc.proc.send_signal(signal.SIGINT)  # lands in the first eval (or its compilation)
   assert proc.wait() == 0, proc.text[-3000:]

@@ -46,13 +46,15 @@ def test_nothing_compiles_after_warmup_and_samples_are_unchanged():
 
 @pytest.mark.slow  # windows ** 2 decode and move programs
 def test_warmup_covers_slot_groups():
+  # Prompts of <= 16 tokens: 3 windows (9 + 9 programs) instead of the default 64's 6 (36 + 36).
   engine = Engine(_fresh_model(), SamplerConfig(temperature=0.0, max_concurrent_decodes=4, slot_groups=2,
-                                                max_new_tokens=24, attend_bucket=16))
+                                                max_prefill_length=16, max_new_tokens=24, attend_bucket=16))
   params = engine.load_params()
   with count_traces() as traces:
     engine.warmup(params)
   counts = engine_counts(traces)
   n = len(engine.config.attend_windows)
+  assert n >= 3  # more than one window per group, so the tuples and moves are real
   assert counts["generate"] == n ** 2 and counts["move"] == n ** 2
   with count_traces() as traces:
     _, stats = _run(engine, params)
