@@ -92,7 +92,7 @@ def test_sampler_throughput_benchmark(tmp_path):
   r = run_benchmark("sampler_throughput", tmp_path, "--repeats", "1", "--repeats-fixed", "1", "--attend-bucket", "64")
   assert_positive(r, "tunixlike_tok_s", "transformers_tok_s", "speedup_vs_transformers", "continuous_tok_s",
                   "static_tok_s", "continuous_vs_static", "slot_occupancy")
-  assert r["speedup_vs_transformers"] == pytest.approx(r["tunixlike_tok_s"] / r["transformers_tok_s"], rel=1e-3)
+  assert r["speedup_vs_transformers"] == pytest.approx(r["tunixlike_tok_s"] / r["transformers_tok_s"], rel=5e-3)  # both rounded to 0.1 tokens/s
   assert len(r["runs"]["tunixlike_tok_s"]) == len(r["runs"]["transformers_tok_s"]) == r["setup"]["repeats_fixed"]
   # Both systems load the same checkpoint: their logits agree.
   assert r["logits_max_abs_diff"] < 1e-3

@@ -76,6 +76,9 @@ class RolloutGroup:
   advantages: np.ndarray | None = None  # float32 [G]
   token_advantages: list[np.ndarray] | None = None  # G arrays of float32 [T_i]
   reward_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+  # The sampler's version when the group was admitted, where its first token may come later (an
+  # agent's first request); None: the version of its oldest token.
+  start_version: int | None = None
 
   @property
   def group_size(self) -> int:
@@ -85,6 +88,11 @@ class RolloutGroup:
   def min_version(self) -> int:
     """Version of the oldest token in the group (what staleness is measured from)."""
     return min(int(c.policy_versions.min()) for c in self.completions if c.num_tokens)
+
+  @property
+  def admitted_version(self) -> int:
+    """The version the queue admitted this group at (its staleness bound counts from there)."""
+    return self.min_version if self.start_version is None else self.start_version
 
   @property
   def num_tokens(self) -> int:

@@ -69,6 +69,19 @@ def test_learner_waits_for_the_oldest_running_group_instead_of_rejecting_it():
   assert q.dropped_stale == 0
 
 
+def test_a_group_whose_first_token_comes_after_a_weight_update_counts_from_its_admission():
+  """An agent's first request may arrive after the sampler moved on: the learner must not wait
+  for the version it was admitted at as if that group were still running."""
+  q = RolloutQueue(batch_groups=1, max_staleness=1)
+  assert q.try_admit(0) and q.try_admit(0)
+  q.put(group("first", 0))
+  assert [g.prompt_id for g in q.get_batch(0, timeout_s=1)] == ["first"]
+  late = group("late", 1)
+  late.start_version = 0
+  q.put(late)
+  assert [g.prompt_id for g in q.get_batch(1, timeout_s=1)] == ["late"]
+
+
 def test_waits_time_out_and_stop():
   q = RolloutQueue(batch_groups=1, max_staleness=0)
   t0 = time.monotonic()

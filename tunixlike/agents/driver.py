@@ -111,6 +111,7 @@ class _AgentGroup:
   seq: int
   request: PromptRequest
   record: dict[str, Any]
+  version: int  # the sampler's version at admission
   episodes: list["AgentEpisode"] = dataclasses.field(default_factory=list)
 
 
@@ -310,7 +311,7 @@ class AgentDriver(RolloutDriver):
       record = dict(request.columns)
       record.setdefault("prompt_id", request.prompt_id)
       record.setdefault("prompt_text", request.prompt_text)
-      group = _AgentGroup(seq=self._next_seq, request=request, record=record)
+      group = _AgentGroup(seq=self._next_seq, request=request, record=record, version=self._version)
       self._next_seq += 1
       self._in_flight[group.seq] = group
       encode = lambda text, special: self.tokenizer.encode(text, add_special_tokens=special)
@@ -476,4 +477,4 @@ class AgentDriver(RolloutDriver):
     req = group.request
     self._emit(RolloutGroup(prompt_id=req.prompt_id, prompt_token_ids=np.asarray(ref.prompt_ids[:shared], np.int32),
                             completions=completions, columns=dict(req.columns), prompt_text=req.prompt_text,
-                            rewards=rewards, reward_metrics=metrics))
+                            rewards=rewards, reward_metrics=metrics, start_version=group.version))

@@ -93,7 +93,7 @@ class RolloutQueue:
     """A finished (and scored) group enters the queue. Never blocks: admission bounded it."""
     with self._cond:
       self._ready.append(group)
-      self._running[group.min_version] -= 1  # its first token was sampled at admission
+      self._running[group.admitted_version] -= 1
       self._cond.notify_all()
 
   # ---- learner side -------------------------------------------------------------------------
