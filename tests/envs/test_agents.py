@@ -263,3 +263,23 @@ def test_an_agent_that_raises_or_hangs_costs_its_episode_not_the_run(make_engine
     assert [c.finish_reason for c in g.completions] == ["aborted", "aborted"]
     assert g.rewards is None  # no agent reward: the run's reward functions score the recorded text
     assert g.reward_metrics["agent/errors"] == 0.5 and g.reward_metrics["agent/timeouts"] == 0.5
+
+
+def test_a_client_gone_before_its_answer_frees_its_slot_and_aborts_its_episode(make_engine, tokenizer):
+  engine = make_engine(group_size=G, max_new_tokens=64, steps_per_call=1, eos_ids=())
+
+  def agent(base_url, episode_id, row):
+    body = {"model": "policy", "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 64}
+    try:  # episode 0 gives up long before 64 tokens are decoded, one at a time
+      httpx.post(f"{base_url}/chat/completions", json=body, headers={"X-Episode-Id": episode_id},
+                 timeout=0.03 if episode_id.endswith("-0") else 60)
+    except httpx.ReadTimeout:
+      pass
+    time.sleep(1.0)  # the group stays open while the server notices
+    return 1.0
+
+  driver, groups, episodes = _run(engine, tokenizer, agent)
+  assert driver.stats.disconnects == 1 and driver.stats.aborted_episodes == 1
+  assert groups[0].completions[0].finish_reason == "aborted"
+  assert groups[0].completions[1].loss_mask.sum() == 64
+  assert driver.is_idle and all(s is None for s in driver._slots)

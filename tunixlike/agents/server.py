@@ -41,7 +41,6 @@ from tunixlike.data import chat_template
 EPISODE_HEADER = "x-episode-id"
 CLAMPED_HEADER = "x-tunixlike-clamped"
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
 
 def _error(status: int, message: str, code: str = "invalid_request_error") -> JSONResponse:
@@ -51,6 +50,25 @@ def _error(status: int, message: str, code: str = "invalid_request_error") -> JS
 
 class _Gone(Exception):
   """The client disconnected."""
+
+
+async def _disconnected(request: Request) -> None:
+  """Returns when the client goes away. Once the body is read, the server's `receive` blocks until
+  then (or until the response is sent), so a waiting request costs nothing until it is answered."""
+  while (await request.receive())["type"] != "http.disconnect":
+    pass
+
+
+async def _next(events: asyncio.Queue, gone: asyncio.Task):
+  """The driver's next event for this request, or _Gone if the client left first."""
+  if not events.empty():
+    return events.get_nowait()
+  get = asyncio.ensure_future(events.get())
+  await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
+  if get.done():
+    return get.result()
+  get.cancel()
+  raise _Gone()
 
 
 class AgentServer:
@@ -238,10 +256,11 @@ class AgentServer:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     keep_stop = bool(body.get("include_stop_str_in_output", False))
     want_logprobs = bool(body.get("logprobs"))
+    gone = asyncio.ensure_future(_disconnected(request))
     if not stream:
       try:
         while True:
-          kind, value = await self._next(events, request)
+          kind, value = await _next(events, gone)
           if kind == "done":
             return JSONResponse(self._response(rid, value, chat, keep_stop, want_logprobs), headers=headers)
           if kind == "error":
@@ -249,16 +268,10 @@ class AgentServer:
       except _Gone:
         self.driver.cancel(turn)
         return _error(499, "client disconnected")
-    return StreamingResponse(self._chunks(rid, turn, events, request, chat, keep_stop),
+      finally:
+        gone.cancel()
+    return StreamingResponse(self._chunks(rid, turn, events, gone, chat, keep_stop),
                              media_type="text/event-stream", headers=headers)
-
-  async def _next(self, events: asyncio.Queue, request: Request):
-    while True:
-      try:
-        return await asyncio.wait_for(events.get(), _POLL_S)
-      except TimeoutError:
-        if await request.is_disconnected():
-          raise _Gone() from None
 
   def _response(self, rid: str, result: TurnResult, chat: bool, keep_stop: bool, want_logprobs: bool) -> dict:
     text = self._text(result, keep_stop)
@@ -292,13 +305,13 @@ class AgentServer:
             "model": self.driver.model_name, "choices": [choice]}
     return f"data: {json.dumps(body)}\n\n"
 
-  async def _chunks(self, rid, turn, events, request, chat: bool, keep_stop: bool):
+  async def _chunks(self, rid, turn, events, gone: asyncio.Task, chat: bool, keep_stop: bool):
     finished = False
     try:
       if chat:
         yield self._chunk(rid, chat, None, None, role=True)
       while True:
-        kind, value = await self._next(events, request)
+        kind, value = await _next(events, gone)
         if kind == "delta":
           yield self._chunk(rid, chat, value, None)
         elif kind == "done":
@@ -315,5 +328,6 @@ class AgentServer:
           yield f"data: {json.dumps(error)}\n\n"
           return
     finally:
+      gone.cancel()
       if not finished:  # the client went away (or the stream was cancelled): free its slot, abort the episode
         self.driver.cancel(turn)
