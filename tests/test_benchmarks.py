@@ -107,3 +107,13 @@ def test_agent_endpoint_benchmark(tmp_path):
   assert_positive(r, "endpoint_tok_s", "inprocess_tok_s", "endpoint_vs_inprocess")
   assert r["endpoint_vs_inprocess"] == pytest.approx(r["inprocess_tok_s"] / r["endpoint_tok_s"], rel=1e-2)
   assert r["workload"]["requests_per_run"] == r["workload"]["prompts"] * 8
+
+
+@pytest.mark.slow
+def test_rl_step_benchmark(tmp_path):
+  r = run_benchmark("rl_step", tmp_path, "--steps", "5", "--skip-steps", "1", timeout_s=600)
+  split = r["layouts"]["split"]
+  assert_positive(split, "s_per_step", "learner_busy", "sampler_busy", "sync_ms", "learner_step_s")
+  assert r["s_per_step"] == {"split": split["s_per_step"]} and r["fastest_layout"] == "split"
+  assert r["split_busy_max"] == max(split["learner_busy"], split["sampler_busy"]) <= 1.0
+  assert 0 <= split["overhead_s"] < split["s_per_step"] and split["timed_steps"] == 3

@@ -1,0 +1,130 @@
+"""The RL step of the main job: seconds per step, both sides' busy fractions and weight sync, per
+layout and against an earlier commit, side by side in one run.
+
+  python benchmarks/rl_step.py [--steps 100] [--skip-steps 10] [--layouts split] [--baseline REV]
+      [--out FILE] [--quick]
+
+Prints one JSON object (and writes it to --out). Each run is the main job itself, through the CLI:
+`python -m tunixlike.train --config configs/addition_grpo.py` with `rl.num_steps=--steps`, on 8
+virtual CPU devices (4 sampler + 4 learner), seed 0, warm start included (so the completions have
+the main job's lengths), evals only at the start and the end. `--layouts` lists the values of
+`mesh.layout` to run (the runs use the key only when it is not `split`, the layout every commit has).
+`--baseline REV` runs the same workload from a git worktree of REV (its own CLI, configs and
+code, the same interpreter and packages), so a speed-up over earlier code is a ratio measured in the
+same invocation on the same machine; the baseline is driven only with config keys every commit has.
+
+From each run's metrics.jsonl: `s_per_step` is the median time between consecutive RL steps after
+`--skip-steps` (compilation); the busy fractions are the runtime's cumulative `learner/busy_frac`
+and `sampler/busy_frac` turned into busy seconds and taken over the same window; `sync_ms` the
+median `sync/ms` over it; `overhead_s` the step time minus the busier side's busy time per step
+(what neither side's compute explains: waits, bubbles, host work on the critical path). The machine
+may be shared: `os.getloadavg()` is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _parse(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--steps", type=int, default=None, help="RL steps per run (default 100; quick 6)")
+  p.add_argument("--skip-steps", type=int, default=None, help="steps left out of the timing (default 10; quick 2)")
+  p.add_argument("--layouts", default="split", help="comma-separated values of mesh.layout to run")
+  p.add_argument("--baseline", default=None, help="a git revision to run the same workload from")
+  p.add_argument("--quick", action="store_true", help="the tiny variant, few steps (smoke test, not the figures)")
+  p.add_argument("--out", default=None, help="also write the JSON object to this file")
+  return p.parse_args(argv)
+
+
+def _run(root: pathlib.Path, workdir: pathlib.Path, steps: int, quick: bool, extra: list[str]) -> list[dict]:
+  """Runs the main job from the checkout at `root`; returns its metrics records."""
+  config = f"{root / 'configs' / 'addition_grpo.py'}{':size=tiny' if quick else ''}"
+  env = {**os.environ, "PYTHONPATH": str(root),
+         "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
+  cmd = [sys.executable, "-m", "tunixlike.train", "--config", config, "--workdir", str(workdir),
+         f"--config.rl.num_steps={steps}", "--config.eval.every_steps=0", "--config.seed=0",
+         "--config.log.progress_bar=false", *extra]
+  done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+  if done.returncode:
+    raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+  with open(workdir / "metrics.jsonl") as f:
+    return [json.loads(line) for line in f]
+
+
+def _summary(records: list[dict], skip: int) -> dict:
+  steps = [r for r in records if "learner/busy_frac" in r]
+  if len(steps) < skip + 3:
+    raise RuntimeError(f"{len(steps)} RL steps recorded: need more than --skip-steps + 2 = {skip + 2}")
+  first = steps[0]  # the RL loop's clock started one step (wait + train + sync) before its first record
+  start = first["time_s"] - first["learner/wait_s"] - first["learner/step_s"] - first["sync/ms"] / 1e3
+  window = steps[skip:]
+  wall = [r["time_s"] - start for r in window]
+  busy = {side: [r[f"{side}/busy_frac"] * w for r, w in zip(window, wall)] for side in ("learner", "sampler")}
+  span = wall[-1] - wall[0]
+  frac = {side: (b[-1] - b[0]) / span for side, b in busy.items()}
+  s_per_step = statistics.median(b["time_s"] - a["time_s"] for a, b in zip(window, window[1:]))
+  return {
+      "s_per_step": round(s_per_step, 4),
+      "learner_busy": round(frac["learner"], 3), "sampler_busy": round(frac["sampler"], 3),
+      "sync_ms": round(statistics.median(r["sync/ms"] for r in window), 2),
+      "learner_step_s": round(statistics.median(r["learner/step_s"] for r in window), 4),
+      "overhead_s": round(s_per_step * (1 - max(frac.values())), 4),
+      "timed_steps": len(window) - 1,
+      "final_reward": round(statistics.mean(r["reward/mean"] for r in steps[-10:]), 3),
+  }
+
+
+def main(argv=None):
+  args = _parse(argv)
+  steps = args.steps or (6 if args.quick else 100)
+  skip = args.skip_steps if args.skip_steps is not None else (2 if args.quick else 10)
+  layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+  out = {"s_per_step": {}, "layouts": {}}
+  with tempfile.TemporaryDirectory(prefix="rl_step_") as tmp:
+    tmp = pathlib.Path(tmp)
+    for layout in layouts:
+      extra = [] if layout == "split" else [f"--config.mesh.layout={layout}"]
+      summary = _summary(_run(REPO, tmp / layout, steps, args.quick, extra), skip)
+      out["layouts"][layout] = summary
+      out["s_per_step"][layout] = summary["s_per_step"]
+    if args.baseline:
+      rev = subprocess.run(["git", "rev-parse", args.baseline], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.strip()
+      tree = tmp / "baseline-tree"
+      subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=REPO, capture_output=True,
+                     check=True)
+      try:
+        out["baseline"] = {"rev": rev, **_summary(_run(tree, tmp / "baseline", steps, args.quick, []), skip)}
+      finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
+  fastest = min(out["s_per_step"], key=out["s_per_step"].get)
+  out["fastest_layout"] = fastest
+  if "baseline" in out:
+    out["speedup_vs_baseline"] = round(out["baseline"]["s_per_step"] / out["s_per_step"][fastest], 3)
+  if "split" in out["layouts"]:
+    split = out["layouts"]["split"]
+    out["split_busy_max"] = max(split["learner_busy"], split["sampler_busy"])
+  out["sync_ms"] = out["layouts"][fastest]["sync_ms"]
+  out["workload"] = {"config": "configs/addition_grpo.py" + (":size=tiny" if args.quick else ""), "steps": steps,
+                     "skip_steps": skip, "devices": "4 sampler + 4 learner (virtual CPU)", "quick": args.quick}
+  out["load_average"] = [round(x, 2) for x in os.getloadavg()]
+  out["date"] = time.strftime("%Y-%m-%d")
+  text = json.dumps(out, indent=2)
+  print(text)
+  if args.out:
+    pathlib.Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+  main()
