@@ -43,10 +43,11 @@ def test_full_and_lora_sync_from_learner_to_sampler_shardings():
   _check(synced, adapters, lora_targets)
   cast, _ = weight_sync.sync(adapters, lora_targets, dtype="bfloat16")
   assert {x.dtype for x in jax.tree.leaves(cast)} == {np.dtype("bfloat16")}
-  # Sharded sources (not how the learner keeps adapters) are gathered while packing.
+  # Sharded sources (not how the learner keeps adapters) move array by array, not packed.
   fsdp = jax.sharding.NamedSharding(meshes.learner, jax.sharding.PartitionSpec("fsdp"))
   sharded = jax.tree.map(lambda x: jax.device_put(x, fsdp), adapters)
-  assert not any(x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded))
+  assert not weight_sync._packable(jax.tree.leaves(sharded), jax.tree.leaves(lora_targets))
+  assert weight_sync.pack(sharded, lora_targets) is None
   synced, _ = weight_sync.sync(sharded, lora_targets)
   _check(synced, adapters, lora_targets)
 

@@ -103,31 +103,30 @@ def _flat_targets(treedef, shardings) -> list:
 
 
 def _packable(leaves: list, targets: list) -> bool:
-  """Small, one dtype, and one source mesh and one target mesh (all named shardings)."""
+  """Small, one dtype, replicated on one source mesh, and one target mesh (all named shardings).
+
+  Sharded sources (an FSDP learner's full model) are not packed: the all-gather that packing them
+  needs costs more than the per-array transfers it saves (13.3 vs 6.6 ms for a 2 MB model on 4+4
+  CPU devices, `benchmarks/weight_sync.py`'s small model).
+  """
   if len(leaves) < PACK_MIN_LEAVES:
     return False
   nbytes, dtypes, sources = 0, set(), set()
   for x in leaves:
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or not sharding.is_fully_replicated:
+      return False
     nbytes += x.size * x.dtype.itemsize
     dtypes.add(x.dtype)
-    sources.add(_mesh_of(getattr(x, "sharding", None)))
+    sources.add(_mesh_of(sharding))
   targets_meshes = {_mesh_of(t) for t in targets}
   return (nbytes <= PACK_MAX_BYTES and len(dtypes) == 1 and len(sources) == 1 and len(targets_meshes) == 1
           and None not in sources | targets_meshes)
 
 
-def _concat(xs):
-  return jnp.concatenate([x.reshape(-1) for x in xs])
-
-
-@functools.lru_cache(maxsize=32)
-def _packer(out_sharding):
-  return jax.jit(_concat, out_shardings=out_sharding)
-
-
-# Replicated sources are packed on one of their devices: the same program on every device of the
-# learner mesh would write the buffer once per device.
-_pack_one_device = jax.jit(_concat)
+# Sources are replicated (`_packable`), so they are packed on one of their devices: the same
+# program on every device of the learner mesh would write the buffer once per device.
+_pack_one_device = jax.jit(lambda xs: jnp.concatenate([x.reshape(-1) for x in xs]))
 
 
 @functools.lru_cache(maxsize=32)
@@ -137,7 +136,7 @@ def _unpacker(treedef, targets: tuple):
 
 def pack(tree: Any, shardings: Any, *, dtype=None) -> params_lib.Packed | None:
   """`tree` concatenated into one buffer on the learner, ready for `sync`; None if `tree` does not
-  take the packed path (large, mixed dtypes, several meshes or hosts).
+  take the packed path (large, mixed dtypes, sharded, several meshes or hosts).
 
   `sync` packs by itself. Called right after the train step that produced `tree`, before the host
   waits for that step, the pack is queued behind the step on the devices, and the sync that follows
@@ -152,10 +151,7 @@ def pack(tree: Any, shardings: Any, *, dtype=None) -> params_lib.Packed | None:
 
 def _pack(leaves: list, treedef, dtype) -> params_lib.Packed:
   leaves = _cast(leaves, dtype)
-  if all(x.sharding.is_fully_replicated for x in leaves):
-    flat = _pack_one_device([x.addressable_data(0) for x in leaves])
-  else:  # sharded sources: gather while concatenating
-    flat = _packer(jax.sharding.NamedSharding(_mesh_of(leaves[0].sharding), jax.sharding.PartitionSpec()))(leaves)
+  flat = _pack_one_device([x.addressable_data(0) for x in leaves])
   return params_lib.Packed(flat, treedef, tuple(x.shape for x in leaves))
 
 
