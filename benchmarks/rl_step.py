@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+from tunixlike.metrics import read_jsonl
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -58,8 +60,7 @@ def _run(root: pathlib.Path, workdir: pathlib.Path, steps: int, quick: bool, ext
   done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
   if done.returncode:
     raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-  with open(workdir / "metrics.jsonl") as f:
-    return [json.loads(line) for line in f]
+  return read_jsonl(str(workdir / "metrics.jsonl"))
 
 
 def _summary(records: list[dict], skip: int) -> dict:

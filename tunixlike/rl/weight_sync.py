@@ -106,8 +106,8 @@ def _packable(leaves: list, targets: list) -> bool:
   """Small, one dtype, replicated on one source mesh, and one target mesh (all named shardings).
 
   Sharded sources (an FSDP learner's full model) are not packed: the all-gather that packing them
-  needs costs more than the per-array transfers it saves (13.3 vs 6.6 ms for a 2 MB model on 4+4
-  CPU devices, `benchmarks/weight_sync.py`'s small model).
+  needs costs more than the per-array transfers it saves (13.3 vs 6.0 ms for the 2 MB model of
+  `benchmarks/weight_sync.py --quick` on 4 + 4 CPU devices).
   """
   if len(leaves) < PACK_MIN_LEAVES:
     return False
