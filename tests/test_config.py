@@ -82,6 +82,32 @@ def test_invalid_values_name_the_key_and_value(section, key, value, message):
     config_lib.from_config_dict(raw)
 
 
+@pytest.mark.parametrize("changes,message", [
+    ({"mesh": {"layout": "shared"}}, "mesh.layout='shared': must be one of ['split', 'colocated']"),
+    # Colocated, the sampler decodes on all 8 devices: 12 slots do not split over 8 replicas.
+    ({"mesh": {"layout": "colocated"}, "sampler": {"max_concurrent_decodes": 12}},
+     "sampler.max_concurrent_decodes=12: must be divisible by the number of sampler replicas (mesh.sampler_devices "
+     "+ mesh.learner_devices (mesh.layout='colocated') / mesh.sampler_tensor = 8)"),
+    # ... and the learner trains on all 8: 2 prompts x 2 samples do not split over 8 fsdp devices.
+    ({"mesh": {"layout": "colocated"}, "rl": {"prompts_per_step": 2}, "algo": {"group_size": 2},
+      "sampler": {"max_concurrent_decodes": 8}},
+     "rl.prompts_per_step=2: prompts_per_step * algo.group_size = 4 must be divisible by optim.micro_batches * "
+     "learner fsdp devices = 1 * 8 (mesh.layout='colocated': the learner uses every device)"),
+])
+def test_a_layout_that_does_not_fit_names_the_key(changes, message):
+  raw = config_lib.default_config_dict()
+  with raw.unlocked():
+    for section, values in changes.items():
+      for key, value in values.items():
+        raw[section][key] = value
+  with pytest.raises(config_lib.ConfigError) as err:
+    config_lib.from_config_dict(raw)
+  assert str(err.value).splitlines()[0].startswith(message)
+  with raw.unlocked():
+    raw.mesh.layout = "split"  # 4 sampler replicas and 4 learner devices: the same sizes fit
+  assert config_lib.from_config_dict(raw).mesh.learner_size == 4
+
+
 def test_unknown_key_and_wrong_type_are_named():
   with pytest.raises(config_lib.ConfigError, match="rl.bogus: unknown config key"):
     config_lib.from_config_dict({"rl": {"bogus": 1}})

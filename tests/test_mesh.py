@@ -15,6 +15,16 @@ def test_split_4_plus_4_with_axes():
   assert not s & l and len(s | l) == 8
 
 
+def test_colocated_puts_both_submeshes_on_every_device_in_the_same_order():
+  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=2, layout="colocated")
+  assert dict(meshes.sampler.shape) == {"replica": 4, "tensor": 2}
+  assert dict(meshes.learner.shape) == {"fsdp": 8, "tensor": 1}
+  assert list(meshes.sampler.devices.flat) == list(meshes.learner.devices.flat) == jax.devices()
+  assert meshes.colocated and not mesh_lib.make_meshes().colocated
+  with pytest.raises(mesh_lib.MeshError, match="mesh.layout='shared' must be 'split' or 'colocated'"):
+    mesh_lib.make_meshes(layout="shared")
+
+
 def test_sizes_that_do_not_add_up_or_divide():
   with pytest.raises(mesh_lib.MeshError, match="= 7, but there are 8 devices"):
     mesh_lib.make_meshes(sampler_devices=4, learner_devices=3)

@@ -68,13 +68,20 @@ class ModelSection:
             _divides(self.num_heads, "model.num_heads"))
 
 
+LAYOUTS = ("split", "colocated")
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
-  """Device split: sampler devices decode, learner devices train (per host with several hosts)."""
+  """Device split: sampler devices decode, learner devices train (per host with several hosts); or, colocated,
+  both on all of them, taking turns."""
 
   SECTION: ClassVar[str] = "mesh"
   RESUMABLE: ClassVar[bool] = True  # checkpoints restore onto any device layout
 
+  layout: str = setting("split", "split: sampler and learner on their own devices, working at once | colocated: both on "
+                        "all sampler_devices + learner_devices devices, taking turns (docs/runtime.md: which to pick)",
+                        check=one_of(*LAYOUTS))
   sampler_devices: int = setting(4, "devices that decode (4 + 4 of 8 virtual CPU devices)", check=positive)
   learner_devices: int = setting(4, "devices that train (fsdp x tensor)", check=positive)
   sampler_tensor: int = setting(1, "tensor parallelism hurts on CPU; use it on TPU/GPU for big models", check=positive)
@@ -86,6 +93,21 @@ class MeshSection:
             _divides(self.sampler_devices, "mesh.sampler_devices"))
     require(self.learner_devices % self.learner_tensor == 0, "mesh.learner_tensor", self.learner_tensor,
             _divides(self.learner_devices, "mesh.learner_devices"))
+
+  @property
+  def sampler_size(self) -> int:
+    """Devices the sampler decodes on (all of them when colocated)."""
+    return self.sampler_devices + self.learner_devices if self.layout == "colocated" else self.sampler_devices
+
+  @property
+  def learner_size(self) -> int:
+    """Devices the learner trains on (all of them when colocated)."""
+    return self.sampler_devices + self.learner_devices if self.layout == "colocated" else self.learner_devices
+
+  def sizes_named(self, side: str) -> str:
+    """How a side's device count is written in the config, for error messages."""
+    own = f"mesh.{side}_devices"
+    return own if self.layout == "split" else "mesh.sampler_devices + mesh.learner_devices (mesh.layout='colocated')"
 
 
 TASKS = ("addition", "reverse", "gsm8k")
@@ -298,21 +320,23 @@ class Config:
             "rl.agent episodes, whose environment tokens the decode loop never routes, nor algo.estimator='ppo')")
     require(self.sampler.max_concurrent_decodes >= self.algo.group_size, "sampler.max_concurrent_decodes",
             self.sampler.max_concurrent_decodes, f"must be >= algo.group_size={self.algo.group_size}")
-    replicas = self.mesh.sampler_devices // self.mesh.sampler_tensor
+    m = self.mesh
+    replicas = m.sampler_size // m.sampler_tensor
     require(self.sampler.max_concurrent_decodes % replicas == 0, "sampler.max_concurrent_decodes",
             self.sampler.max_concurrent_decodes, "must be divisible by the number of sampler replicas "
-            f"(mesh.sampler_devices / mesh.sampler_tensor = {replicas})")
+            f"({m.sizes_named('sampler')} / mesh.sampler_tensor = {replicas})")
     batch = self.rl.prompts_per_step * self.algo.group_size
-    fsdp = self.mesh.learner_devices // self.mesh.learner_tensor
+    fsdp = m.learner_size // m.learner_tensor
     require(batch % (self.optim.micro_batches * fsdp) == 0, "rl.prompts_per_step", self.rl.prompts_per_step,
             f"prompts_per_step * algo.group_size = {batch} must be divisible by optim.micro_batches * "
-            f"learner fsdp devices = {self.optim.micro_batches} * {fsdp}")
+            f"learner fsdp devices = {self.optim.micro_batches} * {fsdp}"
+            + ("" if m.layout == "split" else " (mesh.layout='colocated': the learner uses every device)"))
     require(not self.warm_start.max_steps or self.data.train is None, "warm_start.max_steps",
             self.warm_start.max_steps, "the supervised warm start learns a built-in task's generated answers: set it "
             "to 0 with data.train")
     require(not self.warm_start.max_steps or self.warm_start.batch_size % fsdp == 0, "warm_start.batch_size",
             self.warm_start.batch_size, "must be divisible by the learner fsdp devices "
-            f"(mesh.learner_devices / mesh.learner_tensor = {fsdp}); the warm start shards its batch over them")
+            f"({m.sizes_named('learner')} / mesh.learner_tensor = {fsdp}); the warm start shards its batch over them")
     require(self.sampler.max_prefill_length >= self.data.max_prompt_length, "data.max_prompt_length",
             self.data.max_prompt_length, f"must be <= sampler.max_prefill_length={self.sampler.max_prefill_length}")
     require(self.optim.schedule != "cosine" or self.rl.num_steps > self.optim.warmup_steps, "optim.warmup_steps",

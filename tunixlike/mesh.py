@@ -8,6 +8,10 @@ JAX refuses a cross-host device_put between different device sets; see DESIGN "W
 The learner mesh then spans every host (FSDP collectives cross hosts; all processes step it in
 lockstep), while each process's sampler mesh holds only its own sampler devices: the sampler's
 computations stay on one host, so its timing can never desynchronise the processes.
+
+The colocated layout puts both submeshes on all devices (each host's sampler mesh on its own
+devices): nothing is copied between device sets, and the two sides take turns
+(`device_turns.DeviceTurns`).
 """
 
 from __future__ import annotations
@@ -60,6 +64,11 @@ class Meshes:
   learner: Mesh  # every process's learner devices
 
   @property
+  def colocated(self) -> bool:
+    """Sampler and learner share their devices (mesh.layout='colocated')."""
+    return set(self.sampler.devices.flat) <= set(self.learner.devices.flat)
+
+  @property
   def num_processes(self) -> int:
     """How many processes the learner mesh spans (1: single-controller, plain device_put sync)."""
     return len({d.process_index for d in self.learner.devices.flat})
@@ -91,14 +100,21 @@ def split_devices(sampler_devices: int, learner_devices: int,
 
 
 def make_meshes(sampler_devices: int = 4, learner_devices: int = 4, sampler_tensor: int = 1,
-                learner_tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Meshes:
-  """Builds both submeshes from `devices` (default: all devices of the default backend)."""
+                learner_tensor: int = 1, devices: Sequence[jax.Device] | None = None,
+                layout: str = "split") -> Meshes:
+  """Builds both submeshes from `devices` (default: all devices of the default backend).
+  layout='colocated': both on all sampler_devices + learner_devices devices."""
+  if layout not in ("split", "colocated"):
+    raise MeshError(f"mesh.layout={layout!r} must be 'split' or 'colocated'")
   for name, n, of in (("sampler_tensor", sampler_tensor, sampler_devices),
                       ("learner_tensor", learner_tensor, learner_devices)):
     if n < 1 or of % n:
       raise MeshError(f"mesh.{name}={n} must be >= 1 and divide mesh.{name.split('_')[0]}_devices={of}")
   devices = list(jax.devices() if devices is None else devices)
   sampler, learner = split_devices(sampler_devices, learner_devices, devices)
+  if layout == "colocated":  # the same device order on both sides, each host's devices together
+    sampler = learner = sorted(devices, key=lambda d: (d.process_index, d.id))
+    sampler_devices = learner_devices = len(devices)
   n_proc = len({d.process_index for d in devices})
   if n_proc > 1:
     # Each host decodes on its own sampler devices; a tensor group must not straddle hosts on

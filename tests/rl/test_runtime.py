@@ -37,8 +37,9 @@ def run_steps(cfg, threaded, before=lambda setup, rl: None, reward=None, workdir
 
 
 @pytest.mark.slow
-def test_async_at_staleness_zero_equals_the_synchronous_loop():
-  cfg = tiny_config(max_staleness=0)
+@pytest.mark.parametrize("layout", ["split", "colocated"])
+def test_async_at_staleness_zero_equals_the_synchronous_loop(layout):
+  cfg = config_lib.replace(tiny_config(max_staleness=0), mesh=dict(layout=layout))
   sync, *_ = run_steps(cfg, threaded=False)
   async_, *_ = run_steps(cfg, threaded=True)
   assert [s for s, _ in sync] == [s for s, _ in async_] == [0, 1, 2]
@@ -49,8 +50,9 @@ def test_async_at_staleness_zero_equals_the_synchronous_loop():
 
 
 @pytest.mark.slow
-def test_staleness_bound_holds_and_weights_reach_the_sampler(tmp_path):
-  cfg = config_lib.replace(tiny_config(max_staleness=1), log=dict(trace=True))
+@pytest.mark.parametrize("layout", ["split", "colocated"])
+def test_staleness_bound_holds_and_weights_reach_the_sampler(tmp_path, layout):
+  cfg = config_lib.replace(tiny_config(max_staleness=1), log=dict(trace=True), mesh=dict(layout=layout))
   initial = {}
 
   def before(setup, rl):
@@ -74,6 +76,8 @@ def test_staleness_bound_holds_and_weights_reach_the_sampler(tmp_path):
   # from the initial weights (a sync that silently sent stale weights would not).
   synced, _ = rl.policy.sampler_weights()
   sampler_devices = set(setup.meshes.sampler.devices.flat)
+  assert setup.meshes.colocated == (layout == "colocated")
+  assert len(sampler_devices) == (8 if layout == "colocated" else 4)
   changed = 0
   for a, b, c in zip(jax.tree.leaves(synced), jax.tree.leaves(rl.policy.full_params()),
                      jax.tree.leaves(initial["w"])):

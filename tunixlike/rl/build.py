@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tunixlike import distributed, mesh as mesh_lib, models, rewards as rewards_lib, trace as trace_lib
+from tunixlike import device_turns, distributed, mesh as mesh_lib, models, rewards as rewards_lib, trace as trace_lib
 from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokenizer_lib
 from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, value as value_lib
@@ -182,7 +182,7 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   if make_env is not None and agent is not None:
     raise ValueError("rl.agent and rl.env are both given: an episode is run by one of them")
   meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices, cfg.mesh.sampler_tensor,
-                                cfg.mesh.learner_tensor)
+                                cfg.mesh.learner_tensor, layout=cfg.mesh.layout)
   model = build_model(cfg, tok, meshes.learner)
   critic = None
   if training and cfg.model.critic_path:  # loaded (and checked against the policy) before any training starts
@@ -379,4 +379,5 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
       # Each process's queue admits its own share of every batch.
       dataclasses.replace(r, prompts_per_step=r.prompts_per_step // n_proc,
                           dynamic_sampling=cfg.algo.dynamic_sampling), num_steps=num_steps,
-      driver_factory=driver_factory, policy=policy, score=rl.scorer, collapse=collapse, queue_counts=queue_counts)
+      driver_factory=driver_factory, policy=policy, score=rl.scorer, collapse=collapse, queue_counts=queue_counts,
+      turns=device_turns.DeviceTurns(r.wait_timeout_s) if setup.meshes.colocated else None)

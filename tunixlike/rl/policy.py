@@ -63,6 +63,10 @@ class Policy:
 
   def train(self, groups: list[RolloutGroup]) -> dict[str, float]:
     """One optimizer step on groups the reward stage scored (`group.advantages` set)."""
+    return self.train_batch(self.assemble(groups))
+
+  def assemble(self, groups: list[RolloutGroup]) -> dict:
+    """The host batch of scored groups (host work: the runtime does it before taking a device turn)."""
     unscored = [g.prompt_id for g in groups if g.advantages is None]
     if unscored:
       raise ValueError(f"groups {unscored[:3]} have no advantages: score them first (rl/scoring.py)")
@@ -72,8 +76,11 @@ class Policy:
     elif self.num_processes > 1:  # every process's share must have the same length T: the longest bucket
       longest = max((len(g.prompt_token_ids) + c.num_tokens for g in groups for c in g.completions), default=1)
       buckets = (distributed.max_over_processes(pick_bucket(longest, self.seq_buckets)),)
-    batch = assemble_batch(groups, num_rows=self.num_rows, seq_buckets=buckets, pad_id=self.pad_id,
-                           sampling_mask=self.cfg.algo.keep_sampling_mask, routing=self.cfg.sampler.record_routing)
+    return assemble_batch(groups, num_rows=self.num_rows, seq_buckets=buckets, pad_id=self.pad_id,
+                          sampling_mask=self.cfg.algo.keep_sampling_mask, routing=self.cfg.sampler.record_routing)
+
+  def train_batch(self, batch: dict) -> dict[str, float]:
+    """One optimizer step on an `assemble`d batch."""
     with self.tracer.span("train_step", cat="learner", version=self.version):
       placed = self.learner.put_batch(batch)
       rng = jax.random.fold_in(self._rng, self.version)
@@ -102,18 +109,20 @@ class Policy:
     return nnx.split(model)[1]
 
   def sampler_weights(self) -> tuple[Any, float]:
-    """(params on this process's sampler devices, sync ms). On several processes every process
-    must call this at the same point (the learner arrays are all-gathered across hosts)."""
+    """(params on this process's sampler devices, the ms this thread spent on the sync: the copy
+    itself is queued, and the sampler's next call waits for it on the devices). On several processes
+    every process must call this at the same point (the learner arrays are all-gathered across hosts)."""
     with self.tracer.span("weight_sync", cat="sync", version=self.version, lora=self.lora):
       if not self.lora or self._sampler_params is None:
-        params, ms = weight_sync.sync(self.full_params(), self.engine.param_shardings, dtype=self.cfg.rl.sync_dtype)
+        params, ms = weight_sync.sync(self.full_params(), self.engine.param_shardings, dtype=self.cfg.rl.sync_dtype,
+                                      block=False)
       else:
         adapters = self.learner.state.params
         packed_for, packed = self._packed or (None, None)
         source = packed if packed_for is adapters and packed is not None else adapters  # not if restored since
         self._packed = None
         synced, ms = weight_sync.sync(source, self._adapter_shardings, dtype=self.cfg.rl.sync_dtype,
-                                      keep_packed=True)
+                                      keep_packed=True, block=False)
         params = weight_sync.replace_leaves(self._sampler_params, synced)
       self._sampler_params = params
     return params, ms

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import numpy as np
 
+from tunixlike import device_turns
 from tunixlike.rl.collapse import CollapseDetector
 from tunixlike.rl.hooks import Hooks, StepInfo
 from tunixlike.rl.queue import RolloutQueue, Stopped
@@ -100,14 +101,16 @@ class AsyncRuntime:
 
   def __init__(self, cfg: RuntimeConfig, *, driver_factory: Callable[..., Any], policy: Policy,
                score: Callable[[RolloutGroup], None], collapse: CollapseDetector | None = None,
-               queue_counts: dict[str, int] | None = None, num_steps: int | None = None):
+               queue_counts: dict[str, int] | None = None, num_steps: int | None = None,
+               turns: device_turns.DeviceTurns | None = None):
     """`driver_factory(sink, may_start_group)` builds the RolloutDriver (not started).
 
     `score(group)` is the reward stage (runs in the reward pool): it fills `group.rewards` and the
     advantages. Periodic work (metrics, evals, checkpoints, preemption) goes in `self.hooks`;
     `request_stop()` ends the run after the current step. `collapse` flags a collapsed policy in
     the metrics (`collapse`: 1). The queue's admission starts from the policy's version;
-    `queue_counts` (a checkpoint's `queue.counts()`) continues its counters.
+    `queue_counts` (a checkpoint's `queue.counts()`) continues its counters. `turns` (the colocated
+    layout) makes the train step with its weight sync and the sampler's calls alternate on the devices.
     """
     self.cfg, self.policy, self._score, self._collapse = cfg, policy, score, collapse
     self.num_steps = cfg.num_steps if num_steps is None else num_steps
@@ -122,6 +125,8 @@ class AsyncRuntime:
     self._pool = concurrent.futures.ThreadPoolExecutor(cfg.reward_workers, thread_name_prefix="reward")
     self.driver = driver_factory(sink=self._on_group,
                                  may_start_group=lambda: self.queue.try_admit(self.driver.version))
+    self.turns = device_turns.NO_TURNS if turns is None else turns
+    self.driver.turns = self.turns
     self.learner_busy_s = 0.0
     self.sync_ms: list[float] = []
 
@@ -188,10 +193,15 @@ class AsyncRuntime:
         # Deterministic batch order (start order), whatever order the reward pool finished in.
         groups.sort(key=lambda g: g.columns.get("stream_index", 0))
         version = self.policy.version
+        batch = self.policy.assemble(groups)  # host work: the sampler may still use the devices
         t1 = time.monotonic()
-        metrics = self.policy.train(groups)
-        train_s = time.monotonic() - t1
+        with self.turns.learner():
+          metrics = self.policy.train_batch(batch)
+          train_s = time.monotonic() - t1
+          params, sync_ms = self.policy.sampler_weights()
+          self.driver.update_params(params, self.policy.version, drain=cfg.sync_mode == "drain")
         self.learner_busy_s += train_s
+        self.sync_ms.append(sync_ms)
         if not math.isfinite(float(metrics.get("loss", 0.0))) or metrics.get("skipped", 0):
           nonfinite_in_a_row += 1
           self.queue.step_skipped(len(groups))  # the same version needs a new batch: admit one
@@ -202,9 +212,6 @@ class AsyncRuntime:
           nonfinite_in_a_row = 0
         collapsed = self._collapse.check(metrics) if self._collapse is not None else None
         metrics["collapse"] = float(collapsed is not None)
-        params, sync_ms = self.policy.sampler_weights()
-        self.sync_ms.append(sync_ms)
-        self.driver.update_params(params, self.policy.version, drain=cfg.sync_mode == "drain")
         wall = time.monotonic() - t_start
         stats = self.driver.stats
         lags = np.array([version - g.min_version for g in groups])

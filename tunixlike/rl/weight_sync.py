@@ -51,9 +51,14 @@ def sync(tree: Any, shardings: Any, *, dtype=None, block: bool = True,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, keep_packed: bool = False) -> tuple[Any, float]:
   """Returns (the tree on the sampler shardings, milliseconds taken).
 
-  `block=True` waits for the copy: the learner's next step donates its buffers, and the time
-  measured is then the real transfer time, not the dispatch time. `bucket_bytes` bounds the
-  all-gathered bytes held at once on several hosts (unused on one). With `keep_packed`, a tree
+  `block=True` waits for the copy, and the time measured is the transfer's. With `block=False` it
+  returns once the copy is enqueued (the learner's time in sync): the learner's next step may
+  donate the source buffers at once (the runtime orders a donation after the reads queued before
+  it), and the sampler's next call waits for the copy on its devices. The result never aliases the
+  source: in the colocated layout the sampler keeps reading it while the learner donates its own
+  buffers to the next step. `bucket_bytes` bounds the
+  all-gathered bytes held at once on several hosts (unused on one; there each bucket is waited for).
+  With `keep_packed`, a tree
   that takes the packed path comes back as a `Packed` buffer replicated on the sampler mesh
   (`Packed.unpack()` gives the tree; `Engine` accepts it inside `WithAdapters`).
   """
@@ -61,19 +66,19 @@ def sync(tree: Any, shardings: Any, *, dtype=None, block: bool = True,
   if isinstance(tree, params_lib.Packed):  # packed on the learner already (`pack`, cast included)
     out = _send_packed(tree, _flat_targets(tree.treedef, shardings), keep_packed)
   else:
-    out = _sync_tree(tree, shardings, dtype, bucket_bytes, block, keep_packed)
+    out = _sync_tree(tree, shardings, dtype, bucket_bytes, keep_packed)
   if block:
     out = jax.block_until_ready(out)
   return out, (time.perf_counter() - start) * 1e3
 
 
-def _sync_tree(tree, shardings, dtype, bucket_bytes: int, block: bool, keep_packed: bool) -> Any:
+def _sync_tree(tree, shardings, dtype, bucket_bytes: int, keep_packed: bool) -> Any:
   leaves, treedef = jax.tree.flatten(tree)  # once: flattening an nnx State is slow next to a LoRA sync
   if _spans_processes(leaves):
-    return _sync_across_hosts(tree, shardings, dtype, bucket_bytes, block)
+    return _sync_across_hosts(tree, shardings, dtype, bucket_bytes)
   if _packable(leaves, targets := _flat_targets(treedef, shardings)):
     return _send_packed(_pack(leaves, treedef, dtype), targets, keep_packed)
-  return jax.device_put(_cast(tree, dtype), shardings)
+  return jax.device_put(_cast(tree, dtype), shardings, may_alias=False)
 
 
 # Many small arrays (LoRA adapters: A and B of every projection) cost a fixed overhead each when
@@ -185,7 +190,7 @@ def _gatherer(out_shardings: tuple, dtype: str | None):
   return jax.jit(gather, out_shardings=list(out_shardings))
 
 
-def _sync_across_hosts(tree: Any, shardings: Any, dtype, bucket_bytes: int, block: bool) -> Any:
+def _sync_across_hosts(tree: Any, shardings: Any, dtype, bucket_bytes: int) -> Any:
   leaves, treedef = jax.tree.flatten(tree)
   targets = treedef.flatten_up_to(shardings)
   for x, t in zip(leaves, targets):
@@ -198,7 +203,7 @@ def _sync_across_hosts(tree: Any, shardings: Any, dtype, bucket_bytes: int, bloc
   sizes = [x.size * (jnp.dtype(dtype_name).itemsize if dtype_name else x.dtype.itemsize) for x in leaves]
   spread = [i for i, x in enumerate(leaves) if not x.is_fully_addressable]
   for i in sorted(set(range(len(leaves))) - set(spread)):  # already on this host: a local copy
-    out[i] = jax.device_put(_cast(leaves[i], dtype), targets[i])
+    out[i] = jax.device_put(_cast(leaves[i], dtype), targets[i], may_alias=False)
   for bucket in buckets([sizes[i] for i in spread], bucket_bytes):
     bucket = [spread[j] for j in bucket]
     xs = [leaves[i] for i in bucket]
@@ -208,8 +213,7 @@ def _sync_across_hosts(tree: Any, shardings: Any, dtype, bucket_bytes: int, bloc
     for i, g in zip(bucket, gathered):
       # A full copy on one of this host's learner devices -> this host's sampler devices.
       out[i] = jax.device_put(g.addressable_shards[0].data, targets[i])
-    if block:  # free the gathered bucket before the next one: peak extra memory ~ one bucket
-      jax.block_until_ready([out[i] for i in bucket])
+    jax.block_until_ready([out[i] for i in bucket])  # frees the gathered bucket: extra memory ~ one bucket
     del gathered
   return jax.tree.unflatten(treedef, out)
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunixlike import trace as trace_lib
+from tunixlike import device_turns, trace as trace_lib
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler.engine import Engine, PromptError
 
@@ -133,6 +133,10 @@ def _sample_keys(base, first_seq, group_size: int, num_groups: int, turns: int =
 
 class RolloutDriver:
   """Continuous batching over an `Engine`; see the module docstring."""
+
+  # Colocated layout: the runtime sets `device_turns.DeviceTurns`, so that each step's device work
+  # takes its turn with the learner's.
+  turns = device_turns.NO_TURNS
 
   def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None],
                sink: Callable[[RolloutGroup], None] | Any, version: int = 0,
@@ -250,16 +254,17 @@ class RolloutDriver:
 
   def step(self) -> bool:
     """Swap params if asked, refill slots, run one generate call. Returns False if nothing ran."""
-    self._maybe_swap_params()
-    self._prepare()
-    self._refill()
-    if not any(s is not None for s in self._slots):
-      return False
-    t0 = time.perf_counter()
-    with self.tracer.span("generate", cat="sampler", version=self._version):
-      self._state, result = self.engine.generate(self._params, self._state)
-      host = jax.device_get(result)
-    self.stats.busy_time_s += time.perf_counter() - t0
+    with self.turns.sampler():  # the device work of one step; collecting its tokens is host work
+      self._maybe_swap_params()
+      self._prepare()
+      self._refill()
+      if not any(s is not None for s in self._slots):
+        return False
+      t0 = time.perf_counter()
+      with self.tracer.span("generate", cat="sampler", version=self._version):
+        self._state, result = self.engine.generate(self._params, self._state)
+        host = jax.device_get(result)
+      self.stats.busy_time_s += time.perf_counter() - t0
     self.stats.generate_calls += 1
     self._collect(host)
     return True
