@@ -102,6 +102,20 @@ def test_sampler_throughput_benchmark(tmp_path):
 
 
 @pytest.mark.slow
+def test_sampler_admission_benchmark(tmp_path):
+  r = run_benchmark("sampler_admission", tmp_path)
+  assert_positive(r, "wall_ms_per_step", "busy_ms_per_step", "prefill_calls_per_step", "insert_calls_per_step",
+                  "generate_calls_per_step")
+  w = r["workload"]
+  assert (w["prompts_per_step"], w["group_size"], w["slots"], w["sampler_devices"]) == (32, 8, 128, 4)
+  assert r["prefills_per_step"] == w["prompts_per_step"]  # one prefill per group (one weight version)
+  # Groups admitted together share program calls: far fewer than one prefill and insert per group.
+  assert max(r["prefill_calls_per_step"], r["insert_calls_per_step"]) < w["prompts_per_step"] / 4
+  assert r["programs_compiled_after_warmup"] == 0
+  assert_positive(r["blocking"], "prefill_ms_per_call", "insert_ms_per_call", "generate_ms_per_call")
+
+
+@pytest.mark.slow
 def test_agent_endpoint_benchmark(tmp_path):
   r = run_benchmark("agent_endpoint", tmp_path)
   assert_positive(r, "endpoint_tok_s", "inprocess_tok_s", "endpoint_vs_inprocess")

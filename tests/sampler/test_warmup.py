@@ -24,7 +24,8 @@ def test_nothing_compiles_after_warmup_and_samples_are_unchanged():
     warm.warmup(params)
   counts = engine_counts(traces)
   cfg = warm.config
-  assert counts["prefill"] == len(cfg.prefill_buckets) and counts["generate"] == len(cfg.attend_windows)
+  assert counts["prefill"] == len(cfg.prefill_buckets) * len(cfg.prompt_batch_sizes)
+  assert counts["generate"] == len(cfg.attend_windows)
   assert counts["release"] == 1 and counts["move"] == 0
 
   def decode(engine):  # prompts of every bucket, completions crossing every window

@@ -89,6 +89,17 @@ class SamplerConfig:
     return tuple(out)
 
   @property
+  def prompt_batch_sizes(self) -> tuple[int, ...]:
+    """Prompts per batched prefill / insert call (`Engine.prefill_many` / `insert_many`): powers of
+    two up to the number of groups that fit the slots, which is also the largest (one program each)."""
+    top = -(-self.max_concurrent_decodes // self.group_size)
+    sizes, n = [], 1
+    while n < top:
+      sizes.append(n)
+      n *= 2
+    return tuple(sizes) + (top,)
+
+  @property
   def cache_length(self) -> int:
     """Most KV positions per slot: the longest prompt plus the longest completion, bucket-aligned."""
     need = max(self.prefill_buckets[-1], self.max_prefill_length + self.max_new_tokens)

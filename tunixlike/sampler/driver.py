@@ -1,7 +1,8 @@
 """The rollout driver: keeps every decode slot busy and emits finished GRPO groups.
 
-A loop over the engine: refill free slots from the prompt source (G slots per prompt, one shared
-prefill), generate `steps_per_call` tokens, collect the tokens per slot, end a completion at an EOS
+A loop over the engine: refill free slots from the prompt source (G slots per prompt; the groups
+admitted at one refill are prefilled in one call and inserted in one more, `Engine.prefill_many` /
+`insert_many`), generate `steps_per_call` tokens, collect the tokens per slot, end a completion at an EOS
 id, a stop string or its length limit, refill the slot at once, and hand a `RolloutGroup` to the
 sink the moment its last completion ends.
 
@@ -67,7 +68,8 @@ class _Slot:
   masks: list[np.ndarray] = dataclasses.field(default_factory=list)
   # Keep Routing: experts of each token's forward ([L, k] per token) and the prefill's for the prompt.
   routing: list[np.ndarray] = dataclasses.field(default_factory=list)
-  prompt_routing: Any = None  # device int32 [bucket, L, k] from the prefix this slot was filled from
+  # The prefix this slot was filled from: its prefill's routing (device int32 [rows, bucket, L, k]) and row.
+  prompt_routing: tuple[Any, int] | None = None
 
 
 class Recorder(Protocol):
@@ -293,10 +295,65 @@ class RolloutDriver:
     free = [i for i, s in enumerate(self._slots) if s is None]
     if not free or (self._static and len(free) < len(self._slots)):
       return
+    if self.engine.config.slot_groups > 1:
+      self._refill_one_at_a_time(free)
+      return
+    batch = self._take_groups(free)
+    if not batch:
+      return
+    prefixes = self._prefixes([group for group, _ in batch])
+    t0 = time.perf_counter()
+    self._state = self.engine.insert_many(
+        prefixes, self._state, [slots for _, slots in batch],
+        keys=[self._sample_keys_of(group, len(slots)) for group, slots in batch],
+        max_new_tokens=[self._limit(group) for group, _ in batch])
+    self.stats.busy_time_s += time.perf_counter() - t0
+    for (group, slots), prefix in zip(batch, prefixes):
+      self._started(group, slots, prefix)
+
+  def _take_groups(self, free: list[int]) -> list[tuple[_Group, list[int]]]:
+    """Groups to insert now with their slots: the pending group first, then new ones while free
+    slots remain (admission is asked per group). Only the last may not fit: it stays pending."""
+    groups = [] if self._pending_group is None else [self._pending_group]
+    while sum(self.config.group_size - g.started for g in groups) < len(free):
+      group = self._admit()
+      if group is None:
+        break
+      groups.append(group)
+    batch = []
+    for group in groups:
+      slots = free[:self.config.group_size - group.started]
+      del free[:len(slots)]
+      batch.append((group, slots))
+    return batch
+
+  def _prefixes(self, groups: list[_Group]) -> list:
+    """The groups' prefixes: the pending group keeps its own if computed with the current weights
+    (a prefix is never reused across weight versions); the others are prefilled in one call."""
+    prefixes = [None] * len(groups)
+    if groups[0] is self._pending_group and self._pending_prefix is not None \
+        and self._pending_prefix.version == self._version:
+      prefixes[0] = self._pending_prefix
+    todo = [i for i, p in enumerate(prefixes) if p is None]
+    if todo:
+      t0 = time.perf_counter()
+      with self.tracer.span("prefill", cat="sampler", version=self._version, prompts=len(todo)):
+        fresh = self.engine.prefill_many(self._params, [groups[i].prompt_ids for i in todo], version=self._version)
+      self.stats.busy_time_s += time.perf_counter() - t0
+      self.stats.prefills += len(todo)
+      for i, prefix in zip(todo, fresh):
+        prefixes[i] = prefix
+    return prefixes
+
+  def _refill_one_at_a_time(self, free: list[int]) -> None:
+    """Slot groups: one sample per insert, after the engine may have moved a live sequence so that
+    long ones stay together (`Engine.plan_insert` / `move`)."""
     while free:
       group = self._pending_group or self._admit()
       if group is None:
         return
+      if self._pending_group is not group:
+        self._pending_group, self._pending_prefix = group, None
       if self._pending_prefix is None or self._pending_prefix.version != self._version:
         # A prefix is never reused across weight versions: recompute it with the current params.
         t0 = time.perf_counter()
@@ -304,32 +361,40 @@ class RolloutDriver:
           self._pending_prefix = self.engine.prefill(self._params, group.prompt_ids, version=self._version)
         self.stats.busy_time_s += time.perf_counter() - t0
         self.stats.prefills += 1
-      g = group.started
-      limit = group.request.max_new_tokens or self.config.max_new_tokens
-      if group.keys is None:
-        group.keys = self._group_keys(group.seq)
       t0 = time.perf_counter()
-      if self.engine.config.slot_groups == 1:  # as many samples as there are free slots, in one call
-        slots = free[:self.config.group_size - g]
-        del free[:len(slots)]
-      else:  # slot groups: the engine may first move a live sequence so that long ones stay together
-        slot, move = self.engine.plan_insert(self._state, free)
-        if move is not None:
-          src, dst = move
-          self._state = self.engine.move(self._state, src, dst)
-          self._slots[dst], self._slots[src] = self._slots[src], None
-          self.stats.moves += 1
-        free.remove(dst if move is not None else slot)
-        slots = [slot]
-      self._state = self.engine.bulk_insert(self._pending_prefix, self._state, slots,
-                                            keys=group.keys[g:g + len(slots)], max_new_tokens=limit)
+      slot, move = self.engine.plan_insert(self._state, free)
+      if move is not None:
+        src, dst = move
+        self._state = self.engine.move(self._state, src, dst)
+        self._slots[dst], self._slots[src] = self._slots[src], None
+        self.stats.moves += 1
+      free.remove(dst if move is not None else slot)
+      self._state = self.engine.bulk_insert(self._pending_prefix, self._state, [slot],
+                                            keys=self._sample_keys_of(group, 1), max_new_tokens=self._limit(group))
       self.stats.busy_time_s += time.perf_counter() - t0
-      for i, slot in enumerate(slots):
-        self._slots[slot] = _Slot(group=group, index=g + i, max_new=limit,
-                                  prompt_routing=self._pending_prefix.routing)
-      group.started += len(slots)
-      if group.started == self.config.group_size:
-        self._pending_group, self._pending_prefix = None, None
+      self._started(group, [slot], self._pending_prefix)
+
+  def _limit(self, group: _Group) -> int:
+    return group.request.max_new_tokens or self.config.max_new_tokens
+
+  def _sample_keys_of(self, group: _Group, count: int) -> np.ndarray:
+    """Noise keys of the group's next `count` samples."""
+    if group.keys is None:
+      group.keys = self._group_keys(group.seq)
+    return group.keys[group.started:group.started + count]
+
+  def _started(self, group: _Group, slots: list[int], prefix) -> None:
+    """Bookkeeping once the group's next samples are inserted into `slots`: a group not yet fully
+    inserted stays pending with its prefix."""
+    limit = self._limit(group)
+    routing = None if prefix.routing is None else (prefix.routing, prefix.row)
+    for i, slot in enumerate(slots):
+      self._slots[slot] = _Slot(group=group, index=group.started + i, max_new=limit, prompt_routing=routing)
+    group.started += len(slots)
+    if group.started < self.config.group_size:
+      self._pending_group, self._pending_prefix = group, prefix
+    elif self._pending_group is group:
+      self._pending_group, self._pending_prefix = None, None
 
   _key_turns = 0  # EpisodeDriver: a key per policy turn
 
@@ -359,7 +424,6 @@ class RolloutDriver:
                    completions=[None] * self.config.group_size)
     self._next_seq += 1
     self._in_flight[group.seq] = group
-    self._pending_group, self._pending_prefix = group, None
     return group
 
   def _check_prompt(self, request: PromptRequest) -> np.ndarray:
@@ -451,8 +515,7 @@ class RolloutDriver:
         loss_mask=np.ones((n,), np.int32),
         sampling_mask=np.stack(info.masks) if info.masks else None,
         expert_routing=np.stack(info.routing).astype(np.int32) if info.routing else None,
-        prompt_routing=(None if info.prompt_routing is None
-                        else np.asarray(info.prompt_routing)[:len(info.group.prompt_ids) - 1]),
+        prompt_routing=self._prompt_routing(info),
         text=self._detokenize(info.tokens) if self._detokenize else None)
     self._slots[slot] = None
     self.stats.tokens_generated += n
@@ -467,6 +530,13 @@ class RolloutDriver:
       for r in self._recorders:
         r.group(group.seq, done)
       self._emit(done)
+
+  @staticmethod
+  def _prompt_routing(info: _Slot) -> np.ndarray | None:
+    if info.prompt_routing is None:
+      return None
+    routing, row = info.prompt_routing
+    return np.asarray(routing)[row, :len(info.group.prompt_ids) - 1]
 
   def _emit(self, group: RolloutGroup) -> None:
     put = getattr(self._sink, "put", None)

@@ -6,6 +6,12 @@
   state = engine.insert(prefix, state, slot)                 # G times for a GRPO group
   state, result = engine.generate(params, state)             # steps_per_call tokens per slot
 
+Several groups at once (what the rollout driver does when slots free up): `prefill_many` runs their
+prompts as one batch ([prompts, bucket], padded to a power-of-two count) and `insert_many` writes
+all their samples into free slots with one scatter program. A program call costs about a
+millisecond of fixed overhead on a 4-device CPU mesh whatever its size, so one call per refill
+instead of one prefill and one insert per group is most of the admission cost saved.
+
 Params are passed on every call so the driver can swap them between steps (in-flight update); the
 policy version lives in the decode state and is stamped on every token it produces.
 
@@ -22,7 +28,8 @@ The decode cache is only as long as the longest live sequence needs (rounded up 
 `attend_bucket`): it is grown or shrunk by one copy when that changes, so each decode step reads
 just that window. Slicing a longer cache inside the step instead costs a copy of the window every
 step (XLA materialises the slice before the attention matmul), 2-3x the attention bytes. There is
-one compiled decode program per window size, and one prefill program per power-of-two bucket.
+one compiled decode program per window size, and one prefill program per power-of-two bucket and
+prompt batch size (`SamplerConfig.prompt_batch_sizes`).
 
 Slot groups (`sampler.slot_groups` = G > 1): the cache is split into G groups of slots, each with its
 own window (`kv_cache.GroupedKVCache`); projections and MLP still run once over all slots, only
@@ -68,15 +75,19 @@ class PromptError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Prefix:
-  """The prefilled KV of one prompt (all but its last token), ready to insert into slots."""
+  """The prefilled KV of one prompt (all but its last token), ready to insert into slots.
 
-  cache: kv_cache_lib.KVCache  # per layer k [1, Hkv, D, bucket], v [1, Hkv, bucket, D]
+  Prompts prefilled in one call (`prefill_many`) share its cache: each Prefix names its row.
+  """
+
+  cache: kv_cache_lib.KVCache  # per layer k [rows, Hkv, D, bucket], v [rows, Hkv, bucket, D]
   last_token: int  # the prompt's last token: the first input of decode
   true_length: int  # prompt length in tokens
   version: int  # policy version of the params that computed the KV
-  # sampler.record_routing ("Keep Routing"): experts the prefill chose for prompt[:-1] (rows past
-  # true_length - 1 are padding), a device array fetched only when the completion is finished.
-  routing: jax.Array | None = None  # int32 [bucket, L, k]
+  # sampler.record_routing ("Keep Routing"): experts the prefill chose for prompt[:-1] (positions
+  # past true_length - 1 are padding), a device array fetched only when the completion is finished.
+  routing: jax.Array | None = None  # int32 [rows, bucket, L, k]
+  row: int = 0  # this prompt's row of `cache` and `routing`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +217,37 @@ class Engine:
   def prefill(self, params: Params, tokens, true_length: int | None = None, *,
               version: int = 0) -> Prefix:
     """Prefills one prompt. `tokens` is a 1-D id sequence (may be right-padded past true_length)."""
+    return self.prefill_many(params, [self._prompt_ids(tokens, true_length)], version=version)[0]
+
+  def prefill_many(self, params: Params, prompts, *, version: int = 0) -> list[Prefix]:
+    """Prefills several prompts (1-D id sequences): one Prefix each, as `prefill` gives, in one
+    program call per prompt bucket and `max_prompt_batch` prompts. Each call pads its prompts to a
+    size of `config.prompt_batch_sizes`, so there is one program per (batch size, prompt bucket).
+    Prompts are not padded to a longer bucket than their own: that would waste compute and widen the
+    attention window of the slots they go into."""
+    ids = [self._prompt_ids(p) for p in prompts]
+    by_bucket: dict[int, list[int]] = {}
+    for i, x in enumerate(ids):
+      by_bucket.setdefault(self.prefill_bucket(len(x) - 1), []).append(i)
+    out: list[Prefix | None] = [None] * len(ids)
+    for bucket, idx in by_bucket.items():
+      for start in range(0, len(idx), self.max_prompt_batch):
+        chunk = idx[start:start + self.max_prompt_batch]
+        for i, prefix in zip(chunk, self._prefill_chunk(params, [ids[i] for i in chunk], bucket, int(version))):
+          out[i] = prefix
+    return out
+
+  def _prefill_chunk(self, params: Params, ids: list[np.ndarray], bucket: int, version: int) -> list[Prefix]:
+    rows = self.prompt_batch_bucket(len(ids))
+    padded, lengths = np.zeros((rows, bucket), np.int32), np.zeros((rows,), np.int32)
+    for r, x in enumerate(ids):  # rows past the prompts stay empty (length 0)
+      padded[r, :len(x) - 1], lengths[r] = x[:-1], len(x) - 1
+    cache, routing = self._prefill_fn(params, padded, lengths, bucket=bucket)
+    return [Prefix(cache=cache, last_token=int(x[-1]), true_length=len(x), version=version, routing=routing,
+                   row=r) for r, x in enumerate(ids)]
+
+  def _prompt_ids(self, tokens, true_length: int | None = None) -> np.ndarray:
+    """The prompt's ids (tokens[:true_length]), checked: non-empty, short enough, in the vocabulary."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
       raise PromptError(f"prefill: tokens must be 1-D, got shape {tokens.shape}")
@@ -221,11 +263,7 @@ class Engine:
     if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= self.vocab_size:
       raise PromptError(f"prefill: token ids must be integers in [0, {self.vocab_size}), got "
                         f"dtype {ids.dtype}, range [{ids.min()}, {ids.max()}]")
-    bucket = self.prefill_bucket(n - 1)
-    padded = np.zeros((1, bucket), np.int32)
-    padded[0, :n - 1] = ids[:-1]
-    cache, routing = self._prefill_fn(params, padded, np.asarray([n - 1], np.int32), bucket=bucket)
-    return Prefix(cache=cache, last_token=int(ids[-1]), true_length=n, version=int(version), routing=routing)
+    return ids
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
              key: jax.Array | None = None, max_new_tokens: int | None = None) -> DecodeState:
@@ -241,43 +279,82 @@ class Engine:
   def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots, *, keys,
                   max_new_tokens: int | None = None) -> DecodeState:
     """`insert` of one prefix into several slots (the G samples of a GRPO group), with one key per
-    slot: the same state as inserting them one by one, in one program call per slot group and
-    chunk of `group_size` slots instead of one per slot (as JetStream's `bulk_insert`)."""
-    slots = [int(s) for s in slots]
-    if len(keys) != len(slots) or len(set(slots)) != len(slots):
-      raise ValueError(f"bulk_insert: {len(slots)} slots {slots} need as many distinct slots and keys "
-                       f"({len(keys)} keys)")
+    slot: the same state as inserting them one by one, in one program call per slot group (per
+    `group_size` slots from a `prefill` prefix) instead of one per slot (as JetStream's `bulk_insert`)."""
+    return self.insert_many([prefix], decode_state, [slots], keys=[keys], max_new_tokens=max_new_tokens)
+
+  def insert_many(self, prefixes, decode_state: DecodeState, slots, *, keys,
+                  max_new_tokens=None) -> DecodeState:
+    """`bulk_insert` of several prefixes at once (the G samples of each of several groups):
+    prefixes[i] goes into the slots slots[i] with the keys keys[i] (one per slot) and the limit
+    max_new_tokens[i] (or one limit for all; None = the config's). The same state as one
+    `bulk_insert` per prefix, in one program call per slot group and prefill call the prefixes came
+    from (one for the groups of a refill), instead of one per prefix. A call inserts as many slots
+    as its prefill call had rows times group_size (padded: one insert program per prefill batch
+    size, prompt bucket and window).
+    """
+    n = len(prefixes)
+    limits = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
+    if not len(slots) == len(keys) == len(limits) == n:
+      raise ValueError(f"insert_many: {n} prefixes need as many slot lists ({len(slots)}), key lists "
+                       f"({len(keys)}) and limits ({len(limits)})")
+    entries = []  # (prefix, slot, key data, limit), in the order given
+    for i, (prefix, prefix_slots, prefix_keys, limit) in enumerate(zip(prefixes, slots, keys, limits)):
+      if len(prefix_keys) != len(prefix_slots):
+        raise ValueError(f"insert_many: prefix {i} has {len(prefix_slots)} slots and {len(prefix_keys)} keys")
+      limit = self._check_limit(limit)
+      entries += [(prefix, int(s), _key_data(k), limit) for s, k in zip(prefix_slots, prefix_keys)]
+    self._check_slots([slot for _, slot, _, _ in entries])
+    calls: dict[tuple[int, int], list] = {}  # (slot group, id of the prefill's cache) -> its entries
+    for entry in entries:
+      group = kv_cache_lib.group_of_row(entry[1], self._groups, self._block)[0]
+      calls.setdefault((group, id(entry[0].cache)), []).append(entry)
+    arrays = decode_state.arrays
+    for (group, _), call in calls.items():
+      source = call[0][0].cache
+      if arrays["cache"].windows[group] < source.max_len:
+        window = self.config.attend_window(source.max_len - 1)
+        arrays = self._resize(DecodeState(arrays, None, None), group, window).arrays
+      width = self._insert_width(source.batch_size)
+      for start in range(0, len(call), width):
+        arrays = self._insert_call(source, arrays, group, call[start:start + width], width)
+    positions = decode_state.host_positions.copy()
+    live = decode_state.host_live.copy()
+    for prefix, slot, _, _ in entries:
+      positions[slot], live[slot] = prefix.true_length - 1, True
+    return DecodeState(arrays, positions, live)
+
+  def _insert_call(self, source: kv_cache_lib.KVCache, arrays, group: int, entries, width: int) -> dict:
+    """One `_insert_fn` call: entries (prefixes of `source`) into their slots of slot group `group`,
+    padded to `width` with entries naming a slot and row past the end (the program drops them)."""
+    scalars = np.zeros((width, 6), np.int32)
+    scalars[:, 0], scalars[:, 5] = self.max_concurrent_decodes, self.max_concurrent_decodes // self._groups
+    keys = np.zeros((width, 2), np.uint32)
+    for m, (prefix, slot, key, limit) in enumerate(entries):
+      row = kv_cache_lib.group_of_row(slot, self._groups, self._block)[1]
+      scalars[m] = (slot, prefix.row, prefix.last_token, prefix.true_length - 1, limit, row)
+      keys[m] = key
+    cache, small = self._split_arrays(arrays)
+    new_group, small = self._insert_fn(source, cache.groups[group], small, scalars, keys)
+    return self._join_arrays(cache, small, {group: new_group})
+
+  def _insert_width(self, prefill_rows: int) -> int:
+    """Slots per `_insert_fn` call from a prefill of `prefill_rows` prompts: their groups' samples."""
+    return min(prefill_rows * self.config.group_size, self.max_concurrent_decodes // self._groups)
+
+  def _check_slots(self, slots: list[int]) -> None:
+    if len(set(slots)) != len(slots):
+      raise ValueError(f"insert: slots {slots} must be distinct slots")
     for slot in slots:
       if not 0 <= slot < self.max_concurrent_decodes:
         raise ValueError(f"insert: slot={slot} outside [0, {self.max_concurrent_decodes})")
+
+  def _check_limit(self, max_new_tokens: int | None) -> int:
     limit = self.config.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
     if not 1 <= limit <= self.config.max_new_tokens:
       raise ValueError(f"insert: max_new_tokens={max_new_tokens} must be in [1, "
                        f"sampler.max_new_tokens={self.config.max_new_tokens}]")
-    keys = np.stack([_key_data(k) for k in keys])
-    bucket = prefix.cache.max_len
-    by_group: dict[int, list[int]] = {}
-    for i, slot in enumerate(slots):
-      by_group.setdefault(kv_cache_lib.group_of_row(slot, self._groups, self._block)[0], []).append(i)
-    arrays = decode_state.arrays
-    for group, idx in by_group.items():
-      if arrays["cache"].windows[group] < bucket:
-        window = self.config.attend_window(bucket - 1)
-        arrays = self._resize(DecodeState(arrays, None, None), group, window).arrays
-      width = self.config.group_size
-      while idx:  # chunks of group_size slots, the last padded by repeating its last slot (a no-op):
-        chunk, idx = idx[:width], idx[width:]  # one insert program per window, whatever the count
-        chunk += chunk[-1:] * (width - len(chunk))
-        rows = [kv_cache_lib.group_of_row(slots[i], self._groups, self._block)[1] for i in chunk]
-        scalars = np.asarray([[slots[i], prefix.last_token, prefix.true_length - 1, limit, row]
-                              for i, row in zip(chunk, rows)], np.int32)
-        cache, small = self._split_arrays(arrays)
-        new_group, small = self._insert_fn(prefix.cache, cache.groups[group], small, scalars, keys[chunk])
-        arrays = self._join_arrays(cache, small, {group: new_group})
-    positions = decode_state.host_positions.copy()
-    live = decode_state.host_live.copy()
-    positions[slots], live[slots] = prefix.true_length - 1, True
-    return DecodeState(arrays, positions, live)
+    return limit
 
   def generate(self, params: Params, decode_state: DecodeState) -> tuple[DecodeState, GenerateResult]:
     """Advances every live slot by up to steps_per_call tokens (stopping exactly at EOS / limit)."""
@@ -374,15 +451,18 @@ class Engine:
 
     Without it, each new prompt bucket or attention window compiles in the middle of decoding (one
     program per shape, 0.1-1 s each on CPU), stalling every slot. This runs each program once on
-    scratch state, which is then discarded: prefill per prompt bucket; per attention window, insert
-    (per prompt bucket), the one-bucket grow and shrink; generate per tuple of slot-group windows
+    scratch state, which is then discarded: prefill per prompt bucket and prefill batch size
+    (`config.prompt_batch_sizes`); per attention window, insert (per prompt bucket and prefill batch
+    size), the one-bucket grow and shrink; generate per tuple of slot-group windows
     (windows ** slot_groups programs); with slot groups, move per pair of windows. `params` must be
     what the run decodes with (LoRA-packed params compile their own programs).
     """
     lengths: dict[int, int] = {}  # prompt bucket -> a prompt length that lands in it
     for n in range(1, self.max_prefill_length + 1):
       lengths.setdefault(self.prefill_bucket(n - 1), n)
-    prefixes = [self.prefill(params, np.zeros(n, np.int32)) for n in lengths.values()]
+    # A prefix per prompt bucket and prefill batch size: insert programs depend on both.
+    prefixes = [self.prefill_many(params, [np.zeros(n, np.int32)] * size)[0]
+                for size in self.config.prompt_batch_sizes for n in lengths.values()]
     windows, key = self.config.attend_windows, np.zeros((1, 2), np.uint32)
     state = self.init_decode_state()  # all group caches share one shape per window: group 0 stands for all
     for window in windows:
@@ -409,6 +489,14 @@ class Engine:
         cache, small = self._split_arrays(arrays)
         out = self._move_fn(cache.groups[0], cache.groups[1], small, scalars)
     jax.block_until_ready((state.arrays, out))
+
+  @property
+  def max_prompt_batch(self) -> int:
+    """Most prompts per `prefill_many` / `insert_many` program call."""
+    return self.config.prompt_batch_sizes[-1]
+
+  def prompt_batch_bucket(self, num_prompts: int) -> int:
+    return next(b for b in self.config.prompt_batch_sizes if num_prompts <= b)
 
   def prefill_bucket(self, num_tokens: int) -> int:
     for b in self.config.prefill_buckets:
@@ -491,31 +579,37 @@ class Engine:
     return dict(cache=cache, tokens=slots, positions=slots, num_generated=slots, max_new=slots,
                 done=slots, keys=slots, version=self._replicated)
 
-  def _prefill_impl(self, params, tokens_1t, lengths_1, *, bucket):
+  def _prefill_impl(self, params, tokens_bt, lengths_b, *, bucket):
+    """Prefill of a batch of prompts. The rows are split over the replicas when they divide (each
+    computes its share instead of all of them; the cache is then gathered for any slot to take)."""
+    if tokens_bt.shape[0] % self.mesh.shape["replica"] == 0:
+      tokens_bt = jax.lax.with_sharding_constraint(tokens_bt, self._slots_sharding)
+      lengths_b = jax.lax.with_sharding_constraint(lengths_b, self._slots_sharding)
     model = nnx.merge(self._graphdef, params_lib.materialize(params))
-    cache = self._empty_cache(1, bucket)
+    cache = self._empty_cache(tokens_bt.shape[0], bucket)
     if not self.config.record_routing:
-      return model.prefill(tokens_1t, cache, lengths_1)[1], None
-    _, cache, routing_1tlk = model.prefill(tokens_1t, cache, lengths_1, return_routing=True)
-    return cache, routing_1tlk[0]
+      return model.prefill(tokens_bt, cache, lengths_b)[1], None
+    _, cache, routing_btlk = model.prefill(tokens_bt, cache, lengths_b, return_routing=True)
+    return cache, routing_btlk
 
-  def _insert_impl(self, prefix_cache, group_cache, arrays, scalars_n5, keys_n):
-    """Writes the prefix into n slots of one group; scalars rows: slot, last token, position, limit, row."""
-    zero = jnp.int32(0)
+  def _insert_impl(self, prefix_cache, group_cache, arrays, scalars_m6, keys_m):
+    """Writes prefixes (rows of one prefill's cache) into slots of one group, one scatter per array.
+    scalars rows: slot, prefix row, last token, position, limit, row of the slot in its group;
+    padding rows name a slot and row past the end (dropped)."""
+    slot, src, last_token, position, limit, row = (scalars_m6[:, j] for j in range(6))
+    sources = jax.tree.map(lambda x: x[src], prefix_cache)  # [M, ...] per array
+
+    def put(dst, new):  # new[m] into row row[m] of dst, leading positions
+      dims = jax.lax.ScatterDimensionNumbers(update_window_dims=tuple(range(1, dst.ndim)),
+                                             inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,))
+      return jax.lax.scatter(dst, row[:, None], new.astype(dst.dtype), dims,
+                             mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+    group_cache = jax.tree.map(put, group_cache, sources)
     out = dict(arrays)
-    for i in range(scalars_n5.shape[0]):
-      slot, last_token, position, limit, row = (scalars_n5[i, j] for j in range(5))
-
-      def put(dst, src, row=row):  # src [1, ...] into the slot's row of its group, leading positions
-        return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), (row,) + (zero,) * (dst.ndim - 1))
-
-      group_cache = jax.tree.map(put, group_cache, prefix_cache)
-      out["tokens"] = out["tokens"].at[slot].set(last_token)
-      out["positions"] = out["positions"].at[slot].set(position)
-      out["num_generated"] = out["num_generated"].at[slot].set(0)
-      out["max_new"] = out["max_new"].at[slot].set(limit)
-      out["done"] = out["done"].at[slot].set(False)
-      out["keys"] = out["keys"].at[slot].set(keys_n[i])
+    for name, value in (("tokens", last_token), ("positions", position), ("num_generated", 0),
+                        ("max_new", limit), ("done", False), ("keys", keys_m)):
+      out[name] = arrays[name].at[slot].set(value, mode="drop")
     return group_cache, out
 
   def _move_impl(self, src_cache, dst_cache, arrays, scalars):
