@@ -3,6 +3,8 @@ layout and against an earlier commit, side by side in one run.
 
   python benchmarks/rl_step.py [--steps 100] [--skip-steps 10] [--layouts split] [--baseline REV]
       [--out FILE] [--quick]
+  python benchmarks/rl_step.py --grid [--layouts split,colocated]    # how the cost grows
+  python benchmarks/rl_step.py --seeds 0,1,2 [--layouts colocated]   # the whole main job per seed
 
 Prints one JSON object (and writes it to --out). Each run is the main job itself, through the CLI:
 `python -m tunixlike.train --config configs/addition_grpo.py` with `rl.num_steps=--steps`, on 8
@@ -19,6 +21,14 @@ and `sampler/busy_frac` turned into busy seconds and taken over the same window;
 median `sync/ms` over it; `overhead_s` the step time minus the busier side's busy time per step
 (what neither side's compute explains: waits, bubbles, host work on the critical path). The machine
 may be shared: `os.getloadavg()` is recorded.
+
+`--grid`: the same measurements (warm start off, `--steps` default 14, 8 held-out prompts) as one
+setting at a time grows from the main job's: completion length (`sampler.max_new_tokens` 8, 64,
+256; an untrained model rarely stops early), prompts per step (8, 32, 128) and the model (the base
+model, hidden 128 and 256: about 4x and 16x its parameters), in each layout. JSON key `grid`: one
+row per run. `--seeds`: the whole main job (warm start, 300 steps, evals) once per seed
+(`seed = data.shuffle_seed = N`) in each layout, with its held-out gain and wall clock (the run's
+own `time_s` at its last eval). JSON key `seeds`.
 """
 
 from __future__ import annotations
@@ -45,18 +55,23 @@ def _parse(argv=None):
   p.add_argument("--layouts", default="split", help="comma-separated values of mesh.layout to run")
   p.add_argument("--baseline", default=None, help="a git revision to run the same workload from")
   p.add_argument("--quick", action="store_true", help="the tiny variant, few steps (smoke test, not the figures)")
+  p.add_argument("--grid", action="store_true", help="s/step as completion length, prompts and model grow")
+  p.add_argument("--seeds", default=None, help="comma-separated seeds: the whole main job once per seed")
   p.add_argument("--out", default=None, help="also write the JSON object to this file")
   return p.parse_args(argv)
 
 
-def _run(root: pathlib.Path, workdir: pathlib.Path, steps: int, quick: bool, extra: list[str]) -> list[dict]:
-  """Runs the main job from the checkout at `root`; returns its metrics records."""
+def _run(root: pathlib.Path, workdir: pathlib.Path, steps: int | None, quick: bool, extra: list[str]) -> list[dict]:
+  """Runs the main job from the checkout at `root` (`steps` None: all of it); returns its metrics records."""
   config = f"{root / 'configs' / 'addition_grpo.py'}{':size=tiny' if quick else ''}"
   env = {**os.environ, "PYTHONPATH": str(root),
          "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
   cmd = [sys.executable, "-m", "tunixlike.train", "--config", config, "--workdir", str(workdir),
          f"--config.rl.num_steps={steps}", "--config.eval.every_steps=0", "--config.seed=0",
          "--config.log.progress_bar=false", *extra]
+  if steps is None:  # the whole main job, with its own steps and evals
+    cmd = [c for c in cmd if not c.startswith(("--config.rl.num_steps=", "--config.eval.every_steps=",
+                                                 "--config.seed="))]
   done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
   if done.returncode:
     raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -86,17 +101,82 @@ def _summary(records: list[dict], skip: int) -> dict:
   }
 
 
+# One setting at a time, from the main job's (the first value of each axis).
+GRID = {
+    "completion_tokens": [(8, []), (64, ["--config.sampler.max_new_tokens=64"]),
+                          (256, ["--config.sampler.max_new_tokens=256"])],
+    "prompts_per_step": [(32, []), (8, ["--config.rl.prompts_per_step=8"]),
+                         (128, ["--config.rl.prompts_per_step=128"])],
+    "model_params": [("1x", []),
+                     ("4x", ["--config.model.hidden_size=128", "--config.model.intermediate_size=512",
+                             "--config.model.head_dim=32"]),
+                     ("16x", ["--config.model.hidden_size=256", "--config.model.intermediate_size=1024",
+                              "--config.model.head_dim=64"])],
+}
+GRID_COMMON = ["--config.warm_start.max_steps=0", "--config.data.num_eval_examples=8"]
+
+
+def _layout_flags(layout: str) -> list[str]:
+  return [] if layout == "split" else [f"--config.mesh.layout={layout}"]
+
+
+def _grid(tmp: pathlib.Path, layouts: list[str], steps: int, skip: int) -> list[dict]:
+  rows, done = [], {}
+  for axis, points in GRID.items():
+    for value, flags in points:
+      for layout in layouts:
+        key = (tuple(flags), layout)
+        if key not in done:  # the main job's point is shared by the three axes
+          records = _run(REPO, tmp / f"grid{len(done)}", steps, False, GRID_COMMON + flags + _layout_flags(layout))
+          summary = _summary(records, skip)
+          rl = [r for r in records if "num_tokens" in r][skip:]
+          rows_per_step = _rows_per_step(flags)
+          summary["completion_tokens_mean"] = round(statistics.mean(r["num_tokens"] for r in rl) / rows_per_step, 1)
+          done[key] = summary
+        row = {"axis": axis, "value": value, "layout": layout}
+        row.update({k: done[key][k] for k in ("s_per_step", "learner_busy", "sampler_busy", "sync_ms",
+                                              "learner_step_s", "completion_tokens_mean")})
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+  return rows
+
+
+def _rows_per_step(flags: list[str]) -> int:
+  prompts = next((int(f.split("=")[1]) for f in flags if f.startswith("--config.rl.prompts_per_step=")), 32)
+  return prompts * 8  # algo.group_size of the main job
+
+
+def _seed_run(tmp: pathlib.Path, seed: int, layout: str) -> dict:
+  flags = [f"--config.seed={seed}", f"--config.data.shuffle_seed={seed}", *_layout_flags(layout)]
+  records = _run(REPO, tmp / f"seed{seed}-{layout}", None, False, flags)
+  evals = [r for r in records if "eval/accuracy" in r]
+  gain = 100 * (evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"])
+  return {"seed": seed, "layout": layout, "gain_points": round(gain, 1), "wall_s": round(evals[-1]["time_s"], 1),
+          "accuracy": [round(r["eval/accuracy"], 3) for r in evals], "eval_steps": [r["step"] for r in evals]}
+
+
 def main(argv=None):
   args = _parse(argv)
+  layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+  if args.grid or args.seeds:
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="rl_step_") as tmp:
+      if args.grid:
+        out["grid"] = _grid(pathlib.Path(tmp), layouts, args.steps or 14, 4 if args.skip_steps is None else args.skip_steps)
+      if args.seeds:
+        out["seeds"] = [_seed_run(pathlib.Path(tmp), int(s), layout) for s in args.seeds.split(",") for layout in layouts]
+        out["seeds_all_pass"] = all(r["gain_points"] >= 50 and r["wall_s"] <= 150 for r in out["seeds"])
+    out["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    out["date"] = time.strftime("%Y-%m-%d")
+    _emit(out, args.out)
+    return
   steps = args.steps or (6 if args.quick else 100)
   skip = args.skip_steps if args.skip_steps is not None else (2 if args.quick else 10)
-  layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
   out = {"s_per_step": {}, "layouts": {}}
   with tempfile.TemporaryDirectory(prefix="rl_step_") as tmp:
     tmp = pathlib.Path(tmp)
     for layout in layouts:
-      extra = [] if layout == "split" else [f"--config.mesh.layout={layout}"]
-      summary = _summary(_run(REPO, tmp / layout, steps, args.quick, extra), skip)
+      summary = _summary(_run(REPO, tmp / layout, steps, args.quick, _layout_flags(layout)), skip)
       out["layouts"][layout] = summary
       out["s_per_step"][layout] = summary["s_per_step"]
     if args.baseline:
@@ -121,10 +201,14 @@ def main(argv=None):
                      "skip_steps": skip, "devices": "4 sampler + 4 learner (virtual CPU)", "quick": args.quick}
   out["load_average"] = [round(x, 2) for x in os.getloadavg()]
   out["date"] = time.strftime("%Y-%m-%d")
+  _emit(out, args.out)
+
+
+def _emit(out: dict, path: str | None):
   text = json.dumps(out, indent=2)
   print(text)
-  if args.out:
-    pathlib.Path(args.out).write_text(text + "\n")
+  if path:
+    pathlib.Path(path).write_text(text + "\n")
 
 
 if __name__ == "__main__":
