@@ -57,6 +57,8 @@ def _parse(argv=None):
   p.add_argument("--quick", action="store_true", help="the tiny variant, few steps (smoke test, not the figures)")
   p.add_argument("--grid", action="store_true", help="s/step as completion length, prompts and model grow")
   p.add_argument("--seeds", default=None, help="comma-separated seeds: the whole main job once per seed")
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="a config key for every run of this checkout (not the baseline's), e.g. rl.max_staleness=2")
   p.add_argument("--out", default=None, help="also write the JSON object to this file")
   return p.parse_args(argv)
 
@@ -116,8 +118,11 @@ GRID = {
 GRID_COMMON = ["--config.warm_start.max_steps=0", "--config.data.num_eval_examples=8"]
 
 
+SETTINGS: list[str] = []  # --set, as CLI flags
+
+
 def _layout_flags(layout: str) -> list[str]:
-  return [] if layout == "split" else [f"--config.mesh.layout={layout}"]
+  return SETTINGS + ([] if layout == "split" else [f"--config.mesh.layout={layout}"])
 
 
 def _grid(tmp: pathlib.Path, layouts: list[str], steps: int, skip: int) -> list[dict]:
@@ -157,6 +162,7 @@ def _seed_run(tmp: pathlib.Path, seed: int, layout: str) -> dict:
 
 def main(argv=None):
   args = _parse(argv)
+  SETTINGS[:] = [f"--config.{kv}" for kv in args.set]
   layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
   if args.grid or args.seeds:
     out = {}
@@ -166,6 +172,7 @@ def main(argv=None):
       if args.seeds:
         out["seeds"] = [_seed_run(pathlib.Path(tmp), int(s), layout) for s in args.seeds.split(",") for layout in layouts]
         out["seeds_all_pass"] = all(r["gain_points"] >= 50 and r["wall_s"] <= 150 for r in out["seeds"])
+    out["settings"] = args.set
     out["load_average"] = [round(x, 2) for x in os.getloadavg()]
     out["date"] = time.strftime("%Y-%m-%d")
     _emit(out, args.out)
@@ -197,7 +204,8 @@ def main(argv=None):
     split = out["layouts"]["split"]
     out["split_busy_max"] = max(split["learner_busy"], split["sampler_busy"])
   out["sync_ms"] = out["layouts"][fastest]["sync_ms"]
-  out["workload"] = {"config": "configs/addition_grpo.py" + (":size=tiny" if args.quick else ""), "steps": steps,
+  out["workload"] = {"config": "configs/addition_grpo.py" + (":size=tiny" if args.quick else ""), "settings": args.set,
+                     "steps": steps,
                      "skip_steps": skip, "devices": "4 sampler + 4 learner (virtual CPU)", "quick": args.quick}
   out["load_average"] = [round(x, 2) for x in os.getloadavg()]
   out["date"] = time.strftime("%Y-%m-%d")

@@ -131,3 +131,30 @@ def test_rl_step_benchmark(tmp_path):
   assert r["s_per_step"] == {"split": split["s_per_step"]} and r["fastest_layout"] == "split"
   assert r["split_busy_max"] == max(split["learner_busy"], split["sampler_busy"]) <= 1.0
   assert 0 <= split["overhead_s"] < split["s_per_step"] and split["timed_steps"] == 3
+
+
+def test_rl_step_grid_points_are_valid_configs_of_the_main_job():
+  """Each --grid point (and each layout) is a config the CLI accepts, with the size it names."""
+  import importlib.util
+  import pathlib
+
+  from tunixlike import config as config_lib
+  spec = importlib.util.spec_from_file_location("rl_step", os.path.join(ROOT, "benchmarks", "rl_step.py"))
+  rl_step = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(rl_step)
+  base = pathlib.Path(ROOT) / "configs" / "addition_grpo.py"
+  for axis, points in rl_step.GRID.items():
+    for value, flags in points:
+      for layout in ("split", "colocated"):
+        raw = config_lib.load(base)
+        for flag in rl_step.GRID_COMMON + flags + rl_step._layout_flags(layout):
+          key, text = flag.removeprefix("--config.").split("=")
+          section, name = key.split(".")
+          with raw.unlocked():
+            raw[section][name] = type(raw[section][name])(text)
+        cfg = config_lib.from_config_dict(raw)
+        assert cfg.mesh.layout == layout
+        if axis == "completion_tokens":
+          assert cfg.sampler.max_new_tokens == value
+        if axis == "prompts_per_step":
+          assert cfg.rl.prompts_per_step * cfg.algo.group_size == rl_step._rows_per_step(flags)

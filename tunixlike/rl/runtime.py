@@ -7,8 +7,10 @@
 
 The learner never waits for more than the staleness bound requires (admission control in
 `RolloutQueue`), and the sampler keeps decoding while the learner trains. `max_staleness=0` is the
-synchronous baseline: the same code, one batch in flight. An error in any thread stops everything
-and is re-raised in the main thread with its original traceback; every wait has a timeout.
+synchronous baseline: the same code, one batch in flight. In the colocated layout (`mesh.layout`)
+the train step with its weight sync and the driver's calls take turns on the shared devices
+(`device_turns.DeviceTurns`). An error in any thread stops everything and is re-raised in the main
+thread with its original traceback; every wait has a timeout.
 """
 
 from __future__ import annotations
@@ -194,8 +196,8 @@ class AsyncRuntime:
         groups.sort(key=lambda g: g.columns.get("stream_index", 0))
         version = self.policy.version
         batch = self.policy.assemble(groups)  # host work: the sampler may still use the devices
-        t1 = time.monotonic()
         with self.turns.learner():
+          t1 = time.monotonic()  # after the turn's wait: that is the sampler's device time
           metrics = self.policy.train_batch(batch)
           train_s = time.monotonic() - t1
           params, sync_ms = self.policy.sampler_weights()
