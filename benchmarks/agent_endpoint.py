@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ssl
-import json
 import os
 import statistics
 import sys
@@ -50,6 +49,7 @@ import numpy as np  # noqa: E402
 import openai  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import models  # noqa: E402
 from tunixlike.agents.driver import AgentConfig, AgentDriver  # noqa: E402
 from tunixlike.data import char_tokenizer  # noqa: E402
@@ -143,17 +143,13 @@ def main():
       runs[name].append({"seconds": round(seconds, 3), "tokens_per_s": round(n_tokens / seconds, 1)})
   med = {name: statistics.median(r["seconds"] for r in rs) for name, rs in runs.items()}
   n_tokens = prompts * G * tokens
-  text = json.dumps(dict(
+  print_report(dict(
       endpoint_tok_s=round(n_tokens / med["endpoint"], 1), inprocess_tok_s=round(n_tokens / med["inprocess"], 1),
       endpoint_vs_inprocess=round(med["endpoint"] / med["inprocess"], 3), runs=runs,
       workload=dict(prompts=prompts, samples_per_prompt=G, new_tokens=tokens, agents=ARGS.agents, slots=slots,
                     requests_per_run=prompts * G, quick=ARGS.quick, repeats=repeats),
       model=dict(layers=4, hidden=256, ffn=1024, heads=4, kv_heads=2, vocab=tok.vocab_size),
-      load_average=[round(x, 2) for x in os.getloadavg()], date=time.strftime("%Y-%m-%d")), indent=2)
-  print(text)
-  if ARGS.out:
-    with open(ARGS.out, "w") as f:
-      f.write(text + "\n")
+      load_average=[round(x, 2) for x in os.getloadavg()], date=time.strftime("%Y-%m-%d")), ARGS.out, indent=2)
 
 
 if __name__ == "__main__":

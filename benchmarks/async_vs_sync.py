@@ -43,7 +43,6 @@ be shared: `os.getloadavg()` is recorded.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import sys
@@ -76,6 +75,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import config as config_lib, rewards  # noqa: E402
 from tunixlike.rewards import basic  # noqa: E402
 from tunixlike.rl import build  # noqa: E402
@@ -275,11 +275,7 @@ def main():
   result["loadavg_after"] = list(os.getloadavg())
   result["wall_s"] = time.time() - t0
   result["notes"] = notes(result, names)
-  text = json.dumps(result, indent=1)
-  print(text)
-  if ARGS.out:
-    with open(ARGS.out, "w") as f:
-      f.write(text + "\n")
+  print_report(result, ARGS.out, indent=1)
 
 
 def _eval_verdict(sync: dict, async_: dict) -> str:

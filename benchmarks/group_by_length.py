@@ -20,7 +20,6 @@ train the same objective.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import sys
@@ -46,6 +45,7 @@ if "jax" not in sys.modules:  # one sampler device (unused) + the learner device
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import config as config_lib  # noqa: E402
 from tunixlike.rl import build  # noqa: E402
 
@@ -105,11 +105,7 @@ def main():
       "grouped_vs_padded": ms["padded"] / ms["grouped"], "grouped_vs_micro": ms["micro"] / ms["grouped"],
       "settings": settings, "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()),
   }
-  text = json.dumps(result, indent=1)
-  print(text)
-  if ARGS.out:
-    with open(ARGS.out, "w") as f:
-      f.write(text + "\n")
+  print_report(result, ARGS.out, indent=1)
 
 
 if __name__ == "__main__":

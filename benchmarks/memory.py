@@ -29,7 +29,6 @@ recorded.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -58,6 +57,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import mesh as mesh_lib, models  # noqa: E402
 from tunixlike.learner import batch as batch_lib, offload as offload_lib  # noqa: E402
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig  # noqa: E402
@@ -159,11 +159,7 @@ def main():
       "note": ("CPU: device and host memory are the same DRAM; bytes_between_steps shows what leaves the device, "
                "step_s the cost of the copies at memcpy speed. Freed HBM and transfer/compute overlap need a GPU/TPU run."),
   }
-  text = json.dumps(report, indent=1)
-  if ARGS.out:
-    with open(ARGS.out, "w") as f:
-      f.write(text + "\n")
-  print(text)
+  print_report(report, ARGS.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ above. With replay the learner runs the sampler's experts, so its disagreement i
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 
@@ -62,6 +61,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import models  # noqa: E402
 from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig  # noqa: E402
 from tunixlike.learner import routing as routing_lib  # noqa: E402
@@ -213,11 +213,7 @@ def main():
                  group=a.group, prompt_tokens=PROMPT_LEN, new_tokens=a.new_tokens, wall_s=round(time.perf_counter() - t0, 1),
                  jax=jax.__version__, devices=len(jax.devices()), platform=jax.devices()[0].platform, quick=a.quick),
   )
-  text = json.dumps(out, indent=1)
-  if a.out:
-    with open(a.out, "w") as f:
-      f.write(text)
-  print(text)
+  print_report(out, a.out, indent=1)
 
 
 if __name__ == "__main__":

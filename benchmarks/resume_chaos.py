@@ -62,6 +62,8 @@ import tempfile
 import threading
 import time
 
+from tunixlike.metrics import print_report
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PHASES = ("warm_start", "eval", "rl", "checkpoint")
 DEFAULT_CONFIG = "configs/addition_grpo.py"
@@ -643,11 +645,7 @@ def main():
   finally:
     if not (args.workdir_root or args.keep):
       shutil.rmtree(root, ignore_errors=True)
-  text = json.dumps(result, indent=1, default=str)
-  print(text)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(text + "\n")
+  print_report(result, args.out, indent=1, default=str)
 
 
 if __name__ == "__main__":

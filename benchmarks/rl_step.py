@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 
-from tunixlike.metrics import read_jsonl
+from tunixlike.metrics import print_report, read_jsonl
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -175,7 +175,7 @@ def main(argv=None):
     out["settings"] = args.set
     out["load_average"] = [round(x, 2) for x in os.getloadavg()]
     out["date"] = time.strftime("%Y-%m-%d")
-    _emit(out, args.out)
+    print_report(out, args.out, indent=2)
     return
   steps = args.steps or (6 if args.quick else 100)
   skip = args.skip_steps if args.skip_steps is not None else (2 if args.quick else 10)
@@ -209,14 +209,7 @@ def main(argv=None):
                      "skip_steps": skip, "devices": "4 sampler + 4 learner (virtual CPU)", "quick": args.quick}
   out["load_average"] = [round(x, 2) for x in os.getloadavg()]
   out["date"] = time.strftime("%Y-%m-%d")
-  _emit(out, args.out)
-
-
-def _emit(out: dict, path: str | None):
-  text = json.dumps(out, indent=2)
-  print(text)
-  if path:
-    pathlib.Path(path).write_text(text + "\n")
+  print_report(out, args.out, indent=2)
 
 
 if __name__ == "__main__":

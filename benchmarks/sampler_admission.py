@@ -22,7 +22,6 @@ against an earlier checkout (PYTHONPATH=that checkout) for a before/after compar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -46,6 +45,7 @@ if "jax" not in sys.modules:  # virtual CPU devices must be set before JAX start
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import config as config_lib  # noqa: E402
 from tunixlike import mesh as mesh_lib  # noqa: E402
 from tunixlike.rl import build  # noqa: E402
@@ -153,11 +153,7 @@ def main():
                     **{f"{k}_ms_per_call": round(1e3 * counter.seconds[k] / max(counter.calls[k], 1), 2)
                        for k in PROGRAMS}),
       load_average=[round(x, 2) for x in os.getloadavg()])
-  text = json.dumps(result)
-  print(text)
-  if a.out:
-    with open(a.out, "w") as f:
-      f.write(text + "\n")
+  print_report(result, a.out)
 
 
 if __name__ == "__main__":

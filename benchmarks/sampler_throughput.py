@@ -27,7 +27,6 @@ replicas faster); `--devices 2` measures the other layout.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -60,6 +59,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import mesh as mesh_lib  # noqa: E402
 from tunixlike.models import hf as hf_lib  # noqa: E402
 from tunixlike.models import testing as model_testing  # noqa: E402
@@ -177,7 +177,7 @@ def main():
     spreads[name] = continuous_vs_static(engine, params, prompts_b, limits_b, a)
   long_tail = spreads["geometric"]
   med = dict(tunixlike_tok_s=float(np.median(ours_a)), transformers_tok_s=float(np.median(theirs_a)))
-  text = json.dumps(dict(
+  print_report(dict(
       **{k: round(v, 1) for k, v in med.items()},
       speedup_vs_transformers=round(med["tunixlike_tok_s"] / med["transformers_tok_s"], 3),
       **{k: v for k, v in long_tail.items() if k != "runs"},
@@ -196,11 +196,7 @@ def main():
                  torch_threads=torch.get_num_threads(), jax=jax.__version__,
                  transformers=transformers.__version__, quick=a.quick),
       logits_max_abs_diff=logits_diff,
-  ))
-  print(text)
-  if a.out:
-    with open(a.out, "w") as f:
-      f.write(text + "\n")
+  ), a.out)
 
 
 if __name__ == "__main__":

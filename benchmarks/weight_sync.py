@@ -32,7 +32,6 @@ is recorded.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -56,6 +55,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 
+from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import mesh as mesh_lib, models  # noqa: E402
 from tunixlike.models import lora as lora_lib  # noqa: E402
 from tunixlike.rl import weight_sync  # noqa: E402
@@ -266,11 +266,7 @@ def main():
       "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()),
       "wall_s": time.time() - t0,
   }
-  text = json.dumps(result, indent=1, sort_keys=False)
-  print(text)
-  if ARGS.out:
-    with open(ARGS.out, "w") as f:
-      f.write(text + "\n")
+  print_report(result, ARGS.out, indent=1)
 
 
 if __name__ == "__main__":
