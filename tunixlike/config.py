@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Mapping
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from tunixlike import mesh as mesh_lib
 from tunixlike.distributed import DistributedConfig
 from tunixlike.learner.config import PPO_LOSSES, AlgoConfig, OptimConfig
 from tunixlike.rl.runtime import RuntimeConfig
@@ -68,9 +69,6 @@ class ModelSection:
             _divides(self.num_heads, "model.num_heads"))
 
 
-LAYOUTS = ("split", "colocated")
-
-
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
   """Device split: sampler devices decode, learner devices train (per host with several hosts); or, colocated,
@@ -81,7 +79,7 @@ class MeshSection:
 
   layout: str = setting("split", "split: sampler and learner on their own devices, working at once | colocated: both on "
                         "all sampler_devices + learner_devices devices, taking turns (docs/runtime.md: which to pick)",
-                        check=one_of(*LAYOUTS))
+                        check=one_of(*mesh_lib.LAYOUTS))
   sampler_devices: int = setting(4, "devices that decode (4 + 4 of 8 virtual CPU devices)", check=positive)
   learner_devices: int = setting(4, "devices that train (fsdp x tensor)", check=positive)
   sampler_tensor: int = setting(1, "tensor parallelism hurts on CPU; use it on TPU/GPU for big models", check=positive)

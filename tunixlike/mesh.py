@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+LAYOUTS = ("split", "colocated")  # mesh.layout: own devices per side, or all devices shared
 SAMPLER_AXES = ("replica", "tensor")
 LEARNER_AXES = ("fsdp", "tensor")
 
@@ -104,7 +105,7 @@ def make_meshes(sampler_devices: int = 4, learner_devices: int = 4, sampler_tens
                 layout: str = "split") -> Meshes:
   """Builds both submeshes from `devices` (default: all devices of the default backend).
   layout='colocated': both on all sampler_devices + learner_devices devices."""
-  if layout not in ("split", "colocated"):
+  if layout not in LAYOUTS:
     raise MeshError(f"mesh.layout={layout!r} must be 'split' or 'colocated'")
   for name, n, of in (("sampler_tensor", sampler_tensor, sampler_devices),
                       ("learner_tensor", learner_tensor, learner_devices)):

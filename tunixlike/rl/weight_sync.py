@@ -56,11 +56,10 @@ def sync(tree: Any, shardings: Any, *, dtype=None, block: bool = True,
   donate the source buffers at once (the runtime orders a donation after the reads queued before
   it), and the sampler's next call waits for the copy on its devices. The result never aliases the
   source: in the colocated layout the sampler keeps reading it while the learner donates its own
-  buffers to the next step. `bucket_bytes` bounds the
-  all-gathered bytes held at once on several hosts (unused on one; there each bucket is waited for).
-  With `keep_packed`, a tree
-  that takes the packed path comes back as a `Packed` buffer replicated on the sampler mesh
-  (`Packed.unpack()` gives the tree; `Engine` accepts it inside `WithAdapters`).
+  buffers to the next step. `bucket_bytes` bounds the all-gathered bytes held at once on several
+  hosts (unused on one; there each bucket is waited for). With `keep_packed`, a tree that takes the
+  packed path comes back as a `Packed` buffer replicated on the sampler mesh (`Packed.unpack()`
+  gives the tree; `Engine` accepts it inside `WithAdapters`).
   """
   start = time.perf_counter()
   if isinstance(tree, params_lib.Packed):  # packed on the learner already (`pack`, cast included)
