@@ -113,7 +113,7 @@ def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -
   from tunixlike.learner import state as state_lib
   from tunixlike.rl import build, evaluate as eval_lib, weight_sync
   from tunixlike.rl.prompts import requests_for
-  from tunixlike.sampler.engine import Engine
+  from tunixlike.sampler import make_engine
 
   start = time.monotonic()
   setup = build.build(cfg, say=say, training=False)
@@ -129,7 +129,7 @@ def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -
   requests = requests_for(records)
   correctness = build.correctness_reward(setup)
   s_cfg = build.sampler_config(cfg, setup.tok)
-  engine = Engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
+  engine = make_engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
   params, _ = weight_sync.sync(nnx.state(model), engine.param_shardings, dtype=cfg.rl.sync_dtype)
 
   greedy = eval_lib.evaluate(engine, params, requests, correctness, setup.tok, version=version)
@@ -138,7 +138,7 @@ def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -
       "task": cfg.data.task, "num_prompts": greedy["eval/num_prompts"], "accuracy": greedy["eval/accuracy"],
       "mean_completion_tokens": greedy["eval/mean_completion_tokens"], "samples": samples}
   if samples > 1:
-    engine = Engine(model, eval_lib.eval_sampler_config(s_cfg, samples=samples, temperature=temperature),
+    engine = make_engine(model, eval_lib.eval_sampler_config(s_cfg, samples=samples, temperature=temperature),
                     mesh=setup.meshes.sampler)
     sampled = eval_lib.evaluate(engine, params, requests, correctness, setup.tok, version=version)
     out.update({"temperature": temperature, f"pass@{samples}": sampled[f"eval/pass@{samples}"],

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from tunixlike import models
-from tunixlike.sampler import Engine, SamplerConfig
+from tunixlike.sampler import SamplerConfig, make_engine as build_engine
 
 from sampler_prompts import VOCAB
 
@@ -45,7 +45,7 @@ def make_engine(tiny_model, mesh_1x1):
     mesh = mesh or mesh_1x1
     key = (cfg, id(mesh))
     if key not in cache:
-      cache[key] = Engine(tiny_model, cfg, mesh)
+      cache[key] = build_engine(tiny_model, cfg, mesh)
     return cache[key]
 
   return make

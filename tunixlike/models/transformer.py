@@ -22,6 +22,7 @@ from flax import nnx
 
 from tunixlike.models import sharding as sharding_lib
 from tunixlike.models.config import ModelConfig
+from tunixlike.models import paged_cache
 from tunixlike.models.kv_cache import GroupedKVCache, KVCache, merge_rows, split_rows, write_rows
 from tunixlike.models.moe import MoeAux, MoeMLP, check_routing
 
@@ -119,18 +120,21 @@ class Attention(nnx.Module):
     return self.o_proj(o), k, v
 
   def decode(self, x_bd, cos_bd, sin_bd, positions_b, k_cache, v_cache, attend_len: int | None,
-             block: int | None = None):
+             block: int | None = None, plan: paged_cache.DecodePlan | None = None):
     """One new token per row. k_cache [B,Hkv,D,S], v_cache [B,Hkv,S,D]; attends [0, attend_len).
 
     Slot groups (kv_cache.GroupedKVCache): k_cache / v_cache are tuples of per-group caches
     [B/G, ...] whose rows interleave in blocks of `block`; each group attends its whole cache (its
     own window), so a group of short sequences does not read the window of the longest one.
+    Paged cache (`plan` given): k_cache / v_cache are the layer's block pools [R, Hkv, NB, bs, D].
     """
     cfg = self.cfg
     b = x_bd.shape[0]
     q, k, v = self._qkv(x_bd[:, None], cos_bd[:, None], sin_bd[:, None])  # [B,1,H,D] ...
     q = q.reshape(b, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
-    if block is None:
+    if plan is not None:
+      o, k_cache, v_cache = paged_cache.attend(q, k[:, 0], v[:, 0], positions_b, k_cache, v_cache, plan)
+    elif block is None:
       o, k_cache, v_cache = _attend_cache(q, k[:, 0], v[:, 0], positions_b, k_cache, v_cache, attend_len)
     else:
       n = len(k_cache)
@@ -140,6 +144,26 @@ class Attention(nnx.Module):
       o = merge_rows([p[0] for p in parts], block)
       k_cache, v_cache = tuple(p[1] for p in parts), tuple(p[2] for p in parts)
     return self.o_proj(o.reshape(b, 1, -1).astype(x_bd.dtype))[:, 0], k_cache, v_cache
+
+
+  def extend(self, x_bcd, cos, sin, k_cache, v_cache, start, live_bc):
+    """Chunked prefill: the chunk's K/V go into the cache at [start, start + C) (zero where not
+    `live_bc`), then each chunk position attends every cache position up to its own.
+    k_cache [B,Hkv,D,L], v_cache [B,Hkv,L,D]; returns (out [B,C,E], k_cache, v_cache)."""
+    cfg = self.cfg
+    b, c = x_bcd.shape[:2]
+    q, k, v = self._qkv(x_bcd, cos, sin)
+    k = jnp.where(live_bc[:, :, None, None], k, 0).astype(k_cache.dtype)
+    v = jnp.where(live_bc[:, :, None, None], v, 0).astype(v_cache.dtype)
+    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 3, 1), start, axis=3)
+    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.transpose(0, 2, 1, 3), start, axis=2)
+    g = cfg.num_heads // cfg.num_kv_heads
+    q = q.reshape(b, c, cfg.num_kv_heads, g, cfg.head_dim).astype(k_cache.dtype)
+    s = jnp.einsum("bckgd,bkdl->bkgcl", q, k_cache, preferred_element_type=jnp.float32) / math.sqrt(cfg.head_dim)
+    visible = jnp.arange(k_cache.shape[-1])[None, :] <= (start + jnp.arange(c))[:, None]  # [C, L]
+    p = jax.nn.softmax(jnp.where(visible, s, -1e30), axis=-1).astype(v_cache.dtype)
+    o = jnp.einsum("bkgcl,bkld->bckgd", p, v_cache).reshape(b, c, cfg.num_heads * cfg.head_dim)
+    return self.o_proj(o.astype(x_bcd.dtype)), k_cache, v_cache
 
 
 def _attend_cache(q_bkgd, k_bkd, v_bkd, positions_b, k_cache, v_cache, attend_len: int):
@@ -189,10 +213,16 @@ class Block(nnx.Module):
     x, routed = self._mlp(x + a, forced)
     return x, k, v, routed
 
-  def decode(self, x, cos, sin, positions_b, k_cache, v_cache, attend_len, forced=None, block=None):
+  def decode(self, x, cos, sin, positions_b, k_cache, v_cache, attend_len, forced=None, block=None, plan=None):
     a, k_cache, v_cache = self.attn.decode(self.input_layernorm(x), cos, sin, positions_b, k_cache, v_cache,
-                                           attend_len, block)
+                                           attend_len, block, plan)
     x, routed = self._mlp(x + a, forced)
+    return x, k_cache, v_cache, routed
+
+
+  def extend(self, x, cos, sin, k_cache, v_cache, start, live_bc):
+    a, k_cache, v_cache = self.attn.extend(self.input_layernorm(x), cos, sin, k_cache, v_cache, start, live_bc)
+    x, routed = self._mlp(x + a, None)
     return x, k_cache, v_cache, routed
 
 
@@ -298,16 +328,43 @@ class Transformer(nnx.Module):
     out = self.unembed(h), KVCache(k=tuple(ks), v=tuple(vs))
     return (*out, aux.routing_btlk) if return_routing else out
 
-  def decode_step(self, tokens_b, positions_b, cache: KVCache | GroupedKVCache, attend_len: int | None, *,
-                  routing_blk=None, return_routing: bool = False):
+  def extend(self, tokens_bc, start, cache: KVCache, true_lengths_b, *, return_routing: bool = False):
+    """Chunked prefill: runs tokens [B, C] at positions [start, start + C) (start: a traced int),
+    attending the cache's earlier positions, and writes their K/V into the cache (zeroed past each
+    row's true length, as `prefill` does). One compiled program per (B, C, cache length), whatever
+    the prompt length. Returns the cache, plus the experts chosen, int32 [B, C, L, k], with
+    return_routing."""
+    b, c = tokens_bc.shape
+    positions = start + jnp.broadcast_to(jnp.arange(c), (b, c))
+    live = positions < jnp.asarray(true_lengths_b)[:, None]
+    cos, sin = rope_cos_sin(positions, self.cfg)
+    x = self.embed_tokens(tokens_bc)
+    ks, vs, routed = [], [], []
+    for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+      x, k_cache, v_cache, r = layer.extend(x, cos, sin, k_cache, v_cache, start, live)
+      ks.append(k_cache)
+      vs.append(v_cache)
+      routed.append(r)
+    cache = KVCache(k=tuple(ks), v=tuple(vs))
+    return (cache, _stack_routing(routed, (b, c), self.cfg).routing_btlk) if return_routing else cache
+
+  def decode_step(self, tokens_b, positions_b, cache: KVCache | GroupedKVCache | paged_cache.PagedKVCache,
+                  attend_len: int | None, *, routing_blk=None, return_routing: bool = False,
+                  plan: paged_cache.DecodePlan | None = None):
     """One token per row at its own position; attends cache[..., :attend_len] (static int >= max pos + 1).
 
     With a GroupedKVCache (slot groups) attend_len must be None: each group attends its own cache.
+    With a PagedKVCache attend_len is None and `plan` says which blocks each slot reads and writes.
     Returns (logits [B,V] float32, cache with the new K/V written at positions_b), plus the experts
     used, int32 [B,L,k], with return_routing. routing_blk [B,L,k] forces experts (Keep Routing).
     """
     grouped = isinstance(cache, GroupedKVCache)
-    if grouped:
+    paged = isinstance(cache, paged_cache.PagedKVCache)
+    if paged != (plan is not None) or (paged and attend_len is not None):
+      raise ValueError("decode_step: a PagedKVCache needs plan= and attend_len=None; other caches take no plan")
+    if paged:
+      layer_kv = list(zip(cache.k, cache.v))
+    elif grouped:
       if attend_len is not None:
         raise ValueError(f"decode_step: attend_len={attend_len!r} must be None with a GroupedKVCache "
                          "(each slot group attends its own window)")
@@ -324,11 +381,14 @@ class Transformer(nnx.Module):
     ks, vs, routed = [], [], []
     forced = _forced(routing_blk, self.cfg, tokens_b.shape, "decode_step")
     for layer, (k_cache, v_cache), f in zip(self.layers, layer_kv, forced):
-      x, k_cache, v_cache, r = layer.decode(x, cos, sin, positions_b, k_cache, v_cache, attend_len, f, block)
+      x, k_cache, v_cache, r = layer.decode(x, cos, sin, positions_b, k_cache, v_cache, attend_len, f, block, plan)
       ks.append(k_cache)
       vs.append(v_cache)
       routed.append(r)
-    new_cache = GroupedKVCache.from_layers(ks, vs, block) if grouped else KVCache(k=tuple(ks), v=tuple(vs))
+    if grouped:
+      new_cache = GroupedKVCache.from_layers(ks, vs, block)
+    else:
+      new_cache = (paged_cache.PagedKVCache if paged else KVCache)(k=tuple(ks), v=tuple(vs))
     out = self.unembed(self.norm(x)), new_cache
     return (*out, _stack_routing(routed, tokens_b.shape, self.cfg).routing_btlk) if return_routing else out
 

@@ -39,7 +39,7 @@ from tunixlike.rl.prompts import PromptStream, requests_for
 from tunixlike.rl.runtime import AsyncRuntime
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.sampler.driver import RolloutDriver
-from tunixlike.sampler.engine import Engine
+from tunixlike.sampler import make_engine
 from tunixlike.sampler.episodes import EpisodeConfig, EpisodeDriver
 from tunixlike.sampler.process_steps import ProcessRewardRecorder
 
@@ -294,8 +294,8 @@ def build_rl(setup: Setup, *, reward: rewards_lib.CombinedReward | None = None,
   model = policy_model(setup)
   learner = build_learner(cfg, model, setup.meshes.learner, critic=setup.critic)
   s_cfg = sampler_config(cfg, tok)
-  engine = Engine(model, s_cfg, mesh=setup.meshes.sampler)
-  eval_engine = Engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
+  engine = make_engine(model, s_cfg, mesh=setup.meshes.sampler)
+  eval_engine = make_engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
   policy = Policy(learner, engine, cfg, tok.pad_id, tracer=setup.tracer)
   timeout_s = cfg.rl.reward_timeout_s
   correctness = correctness or correctness_reward(setup)

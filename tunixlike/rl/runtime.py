@@ -225,7 +225,8 @@ class AsyncRuntime:
             "learner/busy_frac": self.learner_busy_s / wall,
             "sampler/busy_frac": (stats.busy_time_s - busy_before) / wall,
             "sampler/tokens_per_s": (stats.tokens_generated - tokens_before) / wall,
-            "sampler/slot_occupancy": stats.slot_occupancy, "sync/ms": sync_ms,
+            "sampler/slot_occupancy": stats.slot_occupancy, "sampler/preemptions": stats.preemptions,
+            "sync/ms": sync_ms,
             "nonfinite_in_a_row": nonfinite_in_a_row, **self.queue.stats(),
         })
         for name in sorted({k for g in groups for k in g.reward_metrics}):

@@ -21,6 +21,14 @@ def _stop_strings(v) -> str | None:
   return None if ok else "must be a tuple of non-empty strings"
 
 
+def _power_of_two(v) -> str | None:
+  ok = isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+  return None if ok else "must be a power of two"
+
+
+KV_LAYOUTS = ("contiguous", "paged")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
   SECTION: ClassVar[str] = "sampler"
@@ -53,6 +61,16 @@ class SamplerConfig:
                                     check=positive_int)
   cache_dtype: str | None = setting(None, "KV cache dtype; None = the model's activation dtype",
                                     check=optional(one_of(*DTYPES)))
+  kv_layout: str = setting("contiguous", "decode cache: 'contiguous' (a window per slot) or 'paged' (blocks "
+                           "through block tables: shared prompts, a memory budget, preemption)",
+                           check=one_of(*KV_LAYOUTS), resumable=True)
+  kv_block_size: int = setting(16, "positions per block of the paged cache (a power of two)",
+                               check=_power_of_two, resumable=True)
+  kv_cache_bytes: int | None = setting(None, "paged cache pool per sampler replica in bytes (K and V of every "
+                                       "layer); None = what the contiguous cache of all slots would take",
+                                       check=optional(positive_int), resumable=True)
+  prefill_chunk: int = setting(512, "prompts longer than this prefill a chunk per call (one program per chunk "
+                               "size; decoding goes on between chunks)", check=_power_of_two, resumable=True)
   idle_wait_s: float = setting(0.01, "how long the driver sleeps when it has nothing to do",
                                check=in_range(0, 10, low_open=True))
   eos_ids: tuple[int, ...] = run_value((), "the tokenizer's stop ids: sampling one ends the completion (kept)",
@@ -67,6 +85,12 @@ class SamplerConfig:
       raise ConfigError(f"algo.group_size={self.group_size} is larger than "
                         f"sampler.max_concurrent_decodes={self.max_concurrent_decodes}: the G samples "
                         "of one prompt could never all be decoding")
+    if self.kv_layout == "paged" and self.prefill_chunk % self.kv_block_size:
+      raise ConfigError(f"sampler.kv_block_size={self.kv_block_size} does not divide "
+                        f"sampler.prefill_chunk={self.prefill_chunk}")
+    if self.kv_layout == "paged" and self.slot_groups > 1:
+      raise ConfigError(f"sampler.slot_groups={self.slot_groups} needs sampler.kv_layout='contiguous' (a paged "
+                        "cache reads each sequence's own blocks already)")
     try:
       self.sampling  # validates temperature / top_k / top_p
     except ValueError as e:

@@ -20,6 +20,7 @@ reward model while decoding goes on. Multi-turn episodes are `episodes.EpisodeDr
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import queue
@@ -103,6 +104,8 @@ class DriverStats:
   groups_emitted: int = 0
   truncated_prompts: int = 0
   param_swaps: int = 0
+  preemptions: int = 0  # sequences whose blocks a paged cache took back (each resumed later)
+  resumed: int = 0  # preempted sequences prefilled again and decoding
   busy_time_s: float = 0.0  # time in prefill / insert / generate (incl. fetching results)
 
   @property
@@ -168,6 +171,8 @@ class RolloutDriver:
     self._slots: list[_Slot | None] = [None] * engine.max_concurrent_decodes
     self._pending_group: _Group | None = None  # admitted, not all samples inserted yet
     self._pending_prefix = None
+    self._blocked: _Group | None = None  # admitted, its blocks did not fit the paged cache yet
+    self._preempted: collections.deque[_Slot] = collections.deque()  # to resume, oldest first
     self._in_flight: dict[int, _Group] = {}
     self._next_seq = 0
     self._exhausted = False
@@ -194,7 +199,7 @@ class RolloutDriver:
   @property
   def is_idle(self) -> bool:
     """No sequence decoding and no admitted group waiting for slots."""
-    return self._pending_group is None and all(s is None for s in self._slots)
+    return self._pending_group is None and not self._preempted and all(s is None for s in self._slots)
 
   @property
   def exhausted(self) -> bool:
@@ -259,6 +264,7 @@ class RolloutDriver:
     with self.turns.sampler():  # the device work of one step; collecting its tokens is host work
       self._maybe_swap_params()
       self._prepare()
+      self._reserve()
       self._refill()
       if not any(s is not None for s in self._slots):
         return False
@@ -287,6 +293,35 @@ class RolloutDriver:
     self._state = self.engine.set_version(self._state, version)
     self.stats.param_swaps += 1
 
+  def _reserve(self) -> None:
+    """Blocks for every live sequence's next call (a paged cache; the youngest are preempted when
+    the pool runs dry and resumed first at the next refills)."""
+    self._state, preempted = self.engine.reserve(self._state)
+    for slot in preempted:
+      self._preempted.append(self._slots[slot])
+      self._slots[slot] = None
+      self.stats.preemptions += 1
+
+  def _resume_preempted(self, free: list[int]) -> bool:
+    """Prefills preempted sequences' prompt and completion so far again into free slots, oldest
+    first; they continue with the same noise where they stopped. False while some still wait."""
+    while self._preempted and free:
+      info = self._preempted[0]
+      ids = np.concatenate([info.group.prompt_ids, np.asarray(info.tokens, np.int32)])
+      if not self.engine.fits(self._state, [(len(ids), free[:1])]):
+        return False
+      t0 = time.perf_counter()
+      prefix = self.engine.prefill_many(self._params, [ids], version=self._version,
+                                        max_length=self.config.cache_length)[0]
+      self._state = self.engine.insert_many([prefix], self._state, [free[:1]],
+                                            keys=[info.group.keys[info.index][None]],
+                                            max_new_tokens=[info.max_new], generated=[len(info.tokens)])
+      self.stats.busy_time_s += time.perf_counter() - t0
+      self.stats.prefills += 1
+      self.stats.resumed += 1
+      self._slots[free.pop(0)] = self._preempted.popleft()
+    return not self._preempted
+
   def _admission_closed(self) -> bool:
     with self._lock:
       return self._next_params is not None and self._next_params[2]
@@ -298,8 +333,11 @@ class RolloutDriver:
     if self.engine.config.slot_groups > 1:
       self._refill_one_at_a_time(free)
       return
+    if not self._resume_preempted(free):
+      return
     batch = self._take_groups(free)
     if not batch:
+      self._pend_blocked()
       return
     prefixes = self._prefixes([group for group, _ in batch])
     t0 = time.perf_counter()
@@ -310,22 +348,33 @@ class RolloutDriver:
     self.stats.busy_time_s += time.perf_counter() - t0
     for (group, slots), prefix in zip(batch, prefixes):
       self._started(group, slots, prefix)
+    self._pend_blocked()
 
   def _take_groups(self, free: list[int]) -> list[tuple[_Group, list[int]]]:
     """Groups to insert now with their slots: the pending group first, then new ones while free
-    slots remain (admission is asked per group). Only the last may not fit: it stays pending."""
-    groups = [] if self._pending_group is None else [self._pending_group]
-    while sum(self.config.group_size - g.started for g in groups) < len(free):
-      group = self._admit()
+    slots remain (admission is asked per group). Only the last may not fit the slots: it stays
+    pending. A group whose blocks do not fit a paged cache ends the batch and waits (`_blocked`)."""
+    batch, requests = [], []
+    group = self._pending_group
+    while free:
+      group = group or self._admit()
       if group is None:
         break
-      groups.append(group)
-    batch = []
-    for group in groups:
       slots = free[:self.config.group_size - group.started]
+      requests.append((len(group.prompt_ids), slots))
+      if self.engine.fits(self._state, requests) < len(requests):
+        if group is not self._pending_group:
+          self._blocked = group
+        break
       del free[:len(slots)]
       batch.append((group, slots))
+      group = None
     return batch
+
+  def _pend_blocked(self) -> None:
+    """A group admitted but blocked by the cache's budget goes first at the next refill."""
+    if self._blocked is not None:
+      self._pending_group, self._pending_prefix, self._blocked = self._blocked, None, None
 
   def _prefixes(self, groups: list[_Group]) -> list:
     """The groups' prefixes: the pending group keeps its own if computed with the current weights

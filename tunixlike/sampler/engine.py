@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from typing import Any
 
 import jax
@@ -175,6 +176,7 @@ class Engine:
     self._generate_fn = jax.jit(self._generate_impl, donate_argnums=(1,),
                                 out_shardings=(state_shardings, self._replicated))
     self._resize_fns = {}
+    self._extend_fn = jax.jit(self._extend_impl, donate_argnums=(4, 5), out_shardings=self._replicated)
 
   # ------------------------------------------------------------------ JetStream Engine API
 
@@ -219,25 +221,49 @@ class Engine:
     """Prefills one prompt. `tokens` is a 1-D id sequence (may be right-padded past true_length)."""
     return self.prefill_many(params, [self._prompt_ids(tokens, true_length)], version=version)[0]
 
-  def prefill_many(self, params: Params, prompts, *, version: int = 0) -> list[Prefix]:
+  def prefill_many(self, params: Params, prompts, *, version: int = 0, max_length: int | None = None) -> list[Prefix]:
     """Prefills several prompts (1-D id sequences): one Prefix each, as `prefill` gives, in one
     program call per prompt bucket and `max_prompt_batch` prompts. Each call pads its prompts to a
     size of `config.prompt_batch_sizes`, so there is one program per (batch size, prompt bucket).
     Prompts are not padded to a longer bucket than their own: that would waste compute and widen the
-    attention window of the slots they go into."""
-    ids = [self._prompt_ids(p) for p in prompts]
+    attention window of the slots they go into. Prompts longer than `sampler.prefill_chunk` prefill
+    alone, a chunk per call. `max_length` (default max_prefill_length) admits longer ids: a
+    preempted sequence's prompt and completion so far, prefilled again to resume it."""
+    ids = [self._prompt_ids(p, max_length=max_length) for p in prompts]
     by_bucket: dict[int, list[int]] = {}
     for i, x in enumerate(ids):
       by_bucket.setdefault(self.prefill_bucket(len(x) - 1), []).append(i)
     out: list[Prefix | None] = [None] * len(ids)
     for bucket, idx in by_bucket.items():
+      if bucket > self.config.prefill_chunk:
+        for i in idx:
+          out[i] = self._prefill_in_chunks(params, ids[i], bucket, int(version))
+        continue
       for start in range(0, len(idx), self.max_prompt_batch):
-        chunk = idx[start:start + self.max_prompt_batch]
-        for i, prefix in zip(chunk, self._prefill_chunk(params, [ids[i] for i in chunk], bucket, int(version))):
+        batch = idx[start:start + self.max_prompt_batch]
+        for i, prefix in zip(batch, self._prefill_batch(params, [ids[i] for i in batch], bucket, int(version))):
           out[i] = prefix
     return out
 
-  def _prefill_chunk(self, params: Params, ids: list[np.ndarray], bucket: int, version: int) -> list[Prefix]:
+  def _prefill_in_chunks(self, params: Params, ids: np.ndarray, bucket: int, version: int) -> Prefix:
+    """A prompt longer than `sampler.prefill_chunk`, one chunk per program call (the same program for
+    every chunk of every prompt in this bucket): prompt[:-1] into a [1, bucket] cache."""
+    chunk, n = self.config.prefill_chunk, len(ids) - 1
+    padded = np.zeros((1, bucket), np.int32)
+    padded[0, :n] = ids[:-1]
+    cache = self._empty_cache_on_mesh(bucket)
+    routing = None
+    if self.config.record_routing:
+      mc = self.model_config
+      routing = jax.device_put(jnp.zeros((1, bucket, mc.num_layers, mc.num_experts_per_tok), jnp.int32),
+                               self._replicated)
+    length = np.asarray([n], np.int32)
+    for start in range(0, n, chunk):
+      cache, routing = self._extend_fn(params, padded[:, start:start + chunk], np.int32(start), length,
+                                       cache, routing)
+    return Prefix(cache=cache, last_token=int(ids[-1]), true_length=len(ids), version=version, routing=routing)
+
+  def _prefill_batch(self, params: Params, ids: list[np.ndarray], bucket: int, version: int) -> list[Prefix]:
     rows = self.prompt_batch_bucket(len(ids))
     padded, lengths = np.zeros((rows, bucket), np.int32), np.zeros((rows,), np.int32)
     for r, x in enumerate(ids):  # rows past the prompts stay empty (length 0)
@@ -246,7 +272,7 @@ class Engine:
     return [Prefix(cache=cache, last_token=int(x[-1]), true_length=len(x), version=version, routing=routing,
                    row=r) for r, x in enumerate(ids)]
 
-  def _prompt_ids(self, tokens, true_length: int | None = None) -> np.ndarray:
+  def _prompt_ids(self, tokens, true_length: int | None = None, max_length: int | None = None) -> np.ndarray:
     """The prompt's ids (tokens[:true_length]), checked: non-empty, short enough, in the vocabulary."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
@@ -256,9 +282,9 @@ class Engine:
       raise PromptError("prefill: empty prompt (true_length 0); a prompt needs at least one token")
     if n > len(tokens):
       raise PromptError(f"prefill: true_length={n} exceeds the {len(tokens)} tokens given")
-    if n > self.max_prefill_length:
+    if n > (max_length or self.max_prefill_length):
       raise PromptError(f"prefill: prompt of {n} tokens exceeds max_prefill_length="
-                        f"{self.max_prefill_length}")
+                        f"{max_length or self.max_prefill_length}")
     ids = tokens[:n]
     if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= self.vocab_size:
       raise PromptError(f"prefill: token ids must be integers in [0, {self.vocab_size}), got "
@@ -284,27 +310,20 @@ class Engine:
     return self.insert_many([prefix], decode_state, [slots], keys=[keys], max_new_tokens=max_new_tokens)
 
   def insert_many(self, prefixes, decode_state: DecodeState, slots, *, keys,
-                  max_new_tokens=None) -> DecodeState:
+                  max_new_tokens=None, generated=None) -> DecodeState:
     """`bulk_insert` of several prefixes at once (the G samples of each of several groups):
     prefixes[i] goes into the slots slots[i] with the keys keys[i] (one per slot) and the limit
     max_new_tokens[i] (or one limit for all; None = the config's). The same state as one
     `bulk_insert` per prefix, in one program call per slot group and prefill call the prefixes came
     from (one for the groups of a refill), instead of one per prefix. A call inserts as many slots
     as its prefill call had rows times group_size (padded: one insert program per prefill batch
-    size, prompt bucket and window).
+    size, prompt bucket and window). `generated[i]` (default 0): tokens of the completion already
+    in prefixes[i] (a resumed sequence: its prompt and completion so far were prefilled), which
+    count toward the limit and continue its sampling noise where it stopped.
     """
     n = len(prefixes)
-    limits = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
-    if not len(slots) == len(keys) == len(limits) == n:
-      raise ValueError(f"insert_many: {n} prefixes need as many slot lists ({len(slots)}), key lists "
-                       f"({len(keys)}) and limits ({len(limits)})")
-    entries = []  # (prefix, slot, key data, limit), in the order given
-    for i, (prefix, prefix_slots, prefix_keys, limit) in enumerate(zip(prefixes, slots, keys, limits)):
-      if len(prefix_keys) != len(prefix_slots):
-        raise ValueError(f"insert_many: prefix {i} has {len(prefix_slots)} slots and {len(prefix_keys)} keys")
-      limit = self._check_limit(limit)
-      entries += [(prefix, int(s), _key_data(k), limit) for s, k in zip(prefix_slots, prefix_keys)]
-    self._check_slots([slot for _, slot, _, _ in entries])
+    entries = self._insert_entries(prefixes, slots, keys, max_new_tokens, generated)
+    del n
     calls: dict[tuple[int, int], list] = {}  # (slot group, id of the prefill's cache) -> its entries
     for entry in entries:
       group = kv_cache_lib.group_of_row(entry[1], self._groups, self._block)[0]
@@ -320,19 +339,38 @@ class Engine:
         arrays = self._insert_call(source, arrays, group, call[start:start + width], width)
     positions = decode_state.host_positions.copy()
     live = decode_state.host_live.copy()
-    for prefix, slot, _, _ in entries:
+    for prefix, slot, *_ in entries:
       positions[slot], live[slot] = prefix.true_length - 1, True
     return DecodeState(arrays, positions, live)
+
+  def _insert_entries(self, prefixes, slots, keys, max_new_tokens, generated) -> list[tuple]:
+    """insert_many's arguments, checked, as (prefix, slot, key data, limit, generated) per slot."""
+    n = len(prefixes)
+    limits = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
+    done = [0] * n if generated is None else [int(g) for g in generated]
+    if not len(slots) == len(keys) == len(limits) == len(done) == n:
+      raise ValueError(f"insert_many: {n} prefixes need as many slot lists ({len(slots)}), key lists "
+                       f"({len(keys)}), limits ({len(limits)}) and generated counts ({len(done)})")
+    entries = []
+    for i, (prefix, prefix_slots, prefix_keys, limit, gen) in enumerate(zip(prefixes, slots, keys, limits, done)):
+      if len(prefix_keys) != len(prefix_slots):
+        raise ValueError(f"insert_many: prefix {i} has {len(prefix_slots)} slots and {len(prefix_keys)} keys")
+      limit = self._check_limit(limit)
+      if not 0 <= gen < limit:
+        raise ValueError(f"insert_many: generated={gen} of prefix {i} must be in [0, its limit {limit})")
+      entries += [(prefix, int(s), _key_data(k), limit, gen) for s, k in zip(prefix_slots, prefix_keys)]
+    self._check_slots([e[1] for e in entries])
+    return entries
 
   def _insert_call(self, source: kv_cache_lib.KVCache, arrays, group: int, entries, width: int) -> dict:
     """One `_insert_fn` call: entries (prefixes of `source`) into their slots of slot group `group`,
     padded to `width` with entries naming a slot and row past the end (the program drops them)."""
-    scalars = np.zeros((width, 6), np.int32)
+    scalars = np.zeros((width, 7), np.int32)
     scalars[:, 0], scalars[:, 5] = self.max_concurrent_decodes, self.max_concurrent_decodes // self._groups
     keys = np.zeros((width, 2), np.uint32)
-    for m, (prefix, slot, key, limit) in enumerate(entries):
+    for m, (prefix, slot, key, limit, gen) in enumerate(entries):
       row = kv_cache_lib.group_of_row(slot, self._groups, self._block)[1]
-      scalars[m] = (slot, prefix.row, prefix.last_token, prefix.true_length - 1, limit, row)
+      scalars[m] = (slot, prefix.row, prefix.last_token, prefix.true_length - 1, limit, row, gen)
       keys[m] = key
     cache, small = self._split_arrays(arrays)
     new_group, small = self._insert_fn(source, cache.groups[group], small, scalars, keys)
@@ -371,6 +409,15 @@ class Engine:
     return DecodeState(arrays, positions, live.copy()), result
 
   # ------------------------------------------------------------------ extras beyond JetStream
+
+  def fits(self, decode_state: DecodeState, requests) -> int:
+    """How many of `requests` ((prompt length, slots) each) can be inserted now: all of them, since
+    every slot owns its whole window (a paged cache checks its block budget)."""
+    return len(requests)
+
+  def reserve(self, decode_state: DecodeState) -> tuple[DecodeState, list[int]]:
+    """(state, preempted slots) before a generate call: nothing to reserve in a contiguous cache."""
+    return decode_state, []
 
   def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
     """Stops decoding `slot` (e.g. a stop string was seen on the host); it emits nothing more."""
@@ -499,10 +546,14 @@ class Engine:
     return next(b for b in self.config.prompt_batch_sizes if num_prompts <= b)
 
   def prefill_bucket(self, num_tokens: int) -> int:
+    """The prefill length for `num_tokens` positions: a bucket of `config.prefill_buckets`, or past
+    them (a resumed sequence) the power of two that holds them."""
     for b in self.config.prefill_buckets:
       if num_tokens <= b:
         return b
-    raise PromptError(f"prefill: {num_tokens} tokens exceed the largest bucket {self.config.prefill_buckets[-1]}")
+    if num_tokens > self.config.cache_length:
+      raise PromptError(f"prefill: {num_tokens} tokens exceed the cache length {self.config.cache_length}")
+    return 1 << math.ceil(math.log2(num_tokens))
 
   # ------------------------------------------------------------------ jitted bodies
 
@@ -592,11 +643,21 @@ class Engine:
     _, cache, routing_btlk = model.prefill(tokens_bt, cache, lengths_b, return_routing=True)
     return cache, routing_btlk
 
-  def _insert_impl(self, prefix_cache, group_cache, arrays, scalars_m6, keys_m):
+  def _empty_cache_on_mesh(self, length: int) -> kv_cache_lib.KVCache:
+    return jax.device_put(self._empty_cache(1, length), self._replicated)
+
+  def _extend_impl(self, params, tokens_bc, start, lengths_b, cache, routing):
+    model = nnx.merge(self._graphdef, params_lib.materialize(params))
+    if routing is None:
+      return model.extend(tokens_bc, start, cache, lengths_b), None
+    cache, chunk_routing = model.extend(tokens_bc, start, cache, lengths_b, return_routing=True)
+    return cache, jax.lax.dynamic_update_slice_in_dim(routing, chunk_routing, start, axis=1)
+
+  def _insert_impl(self, prefix_cache, group_cache, arrays, scalars_m7, keys_m):
     """Writes prefixes (rows of one prefill's cache) into slots of one group, one scatter per array.
-    scalars rows: slot, prefix row, last token, position, limit, row of the slot in its group;
-    padding rows name a slot and row past the end (dropped)."""
-    slot, src, last_token, position, limit, row = (scalars_m6[:, j] for j in range(6))
+    scalars rows: slot, prefix row, last token, position, limit, row of the slot in its group,
+    tokens generated already; padding rows name a slot and row past the end (dropped)."""
+    slot, src, last_token, position, limit, row, _ = (scalars_m7[:, j] for j in range(7))
     sources = jax.tree.map(lambda x: x[src], prefix_cache)  # [M, ...] per array
 
     def put(dst, new):  # new[m] into row row[m] of dst, leading positions
@@ -606,11 +667,17 @@ class Engine:
                              mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
     group_cache = jax.tree.map(put, group_cache, sources)
+    return group_cache, self._start_slots(arrays, scalars_m7, keys_m)
+
+  @staticmethod
+  def _start_slots(arrays, scalars_m7, keys_m) -> dict:
+    """The per-slot arrays of the slots an insert starts (scalars as in `_insert_impl`)."""
+    slot, last_token, position, limit, generated = (scalars_m7[:, j] for j in (0, 2, 3, 4, 6))
     out = dict(arrays)
-    for name, value in (("tokens", last_token), ("positions", position), ("num_generated", 0),
+    for name, value in (("tokens", last_token), ("positions", position), ("num_generated", generated),
                         ("max_new", limit), ("done", False), ("keys", keys_m)):
       out[name] = arrays[name].at[slot].set(value, mode="drop")
-    return group_cache, out
+    return out
 
   def _move_impl(self, src_cache, dst_cache, arrays, scalars):
     src, dst, r_src, r_dst = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -637,7 +704,7 @@ class Engine:
     out["done"] = arrays["done"].at[slot].set(True)
     return out
 
-  def _generate_impl(self, params, arrays):
+  def _generate_impl(self, params, arrays, plan=None):
     model = nnx.merge(self._graphdef, params_lib.materialize(params))
     sp, record = self._sampling, self.config.record_sampling_mask
     record_routing = self.config.record_routing
@@ -648,7 +715,7 @@ class Engine:
       cache, tokens, positions, n_gen, done = carry
       live = ~done
       logits_sv, cache, *routing_slk = model.decode_step(tokens, positions, cache, None,
-                                                         return_routing=record_routing)
+                                                         return_routing=record_routing, plan=plan)
       u_s = jax.vmap(lambda k, n: jax.random.uniform(jax.random.fold_in(k, n), (), jnp.float32))(
           arrays["keys"], n_gen)
       smp = sampling.sample_with_uniform(logits_sv, u_s, sp, return_mask=record)

@@ -156,6 +156,9 @@ class EpisodeDriver(RolloutDriver):
     if engine.config.record_routing:  # observation tokens are prefilled into a slot, not decoded
       raise ValueError("sampler.record_routing is not supported by EpisodeDriver (multi-turn): only "
                        "single-turn RolloutDriver rollouts record MoE routing")
+    if engine.config.kv_layout != "contiguous":  # it inserts turns itself, without fits / preemption
+      raise ValueError(f"sampler.kv_layout={engine.config.kv_layout!r} is not supported by EpisodeDriver "
+                       "(multi-turn) yet: use 'contiguous'")
     super().__init__(engine, params, source=source, sink=sink, version=version, may_start_group=may_start_group,
                      detokenize=detokenize, **({} if tracer is None else {"tracer": tracer}))
     self.episode_config = ec = episode_config

@@ -1,0 +1,236 @@
+"""The paged KV cache (sampler.kv_layout='paged'): the same samples as the contiguous cache, shared
+prompt blocks, a memory budget with preemption and recompute, chunked prefill, no compilation after
+warm-up, and a property test of the block bookkeeping."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jit_traces import count_traces, engine_counts
+from sampler_prompts import random_prompts
+from test_driver import _requests, _run, _tokens
+from test_engine import _decode_all
+from tunixlike.models import paged_cache
+from tunixlike.sampler import PagedEngine, SamplerConfig
+from tunixlike.sampler.blocks import BlockTables, OutOfBlocks
+from tunixlike.settings import ConfigError
+
+PAGED = dict(kv_layout="paged", kv_block_size=4)
+MIXED = (1, 3, 7, 12, 5, 16, 9, 2)
+
+
+def _logprobs(groups):
+  return {pid: [c.logprobs for c in g.completions] for pid, g in groups.items()}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_paged_decoding_equals_contiguous(make_engine, mesh_2x2, temperature):
+  prompts = random_prompts(4, lengths=MIXED)
+  keys = [jax.random.PRNGKey(3 + i) for i in range(4)]
+  contiguous = make_engine(temperature=temperature)
+  params = contiguous.load_params()
+  want_tokens, want_lps, _ = _decode_all(contiguous, params, prompts, keys)
+  for mesh in (None, mesh_2x2):  # one replica, and two replicas with a pool each
+    paged = make_engine(mesh=mesh, temperature=temperature, **PAGED)
+    tokens, lps, _ = _decode_all(paged, paged.load_params(), prompts, keys)
+    assert tokens == want_tokens
+    np.testing.assert_allclose(np.concatenate(lps), np.concatenate(want_lps), atol=1e-5)
+
+
+def test_paged_greedy_equals_argmax_of_full_forward(tiny_model, make_engine):
+  engine = make_engine(temperature=0.0, **PAGED)
+  prompts = random_prompts(4, lengths=MIXED[4:])
+  tokens, _, _ = _decode_all(engine, engine.load_params(), prompts)
+  for p, t in zip(prompts, tokens):
+    logits = np.asarray(tiny_model(jnp.asarray(np.concatenate([p, t])[None])))[0]
+    np.testing.assert_array_equal(logits[len(p) - 1:-1].argmax(-1), t)
+
+
+def test_blocks_return_to_the_pool_when_sequences_end(make_engine):
+  engine = make_engine(temperature=0.0, **PAGED)
+  params = engine.load_params()
+  state = engine.init_decode_state()
+  prompt = np.arange(1, 11, dtype=np.int32)  # 9 prefilled positions: 2 full blocks of 4 and a partial one
+  keys = np.zeros((3, 2), np.uint32)
+  state = engine.bulk_insert(engine.prefill(params, prompt), state, [0, 1, 2], keys=keys)
+  full, own = engine._first_blocks(len(prompt))
+  assert (full, own) == (2, 1)  # positions 9..11 of the first call stay in the partial block
+  assert engine.blocks_in_use(state) == full + 3 * own  # the prompt's full blocks once, not per sample
+  for _ in range(20):
+    state, res = engine.generate(params, state)
+    state = engine.mark_finished(state, np.asarray(res.done_s))
+  assert not state.host_live.any() and engine.blocks_in_use(state) == 0
+
+
+def test_shared_prompt_blocks_give_the_samples_of_copied_prompts(make_engine):
+  """A group's samples read one copy of the prompt; each equals its sample decoded alone."""
+  requests = _requests(6, seed=4)
+  grouped = make_engine(temperature=1.0, group_size=4, **PAGED)
+  alone = make_engine(temperature=1.0, group_size=4, kv_block_size=4)  # contiguous: every slot its own copy
+  got, driver = _run(grouped, requests)
+  want, _ = _run(alone, requests, params=grouped.load_params())
+  assert _tokens(got) == _tokens(want)
+  assert any(len({tuple(t) for t in ts}) > 1 for ts in _tokens(got).values())  # samples differ: no leak
+
+
+def test_copy_on_write_keeps_shared_blocks_and_other_samples_intact(make_engine):
+  engine = make_engine(temperature=1.0, **PAGED)
+  params = engine.load_params()
+  state = engine.init_decode_state()
+  prompt = np.arange(1, 8, dtype=np.int32)  # 6 prefilled positions: one full block, one partial
+  keys = np.asarray([[0, i] for i in range(4)], np.uint32)
+  state = engine.bulk_insert(engine.prefill(params, prompt), state, [0, 1, 2, 3], keys=keys)
+  tables = [list(state.tables.slots[s].blocks) for s in range(4)]
+  shared = tables[0][0]
+  assert all(t[0] == shared for t in tables) and len({t[1] for t in tables}) == 4  # own partial copies
+  before = [np.asarray(x[0, :, shared]) for x in state.arrays["cache"].k]
+  state, _ = engine.generate(params, state)
+  after = [np.asarray(x[0, :, shared]) for x in state.arrays["cache"].k]
+  for b, a in zip(before, after):
+    np.testing.assert_array_equal(a, b)  # decoding never writes into the shared block
+  # Each sample's own block holds the prompt's last 2 positions, then its own tokens' K.
+  pool = np.asarray(state.arrays["cache"].k[0][0])
+  for t in tables:
+    np.testing.assert_array_equal(pool[:, t[1], :2], pool[:, tables[0][1], :2])
+  assert len({pool[:, t[1], 2:5].tobytes() for t in tables}) == 4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_preemption_and_recompute_give_the_uninterrupted_completions(make_engine, temperature):
+  requests = _requests(8, seed=2)
+  roomy = make_engine(temperature=temperature, group_size=2, **PAGED)
+  # 8 blocks hold one longest sequence (32 positions) and its group: 4 slots must take turns.
+  tight = make_engine(temperature=temperature, group_size=2, kv_cache_bytes=10 * roomy.block_bytes, **PAGED)
+  assert tight.num_blocks == 10
+  want, _ = _run(roomy, requests)
+  got, driver = _run(tight, requests, params=roomy.load_params())
+  assert driver.stats.preemptions > 0 and driver.stats.resumed == driver.stats.preemptions
+  assert _tokens(got) == _tokens(want)
+  for pid in want:
+    for a, b in zip(_logprobs(got)[pid], _logprobs(want)[pid]):
+      np.testing.assert_allclose(a, b, atol=1e-5)
+    for c in got[pid].completions:
+      assert np.all(c.policy_versions == 0) and c.finish_reason == "length"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_chunked_prefill_equals_one_shot(make_engine, layout):
+  prompts = random_prompts(4, lengths=(16, 13, 9, 5))
+  keys = [jax.random.PRNGKey(i) for i in range(4)]
+  kw = dict(temperature=1.0, kv_layout=layout, kv_block_size=4)
+  one_shot = make_engine(**kw)
+  params = one_shot.load_params()
+  want = _decode_all(one_shot, params, prompts, keys)
+  chunked = make_engine(prefill_chunk=4, **kw)
+  with count_traces() as traces:
+    got = _decode_all(chunked, params, prompts, keys)
+  assert got[0] == want[0]
+  np.testing.assert_allclose(np.concatenate(got[1]), np.concatenate(want[1]), atol=1e-5)
+  # Prompts of 4, 8, 12 and 15 prefilled positions (all in the 16 bucket): one chunk program for all.
+  assert engine_counts(traces)["extend"] == 1
+
+
+def test_nothing_compiles_after_warmup(make_engine):
+  engine = make_engine(temperature=1.0, group_size=2, kv_cache_bytes=None, **PAGED)
+  params = engine.load_params()
+  engine.warmup(params)
+  with count_traces() as traces:
+    _run(engine, _requests(10, seed=5), params=params)
+    _decode_all(engine, params, random_prompts(4, lengths=(16, 2, 11, 7)))
+  assert not any(engine_counts(traces).values()), traces
+
+
+def test_pallas_kernel_equals_gather():
+  """The TPU kernel (run here in Pallas's TPU interpret mode) and the plain-JAX gather agree."""
+  from jax.experimental.pallas import tpu as pltpu
+  rng = np.random.default_rng(0)
+  r, slots, hkv, g, d, blocks, bs = 1, 3, 2, 2, 64, 12, 16
+  pool_k = jnp.asarray(rng.normal(size=(r, hkv, blocks, bs, d)), jnp.float32)
+  pool_v = jnp.asarray(rng.normal(size=(r, hkv, blocks, bs, d)), jnp.float32)
+  tables = np.asarray([[[3, 1, 0, 0], [5, 7, 9, 2], [4, 0, 0, 0]]], np.int32)
+  positions = np.asarray([20, 50, 3], np.int32)
+  entries = [(b, i, j * bs) for i, n in enumerate([2, 4, 1]) for j, b in enumerate(tables[0, i, :n])]
+  entries += [(0, slots, 0)] * (8 - len(entries))
+  eb, es, est = (np.asarray([[e[c] for e in entries]], np.int32) for c in range(3))
+  write = np.full((r, slots, 2), blocks, np.int32)  # no writes: compare the attention alone
+  first = (positions // bs)[None]
+  q = jnp.asarray(rng.normal(size=(slots, hkv, g, d)), jnp.float32)
+  new = jnp.zeros((slots, hkv, d), jnp.float32)
+  gather_plan = paged_cache.DecodePlan(eb, es, est, write, first)
+  kernel_plan = paged_cache.DecodePlan(eb, es, est, write, first, tables)
+  want, _, _ = paged_cache.attend(q, new, new, positions, pool_k, pool_v, gather_plan)
+  with pltpu.force_tpu_interpret_mode():
+    got, _, _ = paged_cache.attend(q, new, new, positions, pool_k, pool_v, kernel_plan)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2)
+
+
+def test_bad_paged_settings_are_one_line_errors(make_engine, tiny_model):
+  with pytest.raises(ConfigError, match=r"sampler.kv_block_size=16 does not divide sampler.prefill_chunk=8"):
+    SamplerConfig(kv_layout="paged", kv_block_size=16, prefill_chunk=8)
+  with pytest.raises(ConfigError, match=r"sampler.kv_block_size=6: must be a power of two"):
+    SamplerConfig(kv_layout="paged", kv_block_size=6)
+  with pytest.raises(ConfigError, match=r"sampler.slot_groups=2 needs sampler.kv_layout='contiguous'"):
+    SamplerConfig(kv_layout="paged", slot_groups=2)
+  with pytest.raises(ValueError, match=r"sampler.kv_cache_bytes=4096: .* cannot hold one sequence"):
+    PagedEngine(tiny_model, SamplerConfig(max_prefill_length=16, max_new_tokens=12, max_concurrent_decodes=4,
+                                          kv_cache_bytes=4096, **PAGED))
+  engine = make_engine(temperature=0.0, **PAGED)
+  params = engine.load_params()
+  state = engine.bulk_insert(engine.prefill(params, np.arange(1, 4, dtype=np.int32)), engine.init_decode_state(),
+                             [0], keys=np.zeros((1, 2), np.uint32))
+  state, _ = engine.generate(params, state)  # positions 2-4: the blocks insert gave it
+  state.tables.pools[0].allocate(state.tables.pools[0].num_free)  # someone else took the rest
+  state, _ = engine.generate(params, state)  # 5-7: still its own
+  with pytest.raises(OutOfBlocks, match="call PagedEngine.reserve before generate"):
+    engine.generate(params, state)  # 8-10: a third block
+
+
+# ------------------------------------------------------------------ block bookkeeping
+
+_OPS = st.lists(st.tuples(st.sampled_from(["admit", "grow", "finish", "preempt"]), st.integers(0, 7),
+                          st.integers(1, 40), st.integers(1, 4)), max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_OPS)
+def test_block_tables_never_share_or_leak_a_block(ops):
+  tables = BlockTables(num_slots=8, replicas=2, blocks_per_replica=12, block_size=4)
+  for op, slot, length, samples in ops:
+    pool = tables.pool_of(slot)
+    if op == "admit":  # a group: shared prompt blocks, then each sample's own
+      lo = slot // tables.per_replica * tables.per_replica
+      free_slots = [s for s in range(lo, lo + tables.per_replica) if tables.slots[s].started < 0][:samples]
+      if pool.num_free < length // 8 + len(free_slots):
+        continue
+      prompt = pool.allocate(length // 8)
+      own = pool.allocate(len(free_slots))
+      for s, b in zip(free_slots, own):
+        tables.start(s, prompt, [b])
+      pool.release(prompt)
+    elif op == "grow" and tables.slots[slot].started >= 0:
+      try:
+        tables.grow(slot, length)
+      except OutOfBlocks:
+        victim = tables.youngest(slot // tables.per_replica)
+        tables.free(victim)
+    elif op in ("finish", "preempt"):
+      tables.free(slot if op == "finish" else (tables.youngest(slot // tables.per_replica) or slot))
+    _check(tables)
+  for s in range(8):
+    tables.free(s)
+  _check(tables)
+  assert tables.blocks_in_use() == 0
+
+
+def _check(tables):
+  for r, pool in enumerate(tables.pools):
+    holders = {}
+    for s in range(r * tables.per_replica, (r + 1) * tables.per_replica):
+      for b in tables.slots[s].blocks:
+        holders[b] = holders.get(b, 0) + 1
+    for b in range(pool.num_blocks):
+      assert pool.refs(b) == holders.get(b, 0)  # every reference is a table entry, none lost
+    assert pool.num_free == pool.num_blocks - len(holders)  # free = unreferenced, none twice
+    assert len(set(pool._free)) == len(pool._free)

@@ -1,0 +1,349 @@
+"""The decode engine over a paged KV cache (`sampler.kv_layout = "paged"`).
+
+Same API as `engine.Engine` (prefill, insert, generate, release), over a pool of blocks per sampler
+replica (`models.paged_cache`) whose ownership the host tracks (`sampler.blocks`):
+  * a group's G samples read its prompt's full blocks once; each gets its own copy of the last,
+    partly filled one (the copy-on-write happens at insert, since every sample writes there first);
+  * a sequence's blocks go back to the pool the moment it ends;
+  * the pool is sized by `sampler.kv_cache_bytes`, so how many sequences decode at once depends on
+    how long they are, not on the longest one possible;
+  * `fits` tells the driver whether new sequences' blocks fit before it admits them, and `reserve`
+    gives every live sequence the blocks of its next call, preempting the youngest sequences when
+    the pool runs dry (vLLM's recompute policy: the driver prefills a preempted sequence's prompt
+    and completion so far again later and it continues where it stopped, same noise, same tokens).
+A decode step reads only the live blocks (see `paged_cache.attend`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tunixlike import mesh as mesh_lib
+from tunixlike.models import paged_cache
+from tunixlike.sampler.blocks import BlockTables, OutOfBlocks, blocks_for
+from tunixlike.sampler.engine import DecodeState, Engine, GenerateResult
+
+ATTENTION = ("auto", "gather", "kernel")  # auto: the Pallas kernel on TPU, the gather elsewhere
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedDecodeState(DecodeState):
+  tables: BlockTables | None = None  # host bookkeeping of every slot's blocks (updated in place)
+
+
+class PagedEngine(Engine):
+  """`Engine` over a paged cache; see the module docstring."""
+
+  def __init__(self, model, config, mesh=None, rules=mesh_lib.SAMPLER_RULES, *, attention: str = "auto"):
+    super().__init__(model, config, mesh, rules)
+    if config.kv_layout != "paged":
+      raise ValueError(f"PagedEngine needs sampler.kv_layout='paged', got {config.kv_layout!r}")
+    if attention not in ATTENTION:
+      raise ValueError(f"PagedEngine attention={attention!r}: one of {ATTENTION}")
+    self.use_kernel = attention == "kernel" or (attention == "auto" and jax.default_backend() == "tpu")
+    mc = self.model_config
+    self.replicas = self.mesh.shape["replica"]
+    self.block_size = bs = config.kv_block_size
+    self._dtype = jnp.dtype(self._cache_dtype or mc.dtype)
+    self.block_bytes = paged_cache.bytes_per_block(mc.num_layers, mc.num_kv_heads, bs, mc.head_dim,
+                                                   self._dtype.itemsize)
+    budget = config.kv_cache_bytes or self._slots_per_replica * blocks_for(config.cache_length, bs) * self.block_bytes
+    self.num_blocks = budget // self.block_bytes  # per replica
+    need = blocks_for(config.cache_length, bs) + config.group_size
+    if self.num_blocks < need:
+      raise ValueError(
+          f"sampler.kv_cache_bytes={budget}: {self.num_blocks} blocks of {self.block_bytes} bytes per replica "
+          f"cannot hold one sequence of max_prefill_length + max_new_tokens ({config.cache_length} positions) "
+          f"and its group's {config.group_size} samples: at least {need * self.block_bytes} bytes "
+          f"({need} blocks of {bs} positions)")
+    # Blocks a call of steps_per_call tokens writes into: they may straddle one more block boundary.
+    self._write_width = blocks_for(config.steps_per_call, bs) + 1
+    self._max_blocks = blocks_for(config.cache_length, bs)  # blocks of the longest sequence
+    small = {k: v for k, v in self._state_shardings(config.cache_length).items() if k != "cache"}
+    self._pool_shardings = jax.eval_shape(self._empty_pool).shardings(self.mesh, rules)
+    self._paged_shardings = dict(small, cache=self._pool_shardings)
+    self._paged_insert_fn = jax.jit(self._paged_insert_impl, donate_argnums=(1, 2),
+                                    out_shardings=(self._pool_shardings, small))
+    self._paged_generate_fn = jax.jit(self._generate_impl, donate_argnums=(1,),
+                                      out_shardings=(self._paged_shardings, self._replicated))
+
+  # ------------------------------------------------------------------ state
+
+  def _empty_pool(self) -> paged_cache.PagedKVCache:
+    mc = self.model_config
+    return paged_cache.PagedKVCache.zeros(mc.num_layers, self.replicas, mc.num_kv_heads, self.num_blocks,
+                                          self.block_size, mc.head_dim, self._dtype)
+
+  def init_decode_state(self, version: int = 0) -> PagedDecodeState:
+    s = self.max_concurrent_decodes
+    arrays = dict(
+        cache=self._empty_pool(),
+        tokens=jnp.zeros((s,), jnp.int32), positions=jnp.zeros((s,), jnp.int32),
+        num_generated=jnp.zeros((s,), jnp.int32), max_new=jnp.zeros((s,), jnp.int32),
+        done=jnp.ones((s,), jnp.bool_), keys=jnp.zeros((s, 2), jnp.uint32), version=jnp.int32(version))
+    arrays = jax.device_put(arrays, self._paged_shardings)
+    tables = BlockTables(s, self.replicas, self.num_blocks, self.block_size)
+    return PagedDecodeState(arrays, np.zeros((s,), np.int64), np.zeros((s,), bool), tables=tables)
+
+  def blocks_in_use(self, decode_state: PagedDecodeState) -> int:
+    """Blocks referenced by some sequence, over every replica."""
+    return decode_state.tables.blocks_in_use()
+
+  # ------------------------------------------------------------------ admission
+
+  def _first_blocks(self, true_length: int) -> tuple[int, int]:
+    """(shared full prompt blocks, own blocks per sample) of a sequence inserted at true_length:
+    its own cover the prompt's partly filled block and the positions of its first generate call."""
+    filled = true_length - 1  # KV positions the prefill wrote
+    first_call = min(filled + self.config.steps_per_call, self.config.cache_length)
+    full = filled // self.block_size
+    return full, blocks_for(first_call, self.block_size) - full
+
+  def fits(self, decode_state: PagedDecodeState, requests) -> int:
+    """How many of `requests` ((true_length, slots) each, in order) can be inserted now: the
+    blocks of each request's prompt (once per replica its slots are on) and its samples' own."""
+    tables = decode_state.tables
+    free = [p.num_free for p in tables.pools]
+    for n, (true_length, slots) in enumerate(requests):
+      full, own = self._first_blocks(true_length)
+      need = [0] * self.replicas
+      for slot in slots:
+        need[slot // tables.per_replica] += own
+      for r in {slot // tables.per_replica for slot in slots}:
+        need[r] += full
+      if any(need[r] > free[r] for r in range(self.replicas)):
+        return n
+      free = [f - x for f, x in zip(free, need)]
+    return len(requests)
+
+  def reserve(self, decode_state: PagedDecodeState) -> tuple[PagedDecodeState, list[int]]:
+    """Gives every live sequence the blocks its next generate call writes into, oldest first; when
+    a replica's pool runs dry its youngest sequence is preempted (blocks freed, slot released).
+    Returns (state, preempted slots): the caller re-queues those (prefill prompt + completion so far
+    and insert with `generated=`)."""
+    tables, live = decode_state.tables, decode_state.host_live.copy()
+    preempted = []
+    for slot in sorted(np.flatnonzero(live), key=lambda s: tables.slots[s].started):
+      while live[slot]:
+        try:
+          tables.grow(slot, self._call_end(decode_state.host_positions[slot]))
+          break
+        except OutOfBlocks:
+          victim = tables.youngest(slot // tables.per_replica, exclude=preempted)
+          tables.free(victim)  # `release` below frees nothing more
+          live[victim] = False
+          preempted.append(int(victim))
+    decode_state = dataclasses.replace(decode_state, host_live=live)
+    for slot in preempted:
+      decode_state = self.release(decode_state, slot)
+    return decode_state, preempted
+
+  def _call_end(self, position) -> int:
+    """Positions [0, end) a slot at `position` may have written by the end of its next call."""
+    return int(min(position + self.config.steps_per_call, self.config.cache_length))
+
+  # ------------------------------------------------------------------ insert
+
+  def insert_many(self, prefixes, decode_state: PagedDecodeState, slots, *, keys, max_new_tokens=None,
+                  generated=None) -> PagedDecodeState:
+    """As `Engine.insert_many`; the prompt's full blocks are written once per replica and shared by
+    its samples there (OutOfBlocks, with nothing taken, if they do not fit: ask `fits` first)."""
+    entries = self._insert_entries(prefixes, slots, keys, max_new_tokens, generated)
+    requests, seen = [], {}
+    for prefix, slot, *_ in entries:
+      seen.setdefault((id(prefix.cache), prefix.row), (prefix.true_length, []))[1].append(slot)
+    requests = list(seen.values())
+    if self.fits(decode_state, requests) < len(requests):
+      raise OutOfBlocks(f"insert: the paged cache has too few free blocks for {len(entries)} new sequences "
+                        "(the driver asks PagedEngine.fits first)")
+    tables, bs = decode_state.tables, self.block_size
+    shared: dict[tuple, list[int]] = {}  # (prefill call, row, replica) -> the prompt's full blocks
+    calls: dict[int, tuple] = {}  # prefill call -> (its cache, block writes, slot entries)
+    for prefix, slot, key, limit, gen in entries:
+      replica = slot // tables.per_replica
+      pool = tables.pools[replica]
+      full, own_count = self._first_blocks(prefix.true_length)
+      call = calls.setdefault(id(prefix.cache), (prefix.cache, [], []))
+      where = (id(prefix.cache), prefix.row, replica)
+      if where not in shared:
+        shared[where] = pool.allocate(full)
+        call[1].extend((replica, prefix.row, j, b) for j, b in enumerate(shared[where]))
+      own = pool.allocate(own_count)
+      if (prefix.true_length - 1) % bs:  # the partly filled block: this sample's copy
+        call[1].append((replica, prefix.row, full, own[0]))
+      tables.start(slot, shared[where], own)
+      call[2].append((prefix, slot, key, limit, gen))
+    for (_, _, replica), blocks in shared.items():
+      tables.pools[replica].release(blocks)  # the slots hold the references now
+    arrays = decode_state.arrays
+    for cache, writes, call_entries in calls.values():
+      arrays = self._paged_insert_call(cache, arrays, writes, call_entries)
+    positions, live = decode_state.host_positions.copy(), decode_state.host_live.copy()
+    for prefix, slot, *_ in entries:
+      positions[slot], live[slot] = prefix.true_length - 1, True
+    return PagedDecodeState(arrays, positions, live, tables=tables)
+
+  def _paged_insert_call(self, cache, arrays, writes, entries) -> dict:
+    rows, bucket = cache.batch_size, cache.max_len
+    # Slots per call: the prefill rows' groups (more only when a caller inserts a prefix into more
+    # than group_size slots: a program of its own).
+    group = rows * self.config.group_size
+    width = -(-len(entries) // group) * group
+    write_width = rows * blocks_for(bucket, self.block_size) + width
+    block_writes = np.zeros((write_width, 4), np.int32)
+    block_writes[:, 0] = self.replicas  # padding: an out-of-range replica, dropped
+    if writes:
+      block_writes[:len(writes)] = writes
+    scalars = np.zeros((width, 7), np.int32)
+    scalars[:, 0] = self.max_concurrent_decodes
+    keys = np.zeros((width, 2), np.uint32)
+    for m, (prefix, slot, key, limit, gen) in enumerate(entries):
+      scalars[m] = (slot, prefix.row, prefix.last_token, prefix.true_length - 1, limit, 0, gen)
+      keys[m] = key
+    pool, small = self._split_arrays(arrays)
+    pool, small = self._paged_insert_fn(cache, pool, small, block_writes, scalars, keys)
+    return dict(small, cache=pool)
+
+  def _paged_insert_impl(self, prefix_cache, pool, arrays, writes_m4, scalars_e7, keys_e):
+    """Copies blocks of prefill rows into the pool (writes: replica, row, block index, pool block;
+    padding names replica R, dropped) and starts the slots."""
+    bs = self.block_size
+    replica, row, index, dst = (writes_m4[:, j] for j in range(4))
+
+    def blocks_of(x, seq_axis):  # [rows, Hkv, D, L] (K) or [rows, Hkv, L, D] (V) -> [rows, nb, Hkv, bs, D]
+      pad = -x.shape[seq_axis] % bs
+      if pad:
+        x = jnp.pad(x, [(0, pad) if a == seq_axis else (0, 0) for a in range(x.ndim)])
+      r, h = x.shape[:2]
+      if seq_axis == 3:
+        return x.reshape(r, h, x.shape[2], -1, bs).transpose(0, 3, 1, 4, 2)
+      return x.reshape(r, h, -1, bs, x.shape[3]).transpose(0, 2, 1, 3, 4)
+
+    def put(pool_x, prefix_x, seq_axis):
+      src = blocks_of(prefix_x, seq_axis)[row, index]  # [M, Hkv, bs, D]
+      return pool_x.at[replica, :, dst].set(src.astype(pool_x.dtype), mode="drop")
+
+    pool = paged_cache.PagedKVCache(k=tuple(put(p, x, 3) for p, x in zip(pool.k, prefix_cache.k)),
+                                    v=tuple(put(p, x, 2) for p, x in zip(pool.v, prefix_cache.v)))
+    return pool, self._start_slots(arrays, scalars_e7, keys_e)
+
+  # ------------------------------------------------------------------ generate
+
+  def generate(self, params, decode_state: PagedDecodeState) -> tuple[PagedDecodeState, GenerateResult]:
+    """As `Engine.generate`. Every live slot must have its blocks for this call (`reserve`)."""
+    tables, live = decode_state.tables, decode_state.host_live
+    for slot in np.flatnonzero(live):
+      try:
+        tables.grow(slot, self._call_end(decode_state.host_positions[slot]))
+      except OutOfBlocks as e:
+        raise OutOfBlocks(f"generate: slot {slot} needs a block and the pool is empty ({e}); "
+                          "call PagedEngine.reserve before generate") from None
+    plan = self._plan(decode_state)
+    arrays, result = self._paged_generate_fn(params, decode_state.arrays, plan)
+    k = self.config.steps_per_call
+    positions = np.where(live, np.minimum(decode_state.host_positions + k, self.config.cache_length - 1),
+                         decode_state.host_positions)
+    return PagedDecodeState(arrays, positions, live.copy(), tables=tables), result
+
+  def entry_bucket(self, entries: int) -> int:
+    """Static entry count of a decode call (one program each): a power of two, at least 8."""
+    return max(8, 1 << math.ceil(math.log2(max(entries, 1))))
+
+  def _plan(self, decode_state: PagedDecodeState) -> paged_cache.DecodePlan:
+    tables, bs = decode_state.tables, self.block_size
+    per, r_count, width = tables.per_replica, self.replicas, self._write_width
+    live, pos = decode_state.host_live, decode_state.host_positions
+    per_replica = []
+    write = np.full((r_count, per, width), self.num_blocks, np.int32)
+    first = np.zeros((r_count, per), np.int32)
+    for r in range(r_count):
+      blocks, slots, starts = [], [], []
+      for i in range(per):
+        s = r * per + i
+        if not live[s]:
+          continue
+        table = tables.slots[s].blocks
+        n = blocks_for(self._call_end(pos[s]), bs)
+        blocks.append(table[:n])
+        slots.append(np.full(n, i, np.int32))
+        starts.append(np.arange(n, dtype=np.int32) * bs)
+        first[r, i] = pos[s] // bs
+        row = table[first[r, i]:first[r, i] + width]
+        write[r, i, :len(row)] = row
+      per_replica.append((blocks, slots, starts))
+    count = self.entry_bucket(max(sum(len(b) for b in blocks) for blocks, _, _ in per_replica))
+    entry_block = np.zeros((r_count, count), np.int32)
+    entry_slot = np.full((r_count, count), per, np.int32)  # padding: slot Sr, dropped
+    entry_start = np.zeros((r_count, count), np.int32)
+    for r, (blocks, slots, starts) in enumerate(per_replica):
+      if blocks:
+        n = sum(len(b) for b in blocks)
+        entry_block[r, :n] = np.concatenate(blocks)
+        entry_slot[r, :n] = np.concatenate(slots)
+        entry_start[r, :n] = np.concatenate(starts)
+    tables_arr = None
+    if self.use_kernel:
+      tables_arr = np.zeros((r_count, per, self._max_blocks), np.int32)
+      for s in np.flatnonzero(live):
+        table = tables.slots[s].blocks
+        tables_arr[s // per, s % per, :len(table)] = table
+    return paged_cache.DecodePlan(entry_block, entry_slot, entry_start, write, first, tables_arr)
+
+  # ------------------------------------------------------------------ ends
+
+  def release(self, decode_state: PagedDecodeState, slot: int) -> PagedDecodeState:
+    pool, small = self._split_arrays(decode_state.arrays)
+    decode_state.tables.free(slot)
+    live = decode_state.host_live.copy()
+    live[slot] = False
+    return dataclasses.replace(decode_state, arrays=dict(self._release_fn(small, np.int32(slot)), cache=pool),
+                               host_live=live)
+
+  def mark_finished(self, decode_state: PagedDecodeState, done_s) -> PagedDecodeState:
+    """Slots the device reported done give their blocks back to the pool at once."""
+    for slot in np.flatnonzero(decode_state.host_live & np.asarray(done_s, bool)):
+      decode_state.tables.free(int(slot))
+    return super().mark_finished(decode_state, done_s)
+
+  def plan_insert(self, decode_state, free_slots):
+    """The free slot on the replica with the most free blocks."""
+    free = [int(s) for s in free_slots]
+    if not free:
+      raise ValueError("plan_insert: no free slot")
+    tables = decode_state.tables
+    return max(free, key=lambda s: (tables.pool_of(s).num_free, -s)), None
+
+  def warmup(self, params) -> None:
+    """Compiles prefill per prompt bucket and batch size, the paged insert of each, and generate per
+    entry count (`entry_bucket`) up to every slot of a replica holding the longest sequence."""
+    lengths: dict[int, int] = {}  # prompt bucket -> a prompt length that lands in it
+    for n in range(1, self.max_prefill_length + 1):
+      lengths.setdefault(self.prefill_bucket(n - 1), n)
+    state, key = self.init_decode_state(), np.zeros((1, 2), np.uint32)
+    for size in self.config.prompt_batch_sizes:
+      for n in lengths.values():
+        prefix = self.prefill_many(params, [np.zeros(n, np.int32)] * size)[0]
+        state = self.release(self.insert_many([prefix], state, [[0]], keys=[key]), 0)
+    r, per = self.replicas, self._slots_per_replica
+    plan = self._plan(state)
+    count = 8
+    while count <= self.entry_bucket(per * self._max_blocks):
+      plan = dataclasses.replace(plan, entry_block=np.zeros((r, count), np.int32),
+                                 entry_slot=np.full((r, count), per, np.int32),
+                                 entry_start=np.zeros((r, count), np.int32))
+      arrays, _ = self._paged_generate_fn(params, state.arrays, plan)
+      state = dataclasses.replace(state, arrays=arrays)
+      count *= 2
+    jax.block_until_ready(state.arrays)
+
+
+def make_engine(model, config, mesh=None, rules=mesh_lib.SAMPLER_RULES) -> Engine:
+  """The engine `config.kv_layout` names."""
+  if config.kv_layout == "paged":
+    return PagedEngine(model, config, mesh, rules)
+  return Engine(model, config, mesh, rules)
