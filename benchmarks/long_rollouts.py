@@ -19,7 +19,7 @@ Prints one JSON object. Model: the one of benchmarks/sampler_throughput.py (4 la
     slots, no budget pressure): paged tokens/s over contiguous.
 (d) `--lengths`: tokens/s of each layout as the completion length grows (`--budget-slots`
     sequences of exactly that length, the budget sized for them).
-One devices, one sampler replica. Every timed run follows a warm-up run of the same requests (so no
+One device, one sampler replica. Every timed run follows a warm-up run of the same requests (so no
 compilation is timed; asserted from JAX's trace events).
 """
 
@@ -189,7 +189,7 @@ def main():
   model, mesh = _model(longest)
   load_before = os.getloadavg()[0]
   out = long_tail(model, mesh, rng, a)
-  out.update(prompt_sharing(model, mesh, a))
+  out.update(prompt_sharing(model, mesh, a, prompt_len=256 if a.quick else 2048))
   if not a.skip_short:
     out.update(short_fixed(model, mesh, rng, a))
   if a.lengths:

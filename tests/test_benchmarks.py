@@ -158,3 +158,15 @@ def test_rl_step_grid_points_are_valid_configs_of_the_main_job():
           assert cfg.sampler.max_new_tokens == value
         if axis == "prompts_per_step":
           assert cfg.rl.prompts_per_step * cfg.algo.group_size == rl_step._rows_per_step(flags)
+
+
+@pytest.mark.slow
+def test_long_rollouts_benchmark(tmp_path):
+  r = run_benchmark("long_rollouts", tmp_path)
+  assert_positive(r, "paged_tok_s", "contiguous_tok_s", "paged_vs_contiguous", "concurrent_paged",
+                  "concurrent_contiguous", "short_paged_vs_contiguous")
+  assert r["paged_vs_contiguous"] == pytest.approx(r["paged_tok_s"] / r["contiguous_tok_s"], rel=1e-2)
+  # A budget of 2 contiguous slots: contiguous never decodes more at once; paged shares the pool.
+  assert r["concurrent_contiguous"] <= 2 and r["preemptions"] >= 0
+  # G = 8 samples of one (256-token) prompt hold its full blocks once and 8 partly filled blocks.
+  assert r["prompt_blocks_shared"] == r["prompt_blocks_one_sample"] - 1 + 8

@@ -11,7 +11,7 @@ replica (`models.paged_cache`) whose ownership the host tracks (`sampler.blocks`
     gives every live sequence the blocks of its next call, preempting the youngest sequences when
     the pool runs dry (vLLM's recompute policy: the driver prefills a preempted sequence's prompt
     and completion so far again later and it continues where it stopped, same noise, same tokens).
-A decode step reads only the live blocks (see `paged_cache.attend`).
+A decode step reads each slot's blocks through its table (see `paged_cache.attend`).
 """
 
 from __future__ import annotations
@@ -250,49 +250,27 @@ class PagedEngine(Engine):
                          decode_state.host_positions)
     return PagedDecodeState(arrays, positions, live.copy(), tables=tables), result
 
-  def entry_bucket(self, entries: int) -> int:
-    """Static entry count of a decode call (one program each): a power of two, at least 8."""
-    return max(8, 1 << math.ceil(math.log2(max(entries, 1))))
+  def table_bucket(self, blocks: int) -> int:
+    """Static table width of a decode call (one program each): a power of two."""
+    return 1 << math.ceil(math.log2(max(blocks, 1)))
 
   def _plan(self, decode_state: PagedDecodeState) -> paged_cache.DecodePlan:
-    tables, bs = decode_state.tables, self.block_size
-    per, r_count, width = tables.per_replica, self.replicas, self._write_width
+    tables, bs, per = decode_state.tables, self.block_size, decode_state.tables.per_replica
     live, pos = decode_state.host_live, decode_state.host_positions
-    per_replica = []
-    write = np.full((r_count, per, width), self.num_blocks, np.int32)
-    first = np.zeros((r_count, per), np.int32)
-    for r in range(r_count):
-      blocks, slots, starts = [], [], []
-      for i in range(per):
-        s = r * per + i
-        if not live[s]:
-          continue
-        table = tables.slots[s].blocks
-        n = blocks_for(self._call_end(pos[s]), bs)
-        blocks.append(table[:n])
-        slots.append(np.full(n, i, np.int32))
-        starts.append(np.arange(n, dtype=np.int32) * bs)
-        first[r, i] = pos[s] // bs
-        row = table[first[r, i]:first[r, i] + width]
-        write[r, i, :len(row)] = row
-      per_replica.append((blocks, slots, starts))
-    count = self.entry_bucket(max(sum(len(b) for b in blocks) for blocks, _, _ in per_replica))
-    entry_block = np.zeros((r_count, count), np.int32)
-    entry_slot = np.full((r_count, count), per, np.int32)  # padding: slot Sr, dropped
-    entry_start = np.zeros((r_count, count), np.int32)
-    for r, (blocks, slots, starts) in enumerate(per_replica):
-      if blocks:
-        n = sum(len(b) for b in blocks)
-        entry_block[r, :n] = np.concatenate(blocks)
-        entry_slot[r, :n] = np.concatenate(slots)
-        entry_start[r, :n] = np.concatenate(starts)
-    tables_arr = None
-    if self.use_kernel:
-      tables_arr = np.zeros((r_count, per, self._max_blocks), np.int32)
-      for s in np.flatnonzero(live):
-        table = tables.slots[s].blocks
-        tables_arr[s // per, s % per, :len(table)] = table
-    return paged_cache.DecodePlan(entry_block, entry_slot, entry_start, write, first, tables_arr)
+    width = self._write_width
+    live_slots = np.flatnonzero(live)
+    reach = {int(s): blocks_for(self._call_end(pos[s]), bs) for s in live_slots}
+    out = np.zeros((self.replicas, per, self.table_bucket(max(reach.values(), default=1))), np.int32)
+    write = np.full((self.replicas, per, width), self.num_blocks, np.int32)
+    first = np.zeros((self.replicas, per), np.int32)
+    for s, n in reach.items():
+      r, i = divmod(s, per)
+      table = tables.slots[s].blocks
+      out[r, i, :n] = table[:n]
+      first[r, i] = pos[s] // bs
+      row = table[first[r, i]:first[r, i] + width]
+      write[r, i, :len(row)] = row
+    return paged_cache.DecodePlan(out, write, first, use_kernel=self.use_kernel)
 
   # ------------------------------------------------------------------ ends
 
@@ -320,7 +298,7 @@ class PagedEngine(Engine):
 
   def warmup(self, params) -> None:
     """Compiles prefill per prompt bucket and batch size, the paged insert of each, and generate per
-    entry count (`entry_bucket`) up to every slot of a replica holding the longest sequence."""
+    table width (`table_bucket`) up to the longest sequence's blocks."""
     lengths: dict[int, int] = {}  # prompt bucket -> a prompt length that lands in it
     for n in range(1, self.max_prefill_length + 1):
       lengths.setdefault(self.prefill_bucket(n - 1), n)
@@ -329,16 +307,12 @@ class PagedEngine(Engine):
       for n in lengths.values():
         prefix = self.prefill_many(params, [np.zeros(n, np.int32)] * size)[0]
         state = self.release(self.insert_many([prefix], state, [[0]], keys=[key]), 0)
-    r, per = self.replicas, self._slots_per_replica
-    plan = self._plan(state)
-    count = 8
-    while count <= self.entry_bucket(per * self._max_blocks):
-      plan = dataclasses.replace(plan, entry_block=np.zeros((r, count), np.int32),
-                                 entry_slot=np.full((r, count), per, np.int32),
-                                 entry_start=np.zeros((r, count), np.int32))
+    plan, width = self._plan(state), 1
+    while width <= self.table_bucket(self._max_blocks):
+      plan = dataclasses.replace(plan, tables=np.zeros((self.replicas, self._slots_per_replica, width), np.int32))
       arrays, _ = self._paged_generate_fn(params, state.arrays, plan)
       state = dataclasses.replace(state, arrays=arrays)
-      count *= 2
+      width *= 2
     jax.block_until_ready(state.arrays)
 
 
