@@ -70,16 +70,14 @@ class DecodePlan:
   """What one decode call reads and writes, per replica r and its local slot i (of Sr):
 
   tables [R, Sr, M]: each slot's first M blocks (M: a static bucket covering the longest live
-    sequence's positions in this call; unused entries are masked by position).
-  write_blocks [R, Sr, W]: the blocks covering positions first_block * bs ... of each slot in this
-    call (W = blocks a call of steps_per_call tokens can touch), NB = none (the write is dropped).
-  first_block [R, Sr]: index in the slot's table of write_blocks[..., 0].
+    sequence's positions in this call; unused entries are masked by position). A live slot writes
+    its step's K/V into the block of its table holding its position.
+  live [R, Sr]: the slot holds a sequence (the others write nothing).
   use_kernel: attend with the Pallas TPU kernel (static: chosen when the engine is built).
   """
 
   tables: jax.Array
-  write_blocks: jax.Array
-  first_block: jax.Array
+  live: jax.Array
   use_kernel: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
@@ -124,10 +122,10 @@ def attend(q_bkgd, k_bkd, v_bkd, positions_b, k_pool, v_pool, plan: DecodePlan):
   block_size = k_pool.shape[3]
   by_replica = lambda x: x.reshape(r, x.shape[0] // r, *x.shape[1:])
   q, k_new, v_new, positions = (by_replica(x) for x in (q_bkgd, k_bkd, v_bkd, positions_b))
-  col = positions // block_size - plan.first_block  # [R, Sr]
-  width = plan.write_blocks.shape[-1]
-  blocks = jnp.take_along_axis(plan.write_blocks, jnp.clip(col, 0, width - 1)[..., None], axis=-1)[..., 0]
-  blocks = jnp.where((col >= 0) & (col < width), blocks, k_pool.shape[2])  # outside the plan: dropped
+  col = positions // block_size  # [R, Sr]
+  width = plan.tables.shape[-1]
+  blocks = jnp.take_along_axis(plan.tables, jnp.clip(col, 0, width - 1)[..., None], axis=-1)[..., 0]
+  blocks = jnp.where(plan.live & (col < width), blocks, k_pool.shape[2])  # empty slots: dropped
   offsets = positions % block_size
   k_pool = jax.vmap(_write)(k_pool, k_new, blocks, offsets)
   v_pool = jax.vmap(_write)(v_pool, v_new, blocks, offsets)

@@ -203,8 +203,14 @@ class Engine:
   def init_decode_state(self, version: int = 0) -> DecodeState:
     s = self.max_concurrent_decodes
     cache = self._empty_grouped((self.config.attend_window(0),) * self._groups)
-    arrays = dict(
-        cache=cache,
+    arrays = dict(self._slot_arrays(version), cache=cache)
+    arrays = jax.device_put(arrays, self._state_shardings(self.config.attend_window(0)))
+    return DecodeState(arrays, np.zeros((s,), np.int64), np.zeros((s,), bool))
+
+  def _slot_arrays(self, version: int) -> dict:
+    """The decode state's per-slot arrays (every slot empty) and the policy version."""
+    s = self.max_concurrent_decodes
+    return dict(
         tokens=jnp.zeros((s,), jnp.int32),  # next input token of each slot
         positions=jnp.zeros((s,), jnp.int32),  # its position
         num_generated=jnp.zeros((s,), jnp.int32),
@@ -213,8 +219,6 @@ class Engine:
         keys=jnp.zeros((s, 2), jnp.uint32),
         version=jnp.int32(version),
     )
-    arrays = jax.device_put(arrays, self._state_shardings(self.config.attend_window(0)))
-    return DecodeState(arrays, np.zeros((s,), np.int64), np.zeros((s,), bool))
 
   def prefill(self, params: Params, tokens, true_length: int | None = None, *,
               version: int = 0) -> Prefix:
@@ -282,9 +286,9 @@ class Engine:
       raise PromptError("prefill: empty prompt (true_length 0); a prompt needs at least one token")
     if n > len(tokens):
       raise PromptError(f"prefill: true_length={n} exceeds the {len(tokens)} tokens given")
-    if n > (max_length or self.max_prefill_length):
-      raise PromptError(f"prefill: prompt of {n} tokens exceeds max_prefill_length="
-                        f"{max_length or self.max_prefill_length}")
+    limit = max_length or self.max_prefill_length
+    if n > limit:
+      raise PromptError(f"prefill: prompt of {n} tokens exceeds max_prefill_length={limit}")
     ids = tokens[:n]
     if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= self.vocab_size:
       raise PromptError(f"prefill: token ids must be integers in [0, {self.vocab_size}), got "
@@ -321,9 +325,7 @@ class Engine:
     in prefixes[i] (a resumed sequence: its prompt and completion so far were prefilled), which
     count toward the limit and continue its sampling noise where it stopped.
     """
-    n = len(prefixes)
     entries = self._insert_entries(prefixes, slots, keys, max_new_tokens, generated)
-    del n
     calls: dict[tuple[int, int], list] = {}  # (slot group, id of the prefill's cache) -> its entries
     for entry in entries:
       group = kv_cache_lib.group_of_row(entry[1], self._groups, self._block)[0]
@@ -337,11 +339,17 @@ class Engine:
       width = self._insert_width(source.batch_size)
       for start in range(0, len(call), width):
         arrays = self._insert_call(source, arrays, group, call[start:start + width], width)
+    return dataclasses.replace(self._started_on_host(decode_state, entries), arrays=arrays)
+
+  @staticmethod
+  def _started_on_host(decode_state: DecodeState, entries) -> DecodeState:
+    """The host mirror after inserting `entries` (`_insert_entries`): their slots live, at the
+    position of their prefix's last token."""
     positions = decode_state.host_positions.copy()
     live = decode_state.host_live.copy()
     for prefix, slot, *_ in entries:
       positions[slot], live[slot] = prefix.true_length - 1, True
-    return DecodeState(arrays, positions, live)
+    return dataclasses.replace(decode_state, host_positions=positions, host_live=live)
 
   def _insert_entries(self, prefixes, slots, keys, max_new_tokens, generated) -> list[tuple]:
     """insert_many's arguments, checked, as (prefix, slot, key data, limit, generated) per slot."""

@@ -61,8 +61,6 @@ class PagedEngine(Engine):
           f"cannot hold one sequence of max_prefill_length + max_new_tokens ({config.cache_length} positions) "
           f"and its group's {config.group_size} samples: at least {need * self.block_bytes} bytes "
           f"({need} blocks of {bs} positions)")
-    # Blocks a call of steps_per_call tokens writes into: they may straddle one more block boundary.
-    self._write_width = blocks_for(config.steps_per_call, bs) + 1
     self._max_blocks = blocks_for(config.cache_length, bs)  # blocks of the longest sequence
     small = {k: v for k, v in self._state_shardings(config.cache_length).items() if k != "cache"}
     self._pool_shardings = jax.eval_shape(self._empty_pool).shardings(self.mesh, rules)
@@ -81,12 +79,7 @@ class PagedEngine(Engine):
 
   def init_decode_state(self, version: int = 0) -> PagedDecodeState:
     s = self.max_concurrent_decodes
-    arrays = dict(
-        cache=self._empty_pool(),
-        tokens=jnp.zeros((s,), jnp.int32), positions=jnp.zeros((s,), jnp.int32),
-        num_generated=jnp.zeros((s,), jnp.int32), max_new=jnp.zeros((s,), jnp.int32),
-        done=jnp.ones((s,), jnp.bool_), keys=jnp.zeros((s, 2), jnp.uint32), version=jnp.int32(version))
-    arrays = jax.device_put(arrays, self._paged_shardings)
+    arrays = jax.device_put(dict(self._slot_arrays(version), cache=self._empty_pool()), self._paged_shardings)
     tables = BlockTables(s, self.replicas, self.num_blocks, self.block_size)
     return PagedDecodeState(arrays, np.zeros((s,), np.int64), np.zeros((s,), bool), tables=tables)
 
@@ -154,7 +147,7 @@ class PagedEngine(Engine):
     """As `Engine.insert_many`; the prompt's full blocks are written once per replica and shared by
     its samples there (OutOfBlocks, with nothing taken, if they do not fit: ask `fits` first)."""
     entries = self._insert_entries(prefixes, slots, keys, max_new_tokens, generated)
-    requests, seen = [], {}
+    seen = {}
     for prefix, slot, *_ in entries:
       seen.setdefault((id(prefix.cache), prefix.row), (prefix.true_length, []))[1].append(slot)
     requests = list(seen.values())
@@ -183,10 +176,7 @@ class PagedEngine(Engine):
     arrays = decode_state.arrays
     for cache, writes, call_entries in calls.values():
       arrays = self._paged_insert_call(cache, arrays, writes, call_entries)
-    positions, live = decode_state.host_positions.copy(), decode_state.host_live.copy()
-    for prefix, slot, *_ in entries:
-      positions[slot], live[slot] = prefix.true_length - 1, True
-    return PagedDecodeState(arrays, positions, live, tables=tables)
+    return dataclasses.replace(self._started_on_host(decode_state, entries), arrays=arrays)
 
   def _paged_insert_call(self, cache, arrays, writes, entries) -> dict:
     rows, bucket = cache.batch_size, cache.max_len
@@ -255,22 +245,13 @@ class PagedEngine(Engine):
     return 1 << math.ceil(math.log2(max(blocks, 1)))
 
   def _plan(self, decode_state: PagedDecodeState) -> paged_cache.DecodePlan:
-    tables, bs, per = decode_state.tables, self.block_size, decode_state.tables.per_replica
+    tables, per = decode_state.tables, decode_state.tables.per_replica
     live, pos = decode_state.host_live, decode_state.host_positions
-    width = self._write_width
-    live_slots = np.flatnonzero(live)
-    reach = {int(s): blocks_for(self._call_end(pos[s]), bs) for s in live_slots}
+    reach = {int(s): blocks_for(self._call_end(pos[s]), self.block_size) for s in np.flatnonzero(live)}
     out = np.zeros((self.replicas, per, self.table_bucket(max(reach.values(), default=1))), np.int32)
-    write = np.full((self.replicas, per, width), self.num_blocks, np.int32)
-    first = np.zeros((self.replicas, per), np.int32)
     for s, n in reach.items():
-      r, i = divmod(s, per)
-      table = tables.slots[s].blocks
-      out[r, i, :n] = table[:n]
-      first[r, i] = pos[s] // bs
-      row = table[first[r, i]:first[r, i] + width]
-      write[r, i, :len(row)] = row
-    return paged_cache.DecodePlan(out, write, first, use_kernel=self.use_kernel)
+      out[s // per, s % per, :n] = tables.slots[s].blocks[:n]
+    return paged_cache.DecodePlan(out, live.reshape(self.replicas, per), use_kernel=self.use_kernel)
 
   # ------------------------------------------------------------------ ends
 
