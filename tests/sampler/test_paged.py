@@ -85,13 +85,13 @@ def test_copy_on_write_keeps_shared_blocks_and_other_samples_intact(make_engine)
   tables = [list(state.tables.slots[s].blocks) for s in range(4)]
   shared = tables[0][0]
   assert all(t[0] == shared for t in tables) and len({t[1] for t in tables}) == 4  # own partial copies
-  before = [np.asarray(x[0, :, shared]) for x in state.arrays["cache"].k]
+  before = [np.asarray(x[0, :, shared]) for x in state.arrays["cache"].v]
   state, _ = engine.generate(params, state)
-  after = [np.asarray(x[0, :, shared]) for x in state.arrays["cache"].k]
+  after = [np.asarray(x[0, :, shared]) for x in state.arrays["cache"].v]
   for b, a in zip(before, after):
     np.testing.assert_array_equal(a, b)  # decoding never writes into the shared block
-  # Each sample's own block holds the prompt's last 2 positions, then its own tokens' K.
-  pool = np.asarray(state.arrays["cache"].k[0][0])
+  # Each sample's own block holds the prompt's last 2 positions, then its own tokens' V.
+  pool = np.asarray(state.arrays["cache"].v[0][0])  # [Hkv, NB, bs, D]
   for t in tables:
     np.testing.assert_array_equal(pool[:, t[1], :2], pool[:, tables[0][1], :2])
   assert len({pool[:, t[1], 2:5].tobytes() for t in tables}) == 4
@@ -142,24 +142,42 @@ def test_nothing_compiles_after_warmup(make_engine):
   assert not any(engine_counts(traces).values()), traces
 
 
-def test_pallas_kernel_equals_gather():
-  """The TPU kernel (run here in Pallas's TPU interpret mode) and the plain-JAX gather agree."""
+def test_pallas_kernel_equals_pool_attention():
+  """The TPU kernel (run here in Pallas's TPU interpret mode) and the plain-JAX pool attention agree,
+  a block shared by two slots included."""
   from jax.experimental.pallas import tpu as pltpu
   rng = np.random.default_rng(0)
   r, slots, hkv, g, d, blocks, bs = 1, 3, 2, 2, 64, 12, 16
   pool_k = jnp.asarray(rng.normal(size=(r, hkv, blocks, bs, d)), jnp.float32)
   pool_v = jnp.asarray(rng.normal(size=(r, hkv, blocks, bs, d)), jnp.float32)
-  tables = np.asarray([[[3, 1, 0, 0], [5, 7, 9, 2], [4, 0, 0, 0]]], np.int32)
+  tables = [[3, 1], [3, 7, 9, 2], [4]]  # block 3 is a prompt block slots 0 and 1 share
   positions = np.asarray([20, 50, 3], np.int32)
-  idle = np.zeros((r, slots), bool)  # no writes: compare the attention alone
   q = jnp.asarray(rng.normal(size=(slots, hkv, g, d)), jnp.float32)
-  new = jnp.zeros((slots, hkv, d), jnp.float32)
-  want, _, _ = paged_cache.attend(q, new, new, positions, pool_k, pool_v,
-                                  paged_cache.DecodePlan(tables, idle))
+  # This step's K/V are what the pool already holds at each position: the writes change nothing.
+  at = [(t[p // bs], p % bs) for t, p in zip(tables, positions)]
+  k_new, v_new = (jnp.stack([x[0, :, b, o] for b, o in at]) for x in (pool_k, pool_v))
+  owner, column = np.full((r, blocks), slots, np.int32), np.zeros((r, blocks), np.int32)
+  extra = np.zeros((r, 8, 3), np.int32)
+  extra[0, :, 1] = slots
+  extra[0, 0] = (3, 1, 0)
+  padded = np.zeros((r, slots, 4), np.int32)
+  for s, t in enumerate(tables):
+    padded[0, s, :len(t)] = t
+    for j, b in enumerate(t):
+      if (s, b) != (1, 3):
+        owner[0, b], column[0, b] = s, j
+  live = np.ones((r, slots), bool)
+  want, _, _ = paged_cache.attend(q, k_new, v_new, positions, jnp.swapaxes(pool_k, 3, 4), pool_v,
+                                  paged_cache.PoolPlan(owner, column, extra))
   with pltpu.force_tpu_interpret_mode():
-    got, _, _ = paged_cache.attend(q, new, new, positions, pool_k, pool_v,
-                                   paged_cache.DecodePlan(tables, idle, use_kernel=True))
+    got, _, _ = paged_cache.attend(q, k_new, v_new, positions, pool_k, pool_v, paged_cache.KernelPlan(padded, live))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2)
+  # and the pool attention equals attention over each slot's positions laid out in order
+  for s, t in enumerate(tables):
+    k = np.concatenate([pool_k[0, :, b] for b in t], axis=1)[:, :positions[s] + 1]  # [Hkv, L, D]
+    v = np.concatenate([pool_v[0, :, b] for b in t], axis=1)[:, :positions[s] + 1]
+    p = jax.nn.softmax(np.einsum("kgd,kld->kgl", q[s], k) / np.sqrt(d), axis=-1)
+    np.testing.assert_allclose(np.asarray(want[s]), np.einsum("kgl,kld->kgd", p, v), atol=1e-4)
 
 
 def test_bad_paged_settings_are_one_line_errors(make_engine, tiny_model):

@@ -1,17 +1,20 @@
 """The paged decode cache: a pool of fixed-size KV blocks per layer, read through block tables.
 
-Per layer, K and V are each [R, Hkv, NB, bs, D]: R sampler replicas (each owns its slots and its
-NB blocks), then the layout of the Pallas TPU paged-attention kernel ([Hkv, pages, page_size, D]).
-Which blocks a slot reads is host bookkeeping (`sampler.blocks`); a decode call gets a `DecodePlan`
-built from the block tables.
+Per layer and sampler replica (each owns its slots and its NB blocks) K and V are pools of blocks
+of `bs` positions. Which blocks a slot reads is host bookkeeping (`sampler.blocks`); each decode
+call gets a plan built from the block tables. Two ways to attend, chosen when the engine is built:
 
-Decode attention reads each slot's blocks through its table, up to a static number of blocks
-covering the longest live sequence (one compiled program per power of two). In plain JAX the
-blocks are gathered into a window and attended as the contiguous cache is (a gather of only the
-live blocks, entry by entry, was measured 2x slower on CPU: thousands of tiny matmuls instead of a
-few large ones). On TPU the Pallas kernel (`jax.experimental.pallas.ops.tpu.paged_attention`)
-reads the tables directly and stops at each slot's length; the engine chooses at build time
-(`DecodePlan.use_kernel`), and both agree within fp tolerance.
+* `PoolPlan` (plain JAX, every backend): each block of the pool is attended once, by the slot that
+  owns it, in place: scores of [G, D] queries against [D, bs] keys per block, a softmax per block,
+  then the blocks of a slot combined (flash-decoding's rescaling, as segment sums over owners). The
+  work is the pool's size whatever the slots' lengths, and nothing is copied. Blocks more than one
+  slot reads (a group's shared prompt) are owned by one and listed again, gathered, for the others.
+  K is [R, Hkv, NB, D, bs] here (positions minor, as in the contiguous cache: the per-block score
+  matmul is several times faster than with [bs, D]). Gathering every slot's blocks into a window
+  instead was measured 9x slower on CPU: the copy of every slot's window, each padded to the longest.
+* `KernelPlan` (TPU): the Pallas kernel (`jax.experimental.pallas.ops.tpu.paged_attention`) reads
+  the block tables itself and stops at each slot's length; K and V are [R, Hkv, NB, bs, D].
+Both give the same numbers within fp tolerance.
 """
 
 from __future__ import annotations
@@ -24,39 +27,41 @@ import jax.numpy as jnp
 
 from tunixlike.models import sharding as sharding_lib
 
-POOL_AXES = ("batch", "kv_heads", None, None, "head_dim")  # [R, Hkv, NB, bs, D]: R over the replicas
+_AXES = ("batch", "kv_heads", None, None, None)  # replicas over the mesh's 'replica' axis, KV heads over 'tensor'
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PagedKVCache:
-  k: tuple[jax.Array, ...]  # per layer [R, Hkv, NB, bs, D]
-  v: tuple[jax.Array, ...]
+  k: tuple[jax.Array, ...]  # per layer [R, Hkv, NB, D, bs] (pool layout) or [R, Hkv, NB, bs, D] (kernel)
+  v: tuple[jax.Array, ...]  # per layer [R, Hkv, NB, bs, D]
+  kernel_layout: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @property
   def replicas(self) -> int:
-    return self.k[0].shape[0]
+    return self.v[0].shape[0]
 
   @property
   def num_blocks(self) -> int:
     """Blocks per replica."""
-    return self.k[0].shape[2]
+    return self.v[0].shape[2]
 
   @property
   def block_size(self) -> int:
-    return self.k[0].shape[3]
+    return self.v[0].shape[3]
 
   @classmethod
   def zeros(cls, num_layers: int, replicas: int, num_kv_heads: int, num_blocks: int, block_size: int,
-            head_dim: int, dtype) -> PagedKVCache:
-    shape = (replicas, num_kv_heads, num_blocks, block_size, head_dim)
-    return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-               v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+            head_dim: int, dtype, kernel_layout: bool = False) -> PagedKVCache:
+    v_shape = (replicas, num_kv_heads, num_blocks, block_size, head_dim)
+    k_shape = v_shape if kernel_layout else (replicas, num_kv_heads, num_blocks, head_dim, block_size)
+    return cls(k=tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers)),
+               v=tuple(jnp.zeros(v_shape, dtype) for _ in range(num_layers)), kernel_layout=kernel_layout)
 
   def shardings(self, mesh: jax.sharding.Mesh, rules) -> PagedKVCache:
-    """Replicas over the mesh's 'replica' axis (rules map 'batch' there), KV heads over 'tensor'."""
-    one = lambda x: sharding_lib.named_sharding(x.shape, POOL_AXES, mesh, rules, strict=False)
-    return PagedKVCache(k=tuple(one(x) for x in self.k), v=tuple(one(x) for x in self.v))
+    one = lambda x: sharding_lib.named_sharding(x.shape, _AXES, mesh, rules, strict=False)
+    return PagedKVCache(k=tuple(one(x) for x in self.k), v=tuple(one(x) for x in self.v),
+                        kernel_layout=self.kernel_layout)
 
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, itemsize: int) -> int:
@@ -66,38 +71,66 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_di
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class DecodePlan:
-  """What one decode call reads and writes, per replica r and its local slot i (of Sr):
+class PoolPlan:
+  """Who reads each pool block in one decode call, per replica r (slots are local indices 0..Sr-1):
 
-  tables [R, Sr, M]: each slot's first M blocks (M: a static bucket covering the longest live
-    sequence's positions in this call; unused entries are masked by position). A live slot writes
-    its step's K/V into the block of its table holding its position.
-  live [R, Sr]: the slot holds a sequence (the others write nothing).
-  use_kernel: attend with the Pallas TPU kernel (static: chosen when the engine is built).
+  owner [R, NB]: the slot that attends the block in place (Sr: nobody; the block is skipped);
+  column [R, NB]: the block's index in its owner's table (it holds positions column * bs + [0, bs));
+  extra [R, X, 3]: (block, slot, column) of every other reference to a shared block (slot Sr: padding).
+  A live slot writes its step's K/V into the block it owns at its position's column.
   """
+
+  owner: jax.Array
+  column: jax.Array
+  extra: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KernelPlan:
+  """tables [R, Sr, M]: each slot's first M blocks (M: a static bucket covering the longest live
+  sequence in this call; entries past a slot's length are never read); live [R, Sr]: the slot holds a
+  sequence (the others write nothing)."""
 
   tables: jax.Array
   live: jax.Array
-  use_kernel: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
-def _write(pool_hnbd, new_sd, blocks_s, offsets_s):
+def _write(pool, new_sd, blocks_s, offsets_s, positions_minor: bool):
   """new_sd[i] ([Hkv, D] per slot) at block blocks_s[i], offset offsets_s[i]; out-of-range ids drop."""
-  return pool_hnbd.at[:, blocks_s, offsets_s, :].set(new_sd.transpose(1, 0, 2).astype(pool_hnbd.dtype),
-                                                     mode="drop")
+  if positions_minor:  # [Hkv, NB, D, bs]: the indexed dims lead the update
+    return pool.at[:, blocks_s, :, offsets_s].set(new_sd.astype(pool.dtype), mode="drop")
+  return pool.at[:, blocks_s, offsets_s, :].set(new_sd.transpose(1, 0, 2).astype(pool.dtype), mode="drop")
 
 
-def _gather_attend(q_skgd, k_pool, v_pool, positions_s, tables_sm):
-  """One replica: each slot's blocks gathered into a [M * bs] window, attended up to its position."""
-  hkv, _, bs, d = k_pool.shape
-  slots, m = tables_sm.shape
-  k = k_pool[:, tables_sm].reshape(hkv, slots, m * bs, d)  # [Hkv, Sr, L, D]
-  v = v_pool[:, tables_sm].reshape(hkv, slots, m * bs, d)
-  q = q_skgd.astype(k_pool.dtype)
-  s = jnp.einsum("skgd,ksld->skgl", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
-  valid = jnp.arange(m * bs)[None, :] <= positions_s[:, None]  # [Sr, L]
-  p = jax.nn.softmax(jnp.where(valid[:, None, None, :], s, -1e30), axis=-1).astype(v_pool.dtype)
-  return jnp.einsum("skgl,ksld->skgd", p, v, preferred_element_type=jnp.float32)
+def _pool_attend(q_skgd, k_pool, v_pool, positions_s, owner_n, column_n, extra_x3):
+  """One replica: every owned block attended in place by its owner, shared blocks' other readers
+  through `extra` (gathered); the blocks of each slot combined by rescaling their softmax sums."""
+  slots, _, _, d = q_skgd.shape
+  bs = v_pool.shape[2]
+  q_kbgd = q_skgd.astype(k_pool.dtype).transpose(1, 0, 2, 3)
+
+  def per_block(k_kndj, v_knjd, slot_n, column):
+    reader = jnp.minimum(slot_n, slots - 1)
+    s = jnp.einsum("kngd,kndj->kngj", q_kbgd[:, reader], k_kndj, preferred_element_type=jnp.float32)
+    valid = (slot_n < slots)[:, None] & (column[:, None] * bs + jnp.arange(bs) <= positions_s[reader][:, None])
+    s = jnp.where(valid[None, :, None, :], s / math.sqrt(d), -1e30)
+    m = s.max(-1)  # [Hkv, n, G]
+    e = jnp.where(valid[None, :, None, :], jnp.exp(s - m[..., None]), 0.0)
+    pv = jnp.einsum("kngj,knjd->kngd", e.astype(v_knjd.dtype), v_knjd, preferred_element_type=jnp.float32)
+    return m, e.sum(-1), pv
+
+  parts = [per_block(k_pool, v_pool, owner_n, column_n) + (owner_n,)]
+  if extra_x3.shape[0]:
+    block, slot, column = extra_x3[:, 0], extra_x3[:, 1], extra_x3[:, 2]
+    parts.append(per_block(k_pool[:, block], v_pool[:, block], slot, column) + (slot,))
+  m, l, pv, slot_n = (jnp.concatenate(x, axis=1 if i < 3 else 0) for i, x in enumerate(zip(*parts)))
+  to_slots = lambda x, op: op(jnp.moveaxis(x, 1, 0), slot_n, num_segments=slots + 1)[:slots]
+  m_slot = to_slots(m, jax.ops.segment_max)  # [S, Hkv, G]
+  w = jnp.exp(m - jnp.moveaxis(jnp.concatenate([m_slot, m_slot[:1]])[slot_n], 0, 1))  # [Hkv, n, G]
+  den = to_slots(w * l, jax.ops.segment_sum)
+  num = to_slots(pv * w[..., None], jax.ops.segment_sum)  # [S, Hkv, G, D]
+  return num / jnp.where(den > 0, den, 1.0)[..., None]  # an empty slot: zeros
 
 
 def _kernel_attend(q_skgd, k_pool, v_pool, positions_s, tables_sm):
@@ -111,23 +144,30 @@ def _kernel_attend(q_skgd, k_pool, v_pool, positions_s, tables_sm):
   return o.reshape(s, kv, g, d).astype(jnp.float32)
 
 
-def attend(q_bkgd, k_bkd, v_bkd, positions_b, k_pool, v_pool, plan: DecodePlan):
-  """Writes this step's K/V at positions_b through the plan, then attends each slot's blocks (with
-  the Pallas kernel if `plan.use_kernel`, else a gather into a window in plain JAX).
+def attend(q_bkgd, k_bkd, v_bkd, positions_b, cache_k, cache_v, plan: PoolPlan | KernelPlan):
+  """Writes this step's K/V at positions_b through the plan, then attends each slot's blocks.
 
-  q [B, Hkv, G, D] with B = R * Sr slots (replica-major); k/v [B, Hkv, D]. Returns
-  (o [B, Hkv, G, D], k_pool, v_pool).
+  q [B, Hkv, G, D] with B = R * Sr slots (replica-major); k/v [B, Hkv, D]; cache_k / cache_v one
+  layer's pools, in the layout of the plan's kind. Returns (o [B, Hkv, G, D], cache_k, cache_v).
   """
-  r = k_pool.shape[0]
-  block_size = k_pool.shape[3]
+  r, _, num_blocks, bs = cache_v.shape[:4]
   by_replica = lambda x: x.reshape(r, x.shape[0] // r, *x.shape[1:])
   q, k_new, v_new, positions = (by_replica(x) for x in (q_bkgd, k_bkd, v_bkd, positions_b))
-  col = positions // block_size  # [R, Sr]
-  width = plan.tables.shape[-1]
-  blocks = jnp.take_along_axis(plan.tables, jnp.clip(col, 0, width - 1)[..., None], axis=-1)[..., 0]
-  blocks = jnp.where(plan.live & (col < width), blocks, k_pool.shape[2])  # empty slots: dropped
-  offsets = positions % block_size
-  k_pool = jax.vmap(_write)(k_pool, k_new, blocks, offsets)
-  v_pool = jax.vmap(_write)(v_pool, v_new, blocks, offsets)
-  o = jax.vmap(_kernel_attend if plan.use_kernel else _gather_attend)(q, k_pool, v_pool, positions, plan.tables)
-  return o.reshape(q_bkgd.shape), k_pool, v_pool
+  col = positions // bs  # [R, Sr]
+  kernel = isinstance(plan, KernelPlan)
+  if kernel:
+    width = plan.tables.shape[-1]
+    blocks = jnp.take_along_axis(plan.tables, jnp.clip(col, 0, width - 1)[..., None], axis=-1)[..., 0]
+    blocks = jnp.where(plan.live & (col < width), blocks, num_blocks)
+  else:  # the block the slot owns at that column (none for an empty slot)
+    mine = (plan.owner[:, None, :] == jnp.arange(col.shape[1])[None, :, None]) & (
+        plan.column[:, None, :] == col[..., None])  # [R, Sr, NB]
+    blocks = jnp.where(mine.any(-1), mine.argmax(-1), num_blocks)
+  offsets = positions % bs
+  write = lambda pool, new, minor: jax.vmap(lambda p, n, b, o: _write(p, n, b, o, minor))(pool, new, blocks, offsets)
+  cache_k, cache_v = write(cache_k, k_new, not kernel), write(cache_v, v_new, False)
+  if kernel:
+    o = jax.vmap(_kernel_attend)(q, cache_k, cache_v, positions, plan.tables)
+  else:
+    o = jax.vmap(_pool_attend)(q, cache_k, cache_v, positions, plan.owner, plan.column, plan.extra)
+  return o.reshape(q_bkgd.shape), cache_k, cache_v

@@ -120,13 +120,13 @@ class Attention(nnx.Module):
     return self.o_proj(o), k, v
 
   def decode(self, x_bd, cos_bd, sin_bd, positions_b, k_cache, v_cache, attend_len: int | None,
-             block: int | None = None, plan: paged_cache.DecodePlan | None = None):
+             block: int | None = None, plan: paged_cache.PoolPlan | paged_cache.KernelPlan | None = None):
     """One new token per row. k_cache [B,Hkv,D,S], v_cache [B,Hkv,S,D]; attends [0, attend_len).
 
     Slot groups (kv_cache.GroupedKVCache): k_cache / v_cache are tuples of per-group caches
     [B/G, ...] whose rows interleave in blocks of `block`; each group attends its whole cache (its
     own window), so a group of short sequences does not read the window of the longest one.
-    Paged cache (`plan` given): k_cache / v_cache are the layer's block pools [R, Hkv, NB, bs, D].
+    Paged cache (`plan` given): k_cache / v_cache are the layer's block pools (`paged_cache`).
     """
     cfg = self.cfg
     b = x_bd.shape[0]
@@ -350,7 +350,7 @@ class Transformer(nnx.Module):
 
   def decode_step(self, tokens_b, positions_b, cache: KVCache | GroupedKVCache | paged_cache.PagedKVCache,
                   attend_len: int | None, *, routing_blk=None, return_routing: bool = False,
-                  plan: paged_cache.DecodePlan | None = None):
+                  plan: paged_cache.PoolPlan | paged_cache.KernelPlan | None = None):
     """One token per row at its own position; attends cache[..., :attend_len] (static int >= max pos + 1).
 
     With a GroupedKVCache (slot groups) attend_len must be None: each group attends its own cache.
@@ -362,6 +362,9 @@ class Transformer(nnx.Module):
     paged = isinstance(cache, paged_cache.PagedKVCache)
     if paged != (plan is not None) or (paged and attend_len is not None):
       raise ValueError("decode_step: a PagedKVCache needs plan= and attend_len=None; other caches take no plan")
+    if paged and isinstance(plan, paged_cache.KernelPlan) != cache.kernel_layout:
+      raise ValueError(f"decode_step: a {type(plan).__name__} does not read a PagedKVCache with "
+                       f"kernel_layout={cache.kernel_layout}")
     if paged:
       layer_kv = list(zip(cache.k, cache.v))
     elif grouped:
@@ -387,8 +390,10 @@ class Transformer(nnx.Module):
       routed.append(r)
     if grouped:
       new_cache = GroupedKVCache.from_layers(ks, vs, block)
+    elif paged:
+      new_cache = paged_cache.PagedKVCache(k=tuple(ks), v=tuple(vs), kernel_layout=cache.kernel_layout)
     else:
-      new_cache = (paged_cache.PagedKVCache if paged else KVCache)(k=tuple(ks), v=tuple(vs))
+      new_cache = KVCache(k=tuple(ks), v=tuple(vs))
     out = self.unembed(self.norm(x)), new_cache
     return (*out, _stack_routing(routed, tokens_b.shape, self.cfg).routing_btlk) if return_routing else out
 

@@ -11,7 +11,8 @@ replica (`models.paged_cache`) whose ownership the host tracks (`sampler.blocks`
     gives every live sequence the blocks of its next call, preempting the youngest sequences when
     the pool runs dry (vLLM's recompute policy: the driver prefills a preempted sequence's prompt
     and completion so far again later and it continues where it stopped, same noise, same tokens).
-A decode step reads each slot's blocks through its table (see `paged_cache.attend`).
+A decode call attends each pool block once in place for the slot that owns it (`PoolPlan`), or on
+TPU reads the block tables with the Pallas kernel (`KernelPlan`); see `paged_cache`.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class PagedEngine(Engine):
   def _empty_pool(self) -> paged_cache.PagedKVCache:
     mc = self.model_config
     return paged_cache.PagedKVCache.zeros(mc.num_layers, self.replicas, mc.num_kv_heads, self.num_blocks,
-                                          self.block_size, mc.head_dim, self._dtype)
+                                          self.block_size, mc.head_dim, self._dtype, kernel_layout=self.use_kernel)
 
   def init_decode_state(self, version: int = 0) -> PagedDecodeState:
     s = self.max_concurrent_decodes
@@ -205,21 +206,24 @@ class PagedEngine(Engine):
     bs = self.block_size
     replica, row, index, dst = (writes_m4[:, j] for j in range(4))
 
-    def blocks_of(x, seq_axis):  # [rows, Hkv, D, L] (K) or [rows, Hkv, L, D] (V) -> [rows, nb, Hkv, bs, D]
+    def blocks_of(x, seq_axis, positions_minor):  # K [rows, Hkv, D, L] or V [rows, Hkv, L, D] -> per block
       pad = -x.shape[seq_axis] % bs
       if pad:
         x = jnp.pad(x, [(0, pad) if a == seq_axis else (0, 0) for a in range(x.ndim)])
       r, h = x.shape[:2]
-      if seq_axis == 3:
-        return x.reshape(r, h, x.shape[2], -1, bs).transpose(0, 3, 1, 4, 2)
-      return x.reshape(r, h, -1, bs, x.shape[3]).transpose(0, 2, 1, 3, 4)
+      if seq_axis == 3:  # [rows, Hkv, D, nb, bs]
+        x = x.reshape(r, h, x.shape[2], -1, bs)
+        return x.transpose(0, 3, 1, 2, 4) if positions_minor else x.transpose(0, 3, 1, 4, 2)
+      return x.reshape(r, h, -1, bs, x.shape[3]).transpose(0, 2, 1, 3, 4)  # [rows, nb, Hkv, bs, D]
 
-    def put(pool_x, prefix_x, seq_axis):
-      src = blocks_of(prefix_x, seq_axis)[row, index]  # [M, Hkv, bs, D]
+    def put(pool_x, prefix_x, seq_axis, positions_minor=False):
+      src = blocks_of(prefix_x, seq_axis, positions_minor)[row, index]  # [M, Hkv, ...] a block each
       return pool_x.at[replica, :, dst].set(src.astype(pool_x.dtype), mode="drop")
 
-    pool = paged_cache.PagedKVCache(k=tuple(put(p, x, 3) for p, x in zip(pool.k, prefix_cache.k)),
-                                    v=tuple(put(p, x, 2) for p, x in zip(pool.v, prefix_cache.v)))
+    k_minor = not pool.kernel_layout
+    pool = paged_cache.PagedKVCache(k=tuple(put(p, x, 3, k_minor) for p, x in zip(pool.k, prefix_cache.k)),
+                                    v=tuple(put(p, x, 2) for p, x in zip(pool.v, prefix_cache.v)),
+                                    kernel_layout=pool.kernel_layout)
     return pool, self._start_slots(arrays, scalars_e7, keys_e)
 
   # ------------------------------------------------------------------ generate
@@ -240,18 +244,50 @@ class PagedEngine(Engine):
                          decode_state.host_positions)
     return PagedDecodeState(arrays, positions, live.copy(), tables=tables), result
 
-  def table_bucket(self, blocks: int) -> int:
-    """Static table width of a decode call (one program each): a power of two."""
-    return 1 << math.ceil(math.log2(max(blocks, 1)))
+  @staticmethod
+  def bucket(n: int, least: int = 1) -> int:
+    """Static size of a plan's table width or extra references (one program each): 0 for none,
+    else a power of two of at least `least`."""
+    return 0 if n <= 0 else max(least, 1 << math.ceil(math.log2(n)))
 
-  def _plan(self, decode_state: PagedDecodeState) -> paged_cache.DecodePlan:
+  def _plan(self, decode_state: PagedDecodeState):
+    return (self._kernel_plan if self.use_kernel else self._pool_plan)(decode_state)
+
+  def _live_blocks(self, decode_state: PagedDecodeState, replica: int):
+    """(blocks, local slots, columns) of every block reference of the replica's live slots."""
+    tables, per = decode_state.tables, decode_state.tables.per_replica
+    slots = [s for s in range(replica * per, (replica + 1) * per) if decode_state.host_live[s]]
+    refs = [np.asarray(tables.slots[s].blocks, np.int32) for s in slots]
+    if not refs:
+      return (np.zeros(0, np.int32),) * 3
+    return (np.concatenate(refs), np.repeat(np.asarray(slots, np.int32) % per, [len(r) for r in refs]),
+            np.concatenate([np.arange(len(r), dtype=np.int32) for r in refs]))
+
+  def _pool_plan(self, decode_state: PagedDecodeState) -> paged_cache.PoolPlan:
+    per, nb = decode_state.tables.per_replica, self.num_blocks
+    owner = np.full((self.replicas, nb), per, np.int32)
+    column = np.zeros((self.replicas, nb), np.int32)
+    extras = []
+    for r in range(self.replicas):
+      blocks, slots, cols = self._live_blocks(decode_state, r)
+      first = np.zeros(len(blocks), bool)
+      first[np.unique(blocks, return_index=True)[1]] = True  # a shared block's first reader owns it
+      owner[r, blocks[first]], column[r, blocks[first]] = slots[first], cols[first]
+      extras.append(np.stack([blocks[~first], slots[~first], cols[~first]], axis=1))
+    extra = np.zeros((self.replicas, self.bucket(max(len(e) for e in extras), least=8), 3), np.int32)
+    extra[:, :, 1] = per  # padding: read by nobody
+    for r, e in enumerate(extras):
+      extra[r, :len(e)] = e
+    return paged_cache.PoolPlan(owner, column, extra)
+
+  def _kernel_plan(self, decode_state: PagedDecodeState) -> paged_cache.KernelPlan:
     tables, per = decode_state.tables, decode_state.tables.per_replica
     live, pos = decode_state.host_live, decode_state.host_positions
     reach = {int(s): blocks_for(self._call_end(pos[s]), self.block_size) for s in np.flatnonzero(live)}
-    out = np.zeros((self.replicas, per, self.table_bucket(max(reach.values(), default=1))), np.int32)
+    out = np.zeros((self.replicas, per, self.bucket(max(reach.values(), default=1))), np.int32)
     for s, n in reach.items():
       out[s // per, s % per, :n] = tables.slots[s].blocks[:n]
-    return paged_cache.DecodePlan(out, live.reshape(self.replicas, per), use_kernel=self.use_kernel)
+    return paged_cache.KernelPlan(out, live.reshape(self.replicas, per))
 
   # ------------------------------------------------------------------ ends
 
@@ -279,7 +315,7 @@ class PagedEngine(Engine):
 
   def warmup(self, params) -> None:
     """Compiles prefill per prompt bucket and batch size, the paged insert of each, and generate per
-    table width (`table_bucket`) up to the longest sequence's blocks."""
+    plan shape (`_warmup_plans`)."""
     lengths: dict[int, int] = {}  # prompt bucket -> a prompt length that lands in it
     for n in range(1, self.max_prefill_length + 1):
       lengths.setdefault(self.prefill_bucket(n - 1), n)
@@ -288,13 +324,26 @@ class PagedEngine(Engine):
       for n in lengths.values():
         prefix = self.prefill_many(params, [np.zeros(n, np.int32)] * size)[0]
         state = self.release(self.insert_many([prefix], state, [[0]], keys=[key]), 0)
-    plan, width = self._plan(state), 1
-    while width <= self.table_bucket(self._max_blocks):
-      plan = dataclasses.replace(plan, tables=np.zeros((self.replicas, self._slots_per_replica, width), np.int32))
+    for plan in self._warmup_plans(state):
       arrays, _ = self._paged_generate_fn(params, state.arrays, plan)
       state = dataclasses.replace(state, arrays=arrays)
-      width *= 2
     jax.block_until_ready(state.arrays)
+
+  def _warmup_plans(self, state: PagedDecodeState):
+    """A plan of every static shape decoding can meet: each table width up to the longest sequence's
+    blocks (kernel), or each count of extra references shared prompts can make (pool)."""
+    plan, n = self._plan(state), 1
+    if self.use_kernel:
+      while n <= self.bucket(self._max_blocks):
+        yield dataclasses.replace(plan, tables=np.zeros((self.replicas, self._slots_per_replica, n), np.int32))
+        n *= 2
+      return
+    yield plan  # no sharing
+    most = self._slots_per_replica * (self.max_prefill_length // self.block_size) if self.config.group_size > 1 else 0
+    while n <= most:
+      x = self.bucket(n, least=8)
+      yield dataclasses.replace(plan, extra=np.full((self.replicas, x, 3), [0, self._slots_per_replica, 0], np.int32))
+      n = x + 1
 
 
 def make_engine(model, config, mesh=None, rules=mesh_lib.SAMPLER_RULES) -> Engine:
