@@ -38,7 +38,7 @@ def _parse(argv=None):
   p.add_argument("--min-tokens", type=int, default=64, help="shortest completion limit")
   p.add_argument("--budget-slots", type=int, default=4, help="the budget in contiguous slots of the longest sequence")
   p.add_argument("--slots", type=int, default=32, help="decode slots of the paged engine")
-  p.add_argument("--block-size", type=int, default=16, help="sampler.kv_block_size")
+  p.add_argument("--block-size", type=int, default=32, help="sampler.kv_block_size")
   p.add_argument("--steps-per-call", type=int, default=8)
   p.add_argument("--lengths", default="", help="comma-separated completion lengths for the growth table")
   p.add_argument("--skip-short", action="store_true", help="leave out the short fixed workload (c)")

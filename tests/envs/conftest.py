@@ -7,7 +7,7 @@ from flax import nnx
 
 from tunixlike import models
 from tunixlike.data import char_tokenizer
-from tunixlike.sampler import Engine, SamplerConfig
+from tunixlike.sampler import SamplerConfig, make_engine as build_engine
 
 CHARS = char_tokenizer.DEFAULT_CHARS + '<>_{}"'
 
@@ -40,7 +40,7 @@ def make_engine(tiny_model):
     kw.setdefault("eos_ids", (2,))
     cfg = SamplerConfig(**kw)
     if cfg not in cache:
-      cache[cfg] = Engine(tiny_model, cfg, mesh)
+      cache[cfg] = build_engine(tiny_model, cfg, mesh)
     return cache[cfg]
 
   return make

@@ -13,7 +13,7 @@ from sampler_prompts import random_prompts
 from test_driver import _requests, _run, _tokens
 from test_engine import _decode_all
 from tunixlike.models import paged_cache
-from tunixlike.sampler import PagedEngine, SamplerConfig
+from tunixlike.sampler import PagedEngine, PromptRequest, RolloutDriver, SamplerConfig
 from tunixlike.sampler.blocks import BlockTables, OutOfBlocks
 from tunixlike.settings import ConfigError
 
@@ -130,6 +130,25 @@ def test_chunked_prefill_equals_one_shot(make_engine, layout):
   np.testing.assert_allclose(np.concatenate(got[1]), np.concatenate(want[1]), atol=1e-5)
   # Prompts of 4, 8, 12 and 15 prefilled positions (all in the 16 bucket): one chunk program for all.
   assert engine_counts(traces)["extend"] == 1
+
+
+def test_long_prompts_prefill_a_chunk_per_step_while_others_decode(make_engine):
+  prompts = random_prompts(6, lengths=(3, 16, 5, 14, 2, 16))
+  requests = [PromptRequest(prompt_id=i, token_ids=p) for i, p in enumerate(prompts)]
+  one_shot = make_engine(temperature=1.0, **PAGED)
+  want, _ = _run(one_shot, requests)
+  chunked = make_engine(temperature=1.0, prefill_chunk=4, **PAGED)
+  out = []
+  driver = RolloutDriver(chunked, one_shot.load_params(), source=iter(requests), sink=out.append)
+  steps = []  # (chunks run, generate calls) per driver step
+  while not (driver.exhausted and driver.is_idle):
+    before = (driver.stats.prefill_chunks, driver.stats.generate_calls)
+    driver.step()
+    steps.append((driver.stats.prefill_chunks - before[0], driver.stats.generate_calls - before[1]))
+  assert sum(c for c, _ in steps) == 12  # 3 long prompts of 4 chunks each
+  assert max(c for c, _ in steps) == 1  # never two chunks back to back
+  assert sum(1 for c, g in steps if c and g) >= 9  # the other slots decoded meanwhile
+  assert _tokens({g.prompt_id: g for g in out}) == _tokens(want)
 
 
 def test_nothing_compiles_after_warmup(make_engine):

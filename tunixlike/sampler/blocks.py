@@ -4,7 +4,9 @@ The pool of each sampler replica is `num_blocks` blocks of `block_size` position
 device: `models.paged_cache`). A slot's block table lists the blocks holding its positions in order;
 the G samples of a group list the same blocks for their shared prompt (reference counted), each its
 own block from the prompt's last, partly filled one on (copied, since each writes its own tokens
-there). A block goes back to the free list the moment its last reference is dropped.
+there). A block goes back to the free list the moment its last reference is dropped. A slot's blocks
+can also be parked (a multi-turn episode waiting on its environment keeps its conversation's KV
+without holding a slot): a parked entry is a cache, dropped first when the pool runs dry.
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ class BlockTables:
     self.per_replica = num_slots // replicas
     self.pools = [BlockAllocator(blocks_per_replica) for _ in range(replicas)]
     self.slots = [SlotBlocks() for _ in range(num_slots)]
+    self.parked: dict[int, tuple[int, list[int]]] = {}  # key -> (replica, blocks), oldest first
     self._admitted = 0
+    self._next_park = 0
 
   def pool_of(self, slot: int) -> BlockAllocator:
     return self.pools[slot // self.per_replica]
@@ -106,6 +110,33 @@ class BlockTables:
     if entry.started >= 0:
       self.pool_of(slot).release(entry.blocks)
       self.slots[slot] = SlotBlocks()
+
+  def park(self, slot: int, num_positions: int) -> int:
+    """Moves the slot's blocks holding positions [0, num_positions) to a parked entry (the rest are
+    released) and empties the slot. Returns the entry's key."""
+    entry = self.slots[slot]
+    if entry.started < 0:
+      raise ValueError(f"park: slot {slot} holds no sequence")
+    keep = blocks_for(num_positions, self.block_size)
+    pool = self.pool_of(slot)
+    pool.release(entry.blocks[keep:])
+    key, self._next_park = self._next_park, self._next_park + 1
+    self.parked[key] = (slot // self.per_replica, entry.blocks[:keep])
+    self.slots[slot] = SlotBlocks()
+    return key
+
+  def unpark(self, key: int) -> tuple[int, list[int]] | None:
+    """Takes a parked entry out (None if it was dropped): its references pass to the caller."""
+    return self.parked.pop(key, None)
+
+  def drop_parked(self, key: int | None = None, replica: int | None = None) -> bool:
+    """Releases parked entry `key`, or the oldest on `replica`; False if there was none."""
+    if key is None:
+      key = next((k for k, (r, _) in self.parked.items() if r == replica), None)
+    found = self.unpark(key) if key is not None else None
+    if found is not None:
+      self.pools[found[0]].release(found[1])
+    return found is not None
 
   def youngest(self, replica: int, exclude=()) -> int | None:
     """The live slot of `replica` admitted last (None if none is live)."""

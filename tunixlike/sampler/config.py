@@ -64,7 +64,7 @@ class SamplerConfig:
   kv_layout: str = setting("contiguous", "decode cache: 'contiguous' (a window per slot) or 'paged' (blocks "
                            "through block tables: shared prompts, a memory budget, preemption)",
                            check=one_of(*KV_LAYOUTS), resumable=True)
-  kv_block_size: int = setting(16, "positions per block of the paged cache (a power of two)",
+  kv_block_size: int = setting(32, "positions per block of the paged cache (a power of two)",
                                check=_power_of_two, resumable=True)
   kv_cache_bytes: int | None = setting(None, "paged cache pool per sampler replica in bytes (K and V of every "
                                        "layer); None = what the contiguous cache of all slots would take",

@@ -104,6 +104,7 @@ class DriverStats:
   groups_emitted: int = 0
   truncated_prompts: int = 0
   param_swaps: int = 0
+  prefill_chunks: int = 0  # chunks of long prompts run between generate calls
   preemptions: int = 0  # sequences whose blocks a paged cache took back (each resumed later)
   resumed: int = 0  # preempted sequences prefilled again and decoding
   busy_time_s: float = 0.0  # time in prefill / insert / generate (incl. fetching results)
@@ -173,6 +174,8 @@ class RolloutDriver:
     self._pending_prefix = None
     self._blocked: _Group | None = None  # admitted, its blocks did not fit the paged cache yet
     self._preempted: collections.deque[_Slot] = collections.deque()  # to resume, oldest first
+    # A long prompt prefilled a chunk per step, between generate calls: (group, chunk steps, version).
+    self._prefilling: tuple[_Group, Iterator | None, int | None] | None = None
     self._in_flight: dict[int, _Group] = {}
     self._next_seq = 0
     self._exhausted = False
@@ -199,7 +202,8 @@ class RolloutDriver:
   @property
   def is_idle(self) -> bool:
     """No sequence decoding and no admitted group waiting for slots."""
-    return self._pending_group is None and not self._preempted and all(s is None for s in self._slots)
+    return (self._pending_group is None and self._prefilling is None and not self._preempted
+            and all(s is None for s in self._slots))
 
   @property
   def exhausted(self) -> bool:
@@ -335,6 +339,8 @@ class RolloutDriver:
       return
     if not self._resume_preempted(free):
       return
+    if not self._prefill_next_chunk():
+      return
     batch = self._take_groups(free)
     if not batch:
       self._pend_blocked()
@@ -350,15 +356,44 @@ class RolloutDriver:
       self._started(group, slots, prefix)
     self._pend_blocked()
 
+  def _prefill_next_chunk(self) -> bool:
+    """Runs the next chunk of the long prompt being prefilled (one per step, so decoding goes on
+    in between); True when none is left, the finished group then pending with its prefix."""
+    pending = self._pending_group
+    if (self._prefilling is None and self._pending_prefix is not None
+        and self._pending_prefix.version != self._version and self.engine.prefills_in_chunks(len(pending.prompt_ids))):
+      self._prefilling, self._pending_group, self._pending_prefix = (pending, None, None), None, None
+    if self._prefilling is None:
+      return True
+    group, steps, version = self._prefilling
+    if steps is None or version != self._version:  # not started, or new weights: start with these
+      steps, version = self.engine.prefill_steps(self._params, group.prompt_ids, version=self._version), self._version
+    t0 = time.perf_counter()
+    with self.tracer.span("prefill chunk", cat="sampler", version=version):
+      prefix = next(steps)
+    self.stats.busy_time_s += time.perf_counter() - t0
+    self.stats.prefill_chunks += 1
+    if prefix is None:
+      self._prefilling = (group, steps, version)
+      return False
+    self._prefilling = None
+    self._pending_group, self._pending_prefix = group, prefix
+    self.stats.prefills += 1
+    return True
+
   def _take_groups(self, free: list[int]) -> list[tuple[_Group, list[int]]]:
     """Groups to insert now with their slots: the pending group first, then new ones while free
     slots remain (admission is asked per group). Only the last may not fit the slots: it stays
-    pending. A group whose blocks do not fit a paged cache ends the batch and waits (`_blocked`)."""
+    pending. A group whose blocks do not fit a paged cache ends the batch and waits (`_blocked`).
+    A new group whose prompt prefills in chunks ends the batch: its chunks run from the next step."""
     batch, requests = [], []
     group = self._pending_group
     while free:
       group = group or self._admit()
       if group is None:
+        break
+      if group is not self._pending_group and self.engine.prefills_in_chunks(len(group.prompt_ids)):
+        self._prefilling = (group, None, None)
         break
       slots = free[:self.config.group_size - group.started]
       requests.append((len(group.prompt_ids), slots))
@@ -521,9 +556,9 @@ class RolloutDriver:
         if host.done_s[s]:
           raise DriverError(f"slot {s}: the device reports it done but the host saw no stop")
         continue
+      self._finish(s, info, finish)  # first: EpisodeDriver parks the slot's KV before release frees it
       if finish == "stop" and not host.done_s[s]:
         self._state = self.engine.release(self._state, s)
-      self._finish(s, info, finish)
     self._state = self.engine.mark_finished(self._state, host.done_s)
 
   def _record(self, info: _Slot, token: int, logprob: float, version: int, mask) -> None:

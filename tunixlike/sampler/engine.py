@@ -41,6 +41,7 @@ There is one decode program per tuple of group windows that occurs.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -89,6 +90,14 @@ class Prefix:
   # past true_length - 1 are padding), a device array fetched only when the completion is finished.
   routing: jax.Array | None = None  # int32 [rows, bucket, L, k]
   row: int = 0  # this prompt's row of `cache` and `routing`
+
+
+@dataclasses.dataclass(frozen=True)
+class ParkedKV:
+  """KV of a finished turn kept without its slot (`PagedEngine.park`): positions [0, length)."""
+
+  key: int
+  length: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +250,7 @@ class Engine:
     for bucket, idx in by_bucket.items():
       if bucket > self.config.prefill_chunk:
         for i in idx:
-          out[i] = self._prefill_in_chunks(params, ids[i], bucket, int(version))
+          out[i] = collections.deque(self._prefill_in_chunks(params, ids[i], bucket, int(version)), maxlen=1)[0]
         continue
       for start in range(0, len(idx), self.max_prompt_batch):
         batch = idx[start:start + self.max_prompt_batch]
@@ -249,9 +258,25 @@ class Engine:
           out[i] = prefix
     return out
 
-  def _prefill_in_chunks(self, params: Params, ids: np.ndarray, bucket: int, version: int) -> Prefix:
+  def prefill_steps(self, params: Params, tokens, *, version: int = 0, max_length: int | None = None):
+    """Prefills one prompt a program call per `next`: yields None after each chunk but the last,
+    then the Prefix (at once for a prompt of one chunk or less). The driver runs a long prompt's
+    chunks between generate calls, so the live slots never wait for a whole long prefill."""
+    ids = self._prompt_ids(tokens, max_length=max_length)
+    bucket = self.prefill_bucket(len(ids) - 1)
+    if bucket > self.config.prefill_chunk:
+      yield from self._prefill_in_chunks(params, ids, bucket, int(version))
+    else:
+      yield self._prefill_batch(params, [ids], bucket, int(version))[0]
+
+  def prefills_in_chunks(self, num_tokens: int) -> bool:
+    """Whether a prompt of `num_tokens` takes more than one chunk (`sampler.prefill_chunk`)."""
+    return num_tokens - 1 > self.config.prefill_chunk
+
+  def _prefill_in_chunks(self, params: Params, ids: np.ndarray, bucket: int, version: int):
     """A prompt longer than `sampler.prefill_chunk`, one chunk per program call (the same program for
-    every chunk of every prompt in this bucket): prompt[:-1] into a [1, bucket] cache."""
+    every chunk of every prompt in this bucket): prompt[:-1] into a [1, bucket] cache. A generator:
+    None after each chunk but the last, then the Prefix."""
     chunk, n = self.config.prefill_chunk, len(ids) - 1
     padded = np.zeros((1, bucket), np.int32)
     padded[0, :n] = ids[:-1]
@@ -265,7 +290,9 @@ class Engine:
     for start in range(0, n, chunk):
       cache, routing = self._extend_fn(params, padded[:, start:start + chunk], np.int32(start), length,
                                        cache, routing)
-    return Prefix(cache=cache, last_token=int(ids[-1]), true_length=len(ids), version=version, routing=routing)
+      if start + chunk < n:
+        yield None
+    yield Prefix(cache=cache, last_token=int(ids[-1]), true_length=len(ids), version=version, routing=routing)
 
   def _prefill_batch(self, params: Params, ids: list[np.ndarray], bucket: int, version: int) -> list[Prefix]:
     rows = self.prompt_batch_bucket(len(ids))
@@ -426,6 +453,14 @@ class Engine:
   def reserve(self, decode_state: DecodeState) -> tuple[DecodeState, list[int]]:
     """(state, preempted slots) before a generate call: nothing to reserve in a contiguous cache."""
     return decode_state, []
+
+  def park(self, decode_state: DecodeState, slot: int, num_positions: int) -> ParkedKV | None:
+    """Keeps a finished turn's KV for the next one: a contiguous cache keeps none (the next turn
+    prefills its conversation again); `PagedEngine` keeps its blocks."""
+    return None
+
+  def discard(self, decode_state: DecodeState, parked: ParkedKV | None) -> None:
+    """Drops KV `park` kept (nothing here)."""
 
   def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
     """Stops decoding `slot` (e.g. a stop string was seen on the host); it emits nothing more."""

@@ -4,8 +4,8 @@
 (`tunixlike.rewards.envs.Env`). For each prompt it runs G episodes, each with its own Env:
 
   1. `env.reset(record)` runs on a worker thread; its text (if any) is appended to the prompt;
-  2. the episode waits for a free decode slot, prefills its whole conversation so far (with the
-     current weights) and decodes one policy turn, which ends at EOS, at a stop string
+  2. the episode waits for a free decode slot (and, with a paged cache, its blocks), prefills its
+     conversation so far (with the current weights) and decodes one policy turn, which ends at EOS, at a stop string
      (`EpisodeConfig.action_stop_strings`, by default `</tool_call>`) or at the turn's token limit;
   3. the slot is freed at once for other work and `env.step(turn_text)` runs on a worker thread
      (`EnvRunner`, with a timeout); meanwhile the other slots keep decoding;
@@ -18,14 +18,15 @@ sampling logprobs and per-token policy versions) and environment text (loss_mask
 version = the sampler's version when it was appended, so it never makes a group look older).
 Weights can change between any two generate calls (`update_params`): a turn in flight keeps
 decoding on its KV with the new weights (mixed versions, recorded per token); every later turn
-re-prefills its conversation with the weights current then. The episode reward aggregates the
+re-prefills its conversation with the weights current then. With a paged cache
+(`sampler.kv_layout='paged'`) a finished turn's KV stays in the pool while the env runs (`park`),
+and the next turn computes only the tokens added since (`resume_prefill`) when no weight update came
+in between; parked KV is dropped first when blocks run short, and a turn preempted mid-decode is
+prefilled again and continues where it stopped, with the same noise. The episode reward aggregates the
 step rewards (`reward_aggregation`); an env that raises, times out or returns garbage ends only
 its own episode (finish_reason "aborted", reward `failure_reward`), never the run. Each finished
 group goes to the sink as a `RolloutGroup` with `rewards` already filled (G episode rewards) and
 `reward_metrics` (episode statistics, means over the group).
-
-Future work: keep the KV of a parked episode (or a prefix cache keyed by tokens and weight
-version) instead of re-prefilling the whole conversation every turn.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from tunixlike.rewards.envs import tool_calls
 from tunixlike.rewards.envs.runner import EnvRunner, EnvTimeout
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler.driver import DriverStats, PromptRequest, RolloutDriver
-from tunixlike.sampler.engine import Engine
+from tunixlike.sampler.engine import Engine, ParkedKV, Prefix
 
 _log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class EpisodeStats(DriverStats):
   env_timeouts: int = 0
   env_errors: int = 0  # env raised or returned something that is not a StepResult / str
   aborted_episodes: int = 0
+  kv_resumed_turns: int = 0  # turns that continued from their episode's parked KV (paged cache)
 
 
 @dataclasses.dataclass
@@ -128,6 +130,12 @@ class _Episode:
   turn_start: int = 0  # index in `tokens` where the current turn began
   turn_finish: str = "length"  # how the last policy turn ended
   out_of_budget: bool = False  # the last turn used up the episode's token budget
+  turn_limit: int = 0  # tokens the current turn may decode
+  insert_version: int = 0  # weights version when the current turn was inserted
+  preempted: bool = False  # the current turn lost its slot mid-decode (paged cache) and waits to go on
+  kv: ParkedKV | None = None  # the last turn's KV, kept while the env runs (paged cache)
+  kv_version: int | None = None  # the version that computed all of `kv` (None: mixed)
+  prefix: Prefix | None = None  # built, waiting for blocks to be inserted
 
 
 @dataclasses.dataclass
@@ -156,9 +164,6 @@ class EpisodeDriver(RolloutDriver):
     if engine.config.record_routing:  # observation tokens are prefilled into a slot, not decoded
       raise ValueError("sampler.record_routing is not supported by EpisodeDriver (multi-turn): only "
                        "single-turn RolloutDriver rollouts record MoE routing")
-    if engine.config.kv_layout != "contiguous":  # it inserts turns itself, without fits / preemption
-      raise ValueError(f"sampler.kv_layout={engine.config.kv_layout!r} is not supported by EpisodeDriver "
-                       "(multi-turn) yet: use 'contiguous'")
     super().__init__(engine, params, source=source, sink=sink, version=version, may_start_group=may_start_group,
                      detokenize=detokenize, **({} if tracer is None else {"tracer": tracer}))
     self.episode_config = ec = episode_config
@@ -284,6 +289,16 @@ class EpisodeDriver(RolloutDriver):
     self.stats.env_tokens += len(ids)
     heapq.heappush(self._ready, (episode.group.seq, episode.index, episode))
 
+  def _reserve(self) -> None:
+    """A turn preempted by a paged cache waits for a slot again and then goes on where it stopped."""
+    self._state, preempted = self.engine.reserve(self._state)
+    for slot in preempted:
+      episode = self._slots[slot].episode
+      self._slots[slot] = None
+      episode.preempted = True
+      heapq.heappush(self._ready, (episode.group.seq, episode.index, episode))
+      self.stats.preemptions += 1
+
   def _refill(self) -> None:
     for slot in [i for i, s in enumerate(self._slots) if s is None]:
       if not self._ready:
@@ -291,26 +306,61 @@ class EpisodeDriver(RolloutDriver):
       _, _, episode = heapq.heappop(self._ready)
       group = episode.group
       ids = np.concatenate([group.prompt_ids, np.asarray(episode.tokens, group.prompt_ids.dtype)])
-      limit = self._turn_limit
-      if group.request.max_new_tokens is not None:
-        limit = min(limit, group.request.max_new_tokens)
-      if self.episode_config.max_episode_tokens is not None:
-        limit = min(limit, self.episode_config.max_episode_tokens - len(episode.tokens))
       t0 = time.perf_counter()
-      cache_key = (ids.tobytes(), self._version)
-      prefix = group.first_prefix.get(cache_key) if episode.turns == 0 else None
-      if prefix is None:  # re-prefill of the whole conversation with the current weights
-        prefix = self.engine.prefill(self._params, ids, version=self._version)
-        self.stats.prefills += 1
-        if episode.turns == 0 and self.config.group_size > 1:
-          group.first_prefix = {cache_key: prefix}  # the G episodes usually start alike
+      prefix = self._turn_prefix(episode, ids)
+      if not self.engine.fits(self._state, [(len(ids), [slot])]):  # a paged cache short of blocks
+        episode.prefix = prefix
+        heapq.heappush(self._ready, (group.seq, episode.index, episode))
+        return
+      resumed = episode.preempted
+      if not resumed:  # a new turn
+        episode.turns += 1
+        episode.turn_start = len(episode.tokens)
+        episode.turn_limit = self._new_turn_limit(episode)
+      episode.preempted, episode.insert_version = False, self._version
       # Set by the group's start order, the episode's index and the turn number.
-      key = self._group_keys(group.seq)[episode.index, episode.turns]
-      self._state = self.engine.insert(prefix, self._state, slot, key=key, max_new_tokens=limit)
+      key = self._group_keys(group.seq)[episode.index, episode.turns - 1]
+      self._state = self.engine.insert_many([prefix], self._state, [[slot]], keys=[key[None]],
+                                            max_new_tokens=[episode.turn_limit],
+                                            generated=[len(episode.tokens) - episode.turn_start])
       self.stats.busy_time_s += time.perf_counter() - t0
-      episode.turns += 1
-      episode.turn_start = len(episode.tokens)
-      self._slots[slot] = _EpisodeSlot(episode, limit)
+      self.stats.resumed += resumed
+      self._slots[slot] = _EpisodeSlot(episode, episode.turn_limit)
+
+  def _new_turn_limit(self, episode: _Episode) -> int:
+    limit = self._turn_limit
+    if episode.group.request.max_new_tokens is not None:
+      limit = min(limit, episode.group.request.max_new_tokens)
+    if self.episode_config.max_episode_tokens is not None:
+      limit = min(limit, self.episode_config.max_episode_tokens - len(episode.tokens))
+    return limit
+
+  def _turn_prefix(self, episode: _Episode, ids: np.ndarray) -> Prefix:
+    """The KV of the conversation so far, computed with the current weights: a prefix built
+    earlier, the last turn's parked KV extended by what came since, the group's shared first
+    prefix, or a prefill of the whole conversation."""
+    prefix, episode.prefix = episode.prefix, None
+    if prefix is not None and prefix.version == self._version:
+      return prefix
+    kv, episode.kv = episode.kv, None
+    if kv is not None:
+      if episode.kv_version == self._version:
+        prefix = self.engine.resume_prefill(self._params, self._state, kv, ids, version=self._version)
+      else:
+        self.engine.discard(self._state, kv)
+      if prefix is not None:
+        self.stats.kv_resumed_turns += 1
+        return prefix
+    group, first = episode.group, episode.turns == 0 and not episode.preempted
+    cache_key = (ids.tobytes(), self._version)
+    prefix = group.first_prefix.get(cache_key) if first else None
+    if prefix is None:
+      prefix = self.engine.prefill_many(self._params, [ids], version=self._version,
+                                        max_length=self.config.cache_length)[0]
+      self.stats.prefills += 1
+      if first and self.config.group_size > 1:
+        group.first_prefix = {cache_key: prefix}  # the G episodes usually start alike
+    return prefix
 
   # ------------------------------------------------------------------ results
 
@@ -335,8 +385,12 @@ class EpisodeDriver(RolloutDriver):
     return None
 
   def _finish(self, slot: int, info: _EpisodeSlot, reason: str) -> None:
+    episode = info.episode
+    # KV of the conversation but its last token (sampled, not yet fed) stays for the next turn.
+    episode.kv = self.engine.park(self._state, slot, len(episode.group.prompt_ids) + len(episode.tokens) - 1)
+    episode.kv_version = self._version if episode.insert_version == self._version else None
     self._slots[slot] = None
-    self._end_turn(info.episode, reason)
+    self._end_turn(episode, reason)
 
   def _turn_text(self, episode: _Episode) -> str:
     return self._detokenize(episode.tokens[episode.turn_start:])
@@ -360,6 +414,8 @@ class EpisodeDriver(RolloutDriver):
     self._finish_episode(episode, "aborted", reward=self.episode_config.failure_reward)
 
   def _finish_episode(self, episode: _Episode, reason: str, reward: float | None = None) -> None:
+    self.engine.discard(self._state, episode.kv)
+    episode.kv = episode.prefix = None
     if reward is None:
       reward = env_base.aggregate_rewards(episode.step_rewards, self.episode_config.reward_aggregation)
     n = len(episode.tokens)

@@ -10,7 +10,11 @@ replica (`models.paged_cache`) whose ownership the host tracks (`sampler.blocks`
   * `fits` tells the driver whether new sequences' blocks fit before it admits them, and `reserve`
     gives every live sequence the blocks of its next call, preempting the youngest sequences when
     the pool runs dry (vLLM's recompute policy: the driver prefills a preempted sequence's prompt
-    and completion so far again later and it continues where it stopped, same noise, same tokens).
+    and completion so far again later and it continues where it stopped, same noise, same tokens);
+  * `park` keeps a finished turn's KV in the pool without its slot, and `resume_prefill` builds
+    the next turn's prefix from it, computing only the positions added since (a multi-turn
+    episode does not prefill its history again). Parked KV is a cache: both `fits` and `reserve`
+    drop it, oldest first, before refusing a sequence or preempting one.
 A decode call attends each pool block once in place for the slot that owns it (`PoolPlan`), or on
 TPU reads the block tables with the Pallas kernel (`KernelPlan`); see `paged_cache`.
 """
@@ -25,11 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunixlike import mesh as mesh_lib
+from tunixlike.models import kv_cache as kv_cache_lib
 from tunixlike.models import paged_cache
 from tunixlike.sampler.blocks import BlockTables, OutOfBlocks, blocks_for
-from tunixlike.sampler.engine import DecodeState, Engine, GenerateResult
+from tunixlike.sampler.engine import DecodeState, Engine, GenerateResult, ParkedKV, Prefix
 
-ATTENTION = ("auto", "gather", "kernel")  # auto: the Pallas kernel on TPU, the gather elsewhere
+ATTENTION = ("auto", "pool", "kernel")  # auto: the Pallas kernel on TPU, the pool attention elsewhere
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +75,7 @@ class PagedEngine(Engine):
                                     out_shardings=(self._pool_shardings, small))
     self._paged_generate_fn = jax.jit(self._generate_impl, donate_argnums=(1,),
                                       out_shardings=(self._paged_shardings, self._replicated))
+    self._gather_fn = jax.jit(self._gather_impl, out_shardings=self._replicated)
 
   # ------------------------------------------------------------------ state
 
@@ -100,9 +106,23 @@ class PagedEngine(Engine):
 
   def fits(self, decode_state: PagedDecodeState, requests) -> int:
     """How many of `requests` ((true_length, slots) each, in order) can be inserted now: the
-    blocks of each request's prompt (once per replica its slots are on) and its samples' own."""
+    blocks of each request's prompt (once per replica its slots are on) and its samples' own, with
+    a watermark left for the live sequences to grow one block past their next call (without it a
+    sequence admitted into a full pool is the youngest, preempted at the next call, resumed at
+    once, and so on). Parked KV on a replica that is short is dropped (oldest first) to make room."""
     tables = decode_state.tables
+    while True:
+      n, short = self._count_fitting(decode_state, requests)
+      if n == len(requests) or not tables.drop_parked(replica=short):
+        return n
+
+  def _count_fitting(self, decode_state: PagedDecodeState, requests) -> tuple[int, int | None]:
+    """(requests that fit in the free blocks above the watermark, the replica that ran short first)."""
+    tables, bs = decode_state.tables, self.block_size
     free = [p.num_free for p in tables.pools]
+    for slot in np.flatnonzero(decode_state.host_live):
+      grown = blocks_for(self._call_end(decode_state.host_positions[slot] + bs), bs)
+      free[slot // tables.per_replica] -= max(0, grown - len(tables.slots[slot].blocks))
     for n, (true_length, slots) in enumerate(requests):
       full, own = self._first_blocks(true_length)
       need = [0] * self.replicas
@@ -110,14 +130,16 @@ class PagedEngine(Engine):
         need[slot // tables.per_replica] += own
       for r in {slot // tables.per_replica for slot in slots}:
         need[r] += full
-      if any(need[r] > free[r] for r in range(self.replicas)):
-        return n
+      short = next((r for r in range(self.replicas) if need[r] > free[r]), None)
+      if short is not None:
+        return n, short
       free = [f - x for f, x in zip(free, need)]
-    return len(requests)
+    return len(requests), None
 
   def reserve(self, decode_state: PagedDecodeState) -> tuple[PagedDecodeState, list[int]]:
     """Gives every live sequence the blocks its next generate call writes into, oldest first; when
-    a replica's pool runs dry its youngest sequence is preempted (blocks freed, slot released).
+    a replica's pool runs dry its parked KV is dropped, then its youngest sequence is preempted
+    (blocks freed, slot released).
     Returns (state, preempted slots): the caller re-queues those (prefill prompt + completion so far
     and insert with `generated=`)."""
     tables, live = decode_state.tables, decode_state.host_live.copy()
@@ -128,6 +150,8 @@ class PagedEngine(Engine):
           tables.grow(slot, self._call_end(decode_state.host_positions[slot]))
           break
         except OutOfBlocks:
+          if tables.drop_parked(replica=slot // tables.per_replica):
+            continue
           victim = tables.youngest(slot // tables.per_replica, exclude=preempted)
           tables.free(victim)  # `release` below frees nothing more
           live[victim] = False
@@ -140,6 +164,54 @@ class PagedEngine(Engine):
   def _call_end(self, position) -> int:
     """Positions [0, end) a slot at `position` may have written by the end of its next call."""
     return int(min(position + self.config.steps_per_call, self.config.cache_length))
+
+  # ------------------------------------------------------------------ multi-turn
+
+  def park(self, decode_state: PagedDecodeState, slot: int, num_positions: int) -> ParkedKV:
+    """Keeps the KV of the slot's positions [0, num_positions) in the pool, without the slot (the
+    caller still releases the slot as usual; its blocks are no longer the slot's)."""
+    return ParkedKV(key=decode_state.tables.park(slot, num_positions), length=num_positions)
+
+  def discard(self, decode_state: PagedDecodeState, parked: ParkedKV | None) -> None:
+    if parked is not None:
+      decode_state.tables.drop_parked(key=parked.key)
+
+  def resume_prefill(self, params, decode_state: PagedDecodeState, parked: ParkedKV, tokens, *,
+                     version: int = 0) -> Prefix | None:
+    """The prefix of `tokens` (the conversation so far, which starts with the parked positions'
+    tokens) from the parked KV: only positions from `parked.length` on are computed, in chunks of
+    at most `sampler.prefill_chunk` (one program per chunk width and cache bucket). The parked
+    blocks go back to the pool. None if the parked KV was dropped (prefill the tokens instead)."""
+    entry = decode_state.tables.unpark(parked.key)
+    if entry is None:
+      return None
+    replica, blocks = entry
+    ids = self._prompt_ids(tokens, max_length=self.config.cache_length)
+    start, n = min(parked.length, len(ids) - 1), len(ids) - 1
+    width = min(self.bucket(n - start, least=16), self.config.prefill_chunk)
+    chunks = -(-(n - start) // width)
+    length = self.prefill_bucket(max(n, start + chunks * width))
+    table = np.zeros((length // self.block_size,), np.int32)
+    table[:len(blocks)] = blocks
+    cache = self._gather_fn(decode_state.arrays["cache"], np.int32(replica), table)
+    decode_state.tables.pools[replica].release(blocks)
+    padded = np.zeros((1, length), np.int32)
+    padded[0, :n] = ids[:-1]
+    for c in range(chunks):
+      at = start + c * width
+      cache, _ = self._extend_fn(params, padded[:, at:at + width], np.int32(at), np.asarray([n], np.int32),
+                                 cache, None)
+    return Prefix(cache=cache, last_token=int(ids[-1]), true_length=len(ids), version=version)
+
+  def _gather_impl(self, pool: paged_cache.PagedKVCache, replica, table) -> kv_cache_lib.KVCache:
+    """One replica's blocks `table`, in order, as a one-row contiguous cache."""
+    def k_of(x):
+      x = x[replica][:, table]  # [Hkv, n, bs, D] (kernel layout) or [Hkv, n, D, bs]
+      x = x.transpose(0, 3, 1, 2) if pool.kernel_layout else x.transpose(0, 2, 1, 3)  # [Hkv, D, n, bs]
+      return x.reshape(1, x.shape[0], x.shape[1], -1)
+
+    v_of = lambda x: x[replica][:, table].reshape(1, x.shape[1], -1, x.shape[-1])  # [1, Hkv, n * bs, D]
+    return kv_cache_lib.KVCache(k=tuple(k_of(x) for x in pool.k), v=tuple(v_of(x) for x in pool.v))
 
   # ------------------------------------------------------------------ insert
 
