@@ -3,6 +3,7 @@ the next turn computes only what came since; under a tight budget, parked KV is 
 are preempted and recomputed; the episodes are those of the contiguous cache either way."""
 
 import numpy as np
+import pytest
 
 from test_episodes import _driver, _requests
 
@@ -28,10 +29,11 @@ def _assert_same(got, want):
     np.testing.assert_allclose(got[pid].rewards, g.rewards)
 
 
-def test_paged_episodes_keep_their_kv_between_turns(make_engine, tokenizer):
+@pytest.mark.parametrize("block_size", [4, 32])  # 32: a block longer than the smallest prefill bucket
+def test_paged_episodes_keep_their_kv_between_turns(make_engine, tokenizer, block_size):
   contiguous = make_engine(temperature=1.0, group_size=2)
   want, plain = _episodes(contiguous, tokenizer)
-  paged = make_engine(temperature=1.0, group_size=2, **PAGED)
+  paged = make_engine(temperature=1.0, group_size=2, **dict(PAGED, kv_block_size=block_size))
   got, driver = _episodes(paged, tokenizer, params=contiguous.load_params())
   _assert_same(got, want)
   later_turns = driver.stats.policy_turns - driver.stats.episodes

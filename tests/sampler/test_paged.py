@@ -151,6 +151,30 @@ def test_long_prompts_prefill_a_chunk_per_step_while_others_decode(make_engine):
   assert _tokens({g.prompt_id: g for g in out}) == _tokens(want)
 
 
+@pytest.mark.parametrize("added", [[], [5, 6, 7]])  # nothing since the turn, or an observation
+def test_resume_prefill_from_parked_kv_equals_a_full_prefill(make_engine, added):
+  engine = make_engine(temperature=0.0, **PAGED)
+  params = engine.load_params()
+  prompt = np.arange(1, 10, dtype=np.int32)
+  state = engine.bulk_insert(engine.prefill(params, prompt), engine.init_decode_state(), [0],
+                             keys=np.zeros((1, 2), np.uint32))
+  state, res = engine.generate(params, state)
+  turn = np.asarray(res.tokens_ks)[:, 0]
+  conversation = np.concatenate([prompt, turn])
+  parked = engine.park(state, 0, len(conversation) - 1)  # the last token was sampled, not fed
+  state = engine.release(state, 0)
+  ids = np.concatenate([conversation, np.asarray(added, np.int32)])
+  got = engine.resume_prefill(params, state, parked, ids)
+  want = engine.prefill(params, ids)
+  assert engine.blocks_in_use(state) == 0 and not state.tables.parked  # the parked blocks went back
+  assert (got.true_length, got.last_token) == (want.true_length, want.last_token)
+  n = len(ids) - 1
+  for a, b in zip(got.cache.k, want.cache.k):  # [1, Hkv, D, L]
+    np.testing.assert_allclose(np.asarray(a)[..., :n], np.asarray(b)[..., :n], atol=1e-5)
+  for a, b in zip(got.cache.v, want.cache.v):  # [1, Hkv, L, D]
+    np.testing.assert_allclose(np.asarray(a)[:, :, :n], np.asarray(b)[:, :, :n], atol=1e-5)
+
+
 def test_nothing_compiles_after_warmup(make_engine):
   engine = make_engine(temperature=1.0, group_size=2, kv_cache_bytes=None, **PAGED)
   params = engine.load_params()

@@ -75,7 +75,7 @@ class PagedEngine(Engine):
                                     out_shardings=(self._pool_shardings, small))
     self._paged_generate_fn = jax.jit(self._generate_impl, donate_argnums=(1,),
                                       out_shardings=(self._paged_shardings, self._replicated))
-    self._gather_fn = jax.jit(self._gather_impl, out_shardings=self._replicated)
+    self._gather_fn = jax.jit(self._gather_impl, static_argnums=(3,), out_shardings=self._replicated)
 
   # ------------------------------------------------------------------ state
 
@@ -188,12 +188,12 @@ class PagedEngine(Engine):
     replica, blocks = entry
     ids = self._prompt_ids(tokens, max_length=self.config.cache_length)
     start, n = min(parked.length, len(ids) - 1), len(ids) - 1
-    width = min(self.bucket(n - start, least=16), self.config.prefill_chunk)
-    chunks = -(-(n - start) // width)
+    width = min(self.bucket(max(n - start, 1), least=16), self.config.prefill_chunk)
+    chunks = -(-(n - start) // width)  # 0 when nothing came since (the last token is decode's first input)
     length = self.prefill_bucket(max(n, start + chunks * width))
-    table = np.zeros((length // self.block_size,), np.int32)
+    table = np.zeros((blocks_for(length, self.block_size),), np.int32)
     table[:len(blocks)] = blocks
-    cache = self._gather_fn(decode_state.arrays["cache"], np.int32(replica), table)
+    cache = self._gather_fn(decode_state.arrays["cache"], np.int32(replica), table, length)
     decode_state.tables.pools[replica].release(blocks)
     padded = np.zeros((1, length), np.int32)
     padded[0, :n] = ids[:-1]
@@ -203,14 +203,14 @@ class PagedEngine(Engine):
                                  cache, None)
     return Prefix(cache=cache, last_token=int(ids[-1]), true_length=len(ids), version=version)
 
-  def _gather_impl(self, pool: paged_cache.PagedKVCache, replica, table) -> kv_cache_lib.KVCache:
-    """One replica's blocks `table`, in order, as a one-row contiguous cache."""
+  def _gather_impl(self, pool: paged_cache.PagedKVCache, replica, table, length: int) -> kv_cache_lib.KVCache:
+    """One replica's blocks `table`, in order, as a one-row contiguous cache of `length` positions."""
     def k_of(x):
       x = x[replica][:, table]  # [Hkv, n, bs, D] (kernel layout) or [Hkv, n, D, bs]
       x = x.transpose(0, 3, 1, 2) if pool.kernel_layout else x.transpose(0, 2, 1, 3)  # [Hkv, D, n, bs]
-      return x.reshape(1, x.shape[0], x.shape[1], -1)
+      return x.reshape(1, x.shape[0], x.shape[1], -1)[..., :length]
 
-    v_of = lambda x: x[replica][:, table].reshape(1, x.shape[1], -1, x.shape[-1])  # [1, Hkv, n * bs, D]
+    v_of = lambda x: x[replica][:, table].reshape(1, x.shape[1], -1, x.shape[-1])[:, :, :length]  # [1, Hkv, L, D]
     return kv_cache_lib.KVCache(k=tuple(k_of(x) for x in pool.k), v=tuple(v_of(x) for x in pool.v))
 
   # ------------------------------------------------------------------ insert
