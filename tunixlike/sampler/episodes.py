@@ -5,8 +5,9 @@
 
   1. `env.reset(record)` runs on a worker thread; its text (if any) is appended to the prompt;
   2. the episode waits for a free decode slot (and, with a paged cache, its blocks), prefills its
-     conversation so far (with the current weights) and decodes one policy turn, which ends at EOS, at a stop string
-     (`EpisodeConfig.action_stop_strings`, by default `</tool_call>`) or at the turn's token limit;
+     conversation so far (with the current weights) and decodes one policy turn, which ends at
+     EOS, at a stop string (`EpisodeConfig.action_stop_strings`, by default `</tool_call>`) or at
+     the turn's token limit;
   3. the slot is freed at once for other work and `env.step(turn_text)` runs on a worker thread
      (`EnvRunner`, with a timeout); meanwhile the other slots keep decoding;
   4. when the step returns, its observation tokens are appended (loss_mask 0, logprob 0) and the
@@ -22,8 +23,8 @@ re-prefills its conversation with the weights current then. With a paged cache
 (`sampler.kv_layout='paged'`) a finished turn's KV stays in the pool while the env runs (`park`),
 and the next turn computes only the tokens added since (`resume_prefill`) when no weight update came
 in between; parked KV is dropped first when blocks run short, and a turn preempted mid-decode is
-prefilled again and continues where it stopped, with the same noise. The episode reward aggregates the
-step rewards (`reward_aggregation`); an env that raises, times out or returns garbage ends only
+prefilled again and continues where it stopped, with the same noise. The episode reward aggregates
+the step rewards (`reward_aggregation`); an env that raises, times out or returns garbage ends only
 its own episode (finish_reason "aborted", reward `failure_reward`), never the run. Each finished
 group goes to the sink as a `RolloutGroup` with `rewards` already filled (G episode rewards) and
 `reward_metrics` (episode statistics, means over the group).
