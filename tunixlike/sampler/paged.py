@@ -350,7 +350,15 @@ class PagedEngine(Engine):
     extra[:, :, 1] = per  # padding: read by nobody
     for r, e in enumerate(extras):
       extra[r, :len(e)] = e
-    return paged_cache.PoolPlan(owner, column, extra)
+    # The allocator hands out the lowest free ids first: attend only the blocks up to the highest
+    # one in use (a power of two of them per program), so the cost follows the live length.
+    used = np.flatnonzero((owner < per).any(0))
+    width = self.pool_width(int(used[-1]) + 1 if len(used) else 1)
+    return paged_cache.PoolPlan(owner[:, :width], column[:, :width], extra)
+
+  def pool_width(self, blocks: int) -> int:
+    """Leading pool blocks a decode call attends (one program each): a power of two, or the pool."""
+    return min(self.bucket(blocks, least=16), self.num_blocks)
 
   def _kernel_plan(self, decode_state: PagedDecodeState) -> paged_cache.KernelPlan:
     tables, per = decode_state.tables, decode_state.tables.per_replica
@@ -403,19 +411,25 @@ class PagedEngine(Engine):
 
   def _warmup_plans(self, state: PagedDecodeState):
     """A plan of every static shape decoding can meet: each table width up to the longest sequence's
-    blocks (kernel), or each count of extra references shared prompts can make (pool)."""
+    blocks (kernel), or each attended pool width and count of extra references shared prompts can
+    make (pool)."""
     plan, n = self._plan(state), 1
     if self.use_kernel:
       while n <= self.bucket(self._max_blocks):
         yield dataclasses.replace(plan, tables=np.zeros((self.replicas, self._slots_per_replica, n), np.int32))
         n *= 2
       return
-    yield plan  # no sharing
     most = self._slots_per_replica * (self.max_prefill_length // self.block_size) if self.config.group_size > 1 else 0
+    extras, n = [plan.extra], 1  # none shared, then each bucket of shared references
     while n <= most:
       x = self.bucket(n, least=8)
-      yield dataclasses.replace(plan, extra=np.full((self.replicas, x, 3), [0, self._slots_per_replica, 0], np.int32))
+      extras.append(np.full((self.replicas, x, 3), [0, self._slots_per_replica, 0], np.int32))
       n = x + 1
+    widths = sorted({self.pool_width(1 << k) for k in range(self.num_blocks.bit_length() + 1)})
+    for width in widths:
+      for extra in extras:
+        yield paged_cache.PoolPlan(np.full((self.replicas, width), self._slots_per_replica, np.int32),
+                                   np.zeros((self.replicas, width), np.int32), extra)
 
 
 def make_engine(model, config, mesh=None, rules=mesh_lib.SAMPLER_RULES) -> Engine:
