@@ -104,9 +104,16 @@ def _timed(engine, params, prompts, limits, warm: bool = True) -> dict:
               preemptions=stats.preemptions, decode_steps=steps)
 
 
+def attend_bucket(max_tokens: int) -> int:
+  """`sampler.attend_bucket` for both layouts: 32 up to 2K tokens, then 1/64 of the longest
+  completion, so the contiguous engine has about 65 windows (each a decode program and two resize
+  programs; 32 would mean 257 at 8K, more than this machine's compiler memory held)."""
+  return max(32, 1 << max(0, (max_tokens - 1).bit_length() - 6))
+
+
 def _engines(model, mesh, max_tokens: int, budget_slots: int, paged_slots: int, a):
   common = dict(max_prefill_length=PROMPT_LEN, max_new_tokens=max_tokens, temperature=1.0,
-                steps_per_call=a.steps_per_call, attend_bucket=32)
+                steps_per_call=a.steps_per_call, attend_bucket=attend_bucket(max_tokens))
   contiguous = make_engine(model, SamplerConfig(max_concurrent_decodes=budget_slots, **common), mesh)
   probe = SamplerConfig(max_concurrent_decodes=paged_slots, kv_layout="paged", kv_block_size=a.block_size, **common)
   block_bytes = make_engine(model, probe, mesh).block_bytes

@@ -64,14 +64,33 @@ class RolloutQueue:
     self.admitted = self.trained + self.dropped_stale + self.dropped_filtered  # groups ever admitted
     self._consumed = start_version * batch_groups  # groups whose batches advanced the policy
 
+  # ---- the staleness rule (EpisodeQueue applies it per policy) -------------------------------
+  def _admissible(self, sampler_version: int) -> bool:
+    return self._consumed + self.in_flight < (self.max_staleness + sampler_version + 1) * self.batch_groups
+
+  def _too_old(self, group: RolloutGroup, learner_version: int) -> bool:
+    return group.min_version < learner_version - self.max_staleness
+
+  def _last_chance(self, admitted_version: int, learner_version: int) -> bool:
+    """Work admitted at this version must be in the batch that trains `learner_version`."""
+    return admitted_version <= learner_version - self.max_staleness
+
+  def _age(self, group: RolloutGroup):
+    return group.min_version
+
+  def _consume(self, groups: int, learner_version: int) -> None:
+    self._consumed += groups
+
   # ---- sampler side -------------------------------------------------------------------------
-  def _capacity(self, sampler_version: int) -> int:
-    return (self.max_staleness + sampler_version + 1) * self.batch_groups
 
   @property
   def in_flight(self) -> int:
     """Admitted groups that are neither trained nor dropped (running, scoring or queued)."""
     return self.admitted - self.dropped_stale - self.dropped_filtered - self.trained
+
+  @staticmethod
+  def _running_key(version):
+    return version
 
   def try_admit(self, sampler_version: int) -> bool:
     """Admits one new group if the staleness bound allows it (never blocks).
@@ -83,9 +102,9 @@ class RolloutQueue:
     with self._cond:
       if self.stop_event.is_set():
         return False
-      if self._consumed + self.in_flight < self._capacity(sampler_version):
+      if self._admissible(sampler_version):
         self.admitted += 1
-        self._running[sampler_version] += 1
+        self._running[self._running_key(sampler_version)] += 1
         return True
       return False
 
@@ -93,7 +112,7 @@ class RolloutQueue:
     """A finished (and scored) group enters the queue. Never blocks: admission bounded it."""
     with self._cond:
       self._ready.append(group)
-      self._running[group.admitted_version] -= 1
+      self._running[self._running_key(group.admitted_version)] -= 1
       self._cond.notify_all()
 
   # ---- learner side -------------------------------------------------------------------------
@@ -107,12 +126,11 @@ class RolloutQueue:
     and free their admission so the sampler makes replacements.
     """
     deadline = time.monotonic() + timeout_s
-    last_chance = learner_version - self.max_staleness
     checked: set[int] = set()  # ids of groups `keep` already passed
     with self._cond:
       while True:
         for group in list(self._ready):
-          if group.min_version < last_chance:
+          if self._too_old(group, learner_version):
             self.dropped_stale += 1
           elif keep is not None and id(group) not in checked and not keep(group):
             self.dropped_filtered += 1
@@ -122,7 +140,7 @@ class RolloutQueue:
           self._ready.remove(group)
           self._on_drop(group)
           self._cond.notify_all()  # a drop frees an admission
-        waiting_old = sum(max(n, 0) for v, n in self._running.items() if v <= last_chance)
+        waiting_old = sum(max(n, 0) for v, n in self._running.items() if self._last_chance(v, learner_version))
         if not waiting_old and len(self._ready) >= self.batch_groups:
           break
         if self.stop_event.is_set():
@@ -134,10 +152,10 @@ class RolloutQueue:
               f"{waiting_old} old groups still running; in flight {self.in_flight}); is the sampler stuck? "
               "(rl.wait_timeout_s)")
         self._cond.wait(min(remaining, 0.5))
-      self._ready.sort(key=lambda g: g.min_version)  # stable: arrival order within a version
+      self._ready.sort(key=self._age)  # stable: arrival order within a version
       batch, self._ready = self._ready[:self.batch_groups], self._ready[self.batch_groups:]
       self.trained += len(batch)
-      self._consumed += len(batch)
+      self._consume(len(batch), learner_version)
     return batch
 
   def step_skipped(self, groups: int):

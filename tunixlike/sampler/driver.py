@@ -302,9 +302,12 @@ class RolloutDriver:
     the pool runs dry and resumed first at the next refills)."""
     self._state, preempted = self.engine.reserve(self._state)
     for slot in preempted:
-      self._preempted.append(self._slots[slot])
+      self._requeue_preempted(self._slots[slot])
       self._slots[slot] = None
       self.stats.preemptions += 1
+
+  def _requeue_preempted(self, info: _Slot) -> None:
+    self._preempted.append(info)
 
   def _resume_preempted(self, free: list[int]) -> bool:
     """Prefills preempted sequences' prompt and completion so far again into free slots, oldest

@@ -290,15 +290,11 @@ class EpisodeDriver(RolloutDriver):
     self.stats.env_tokens += len(ids)
     heapq.heappush(self._ready, (episode.group.seq, episode.index, episode))
 
-  def _reserve(self) -> None:
+  def _requeue_preempted(self, info: _EpisodeSlot) -> None:
     """A turn preempted by a paged cache waits for a slot again and then goes on where it stopped."""
-    self._state, preempted = self.engine.reserve(self._state)
-    for slot in preempted:
-      episode = self._slots[slot].episode
-      self._slots[slot] = None
-      episode.preempted = True
-      heapq.heappush(self._ready, (episode.group.seq, episode.index, episode))
-      self.stats.preemptions += 1
+    episode = info.episode
+    episode.preempted = True
+    heapq.heappush(self._ready, (episode.group.seq, episode.index, episode))
 
   def _refill(self) -> None:
     for slot in [i for i, s in enumerate(self._slots) if s is None]:

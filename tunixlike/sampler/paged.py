@@ -413,15 +413,15 @@ class PagedEngine(Engine):
     """A plan of every static shape decoding can meet: each table width up to the longest sequence's
     blocks (kernel), or each attended pool width and count of extra references shared prompts can
     make (pool)."""
-    plan, n = self._plan(state), 1
     if self.use_kernel:
+      plan, n = self._plan(state), 1
       while n <= self.bucket(self._max_blocks):
         yield dataclasses.replace(plan, tables=np.zeros((self.replicas, self._slots_per_replica, n), np.int32))
         n *= 2
       return
     most = self._slots_per_replica * (self.max_prefill_length // self.block_size) if self.config.group_size > 1 else 0
-    extras, n = [plan.extra], 1  # none shared, then each bucket of shared references
-    while n <= most:
+    extras, n = [], 0  # each bucket of shared references, padding only (read by nobody)
+    while not extras or n <= most:
       x = self.bucket(n, least=8)
       extras.append(np.full((self.replicas, x, 3), [0, self._slots_per_replica, 0], np.int32))
       n = x + 1

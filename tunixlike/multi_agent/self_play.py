@@ -1,0 +1,68 @@
+"""The built-in self-play task: a proposer writes an addition problem, a solver answers it.
+
+    proposer, prompt "Q:"        -> "37+48="      (a problem is `a+b` with 1 to `digits`-digit operands)
+    solver, prompt "37+48=", k samples -> "58", "57", ...   (the sum, least-significant digit first,
+                                                            as in the addition task)
+
+The answer is known (the env computes it), so both rewards are verifiable:
+  * solver: 1 for each correct answer, else 0;
+  * proposer: 1 - |2p - 1| for a solve rate p of the k answers: 1 when the solver solves the
+    problem sometimes (p = 1/2), 0 when always or never; 0 for text that is not a problem (the
+    episode then ends after the proposer's turn).
+So the proposer is pushed toward problems at the edge of the solver's ability, the usual
+self-play curriculum (Absolute Zero, Zhao et al. 2025, arXiv 2505.03335; SPIRAL, Liu et al. 2025).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+from tunixlike.multi_agent.env import MultiAgentEnv, Turn
+
+PROPOSER, SOLVER = "proposer", "solver"
+PROPOSER_PROMPT = "Q:"
+
+
+def parse_problem(text: str, digits: int) -> tuple[int, int] | None:
+  """`a+b=` (what the proposer wrote, up to its stop string) as (a, b), or None if it is not one."""
+  m = re.fullmatch(rf"\s*(\d{{1,{digits}}})\+(\d{{1,{digits}}})=?\s*", text)
+  return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
+def solve_rate_reward(p: float) -> float:
+  return 1.0 - abs(2.0 * p - 1.0)
+
+
+class ProposeSolveEnv(MultiAgentEnv):
+  """One episode: a proposer turn, then (if it wrote a problem) one solver turn of `attempts` samples."""
+
+  def __init__(self, digits: int = 2, attempts: int = 4):
+    if not 1 <= digits <= 9:
+      raise ValueError(f"ProposeSolveEnv.digits={digits}: must be in [1, 9]")
+    self.digits, self.attempts = digits, attempts
+    self._problem: tuple[int, int] | None = None
+    self._answers: list[str] | None = None
+
+  def reset(self, record: dict[str, Any]) -> Turn:
+    return Turn(PROPOSER, PROPOSER_PROMPT, samples=1)
+
+  def step(self, texts: Sequence[str]) -> Turn | None:
+    if self._problem is None and self._answers is None:  # the proposer's turn
+      self._problem = parse_problem(texts[0], self.digits)
+      self._answers = []
+      if self._problem is None:
+        return None
+      a, b = self._problem
+      return Turn(SOLVER, f"{a}+{b}=", samples=self.attempts)
+    self._answers = [t.strip() for t in texts]
+    return None
+
+  def rewards(self) -> list[list[float]]:
+    if self._problem is None:
+      return [[0.0]]
+    if not self._answers:  # the solver's turn did not run (the run truncated the episode)
+      return [[0.0]]
+    expected = str(sum(self._problem))[::-1]
+    solved = [float(a == expected) for a in self._answers]
+    return [[solve_rate_reward(sum(solved) / len(solved))], solved]
