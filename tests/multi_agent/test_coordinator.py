@@ -3,7 +3,6 @@
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from tunixlike.multi_agent import EpisodeCoordinator, MultiAgentEnv, Turn
