@@ -1,0 +1,58 @@
+"""The pieces of a multi-agent run from a built `Setup`: one policy per agent, their coordinator, the runtime."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable, Mapping
+
+from flax import nnx
+
+from tunixlike import config as config_lib
+from tunixlike.multi_agent.coordinator import EpisodeCoordinator
+from tunixlike.multi_agent.runtime import MultiAgentRuntime
+from tunixlike.rl import build as build_lib, scoring
+from tunixlike.rl.policy import Policy
+from tunixlike.sampler import RolloutDriver, make_engine
+
+
+def build_policies(setup: build_lib.Setup, group_sizes: Mapping[str, int], batch_episodes: int,
+                   turns_per_episode: Mapping[str, int] | None = None) -> dict[str, Policy]:
+  """A policy per agent, each with its own copy of `setup.model` (as warm-started), learner state,
+  version counter and sampler engine whose groups are that agent's `group_sizes[name]` samples.
+  A learner batch holds `batch_episodes x turns_per_episode[name] (default 1) x group size` rows."""
+  policies = {}
+  for name, g in group_sizes.items():
+    rows = batch_episodes * (turns_per_episode or {}).get(name, 1) * g
+    per_prompt = max(g, 2)  # the learner's rows = prompts_per_step x algo.group_size (>= 2 by its check)
+    cfg = config_lib.replace(setup.cfg, algo=dict(group_size=per_prompt), rl=dict(prompts_per_step=-(-rows // per_prompt)))
+    model = nnx.clone(setup.model)
+    learner = build_lib.build_learner(cfg, model, setup.meshes.learner)
+    s_cfg = dataclasses.replace(build_lib.sampler_config(cfg, setup.tok), group_size=g)
+    engine = make_engine(model, s_cfg, mesh=setup.meshes.sampler)
+    policies[name] = Policy(learner, engine, cfg, setup.tok.pad_id, tracer=setup.tracer)
+  return policies
+
+
+def build_runtime(setup: build_lib.Setup, policies: dict[str, Policy], make_env: Callable[[], Any], *,
+                  batch_episodes: int, max_staleness: int, max_turns: int = 8, max_episodes_in_flight: int | None = None,
+                  records=None) -> MultiAgentRuntime:
+  """The run's episodes over `policies` (their current weights and versions); `records` feed
+  `env.reset` (default: {"index": i} forever)."""
+  cfg, tok = setup.cfg, setup.tok
+
+  def make_coordinator(sink, may_start_episode):
+    drivers = {}
+    for name, policy in policies.items():
+      params, _ = policy.sampler_weights()
+      drivers[name] = (lambda policy, params: lambda source, sink: RolloutDriver(
+          policy.engine, params, source=source, sink=sink, version=policy.version, detokenize=tok.decode,
+          tracer=setup.tracer))(policy, params)
+    return EpisodeCoordinator(drivers, make_env=make_env,
+                              records=records if records is not None else ({"index": i} for i in itertools.count()),
+                              encode=tok.encode, detokenize=tok.decode, sink=sink, may_start_episode=may_start_episode,
+                              max_turns=max_turns, max_episodes_in_flight=max_episodes_in_flight or 2 * batch_episodes,
+                              step_timeout_s=cfg.rl.env_step_timeout_s)
+
+  return MultiAgentRuntime(policies, make_coordinator, batch_episodes=batch_episodes, max_staleness=max_staleness,
+                           advantages=scoring.advantage_config(cfg), wait_timeout_s=cfg.rl.wait_timeout_s)
