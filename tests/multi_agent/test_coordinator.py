@@ -84,3 +84,21 @@ def test_an_env_asking_for_what_the_run_cannot_do_stops_it_with_a_clear_error(ma
   with pytest.raises(ValueError, match=message):
     c.run(max_wall_s=300)
   assert not any(d.running for d in c.drivers.values())
+
+
+def test_lockstep_runs_each_turn_of_every_episode_before_any_next_turn(make_drivers, tokenizer):
+  log, out = [], []
+  c = coordinator(make_drivers, tokenizer, lambda: Relay(log=log), 5, out.append, max_episodes_in_flight=5,
+                  lockstep=True)
+  c.run(max_wall_s=300)
+  assert len(out) == 5
+  turns = [t for _, t in sorted(log)]
+  assert turns == sorted(turns) == [0] * 5 + [1] * 5 + [2] * 5
+
+
+def test_episodes_leave_in_whole_groups_when_asked(make_drivers, tokenizer):
+  out = []
+  c = coordinator(make_drivers, tokenizer, Relay, 6, out.append, max_episodes_in_flight=6, emit_groups_of=3)
+  c.run(max_wall_s=300)
+  seqs = [e.seq for e in out]
+  assert sorted(seqs[:3]) in ([0, 1, 2], [3, 4, 5]) and sorted(seqs) == list(range(6))

@@ -120,9 +120,14 @@ class EpisodeCoordinator:
                sink: Callable[[Episode], None], max_episodes_in_flight: int = 16,
                may_start_episode: Callable[[], bool] = lambda: True, max_turns: int = 8,
                failure_reward: float = 0.0, env_workers: int = 8, step_timeout_s: float = 30.0,
-               idle_wait_s: float = 0.002):
+               idle_wait_s: float = 0.002, lockstep: bool = False, emit_groups_of: int = 1):
     """`make_driver[p](source, sink)` builds policy p's driver over that prompt source and group sink.
-    `encode(text)` gives a turn prompt's ids (with BOS if the model expects one)."""
+    `encode(text)` gives a turn prompt's ids (with BOS if the model expects one).
+
+    Two baselines the benchmark measures episode-level async against: `lockstep=True` holds every
+    turn until all live episodes have their next turn ready (each turn waits for its batch: the
+    synchronous loop); `emit_groups_of=n` sends finished episodes on only in whole groups of n
+    consecutive ones (each group waits for its slowest episode: group-level async)."""
     if not make_driver:
       raise ValueError("EpisodeCoordinator needs at least one policy")
     self._sources = {p: _TurnSource() for p in make_driver}
@@ -137,6 +142,10 @@ class EpisodeCoordinator:
     self._tickets: dict[int, tuple[_Live, str]] = {}  # env call -> (episode, "turn" | "rewards")
     self._live: dict[int, _Live] = {}
     self._finished_turns: collections.deque[RolloutGroup] = collections.deque()  # from driver threads
+    self._lockstep, self._emit_groups_of = lockstep, emit_groups_of
+    self._held: list[tuple[str, PromptRequest]] = []  # lockstep: turns waiting for the others
+    self._turns_out = 0  # turn requests given to drivers and not yet returned
+    self._finished: dict[int, Episode] = {}  # emit_groups_of: finished, waiting for their group
     self._next_seq = 0
     self._exhausted = False
     self._stop = threading.Event()
@@ -199,6 +208,11 @@ class EpisodeCoordinator:
         self._next_turn(live, value)
       else:
         self._finish(live, value)
+    if self._held and not self._tickets and not self._turns_out:  # lockstep: every live episode is ready
+      for agent, request in self._held:
+        self._sources[agent].put(request)
+      self._turns_out += len(self._held)
+      self._held = []
     return worked
 
   def _start_episodes(self) -> bool:
@@ -230,8 +244,18 @@ class EpisodeCoordinator:
       self._ask_rewards(live, "length")
       return
     live.turns.append(turn)
-    self._sources[turn.agent].put(PromptRequest(prompt_id=(live.seq, len(live.turns) - 1), token_ids=ids,
-                                                prompt_text=turn.prompt))
+    request = PromptRequest(prompt_id=(live.seq, len(live.turns) - 1), token_ids=ids, prompt_text=turn.prompt,
+                            max_new_tokens=self._limit(turn, driver))
+    if self._lockstep:
+      self._held.append((turn.agent, request))
+    else:
+      self._sources[turn.agent].put(request)
+      self._turns_out += 1
+
+  @staticmethod
+  def _limit(turn: Turn, driver: RolloutDriver) -> int | None:
+    """The turn's token limit, capped by its policy's sampler.max_new_tokens."""
+    return None if turn.max_new_tokens is None else min(turn.max_new_tokens, driver.config.max_new_tokens)
 
   def _turn_done(self, group: RolloutGroup) -> None:
     """A policy driver's sink (its thread): the coordinator's step takes it from here."""
@@ -239,6 +263,7 @@ class EpisodeCoordinator:
 
   def _after_turn(self, group: RolloutGroup) -> None:
     seq, index = group.prompt_id
+    self._turns_out -= 1
     live = self._live[seq]
     live.groups.append(group)
     assert len(live.groups) == index + 1, (seq, index, len(live.groups))
@@ -270,6 +295,15 @@ class EpisodeCoordinator:
       group.rewards = np.asarray(r, np.float32)
     del self._live[live.seq]
     self.stats.episodes += 1
-    self._sink(Episode(seq=live.seq, record=live.record, turns=list(live.turns), groups=list(live.groups),
-                       finish_reason=live.finish, start_versions=live.start_versions,
-                       wall_s=time.monotonic() - live.started))
+    episode = Episode(seq=live.seq, record=live.record, turns=list(live.turns), groups=list(live.groups),
+                      finish_reason=live.finish, start_versions=live.start_versions,
+                      wall_s=time.monotonic() - live.started)
+    n = self._emit_groups_of
+    if n == 1:
+      self._sink(episode)
+      return
+    self._finished[episode.seq] = episode
+    first = episode.seq - episode.seq % n
+    if all(s in self._finished for s in range(first, first + n)):
+      for s in range(first, first + n):
+        self._sink(self._finished.pop(s))

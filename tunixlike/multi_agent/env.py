@@ -26,6 +26,7 @@ class Turn:
   agent: str
   prompt: str
   samples: int = 1
+  max_new_tokens: int | None = None  # this turn's token limit, capped by the policy's sampler.max_new_tokens
 
   def __post_init__(self):
     if not isinstance(self.agent, str) or not self.agent:
@@ -34,6 +35,8 @@ class Turn:
       raise TypeError(f"Turn.prompt must be str, got {type(self.prompt).__name__}")
     if not isinstance(self.samples, int) or isinstance(self.samples, bool) or self.samples < 1:
       raise ValueError(f"Turn.samples={self.samples!r}: must be an int >= 1")
+    if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
+      raise ValueError(f"Turn.max_new_tokens={self.max_new_tokens!r}: must be an int >= 1 or None")
 
 
 class MultiAgentEnv:

@@ -1,8 +1,10 @@
 """The built-in self-play task: a proposer writes an addition problem, a solver answers it.
 
-    proposer, prompt "Q:"        -> "37+48="      (a problem is `a+b` with 1 to `digits`-digit operands)
+    proposer, prompt "Q:"        -> "37+48="      (a turn that starts with `a+b`, operands of 1 to
+                                                   `digits` digits)
     solver, prompt "37+48=", k samples -> "58", "57", ...   (the sum, least-significant digit first,
-                                                            as in the addition task)
+                                                            as in the addition task; the digits a
+                                                            turn starts with)
 
 The answer is known (the env computes it), so both rewards are verifiable:
   * solver: 1 for each correct answer, else 0;
@@ -16,7 +18,9 @@ self-play curriculum (Absolute Zero, Zhao et al. 2025, arXiv 2505.03335; SPIRAL,
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from tunixlike.multi_agent.env import MultiAgentEnv, Turn
 
@@ -25,9 +29,14 @@ PROPOSER_PROMPT = "Q:"
 
 
 def parse_problem(text: str, digits: int) -> tuple[int, int] | None:
-  """`a+b=` (what the proposer wrote, up to its stop string) as (a, b), or None if it is not one."""
-  m = re.fullmatch(rf"\s*(\d{{1,{digits}}})\+(\d{{1,{digits}}})=?\s*", text)
+  """The `a+b` the proposer's turn starts with (up to `=` or its end) as (a, b), or None."""
+  m = re.match(rf"\s*(\d{{1,{digits}}})\+(\d{{1,{digits}}})(=|\s*$)", text)
   return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
+def parse_answer(text: str) -> str:
+  """The digits the solver's turn starts with."""
+  return re.match(r"\s*(\d*)", text).group(1)
 
 
 def solve_rate_reward(p: float) -> float:
@@ -37,15 +46,23 @@ def solve_rate_reward(p: float) -> float:
 class ProposeSolveEnv(MultiAgentEnv):
   """One episode: a proposer turn, then (if it wrote a problem) one solver turn of `attempts` samples."""
 
-  def __init__(self, digits: int = 2, attempts: int = 4):
+  def __init__(self, digits: int = 2, attempts: int = 4,
+               turn_tokens: Callable[[np.random.Generator], int] | None = None):
+    """`turn_tokens(rng)`: each turn's token limit, drawn per episode (seeded by the record's
+    "index"); None: the samplers' own limits."""
     if not 1 <= digits <= 9:
       raise ValueError(f"ProposeSolveEnv.digits={digits}: must be in [1, 9]")
-    self.digits, self.attempts = digits, attempts
+    self.digits, self.attempts, self._turn_tokens = digits, attempts, turn_tokens
+    self._rng = np.random.default_rng(0)
     self._problem: tuple[int, int] | None = None
     self._answers: list[str] | None = None
 
+  def _limit(self) -> int | None:
+    return None if self._turn_tokens is None else int(self._turn_tokens(self._rng))
+
   def reset(self, record: dict[str, Any]) -> Turn:
-    return Turn(PROPOSER, PROPOSER_PROMPT, samples=1)
+    self._rng = np.random.default_rng(int(record.get("index", 0)))
+    return Turn(PROPOSER, PROPOSER_PROMPT, samples=1, max_new_tokens=self._limit())
 
   def step(self, texts: Sequence[str]) -> Turn | None:
     if self._problem is None and self._answers is None:  # the proposer's turn
@@ -54,8 +71,8 @@ class ProposeSolveEnv(MultiAgentEnv):
       if self._problem is None:
         return None
       a, b = self._problem
-      return Turn(SOLVER, f"{a}+{b}=", samples=self.attempts)
-    self._answers = [t.strip() for t in texts]
+      return Turn(SOLVER, f"{a}+{b}=", samples=self.attempts, max_new_tokens=self._limit())
+    self._answers = [parse_answer(t) for t in texts]
     return None
 
   def rewards(self) -> list[list[float]]:
