@@ -115,6 +115,25 @@ def test_preemption_and_recompute_give_the_uninterrupted_completions(make_engine
       assert np.all(c.policy_versions == 0) and c.finish_reason == "length"
 
 
+def test_compaction_moves_scattered_blocks_down_and_changes_no_sample(make_engine):
+  """Long and short completions interleaved: when the short ones end, the long ones' blocks are
+  scattered over the pool; compaction packs them into the lowest ids (so the pool attention reads
+  fewer leading blocks) and every sample stays what the contiguous cache gives."""
+  limits = [24, 2, 3, 24, 2, 4, 3, 24, 2, 2, 5, 3]
+  requests = [PromptRequest(prompt_id=i, token_ids=p, max_new_tokens=m)
+              for i, (p, m) in enumerate(zip(random_prompts(len(limits), seed=4), limits))]
+  contiguous = make_engine(temperature=1.0, max_new_tokens=24)
+  paged = make_engine(temperature=1.0, max_new_tokens=24, kv_layout="paged", kv_block_size=2)
+  want, _ = _run(contiguous, requests)
+  before = paged.compactions
+  got, driver = _run(paged, requests, params=contiguous.load_params())
+  assert paged.compactions > before
+  assert _tokens(got) == _tokens(want)
+  for pid in want:
+    for a, b in zip(_logprobs(got)[pid], _logprobs(want)[pid]):
+      np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_chunked_prefill_equals_one_shot(make_engine, layout):
   prompts = random_prompts(4, lengths=(16, 13, 9, 5))
@@ -246,7 +265,7 @@ def test_bad_paged_settings_are_one_line_errors(make_engine, tiny_model):
 
 # ------------------------------------------------------------------ block bookkeeping
 
-_OPS = st.lists(st.tuples(st.sampled_from(["admit", "grow", "finish", "preempt"]), st.integers(0, 7),
+_OPS = st.lists(st.tuples(st.sampled_from(["admit", "grow", "finish", "preempt", "compact"]), st.integers(0, 7),
                           st.integers(1, 40), st.integers(1, 4)), max_size=60)
 
 
@@ -274,6 +293,14 @@ def test_block_tables_never_share_or_leak_a_block(ops):
         tables.free(victim)
     elif op in ("finish", "preempt"):
       tables.free(slot if op == "finish" else (tables.youngest(slot // tables.per_replica) or slot))
+    elif op == "compact":
+      replica = slot // tables.per_replica
+      lengths = [len(e.blocks) for e in tables.slots]
+      moves = tables.compact(replica)
+      used = tables.blocks_in_use_of(replica)
+      assert pool.highest_in_use() == used - 1  # packed into [0, used)
+      assert all(src >= used > dst for src, dst in moves)
+      assert [len(e.blocks) for e in tables.slots] == lengths
     _check(tables)
   for s in range(8):
     tables.free(s)

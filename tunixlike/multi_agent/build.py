@@ -17,10 +17,12 @@ from tunixlike.sampler import RolloutDriver, make_engine
 
 
 def build_policies(setup: build_lib.Setup, group_sizes: Mapping[str, int], batch_episodes: int,
-                   turns_per_episode: Mapping[str, int] | None = None) -> dict[str, Policy]:
+                   turns_per_episode: Mapping[str, int] | None = None,
+                   sampler: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Policy]:
   """A policy per agent, each with its own copy of `setup.model` (as warm-started), learner state,
   version counter and sampler engine whose groups are that agent's `group_sizes[name]` samples.
-  A learner batch holds `batch_episodes x turns_per_episode[name] (default 1) x group size` rows."""
+  A learner batch holds `batch_episodes x turns_per_episode[name] (default 1) x group size` rows.
+  `sampler[name]`: SamplerConfig fields of that policy's engine (e.g. its stop strings)."""
   policies = {}
   for name, g in group_sizes.items():
     rows = batch_episodes * (turns_per_episode or {}).get(name, 1) * g
@@ -28,7 +30,7 @@ def build_policies(setup: build_lib.Setup, group_sizes: Mapping[str, int], batch
     cfg = config_lib.replace(setup.cfg, algo=dict(group_size=per_prompt), rl=dict(prompts_per_step=-(-rows // per_prompt)))
     model = nnx.clone(setup.model)
     learner = build_lib.build_learner(cfg, model, setup.meshes.learner)
-    s_cfg = dataclasses.replace(build_lib.sampler_config(cfg, setup.tok), group_size=g)
+    s_cfg = dataclasses.replace(build_lib.sampler_config(cfg, setup.tok), group_size=g, **(sampler or {}).get(name, {}))
     engine = make_engine(model, s_cfg, mesh=setup.meshes.sampler)
     policies[name] = Policy(learner, engine, cfg, setup.tok.pad_id, tracer=setup.tracer)
   return policies
@@ -36,9 +38,9 @@ def build_policies(setup: build_lib.Setup, group_sizes: Mapping[str, int], batch
 
 def build_runtime(setup: build_lib.Setup, policies: dict[str, Policy], make_env: Callable[[], Any], *,
                   batch_episodes: int, max_staleness: int, max_turns: int = 8, max_episodes_in_flight: int | None = None,
-                  records=None) -> MultiAgentRuntime:
+                  records=None, **coordinator) -> MultiAgentRuntime:
   """The run's episodes over `policies` (their current weights and versions); `records` feed
-  `env.reset` (default: {"index": i} forever)."""
+  `env.reset` (default: {"index": i} forever); `coordinator`: more EpisodeCoordinator options."""
   cfg, tok = setup.cfg, setup.tok
 
   def make_coordinator(sink, may_start_episode):
@@ -52,7 +54,7 @@ def build_runtime(setup: build_lib.Setup, policies: dict[str, Policy], make_env:
                               records=records if records is not None else ({"index": i} for i in itertools.count()),
                               encode=tok.encode, detokenize=tok.decode, sink=sink, may_start_episode=may_start_episode,
                               max_turns=max_turns, max_episodes_in_flight=max_episodes_in_flight or 2 * batch_episodes,
-                              step_timeout_s=cfg.rl.env_step_timeout_s)
+                              step_timeout_s=cfg.rl.env_step_timeout_s, **coordinator)
 
   return MultiAgentRuntime(policies, make_coordinator, batch_episodes=batch_episodes, max_staleness=max_staleness,
                            advantages=scoring.advantage_config(cfg), wait_timeout_s=cfg.rl.wait_timeout_s)

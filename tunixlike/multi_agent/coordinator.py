@@ -184,10 +184,24 @@ class EpisodeCoordinator:
         if not worked:
           self._stop.wait(self._idle_wait_s)
     finally:
+      self.close()
+    return self.stats
+
+  def advance(self) -> bool:
+    """One round with no driver threads (the synchronous loop): each policy driver's step, then
+    the coordinator's. False if nothing ran."""
+    worked = False
+    for d in self.drivers.values():
+      worked = d.step() or worked
+    return self.step() or worked
+
+  def close(self) -> None:
+    """Stops the drivers' threads (if started) and the env workers."""
+    try:
       for d in self.drivers.values():
         d.stop()
+    finally:
       self._runner.close()
-    return self.stats
 
   def stop(self) -> None:
     self._stop.set()
@@ -244,8 +258,9 @@ class EpisodeCoordinator:
       self._ask_rewards(live, "length")
       return
     live.turns.append(turn)
-    request = PromptRequest(prompt_id=(live.seq, len(live.turns) - 1), token_ids=ids, prompt_text=turn.prompt,
-                            max_new_tokens=self._limit(turn, driver))
+    index = len(live.turns) - 1
+    request = PromptRequest(prompt_id=(live.seq, index), token_ids=ids, prompt_text=turn.prompt,
+                            max_new_tokens=self._limit(turn, driver), noise_id=live.seq * self._max_turns + index)
     if self._lockstep:
       self._held.append((turn.agent, request))
     else:

@@ -74,7 +74,8 @@ class MultiAgentRuntime:
                        f"{tuple(policies)} differ in {sorted(missing)}")
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
-    self.episode_wall_s: collections.deque[float] = collections.deque(maxlen=4096)
+    self.episode_wall_s: collections.deque[float] = collections.deque(maxlen=4096)  # admission to end
+    self.turn_tokens = {p: collections.deque(maxlen=4096) for p in policies}  # completion lengths per policy
 
   def _coordinate(self) -> None:
     try:
@@ -100,6 +101,7 @@ class MultiAgentRuntime:
         self.queue.step_skipped(len(episodes), [name])
         continue
       set_advantages(groups, self.advantages)
+      self.turn_tokens[name].extend(c.num_tokens for g in groups for c in g.completions)
       version = policy.version
       out = policy.train(groups)
       if out.get("skipped"):
@@ -118,16 +120,24 @@ class MultiAgentRuntime:
                     "episodes/wall_s_p90": float(np.percentile(walls, 90))})
     return metrics
 
-  def run(self, num_steps: int, on_step: Callable[[int, dict], None] = lambda step, m: None) -> dict[str, float]:
-    """Trains `num_steps` batches; returns the last step's metrics with `wall_s` and `episodes_per_s`."""
+  def run(self, num_steps: int, on_step: Callable[[int, dict], None] = lambda step, m: None, *,
+          threaded: bool = True) -> dict[str, float]:
+    """Trains `num_steps` batches; returns the last step's metrics with `wall_s` and `episodes_per_s`.
+    `threaded=False` (max_staleness 0) runs the episodes of each batch in this thread first: the
+    synchronous loop that the threaded runtime at staleness 0 must reproduce."""
+    if not threaded and self.queue.max_staleness != 0:
+      raise ValueError("run(threaded=False) is the synchronous loop: it needs max_staleness=0")
     t0 = time.monotonic()
-    self._thread = threading.Thread(target=self._coordinate, name="multi-agent-coordinator", daemon=True)
-    self._thread.start()
+    if threaded:
+      self._thread = threading.Thread(target=self._coordinate, name="multi-agent-coordinator", daemon=True)
+      self._thread.start()
     last: dict[str, float] = {}
     trained = 0
     try:
       for step in range(num_steps):
         self._check()
+        if not threaded:
+          self._sample_inline(time.monotonic() + self.wait_timeout_s)
         episodes = self.queue.get_batch(self.versions(), self.wait_timeout_s)
         self._check()
         last = self.train_batch(episodes)
@@ -136,7 +146,17 @@ class MultiAgentRuntime:
     finally:
       self.stop_event.set()
       self.coordinator.stop()
-      self._thread.join(self.wait_timeout_s)
+      if self._thread is not None:
+        self._thread.join(self.wait_timeout_s)
+      else:
+        self.coordinator.close()
     self._check()
     wall = time.monotonic() - t0
     return {**last, "wall_s": wall, "episodes_per_s": trained / wall}
+
+  def _sample_inline(self, deadline: float) -> None:
+    while self.queue.depth() < self.queue.batch_groups:
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"no batch of episodes within rl.wait_timeout_s={self.wait_timeout_s}")
+      if not self.coordinator.advance():
+        time.sleep(0.001)  # env calls still running

@@ -1,10 +1,9 @@
 """The built-in self-play task: a proposer writes an addition problem, a solver answers it.
 
-    proposer, prompt "Q:"        -> "37+48="      (a turn that starts with `a+b`, operands of 1 to
-                                                   `digits` digits)
+    proposer, prompt "Q:"        -> "37+48="      (the turn's first 2 x `digits` digits: 37 and 48)
     solver, prompt "37+48=", k samples -> "58", "57", ...   (the sum, least-significant digit first,
-                                                            as in the addition task; the digits a
-                                                            turn starts with)
+                                                            as in the addition task, at the start
+                                                            of the turn)
 
 The answer is known (the env computes it), so both rewards are verifiable:
   * solver: 1 for each correct answer, else 0;
@@ -29,14 +28,18 @@ PROPOSER_PROMPT = "Q:"
 
 
 def parse_problem(text: str, digits: int) -> tuple[int, int] | None:
-  """The `a+b` the proposer's turn starts with (up to `=` or its end) as (a, b), or None."""
-  m = re.match(rf"\s*(\d{{1,{digits}}})\+(\d{{1,{digits}}})(=|\s*$)", text)
-  return None if m is None else (int(m.group(1)), int(m.group(2)))
+  """The problem a proposer's turn writes: its first 2 x `digits` digits (other characters skipped),
+  `a` the first half and `b` the second, so "37+48=" and "3748" both propose 37+48; None if the
+  turn has fewer digits."""
+  found = re.findall(r"\d", text)[:2 * digits]
+  if len(found) < 2 * digits:
+    return None
+  return int("".join(found[:digits])), int("".join(found[digits:]))
 
 
-def parse_answer(text: str) -> str:
-  """The digits the solver's turn starts with."""
-  return re.match(r"\s*(\d*)", text).group(1)
+def solved(text: str, expected: str) -> bool:
+  """A solver's turn is correct when it starts with the answer (what follows is not read)."""
+  return text.lstrip().startswith(expected)
 
 
 def solve_rate_reward(p: float) -> float:
@@ -72,7 +75,7 @@ class ProposeSolveEnv(MultiAgentEnv):
         return None
       a, b = self._problem
       return Turn(SOLVER, f"{a}+{b}=", samples=self.attempts, max_new_tokens=self._limit())
-    self._answers = [parse_answer(t) for t in texts]
+    self._answers = list(texts)
     return None
 
   def rewards(self) -> list[list[float]]:
@@ -81,5 +84,5 @@ class ProposeSolveEnv(MultiAgentEnv):
     if not self._answers:  # the solver's turn did not run (the run truncated the episode)
       return [[0.0]]
     expected = str(sum(self._problem))[::-1]
-    solved = [float(a == expected) for a in self._answers]
-    return [[solve_rate_reward(sum(solved) / len(solved))], solved]
+    correct = [float(solved(a, expected)) for a in self._answers]
+    return [[solve_rate_reward(sum(correct) / len(correct))], correct]

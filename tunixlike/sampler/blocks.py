@@ -51,6 +51,21 @@ class BlockAllocator:
         raise ValueError(f"share: block {b} is free")
       self._refs[b] += 1
 
+  def compact(self) -> list[tuple[int, int]]:
+    """Moves the blocks in use to the lowest ids (each keeps its references): returns the moves
+    (src, dst), highest src to lowest free dst, for the caller to copy the KV and rename."""
+    used = self.num_blocks - len(self._free)
+    sources = [b for b in range(used, self.num_blocks) if self._refs[b] > 0]
+    holes = [b for b in range(used) if self._refs[b] == 0]
+    for src, dst in zip(sources, holes):
+      self._refs[dst], self._refs[src] = self._refs[src], 0
+    self._free = list(range(self.num_blocks - 1, used - 1, -1))  # a stack: the lowest ids go first
+    return list(zip(sources, holes))
+
+  def highest_in_use(self) -> int:
+    """The highest block id with a reference (-1 if none)."""
+    return next((b for b in range(self.num_blocks - 1, -1, -1) if self._refs[b] > 0), -1)
+
   def release(self, blocks) -> None:
     """Drops one reference to each of `blocks`; a block nobody references is free at once."""
     for b in blocks:
@@ -138,6 +153,20 @@ class BlockTables:
       self.pools[found[0]].release(found[1])
     return found is not None
 
+  def compact(self, replica: int) -> list[tuple[int, int]]:
+    """Packs the replica's blocks in use into its lowest ids (`BlockAllocator.compact`) and renames
+    them in every slot's table and parked entry; returns the moves (src, dst)."""
+    moves = self.pools[replica].compact()
+    rename = dict(moves)
+    if rename:
+      lo = replica * self.per_replica
+      for entry in self.slots[lo:lo + self.per_replica]:
+        entry.blocks = [rename.get(b, b) for b in entry.blocks]
+      for key, (r, blocks) in self.parked.items():
+        if r == replica:
+          self.parked[key] = (r, [rename.get(b, b) for b in blocks])
+    return moves
+
   def youngest(self, replica: int, exclude=()) -> int | None:
     """The live slot of `replica` admitted last (None if none is live)."""
     lo = replica * self.per_replica
@@ -145,4 +174,8 @@ class BlockTables:
     return max(live, key=lambda s: self.slots[s].started, default=None)
 
   def blocks_in_use(self) -> int:
-    return sum(p.num_blocks - p.num_free for p in self.pools)
+    return sum(self.blocks_in_use_of(r) for r in range(len(self.pools)))
+
+  def blocks_in_use_of(self, replica: int) -> int:
+    pool = self.pools[replica]
+    return pool.num_blocks - pool.num_free

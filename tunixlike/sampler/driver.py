@@ -46,6 +46,9 @@ class PromptRequest:
   columns: dict[str, Any] = dataclasses.field(default_factory=dict)
   prompt_text: str | None = None
   max_new_tokens: int | None = None  # None = sampler.max_new_tokens
+  # Seeds the group's sampling noise instead of its start order (a caller whose requests may
+  # arrive in any order, e.g. multi-agent turns, keeps its samples reproducible this way).
+  noise_id: int | None = None
 
 
 @dataclasses.dataclass
@@ -467,7 +470,9 @@ class RolloutDriver:
   def _sample_keys_of(self, group: _Group, count: int) -> np.ndarray:
     """Noise keys of the group's next `count` samples."""
     if group.keys is None:
-      group.keys = self._group_keys(group.seq)
+      noise_id = group.request.noise_id
+      group.keys = (self._group_keys(group.seq) if noise_id is None
+                    else np.asarray(_sample_keys(self._base_key, noise_id, self.config.group_size, 1))[0])
     return group.keys[group.started:group.started + count]
 
   def _started(self, group: _Group, slots: list[int], prefix) -> None:

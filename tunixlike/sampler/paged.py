@@ -76,6 +76,8 @@ class PagedEngine(Engine):
     self._paged_generate_fn = jax.jit(self._generate_impl, donate_argnums=(1,),
                                       out_shardings=(self._paged_shardings, self._replicated))
     self._gather_fn = jax.jit(self._gather_impl, static_argnums=(3,), out_shardings=self._replicated)
+    self._move_fn = jax.jit(self._move_impl, donate_argnums=(0,), out_shardings=self._pool_shardings)
+    self.compactions = 0  # times blocks in use were moved down to the lowest ids (`_compact`)
 
   # ------------------------------------------------------------------ state
 
@@ -309,6 +311,8 @@ class PagedEngine(Engine):
       except OutOfBlocks as e:
         raise OutOfBlocks(f"generate: slot {slot} needs a block and the pool is empty ({e}); "
                           "call PagedEngine.reserve before generate") from None
+    if not self.use_kernel:
+      decode_state = self._compact(decode_state)
     plan = self._plan(decode_state)
     arrays, result = self._paged_generate_fn(params, decode_state.arrays, plan)
     k = self.config.steps_per_call
@@ -355,6 +359,42 @@ class PagedEngine(Engine):
     used = np.flatnonzero((owner < per).any(0))
     width = self.pool_width(int(used[-1]) + 1 if len(used) else 1)
     return paged_cache.PoolPlan(owner[:, :width], column[:, :width], extra)
+
+  def _compact(self, decode_state: PagedDecodeState) -> PagedDecodeState:
+    """Moves the blocks in use down to the lowest ids when that halves (at least) the leading blocks
+    the pool attention reads: after long sequences end, the ones left are scattered over the pool,
+    and every step would otherwise read up to the highest of their blocks. A copy of the moved
+    blocks' KV (one program per power of two of moves), about once per halving of the blocks in use."""
+    tables = decode_state.tables
+    moves = []
+    for replica, pool in enumerate(tables.pools):
+      used = tables.blocks_in_use_of(replica)
+      scattered = self.pool_width(pool.highest_in_use() + 1) > self.pool_width(max(used, 1))
+      moves.append(tables.compact(replica) if scattered else [])
+    if not any(moves):
+      return decode_state
+    self.compactions += 1
+    src, dst = self._move_plan(moves)
+    cache = self._move_fn(decode_state.arrays["cache"], src, dst)
+    return dataclasses.replace(decode_state, arrays=dict(decode_state.arrays, cache=cache))
+
+  def _move_plan(self, moves: list[list[tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray]:
+    """[R, M] sources and destinations, M a power of two (>= 8); padding copies a block onto itself
+    (a source of that replica, which no move writes to, or block 0 of a replica without moves)."""
+    m = self.bucket(max(len(x) for x in moves), least=8)
+    src, dst = np.zeros((self.replicas, m), np.int32), np.zeros((self.replicas, m), np.int32)
+    for r, mv in enumerate(moves):
+      pad = mv[-1][0] if mv else 0
+      src[r], dst[r] = pad, pad
+      if mv:
+        src[r, :len(mv)], dst[r, :len(mv)] = zip(*mv)
+    return src, dst
+
+  @staticmethod
+  def _move_impl(pool: paged_cache.PagedKVCache, src_rm, dst_rm) -> paged_cache.PagedKVCache:
+    move = jax.vmap(lambda x, s, d: x.at[:, d].set(x[:, s]))  # per replica: x [Hkv, NB, ...]
+    return paged_cache.PagedKVCache(k=tuple(move(x, src_rm, dst_rm) for x in pool.k),
+                                    v=tuple(move(x, src_rm, dst_rm) for x in pool.v), kernel_layout=pool.kernel_layout)
 
   def pool_width(self, blocks: int) -> int:
     """Leading pool blocks a decode call attends (one program each): a power of two, or the pool."""
@@ -407,6 +447,12 @@ class PagedEngine(Engine):
     for plan in self._warmup_plans(state):
       arrays, _ = self._paged_generate_fn(params, state.arrays, plan)
       state = dataclasses.replace(state, arrays=arrays)
+    if not self.use_kernel:  # compaction's copies: at most half the pool moves
+      n = 1
+      while n <= max(self.num_blocks // 2, 1):
+        src, dst = self._move_plan([[(0, 0)] * n] * self.replicas)
+        state = dataclasses.replace(state, arrays=dict(state.arrays, cache=self._move_fn(state.arrays["cache"], src, dst)))
+        n = self.bucket(n, least=8) + 1
     jax.block_until_ready(state.arrays)
 
   def _warmup_plans(self, state: PagedDecodeState):

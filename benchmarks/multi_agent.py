@@ -1,0 +1,140 @@
+"""Two co-evolving policies with long-tailed turns: synchronous vs group-level vs episode-level async.
+
+  python benchmarks/multi_agent.py [--steps 24] [--skip-steps 4] [--episodes 8] [--median-tokens 6]
+      [--modes sync,group,episode] [--out FILE] [--quick]
+
+Prints one JSON object. The self-play task (`multi_agent.ProposeSolveEnv`, 2-digit problems, 4 solver
+attempts) on the main job's model and warm start (configs/addition_grpo.py, seed 0), two policies
+(proposer, solver) cloned from the warm-started model, each with its own learner and sampler on the
+4 + 4 CPU submeshes. Every turn's token limit is drawn from a log-normal distribution (median
+`--median-tokens`, p90 5x the median, capped at sampler.max_new_tokens) and EOS is off, so each turn
+decodes exactly its drawn length; a turn's answer is what it starts with (the proposer's `a+b`, the
+solver's digits). Each mode trains `--steps` batches of `--episodes` episodes from the same weights:
+  sync      every turn waits for its batch (`lockstep`), one batch in flight (max_staleness 0);
+  group     episodes leave in whole groups of 4 (each group waits for its slowest), max_staleness 1;
+  episode   each episode leaves when it ends, 2 batches of episodes in flight (over-provisioned;
+            the learner takes the oldest finished), max_staleness 1.
+Reported per mode: wall-clock seconds per trained episode after `--skip-steps` (compilation),
+the episode wait (admission to end) p90 over median, the turn lengths' p90 over median per agent,
+and the final solver and proposer rewards (mean over the last 5 steps, with the standard error of
+that mean over their episodes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+MODES = ("sync", "group", "episode")
+P90_Z = 1.2815515655446004  # the standard normal's 90th percentile
+
+
+def _parse(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--steps", type=int, default=24)
+  p.add_argument("--skip-steps", type=int, default=4)
+  p.add_argument("--episodes", type=int, default=8, help="episodes per learner step")
+  p.add_argument("--median-tokens", type=float, default=6.0, help="median turn length")
+  p.add_argument("--max-tokens", type=int, default=64, help="sampler.max_new_tokens (the longest turn)")
+  p.add_argument("--modes", default=",".join(MODES))
+  p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test, not the figures)")
+  p.add_argument("--out", default=None)
+  return p.parse_args(argv)
+
+
+ARGS = _parse()
+if "jax" not in sys.modules:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+
+from tunixlike import config as config_lib  # noqa: E402
+from tunixlike.metrics import print_report  # noqa: E402
+from tunixlike.multi_agent import ProposeSolveEnv, build as ma_build  # noqa: E402
+from tunixlike.multi_agent.self_play import PROPOSER, SOLVER  # noqa: E402
+from tunixlike.rl import build  # noqa: E402
+
+
+def _setup(a):
+  cfg = config_lib.from_config_dict(config_lib.load(REPO / "configs" / "addition_grpo.py",
+                                                    "size=tiny" if a.quick else None))
+  cfg = config_lib.replace(cfg, log=dict(progress_bar=False, tensorboard=False),
+                           sampler=dict(max_new_tokens=a.max_tokens, max_concurrent_decodes=32))
+  setup = build.build(cfg, say=lambda *x: None)
+  build.warm_start(setup, say=lambda *x: None)
+  return setup
+
+
+def turn_lengths(median: float, cap: int):
+  sigma = math.log(5.0) / P90_Z
+  return lambda rng: int(np.clip(round(median * math.exp(sigma * rng.standard_normal())), 1, cap))
+
+
+def run_mode(setup, mode: str, a) -> dict:
+  b = a.episodes
+  policies = ma_build.build_policies(setup, {PROPOSER: 1, SOLVER: 4}, batch_episodes=b,
+                                     sampler={PROPOSER: dict(eos_ids=()), SOLVER: dict(eos_ids=())})
+  options = dict(sync=dict(max_staleness=0, lockstep=True, max_episodes_in_flight=b),
+                 group=dict(max_staleness=1, emit_groups_of=4),
+                 episode=dict(max_staleness=1, max_episodes_in_flight=2 * b))[mode]
+  lengths = turn_lengths(a.median_tokens, a.max_tokens)
+  runtime = ma_build.build_runtime(setup, policies, lambda: ProposeSolveEnv(digits=2, attempts=4, turn_tokens=lengths),
+                                   batch_episodes=b, max_turns=2, **options)
+  marks, rewards = [], []
+
+  def on_step(step, metrics):
+    marks.append(time.monotonic())
+    rewards.append((metrics.get(f"{SOLVER}/reward", float("nan")), metrics.get(f"{PROPOSER}/reward", float("nan"))))
+
+  runtime.run(a.steps, on_step=on_step)
+  timed = a.steps - 1 - a.skip_steps
+  per_episode = (marks[-1] - marks[a.skip_steps]) / (timed * b)
+  walls = np.array(runtime.episode_wall_s)
+  last = np.array(rewards[-5:])
+  turn_tokens = {name: dict(median=float(np.median(t)), p90_over_median=round(float(np.percentile(t, 90) / np.median(t)), 2))
+                 for name, t in runtime.turn_tokens.items() if t}
+  return dict(s_per_episode=round(per_episode, 4), episode_wait_p90_over_median=round(float(
+      np.percentile(walls, 90) / np.median(walls)), 2),
+      final_reward=dict(solver=round(float(np.nanmean(last[:, 0])), 4),
+                        solver_se=round(float(np.nanstd(last[:, 0]) / math.sqrt(len(last))), 4),
+                        proposer=round(float(np.nanmean(last[:, 1])), 4),
+                        proposer_se=round(float(np.nanstd(last[:, 1]) / math.sqrt(len(last))), 4)),
+      versions=runtime.versions(), turn_tokens=turn_tokens, coordinator=vars(runtime.coordinator.stats))
+
+
+def main():
+  a = ARGS
+  if a.quick:
+    a.steps, a.skip_steps, a.episodes, a.max_tokens = 5, 1, 4, 16
+  t0 = time.monotonic()
+  setup = _setup(a)
+  out = {"modes": {}}
+  for mode in a.modes.split(","):
+    out["modes"][mode] = run_mode(setup, mode, a)
+    print(mode, out["modes"][mode], file=sys.stderr, flush=True)
+  m = out["modes"]
+  if {"sync", "episode"} <= set(m):
+    out["episode_async_vs_sync"] = round(m["sync"]["s_per_episode"] / m["episode"]["s_per_episode"], 3)
+  if {"group", "episode"} <= set(m):
+    out["episode_async_vs_group_async"] = round(m["group"]["s_per_episode"] / m["episode"]["s_per_episode"], 3)
+  out["joint_p90_over_median"] = {k: v["episode_wait_p90_over_median"] for k, v in m.items()}
+  out["final_reward"] = {k: v["final_reward"]["solver"] for k, v in m.items()}
+  out["targets"] = dict(episode_async_vs_sync=2.0, episode_async_vs_group_async=1.3,
+                        final_reward="episode >= sync - 2 standard errors")
+  out["setup"] = dict(steps=a.steps, skip_steps=a.skip_steps, episodes_per_step=b if (b := a.episodes) else 0,
+                      median_tokens=a.median_tokens, max_tokens=a.max_tokens, quick=a.quick, jax=jax.__version__)
+  out["load_average"] = round(os.getloadavg()[0], 2)
+  out["wall_s"] = round(time.monotonic() - t0, 1)
+  out["date"] = time.strftime("%Y-%m-%d")
+  print_report(out, a.out, indent=2)
+
+
+if __name__ == "__main__":
+  main()
