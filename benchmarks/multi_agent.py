@@ -1,6 +1,6 @@
 """Two co-evolving policies with long-tailed turns: synchronous vs group-level vs episode-level async.
 
-  python benchmarks/multi_agent.py [--steps 24] [--skip-steps 4] [--episodes 8] [--median-tokens 6]
+  python benchmarks/multi_agent.py [--steps 24] [--skip-steps 4] [--episodes 8] [--median-tokens 24] [--max-tokens 256]
       [--modes sync,group,episode] [--out FILE] [--quick]
 
 Prints one JSON object. The self-play task (`multi_agent.ProposeSolveEnv`, 2-digit problems, 4 solver
@@ -16,8 +16,10 @@ solver's digits). Each mode trains `--steps` batches of `--episodes` episodes fr
             the learner takes the oldest finished), max_staleness 1.
 Reported per mode: wall-clock seconds per trained episode after `--skip-steps` (compilation),
 the episode wait (admission to end) p90 over median, the turn lengths' p90 over median per agent,
-and the final solver and proposer rewards (mean over the last 5 steps, with the standard error of
-that mean over their episodes).
+the final solver and proposer rewards (mean over the last 5 steps, with the standard error over
+those steps), and `short_episode_bias`: the mean tokens of an episode trained in the episode mode
+over the synchronous mode's (which trains every episode it starts), below 1 if taking the first
+finished episodes favours short ones.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ def _parse(argv=None):
   p.add_argument("--steps", type=int, default=24)
   p.add_argument("--skip-steps", type=int, default=4)
   p.add_argument("--episodes", type=int, default=8, help="episodes per learner step")
-  p.add_argument("--median-tokens", type=float, default=6.0, help="median turn length")
-  p.add_argument("--max-tokens", type=int, default=64, help="sampler.max_new_tokens (the longest turn)")
+  p.add_argument("--median-tokens", type=float, default=24.0, help="median turn length")
+  p.add_argument("--max-tokens", type=int, default=256, help="sampler.max_new_tokens (the longest turn)")
   p.add_argument("--modes", default=",".join(MODES))
   p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test, not the figures)")
   p.add_argument("--out", default=None)
@@ -106,7 +108,9 @@ def run_mode(setup, mode: str, a) -> dict:
                         solver_se=round(float(np.nanstd(last[:, 0]) / math.sqrt(len(last))), 4),
                         proposer=round(float(np.nanmean(last[:, 1])), 4),
                         proposer_se=round(float(np.nanstd(last[:, 1]) / math.sqrt(len(last))), 4)),
-      versions=runtime.versions(), turn_tokens=turn_tokens, coordinator=vars(runtime.coordinator.stats))
+      versions=runtime.versions(), turn_tokens=turn_tokens, coordinator=vars(runtime.coordinator.stats),
+      trained_episode_tokens=round(float(np.mean(runtime.episode_tokens)), 1),
+      valid_problems=round(len(runtime.turn_tokens[SOLVER]) / max(len(runtime.turn_tokens[PROPOSER]), 1) / 4, 3))
 
 
 def main():
@@ -125,6 +129,8 @@ def main():
   if {"group", "episode"} <= set(m):
     out["episode_async_vs_group_async"] = round(m["group"]["s_per_episode"] / m["episode"]["s_per_episode"], 3)
   out["joint_p90_over_median"] = {k: v["episode_wait_p90_over_median"] for k, v in m.items()}
+  if {"sync", "episode"} <= set(m):  # sync trains every episode it starts: the unbiased length
+    out["short_episode_bias"] = round(m["episode"]["trained_episode_tokens"] / m["sync"]["trained_episode_tokens"], 3)
   out["final_reward"] = {k: v["final_reward"]["solver"] for k, v in m.items()}
   out["targets"] = dict(episode_async_vs_sync=2.0, episode_async_vs_group_async=1.3,
                         final_reward="episode >= sync - 2 standard errors")

@@ -52,7 +52,8 @@ class Episode:
   groups: list[RolloutGroup]  # groups[i] holds the samples of turns[i]; rewards filled
   finish_reason: str  # one of EPISODE_FINISH
   start_versions: dict[str, int]  # each policy's sampler version when the episode was admitted
-  wall_s: float = 0.0  # from admission to the end of its last env call
+  admitted_at: float = 0.0  # time.monotonic() at admission
+  wall_s: float = 0.0  # from admission until it left for the sink
 
   @property
   def admitted_version(self) -> dict[str, int]:
@@ -145,7 +146,7 @@ class EpisodeCoordinator:
     self._lockstep, self._emit_groups_of = lockstep, emit_groups_of
     self._held: list[tuple[str, PromptRequest]] = []  # lockstep: turns waiting for the others
     self._turns_out = 0  # turn requests given to drivers and not yet returned
-    self._finished: dict[int, Episode] = {}  # emit_groups_of: finished, waiting for their group
+    self._finished: dict[int, Episode] = {}  # finished, waiting for the rest of their group (emit_groups_of)
     self._next_seq = 0
     self._exhausted = False
     self._stop = threading.Event()
@@ -310,15 +311,14 @@ class EpisodeCoordinator:
       group.rewards = np.asarray(r, np.float32)
     del self._live[live.seq]
     self.stats.episodes += 1
-    episode = Episode(seq=live.seq, record=live.record, turns=list(live.turns), groups=list(live.groups),
-                      finish_reason=live.finish, start_versions=live.start_versions,
-                      wall_s=time.monotonic() - live.started)
-    n = self._emit_groups_of
-    if n == 1:
-      self._sink(episode)
-      return
-    self._finished[episode.seq] = episode
-    first = episode.seq - episode.seq % n
-    if all(s in self._finished for s in range(first, first + n)):
-      for s in range(first, first + n):
-        self._sink(self._finished.pop(s))
+    self._finished[live.seq] = Episode(seq=live.seq, record=live.record, turns=list(live.turns),
+                                       groups=list(live.groups), finish_reason=live.finish,
+                                       start_versions=live.start_versions, admitted_at=live.started)
+    first = live.seq - live.seq % self._emit_groups_of
+    group = range(first, first + self._emit_groups_of)
+    if all(s in self._finished for s in group):
+      now = time.monotonic()
+      for s in group:
+        episode = self._finished.pop(s)
+        episode.wall_s = now - episode.admitted_at
+        self._sink(episode)

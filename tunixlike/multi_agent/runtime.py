@@ -76,6 +76,7 @@ class MultiAgentRuntime:
     self._error: BaseException | None = None
     self.episode_wall_s: collections.deque[float] = collections.deque(maxlen=4096)  # admission to end
     self.turn_tokens = {p: collections.deque(maxlen=4096) for p in policies}  # completion lengths per policy
+    self.episode_tokens: collections.deque[int] = collections.deque(maxlen=4096)  # per trained episode
 
   def _coordinate(self) -> None:
     try:
@@ -115,6 +116,7 @@ class MultiAgentRuntime:
                       f"{name}/version": float(policy.version)})
     walls = np.array([e.wall_s for e in episodes])
     self.episode_wall_s.extend(walls.tolist())
+    self.episode_tokens.extend(e.num_tokens for e in episodes)
     metrics.update({"episodes/finished_done": float(np.mean([e.finish_reason == "done" for e in episodes])),
                     "episodes/wall_s_median": float(np.median(walls)),
                     "episodes/wall_s_p90": float(np.percentile(walls, 90))})

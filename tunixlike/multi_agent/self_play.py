@@ -1,6 +1,7 @@
 """The built-in self-play task: a proposer writes an addition problem, a solver answers it.
 
-    proposer, prompt "Q:"        -> "37+48="      (the turn's first 2 x `digits` digits: 37 and 48)
+    proposer, prompt "Q:"        -> "37+48="      (the turn's first 2 x `digits` digits: 37 and 48,
+                                                   each of exactly `digits` digits)
     solver, prompt "37+48=", k samples -> "58", "57", ...   (the sum, least-significant digit first,
                                                             as in the addition task, at the start
                                                             of the turn)
@@ -29,12 +30,14 @@ PROPOSER_PROMPT = "Q:"
 
 def parse_problem(text: str, digits: int) -> tuple[int, int] | None:
   """The problem a proposer's turn writes: its first 2 x `digits` digits (other characters skipped),
-  `a` the first half and `b` the second, so "37+48=" and "3748" both propose 37+48; None if the
-  turn has fewer digits."""
-  found = re.findall(r"\d", text)[:2 * digits]
-  if len(found) < 2 * digits:
+  `a` the first half and `b` the second, so "37+48=" and "3748" both propose 37+48. None if the
+  turn has fewer digits or an operand starts with 0 (operands have exactly `digits` digits, as in
+  the addition task)."""
+  found = "".join(re.findall(r"\d", text)[:2 * digits])
+  a, b = found[:digits], found[digits:]
+  if len(b) < digits or (digits > 1 and "0" in (a[0], b[0])):
     return None
-  return int("".join(found[:digits])), int("".join(found[digits:]))
+  return int(a), int(b)
 
 
 def solved(text: str, expected: str) -> bool:
