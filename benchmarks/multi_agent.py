@@ -25,6 +25,7 @@ finished episodes favours short ones.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import pathlib
@@ -68,10 +69,10 @@ def _setup(a):
   cfg = config_lib.from_config_dict(config_lib.load(REPO / "configs" / "addition_grpo.py",
                                                     "size=tiny" if a.quick else None))
   cfg = config_lib.replace(cfg, log=dict(progress_bar=False, tensorboard=False),
-                           sampler=dict(max_new_tokens=a.max_tokens, max_concurrent_decodes=32))
+                           sampler=dict(max_concurrent_decodes=32))
   setup = build.build(cfg, say=lambda *x: None)
-  build.warm_start(setup, say=lambda *x: None)
-  return setup
+  build.warm_start(setup, say=lambda *x: None)  # at the main job's lengths (long turns only in RL)
+  return dataclasses.replace(setup, cfg=config_lib.replace(cfg, sampler=dict(max_new_tokens=a.max_tokens)))
 
 
 def turn_lengths(median: float, cap: int):

@@ -68,10 +68,10 @@ class MultiAgentRuntime:
                               start_versions={p: pol.version for p, pol in policies.items()})
     self.coordinator = make_coordinator(sink=self.queue.put,
                                         may_start_episode=lambda: self.queue.try_admit(self.coordinator.versions()))
-    missing = set(self.coordinator.policies) ^ set(policies)
-    if missing:
+    differ = set(self.coordinator.policies) ^ set(policies)
+    if differ:
       raise ValueError(f"the coordinator's policies {self.coordinator.policies} and the learners' "
-                       f"{tuple(policies)} differ in {sorted(missing)}")
+                       f"{tuple(policies)} differ in {sorted(differ)}")
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     self.episode_wall_s: collections.deque[float] = collections.deque(maxlen=4096)  # admission to end
