@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any, Callable, Mapping
 
@@ -43,13 +44,13 @@ def build_runtime(setup: build_lib.Setup, policies: dict[str, Policy], make_env:
   `env.reset` (default: {"index": i} forever); `coordinator`: more EpisodeCoordinator options."""
   cfg, tok = setup.cfg, setup.tok
 
+  def make_driver(policy: Policy, source, sink) -> RolloutDriver:
+    params, _ = policy.sampler_weights()
+    return RolloutDriver(policy.engine, params, source=source, sink=sink, version=policy.version,
+                         detokenize=tok.decode, tracer=setup.tracer)
+
   def make_coordinator(sink, may_start_episode):
-    drivers = {}
-    for name, policy in policies.items():
-      params, _ = policy.sampler_weights()
-      drivers[name] = (lambda policy, params: lambda source, sink: RolloutDriver(
-          policy.engine, params, source=source, sink=sink, version=policy.version, detokenize=tok.decode,
-          tracer=setup.tracer))(policy, params)
+    drivers = {name: functools.partial(make_driver, policy) for name, policy in policies.items()}
     return EpisodeCoordinator(drivers, make_env=make_env,
                               records=records if records is not None else ({"index": i} for i in itertools.count()),
                               encode=tok.encode, detokenize=tok.decode, sink=sink, may_start_episode=may_start_episode,
