@@ -84,8 +84,8 @@ class PPOLearner(Learner):
       ref = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.state_shardings.params)(self.state.params)
       self.state = self.state.replace(ref_params=ref)
       self.state_shardings = self.state_shardings.replace(ref_params=self.state_shardings.params)
-      self._step = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=(self.state_shardings, None))
-    self._prepare = jax.jit(self._prepare_fn)
+      self._step = self._jit(self._train_step, donate_argnums=(0,), out_shardings=(self.state_shardings, None))
+    self._prepare = self._jit(self._prepare_fn)
 
   # ------------------------------------------------------------------ batches
 

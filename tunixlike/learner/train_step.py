@@ -87,9 +87,13 @@ class Learner:
       raise ValueError(f"LearnerConfig.batch_axis={cfg.batch_axis!r} is not an axis of the learner mesh {dict(mesh.shape)}")
     # The initial TrainState. `train_step` donates its input: carry on with the state it returns.
     self.state = self._init_state(params, frozen)
-    self._step = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=(self.state_shardings, None))
-    self._logprobs = jax.jit(self._token_logprobs)
-    self._grads = jax.jit(lambda state, batch: self._accumulate(state, batch)[:2])
+    self._step = self._jit(self._train_step, donate_argnums=(0,), out_shardings=(self.state_shardings, None))
+    self._logprobs = self._jit(self._token_logprobs)
+    self._grads = self._jit(lambda state, batch: self._accumulate(state, batch)[:2])
+
+  def _jit(self, fn, **kwargs):
+    """jax.jit of `fn` traced with the model's activations pinned to the learner mesh's rules."""
+    return jax.jit(sharding_lib.traced_under_rules(fn, self.mesh, self.rules), **kwargs)
 
   # ------------------------------------------------------------------ state
 

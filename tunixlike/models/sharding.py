@@ -8,6 +8,9 @@ and the learner mesh with different rules. A name without a rule is replicated.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -81,3 +84,37 @@ def state_shardings(tree, mesh: jax.sharding.Mesh, rules: Rules) -> Any:
     axes = var.get_metadata().get("out_sharding")
     flat.append((path, var.replace(named_sharding(var.get_value().shape, axes, mesh, rules, what=name))))
   return nnx.from_flat_state(flat)
+
+
+# (mesh, rules) of the function being traced: a context variable, so that the sampler's thread never
+# sees the learner's rules.
+_ACTIVATION_RULES: contextvars.ContextVar = contextvars.ContextVar("activation_rules", default=None)
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: jax.sharding.Mesh | None, rules: Rules):
+  """Within it, `constrain` pins activations to `mesh` by `rules` (mesh None: no constraints)."""
+  token = _ACTIVATION_RULES.set(None if mesh is None else (mesh, tuple(rules)))
+  try:
+    yield
+  finally:
+    _ACTIVATION_RULES.reset(token)
+
+
+def traced_under_rules(fn, mesh: jax.sharding.Mesh | None, rules: Rules):
+  """`fn` entering `activation_rules(mesh, rules)` on every call (wrap the function given to jit)."""
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    with activation_rules(mesh, rules):
+      return fn(*args, **kwargs)
+  return wrapper
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """`x` constrained to `logical_axes` under the active `activation_rules`; `x` itself outside them.
+  A dimension its mesh axis does not divide is replicated (strict=False)."""
+  active = _ACTIVATION_RULES.get()
+  if active is None:
+    return x
+  mesh, rules = active
+  return jax.lax.with_sharding_constraint(x, named_sharding(x.shape, logical_axes, mesh, rules, strict=False))

@@ -260,7 +260,7 @@ class Transformer(nnx.Module):
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     cos, sin = rope_cos_sin(positions_bt, self.cfg)
-    x = self.embed_tokens(tokens_bt)
+    x = sharding_lib.constrain(self.embed_tokens(tokens_bt), ("batch", None, None))
     kvs, routed = [], []
     for layer, forced in zip(self.layers, _forced(routing_btlk, self.cfg, tokens_bt.shape, what)):
       if self.cfg.remat:

@@ -34,7 +34,7 @@ class Policy:
     # This process's rows of each batch (all of them with one process).
     self.num_rows = cfg.rl.prompts_per_step * cfg.algo.group_size // self.num_processes
     longest = cfg.sampler.max_prefill_length + cfg.sampler.max_new_tokens
-    self.seq_buckets = tuple(sorted({min(b, longest) for b in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
+    self.seq_buckets = tuple(sorted({min(b, longest) for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
                                     | {longest}))
     self._rng = jax.random.PRNGKey(cfg.seed)
     self.lora = learner.lora

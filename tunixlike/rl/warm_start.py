@@ -18,8 +18,10 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tunixlike import mesh as mesh_lib
 from tunixlike.config import WarmStartSection
 from tunixlike.data.tokenizer import Tokenizer
+from tunixlike.models import sharding as sharding_lib
 
 
 def encode_pairs(records: Sequence[dict], tokenizer: Tokenizer, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -95,20 +97,21 @@ def warm_start(model, records: Iterator[dict], held_out: Sequence[dict], tokeniz
   sharding = NamedSharding(mesh, P("fsdp")) if mesh is not None else None
   put = (lambda x: jax.device_put(x, sharding)) if sharding is not None else jnp.asarray
   optimizer = optimizer or make_optimizer(model, cfg)
-  eval_tokens, eval_mask = encode_pairs(held_out, tokenizer, length)
-  accuracy, step, loss = teacher_forced_accuracy(model, eval_tokens, eval_mask, sharding), start_step, float("nan")
-  interrupted = False
-  while step < cfg.max_steps and accuracy < cfg.target_accuracy:
-    if should_stop():
-      interrupted = True
-      break
-    batch = [next(records) for _ in range(cfg.batch_size)]
-    tokens, mask = encode_pairs(batch, tokenizer, length)
-    loss = float(_train_step(model, optimizer, put(tokens), put(mask)))
-    step += 1
-    on_step(step)
-    if step % cfg.eval_every == 0 or step == cfg.max_steps:
-      accuracy = teacher_forced_accuracy(model, eval_tokens, eval_mask, sharding)
-      log(f"warm start step {step}: loss {loss:.3f}, held-out accuracy {accuracy:.3f}")
+  with sharding_lib.activation_rules(mesh, mesh_lib.LEARNER_RULES):  # traced with the batch kept sharded
+    eval_tokens, eval_mask = encode_pairs(held_out, tokenizer, length)
+    accuracy, step, loss = teacher_forced_accuracy(model, eval_tokens, eval_mask, sharding), start_step, float("nan")
+    interrupted = False
+    while step < cfg.max_steps and accuracy < cfg.target_accuracy:
+      if should_stop():
+        interrupted = True
+        break
+      batch = [next(records) for _ in range(cfg.batch_size)]
+      tokens, mask = encode_pairs(batch, tokenizer, length)
+      loss = float(_train_step(model, optimizer, put(tokens), put(mask)))
+      step += 1
+      on_step(step)
+      if step % cfg.eval_every == 0 or step == cfg.max_steps:
+        accuracy = teacher_forced_accuracy(model, eval_tokens, eval_mask, sharding)
+        log(f"warm start step {step}: loss {loss:.3f}, held-out accuracy {accuracy:.3f}")
   return {"warm_start/steps": step, "warm_start/loss": loss, "warm_start/accuracy": accuracy,
           "warm_start/interrupted": int(interrupted)}
