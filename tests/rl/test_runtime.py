@@ -13,6 +13,7 @@ from tunixlike import config as config_lib, rewards, trace
 from tunixlike.rl import build
 from tunixlike.rl.collapse import stop_on_collapse
 from tunixlike.rl.prompts import PromptStream
+from tunixlike.sampler import params as params_lib
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
@@ -74,7 +75,10 @@ def test_staleness_bound_holds_and_weights_reach_the_sampler(tmp_path, layout):
   assert rl.policy.version == 3
   # The synced copy equals the learner's latest weights, lives on the sampler devices, and differs
   # from the initial weights (a sync that silently sent stale weights would not).
-  synced, _ = rl.policy.sampler_weights()
+  rl.policy.sampler_weights()
+  # A small model travels as one buffer packed by the train step, kept packed on the sampler.
+  assert isinstance(rl.policy._sampler_params, params_lib.Packed)
+  synced = rl.policy.synced_params
   sampler_devices = set(setup.meshes.sampler.devices.flat)
   assert setup.meshes.colocated == (layout == "colocated")
   assert len(sampler_devices) == (8 if layout == "colocated" else 4)
@@ -120,7 +124,6 @@ def test_keep_sampling_mask_makes_the_is_ratio_one_at_staleness_zero():
 def test_lora_run_with_sampler_warmup_compiles_nothing_and_syncs_prepacked_adapters():
   """LoRA: every sync after the first sends the adapters packed right behind the train step; with
   sampler.warmup the engine's programs (plain params and packed adapters) are all compiled before."""
-  from tunixlike.sampler import params as params_lib
   cfg = config_lib.replace(tiny_config(max_staleness=1), lora=dict(rank=4), sampler=dict(max_concurrent_decodes=16,
                                                                                           warmup=True))
   setup = build.build(cfg)
@@ -199,3 +202,39 @@ def test_eval_counts_the_completions_its_verifier_failed_on():
   rl = build.build_rl(setup, correctness=rewards.CombinedReward(["raising_for_tests"]))
   out = build.evaluate(setup, rl)
   assert out["eval/accuracy"] == 0.0 and out["eval/reward_failures"] == out["eval/num_prompts"] == 16
+
+
+@pytest.mark.slow
+def test_full_sync_sends_the_train_steps_own_pack_and_warmup_covers_it():
+  """A small model: every sync after a train step sends the buffer that step packed (no packing
+  program of its own); the sampler keeps it packed, and sampler.warmup compiled its programs."""
+  cfg = config_lib.replace(tiny_config(max_staleness=1), sampler=dict(max_concurrent_decodes=16, warmup=True))
+  setup = build.build(cfg)
+  rl = build.build_rl(setup)
+  runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)))  # the first sync packs by itself
+  packed_apart = []
+  pack_now = rl.policy._pack_now
+  rl.policy._pack_now = lambda state: (packed_apart.append(1), pack_now(state))[1]  # counts, then packs
+  with count_traces() as traces:
+    runtime.run(threaded=True)
+  assert not any(engine_counts(traces).values()) and rl.policy.version == 3, traces
+  assert not packed_apart and isinstance(rl.policy._sampler_params, params_lib.Packed)
+  packed = rl.policy.synced_params
+  for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(rl.policy.full_params())):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_full_sync_unpacked_for_a_sampler_that_does_not_replicate_arrives_in_its_shardings():
+  """The branch a tensor-parallel sampler takes (the tiny task's 83-symbol vocabulary does not split
+  over a tensor axis, so it is chosen here by hand): one program splits the pack into the engine's shardings."""
+  setup = build.build(tiny_config(max_staleness=1))
+  rl = build.build_rl(setup)
+  rl.policy._keep_packed = False
+  build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)), num_steps=1).run(threaded=True)
+  synced, _ = rl.policy.sampler_weights()
+  assert not isinstance(synced, params_lib.Packed)
+  for a, b, want in zip(jax.tree.leaves(synced), jax.tree.leaves(rl.policy.full_params()),
+                        jax.tree.leaves(rl.engine.param_shardings)):
+    assert a.sharding == want
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -88,6 +88,7 @@ class Learner:
     # The initial TrainState. `train_step` donates its input: carry on with the state it returns.
     self.state = self._init_state(params, frozen)
     self._step = self._jit(self._train_step, donate_argnums=(0,), out_shardings=(self.state_shardings, None))
+    self._fused = None  # fuse_into_step's function
     self._logprobs = self._jit(self._token_logprobs)
     self._grads = self._jit(lambda state, batch: self._accumulate(state, batch)[:2])
 
@@ -385,9 +386,25 @@ class Learner:
   def train_step(self, state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
     """(state, batch, rng) -> (state, metrics). `state` is donated: do not reuse it afterwards.
 
-    Metrics stay on device; `jax.device_get` them only when logging.
+    Metrics stay on device; `jax.device_get` them only when logging. With `fuse_into_step`,
+    `fused_output` then holds that function of the new state.
     """
-    return self._step(state, batch, rng)
+    if self._fused is None:
+      return self._step(state, batch, rng)
+    state, metrics, self.fused_output = self._step(state, batch, rng)
+    return state, metrics
+
+  def fuse_into_step(self, fn, out_sharding) -> None:
+    """Compiles `fn(new_state)` into the train step, its result left in `fused_output` after every
+    step: work that must follow each step (weight sync's packing) without a dispatch of its own."""
+    self._fused = fn
+    self.fused_output = None
+
+    def step_then_fn(state, batch, rng):
+      state, metrics = self._train_step(state, batch, rng)
+      return state, metrics, fn(state)
+
+    self._step = self._jit(step_then_fn, donate_argnums=(0,), out_shardings=(self.state_shardings, None, out_sharding))
 
   def loss_and_grads(self, state: TrainState, batch: dict[str, jax.Array]):
     """(loss, gradients w.r.t. the trainable params) of a placed batch, without an update."""

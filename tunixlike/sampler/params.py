@@ -1,4 +1,5 @@
-"""What the engine accepts as params: an nnx State, or a State plus LoRA adapters still packed.
+"""What the engine accepts as params: an nnx State, a State plus LoRA adapters still packed, or a
+small model's whole State packed (`Packed`, replicated on the sampler mesh).
 
 A LoRA-only weight sync moves the adapters as one flat buffer (`Packed`): one transfer instead of
 one per array. Splitting that buffer back into arrays on the sampler would be another program
@@ -43,6 +44,8 @@ class WithAdapters:
 
 def materialize(params: Any) -> Any:
   """The plain State the model merges with (call inside jit: the unpack is then free of dispatches)."""
+  if isinstance(params, Packed):  # a small model's whole params, as its train step packed them
+    return params.unpack()
   if isinstance(params, WithAdapters):
     from flax import nnx
     return nnx.merge_state(params.base, params.adapters.unpack())
