@@ -17,9 +17,9 @@ solver's digits). Each mode trains `--steps` batches of `--episodes` episodes fr
 Reported per mode: wall-clock seconds per trained episode after `--skip-steps` (compilation),
 the episode wait (admission to end) p90 over median, the turn lengths' p90 over median per agent,
 the final solver and proposer rewards (mean over the last 5 steps, with the standard error over
-those steps), and `short_episode_bias`: the mean tokens of an episode trained in the episode mode
-over the synchronous mode's (which trains every episode it starts), below 1 if taking the first
-finished episodes favours short ones.
+those steps; `reward_curve` has every step's), and `short_episode_bias`: the mean tokens of an
+episode trained in the episode mode over the synchronous mode's (which trains every episode it
+starts), below 1 if taking the first finished episodes favours short ones.
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ def run_mode(setup, mode: str, a) -> dict:
                         solver_se=round(float(np.nanstd(last[:, 0]) / math.sqrt(len(last))), 4),
                         proposer=round(float(np.nanmean(last[:, 1])), 4),
                         proposer_se=round(float(np.nanstd(last[:, 1]) / math.sqrt(len(last))), 4)),
+      reward_curve=dict(solver=[round(r[0], 3) for r in rewards], proposer=[round(r[1], 3) for r in rewards]),
       versions=runtime.versions(), turn_tokens=turn_tokens, coordinator=vars(runtime.coordinator.stats),
       trained_episode_tokens=round(float(np.mean(runtime.episode_tokens)), 1),
       valid_problems=round(len(runtime.turn_tokens[SOLVER]) / max(len(runtime.turn_tokens[PROPOSER]), 1) / 4, 3))
