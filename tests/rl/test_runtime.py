@@ -238,3 +238,15 @@ def test_full_sync_unpacked_for_a_sampler_that_does_not_replicate_arrives_in_its
                         jax.tree.leaves(rl.engine.param_shardings)):
     assert a.sharding == want
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_step_packed_sync_applies_the_sync_dtype():
+  setup = build.build(config_lib.replace(tiny_config(max_staleness=1), rl=dict(sync_dtype="bfloat16")))
+  rl = build.build_rl(setup)
+  build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)), num_steps=1).run(threaded=True)
+  rl.policy.sampler_weights()
+  assert isinstance(rl.policy._sampler_params, params_lib.Packed)
+  for a, b in zip(jax.tree.leaves(rl.policy.synced_params), jax.tree.leaves(rl.policy.full_params())):
+    assert a.dtype == (jax.numpy.bfloat16 if jax.numpy.issubdtype(b.dtype, jax.numpy.floating) else b.dtype)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(a.dtype)))

@@ -152,23 +152,21 @@ class Policy:
         or not self._layout():
       return
     treedef, indices = self._layout()
-    leaves = jax.tree.leaves((self.learner.state.params, self.learner.state.frozen))
-    sync_dtype = self.cfg.rl.sync_dtype
-    dtypes = {jnp.dtype(sync_dtype) if sync_dtype and jnp.issubdtype(leaves[i].dtype, jnp.floating)
-              else leaves[i].dtype for i in indices}
-    if len(dtypes) != 1 or sum(leaves[i].size for i in indices) * dtypes.pop().itemsize > weight_sync.PACK_MAX_BYTES:
-      return
+
+    def sent(state):  # the sampler's arrays, cast as the sync casts them
+      xs = jax.tree.leaves((state.params, state.frozen))
+      return weight_sync.cast_floats([xs[i] for i in indices], self.cfg.rl.sync_dtype)
 
     def pack(state):
-      xs = jax.tree.leaves((state.params, state.frozen))
-      cast = [xs[i].astype(sync_dtype) if sync_dtype and jnp.issubdtype(xs[i].dtype, jnp.floating) else xs[i]
-              for i in indices]
-      return jnp.concatenate([x.reshape(-1) for x in cast])
+      return jnp.concatenate([x.reshape(-1) for x in sent(state)])
 
+    arrays = jax.eval_shape(sent, self.learner.state)
+    if len({x.dtype for x in arrays}) != 1 or sum(x.size * x.dtype.itemsize for x in arrays) > weight_sync.PACK_MAX_BYTES:
+      return
     replicated = NamedSharding(mesh, PartitionSpec())
     self.learner.fuse_into_step(pack, replicated)
     self._pack_now = jax.jit(pack, out_shardings=replicated)  # the syncs before the first step, or after a restore
-    self._pack_layout = (treedef, tuple(leaves[i].shape for i in indices))
+    self._pack_layout = (treedef, tuple(x.shape for x in arrays))
     self._keep_packed = all(s.is_fully_replicated for s in jax.tree.leaves(self.engine.param_shardings))
 
   def sampler_weights(self) -> tuple[Any, float]:

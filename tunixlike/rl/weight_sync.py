@@ -30,9 +30,14 @@ import jax.numpy as jnp
 from tunixlike.sampler import params as params_lib
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _cast_floats(tree: Any, dtype: str) -> Any:
+def cast_floats(tree: Any, dtype) -> Any:
+  """`tree` with its floating arrays as `dtype` (None: unchanged); traceable, for inside a program."""
+  if dtype is None:
+    return tree
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+_cast_floats = jax.jit(cast_floats, static_argnums=1)
 
 
 def _cast(tree: Any, dtype) -> Any:
@@ -98,9 +103,7 @@ def _on_same_devices(leaves: list, targets: list) -> bool:
 def _resharder(targets: tuple, dtype: str | None):
   """One jitted cast and reshard of every array onto `targets` on the devices they are on: a single
   dispatch per sync, and outputs in new buffers (the learner donates its own to its next step)."""
-  def reshard(xs):
-    return [x.astype(dtype) if dtype and jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs]
-  return jax.jit(reshard, out_shardings=list(targets))
+  return jax.jit(lambda xs: cast_floats(list(xs), dtype), out_shardings=list(targets))
 
 
 # Many small arrays (LoRA adapters: A and B of every projection) cost a fixed overhead each when
@@ -208,9 +211,7 @@ def buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
 @functools.lru_cache(maxsize=64)
 def _gatherer(out_shardings: tuple, dtype: str | None):
   """A jitted cast + all-gather: every output replicated over the learner mesh (compiled once per bucket)."""
-  def gather(xs):
-    return [x.astype(dtype) if dtype and jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs]
-  return jax.jit(gather, out_shardings=list(out_shardings))
+  return jax.jit(lambda xs: cast_floats(list(xs), dtype), out_shardings=list(out_shardings))
 
 
 def _sync_across_hosts(tree: Any, shardings: Any, dtype, bucket_bytes: int) -> Any:
