@@ -97,7 +97,8 @@ def _summary(records: list[dict], skip: int) -> dict:
       "learner_busy": round(frac["learner"], 3), "sampler_busy": round(frac["sampler"], 3),
       "sync_ms": round(statistics.median(r["sync/ms"] for r in window), 2),
       "learner_step_s": round(statistics.median(r["learner/step_s"] for r in window), 4),
-      "overhead_s": round(s_per_step * (1 - max(frac.values())), 4),
+      # Busy time counts when a call ends, so a fraction may pass 1 by a call at the window's edge.
+      "overhead_s": round(s_per_step * max(0.0, 1 - max(frac.values())), 4),
       "timed_steps": len(window) - 1,
       "final_reward": round(statistics.mean(r["reward/mean"] for r in steps[-10:]), 3),
   }
