@@ -7,7 +7,8 @@ bytes cross. LoRA-only sync passes just the adapter pytree, packed into one buff
 arrays would each pay a fixed per-transfer cost); with `keep_packed` it stays one buffer on the
 sampler (`sampler.params.Packed`), and the engine splits it inside its own jitted programs, which
 saves the dispatch of a separate unpack program. `pack` lets the learner queue the packing right
-behind its train step, so that the sync itself is one transfer. Every sync is timed.
+behind its train step, so that the sync itself is one transfer; a small model's whole params come
+packed by the train step itself (`Policy`, `Learner.fuse_into_step`). Every sync is timed.
 
 Several processes (multi-controller JAX, no Pathways) refuse a device_put between different device
 sets across hosts. There the learner arrays span every host and each host's sampler mesh is local
@@ -64,7 +65,7 @@ def sync(tree: Any, shardings: Any, *, dtype=None, block: bool = True,
   buffers to the next step. `bucket_bytes` bounds the all-gathered bytes held at once on several
   hosts (unused on one; there each bucket is waited for). With `keep_packed`, a tree that takes the
   packed path comes back as a `Packed` buffer replicated on the sampler mesh (`Packed.unpack()`
-  gives the tree; `Engine` accepts it inside `WithAdapters`).
+  gives the tree; `Engine` accepts it alone or inside `WithAdapters`).
   """
   start = time.perf_counter()
   if isinstance(tree, params_lib.Packed):  # packed on the learner already (`pack`, cast included)

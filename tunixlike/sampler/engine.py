@@ -68,7 +68,7 @@ def _key_data(key) -> np.ndarray:
   return np.asarray(key, np.uint32)
 
 
-Params = Any  # nnx.State of the model, or params.WithAdapters (LoRA adapters still packed from a sync)
+Params = Any  # nnx.State of the model, params.WithAdapters (LoRA adapters still packed) or params.Packed (a small model)
 
 
 class PromptError(ValueError):
