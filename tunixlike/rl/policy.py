@@ -21,6 +21,11 @@ from tunixlike.sampler import params as params_lib
 from tunixlike.sampler.engine import Engine
 
 
+def _state_leaves(state) -> list:
+  """The arrays of a TrainState's model (trained and frozen), in the order `Policy._layout` indexes."""
+  return jax.tree.leaves((state.params, state.frozen))
+
+
 class Policy:
   """Trains on scored rollout groups, hands its weights to the sampler, and restores from checkpoints.
 
@@ -124,7 +129,7 @@ class Policy:
     """(treedef of the sampler's params, the index of each of its arrays among the state's leaves),
     matched once; False when the model's arrays are not the state's own (an offloaded learner)."""
     if self._sampler_layout is None:
-      leaves = jax.tree.leaves((self.learner.state.params, self.learner.state.frozen))
+      leaves = _state_leaves(self.learner.state)
       full, treedef = jax.tree.flatten(self.full_params())
       index = {id(x): i for i, x in enumerate(leaves)}
       self._sampler_layout = all(id(x) in index for x in full) and (treedef, [index[id(x)] for x in full])
@@ -136,7 +141,7 @@ class Policy:
     if not self._layout():
       return self.full_params()
     treedef, indices = self._layout()
-    leaves = jax.tree.leaves((self.learner.state.params, self.learner.state.frozen))
+    leaves = _state_leaves(self.learner.state)
     return jax.tree.unflatten(treedef, [leaves[i] for i in indices])
 
   def _fuse_sync_packing(self) -> None:
@@ -154,7 +159,7 @@ class Policy:
     treedef, indices = self._layout()
 
     def sent(state):  # the sampler's arrays, cast as the sync casts them
-      xs = jax.tree.leaves((state.params, state.frozen))
+      xs = _state_leaves(state)
       return weight_sync.cast_floats([xs[i] for i in indices], self.cfg.rl.sync_dtype)
 
     def pack(state):
