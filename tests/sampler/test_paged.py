@@ -134,6 +134,32 @@ def test_compaction_moves_scattered_blocks_down_and_changes_no_sample(make_engin
       np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("two_replicas", [False, True])
+def test_decoding_narrows_to_the_live_slots_and_packs_them_low(make_engine, mesh_2x2, two_replicas):
+  """A generate call computes each replica's leading slots up to the highest live one (a power of
+  two, at least 8); when short sequences end below long ones, the long ones move down into the
+  free slots (their KV stays in its blocks) and every sample is still what the contiguous cache gives."""
+  limits = [2, 3, 2, 2, 3, 2, 2, 3, 2, 2, 2, 24, 3, 2, 24, 2] * 2
+  requests = [PromptRequest(prompt_id=i, token_ids=p, max_new_tokens=m)
+              for i, (p, m) in enumerate(zip(random_prompts(len(limits), seed=6), limits))]
+  common = dict(temperature=1.0, max_new_tokens=24, max_concurrent_decodes=32 if two_replicas else 16)
+  contiguous = make_engine(**common)
+  paged = make_engine(mesh=mesh_2x2 if two_replicas else None, **common, **PAGED)
+  widths = []
+  narrow = paged._paged_generate_fn
+  paged._paged_generate_fn = lambda *a, width: widths.append(width) or narrow(*a, width=width)
+  try:
+    want, _ = _run(contiguous, requests)
+    got, driver = _run(paged, requests)  # the same weights (the fixture's model), on the paged engine's mesh
+  finally:
+    del paged._paged_generate_fn
+  assert driver.stats.moves > 0 and widths[0] == 16 and widths[-1] == 8  # slots per replica: 16
+  assert _tokens(got) == _tokens(want)
+  for pid in want:
+    for a, b in zip(_logprobs(got)[pid], _logprobs(want)[pid]):
+      np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_chunked_prefill_equals_one_shot(make_engine, layout):
   prompts = random_prompts(4, lengths=(16, 13, 9, 5))
@@ -195,12 +221,15 @@ def test_resume_prefill_from_parked_kv_equals_a_full_prefill(make_engine, added)
 
 
 def test_nothing_compiles_after_warmup(make_engine):
-  engine = make_engine(temperature=1.0, group_size=2, kv_cache_bytes=None, **PAGED)
+  engine = make_engine(temperature=1.0, group_size=2, kv_cache_bytes=None, max_concurrent_decodes=16, **PAGED)
   params = engine.load_params()
   engine.warmup(params)
+  requests = [PromptRequest(prompt_id=i, token_ids=p, max_new_tokens=12 if i % 5 == 3 else 2)
+              for i, p in enumerate(random_prompts(24, seed=5))]
   with count_traces() as traces:
-    _run(engine, _requests(10, seed=5), params=params)
+    _, driver = _run(engine, requests, params=params)  # decode widths 16 and 8, slot moves
     _decode_all(engine, params, random_prompts(4, lengths=(16, 2, 11, 7)))
+  assert driver.stats.moves > 0
   assert not any(engine_counts(traces).values()), traces
 
 

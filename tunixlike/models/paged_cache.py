@@ -109,11 +109,16 @@ def _pool_attend(q_skgd, k_pool, v_pool, positions_s, owner_n, column_n, extra_x
   through `extra` (gathered); the blocks of each slot combined by rescaling their softmax sums."""
   slots, _, _, d = q_skgd.shape
   bs = v_pool.shape[2]
-  q_kbgd = q_skgd.astype(k_pool.dtype).transpose(1, 0, 2, 3)
+  q_skgd = q_skgd.astype(k_pool.dtype)
 
   def per_block(k_kndj, v_knjd, slot_n, column):
     reader = jnp.minimum(slot_n, slots - 1)
-    s = jnp.einsum("kngd,kndj->kngj", q_kbgd[:, reader], k_kndj, preferred_element_type=jnp.float32)
+    # Each block's query by a one-hot matmul, not a gather: XLA fuses the query's producers (RoPE's
+    # sines and cosines) into a gather and computes them again for every block (measured: the
+    # gather took as long as the attention itself). Exact: one term per sum; padding reads zeros.
+    q_kngd = jnp.einsum("ns,skgd->kngd", jax.nn.one_hot(slot_n, slots, dtype=q_skgd.dtype), q_skgd,
+                        precision=jax.lax.Precision.HIGHEST)
+    s = jnp.einsum("kngd,kndj->kngj", q_kngd, k_kndj, preferred_element_type=jnp.float32)
     valid = (slot_n < slots)[:, None] & (column[:, None] * bs + jnp.arange(bs) <= positions_s[reader][:, None])
     s = jnp.where(valid[None, :, None, :], s / math.sqrt(d), -1e30)
     m = s.max(-1)  # [Hkv, n, G]

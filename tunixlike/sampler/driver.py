@@ -101,7 +101,7 @@ class DriverStats:
   live_slot_steps: int = 0  # sum over decode steps of slots holding a live sequence
   total_slot_steps: int = 0  # decode steps x slots
   generate_calls: int = 0
-  moves: int = 0  # live sequences moved between slot groups (Engine.plan_insert)
+  moves: int = 0  # live sequences moved to another slot (slot groups' plan_insert, a paged cache's compact_slots)
   prefills: int = 0
   completions: int = 0
   groups_emitted: int = 0
@@ -275,6 +275,10 @@ class RolloutDriver:
       self._refill()
       if not any(s is not None for s in self._slots):
         return False
+      self._state, moves = self.engine.compact_slots(self._state)
+      for src, dst in moves:
+        self._slots[dst], self._slots[src] = self._slots[src], None
+      self.stats.moves += len(moves)
       t0 = time.perf_counter()
       with self.tracer.span("generate", cat="sampler", version=self._version):
         self._state, result = self.engine.generate(self._params, self._state)

@@ -454,6 +454,11 @@ class Engine:
     """(state, preempted slots) before a generate call: nothing to reserve in a contiguous cache."""
     return decode_state, []
 
+  def compact_slots(self, decode_state: DecodeState) -> tuple[DecodeState, list[tuple[int, int]]]:
+    """(state, moves (src, dst) of live sequences to other slots, for the caller to follow): none
+    here, where a slot's KV is its own cache row (`PagedEngine` packs live slots low)."""
+    return decode_state, []
+
   def park(self, decode_state: DecodeState, slot: int, num_positions: int) -> ParkedKV | None:
     """Keeps a finished turn's KV for the next one: a contiguous cache keeps none (the next turn
     prefills its conversation again); `PagedEngine` keeps its blocks."""

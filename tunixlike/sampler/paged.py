@@ -31,7 +31,7 @@ import numpy as np
 from tunixlike import mesh as mesh_lib
 from tunixlike.models import kv_cache as kv_cache_lib
 from tunixlike.models import paged_cache
-from tunixlike.sampler.blocks import BlockTables, OutOfBlocks, blocks_for
+from tunixlike.sampler.blocks import BlockTables, OutOfBlocks, SlotBlocks, blocks_for
 from tunixlike.sampler.engine import DecodeState, Engine, GenerateResult, ParkedKV, Prefix
 
 ATTENTION = ("auto", "pool", "kernel")  # auto: the Pallas kernel on TPU, the pool attention elsewhere
@@ -73,8 +73,9 @@ class PagedEngine(Engine):
     self._paged_shardings = dict(small, cache=self._pool_shardings)
     self._paged_insert_fn = jax.jit(self._paged_insert_impl, donate_argnums=(1, 2),
                                     out_shardings=(self._pool_shardings, small))
-    self._paged_generate_fn = jax.jit(self._generate_impl, donate_argnums=(1,),
+    self._paged_generate_fn = jax.jit(self._narrow_generate_impl, donate_argnums=(1,), static_argnames=("width",),
                                       out_shardings=(self._paged_shardings, self._replicated))
+    self._move_slots_fn = jax.jit(self._move_slots_impl, donate_argnums=(0,), out_shardings=small)
     self._gather_fn = jax.jit(self._gather_impl, static_argnums=(3,), out_shardings=self._replicated)
     self._move_fn = jax.jit(self._move_impl, donate_argnums=(0,), out_shardings=self._pool_shardings)
     self.compactions = 0  # times blocks in use were moved down to the lowest ids (`_compact`)
@@ -313,8 +314,9 @@ class PagedEngine(Engine):
                           "call PagedEngine.reserve before generate") from None
     if not self.use_kernel:
       decode_state = self._compact(decode_state)
-    plan = self._plan(decode_state)
-    arrays, result = self._paged_generate_fn(params, decode_state.arrays, plan)
+    width = self.decode_width(decode_state)
+    plan = self._plan(decode_state, width)
+    arrays, result = self._paged_generate_fn(params, decode_state.arrays, plan, width=width)
     k = self.config.steps_per_call
     positions = np.where(live, np.minimum(decode_state.host_positions + k, self.config.cache_length - 1),
                          decode_state.host_positions)
@@ -326,8 +328,81 @@ class PagedEngine(Engine):
     else a power of two of at least `least`."""
     return 0 if n <= 0 else max(least, 1 << math.ceil(math.log2(n)))
 
-  def _plan(self, decode_state: PagedDecodeState):
-    return (self._kernel_plan if self.use_kernel else self._pool_plan)(decode_state)
+  def _plan(self, decode_state: PagedDecodeState, slots: int):
+    """Which blocks each of the leading `slots` slots per replica reads and writes in one call."""
+    return (self._kernel_plan if self.use_kernel else self._pool_plan)(decode_state, slots)
+
+  # ------------------------------------------------------------------ decode width
+
+  def _width(self, slots: int) -> int:
+    """Slots per replica a generate call computes when the highest live one is slots - 1: a power
+    of two of at least 8 (one program each), or all of them."""
+    return min(self.bucket(slots, least=8), self._slots_per_replica)
+
+  def decode_width(self, decode_state: PagedDecodeState) -> int:
+    """Each replica's leading slots the next generate call computes: every live one. With budgeted
+    admission the pool, not the slot count, bounds how many sequences decode, so most slots may be
+    empty; the model's work of an empty slot is as large as a live one's."""
+    live = decode_state.host_live.reshape(self.replicas, self._slots_per_replica)
+    return self._width(max((int(np.flatnonzero(row)[-1]) + 1 for row in live if row.any()), default=1))
+
+  def compact_slots(self, decode_state: PagedDecodeState) -> tuple[PagedDecodeState, list[tuple[int, int]]]:
+    """Moves live sequences from each replica's highest slots into its lowest free ones when that
+    narrows the decode width. Cheap here: a sequence's KV stays in its blocks; only its per-slot
+    arrays and block table move. Returns (state, moves (src, dst)) for the caller to follow."""
+    per, live = self._slots_per_replica, decode_state.host_live
+    moves = []
+    for r in range(self.replicas):
+      local = live[r * per:(r + 1) * per]
+      n = int(local.sum())
+      if n and self._width(int(np.flatnonzero(local)[-1]) + 1) > self._width(n):
+        sources, holes = np.flatnonzero(local[n:]) + n, np.flatnonzero(~local[:n])
+        moves += [(r * per + int(s), r * per + int(d)) for s, d in zip(sources, holes)]
+    if not moves:
+      return decode_state, []
+    m = self.bucket(len(moves), least=8)
+    src, dst = np.zeros((m,), np.int32), np.full((m,), self.max_concurrent_decodes, np.int32)  # padding: dropped
+    src[:len(moves)], dst[:len(moves)] = zip(*moves)
+    pool, small = self._split_arrays(decode_state.arrays)
+    small = self._move_slots_fn(small, src, dst)
+    tables, positions, live = decode_state.tables, decode_state.host_positions.copy(), live.copy()
+    for s, d in moves:
+      tables.slots[d], tables.slots[s] = tables.slots[s], SlotBlocks()
+      positions[d], live[d], live[s] = positions[s], True, False
+    return PagedDecodeState(dict(small, cache=pool), positions, live, tables=tables), moves
+
+  @staticmethod
+  def _move_slots_impl(small, src_m, dst_m):
+    out = {k: v if k == "version" else v.at[dst_m].set(v[src_m], mode="drop") for k, v in small.items()}
+    out["done"] = out["done"].at[jnp.where(dst_m < small["done"].shape[0], src_m, dst_m)].set(True, mode="drop")
+    return out
+
+  def _narrow_generate_impl(self, params, arrays, plan, *, width: int):
+    """`Engine._generate_impl` over each replica's first `width` slots (the others hold nothing),
+    written back into the full arrays; the results cover every slot (the others as empty ones)."""
+    r, per = self.replicas, self._slots_per_replica
+    if width == per:
+      return self._generate_impl(params, arrays, plan)
+    cache, small = self._split_arrays(arrays)
+    per_slot = [k for k in small if k != "version"]
+    split = lambda x, axis: x.reshape(*x.shape[:axis], r, x.shape[axis] // r, *x.shape[axis + 1:])
+    join = lambda x, axis: x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
+    head = lambda x: join(split(x, 0)[:, :width], 0)
+    new, result = self._generate_impl(params, dict({k: head(small[k]) for k in per_slot}, cache=cache,
+                                                   version=small["version"]), plan)
+    put = lambda full, part: join(split(full, 0).at[:, :width].set(split(part, 0)), 0)
+    out = dict({k: put(small[k], new[k]) for k in per_slot}, cache=new["cache"], version=new["version"])
+
+    def widen(x):  # [K, R * width, ...] -> [K, R * per, ...], the added slots empty (zeros / False)
+      pad = [(0, 0), (0, 0), (0, per - width)] + [(0, 0)] * (x.ndim - 2)
+      return join(jnp.pad(split(x, 1), pad), 1)
+
+    result = dataclasses.replace(
+        result, tokens_ks=widen(result.tokens_ks), logprobs_ks=widen(result.logprobs_ks),
+        valid_ks=widen(result.valid_ks), done_s=out["done"],
+        mask_ksw=None if result.mask_ksw is None else widen(result.mask_ksw),
+        routing_kslk=None if result.routing_kslk is None else widen(result.routing_kslk))
+    return out, result
 
   def _live_blocks(self, decode_state: PagedDecodeState, replica: int):
     """(blocks, local slots, columns) of every block reference of the replica's live slots."""
@@ -339,8 +414,8 @@ class PagedEngine(Engine):
     return (np.concatenate(refs), np.repeat(np.asarray(slots, np.int32) % per, [len(r) for r in refs]),
             np.concatenate([np.arange(len(r), dtype=np.int32) for r in refs]))
 
-  def _pool_plan(self, decode_state: PagedDecodeState) -> paged_cache.PoolPlan:
-    per, nb = decode_state.tables.per_replica, self.num_blocks
+  def _pool_plan(self, decode_state: PagedDecodeState, slots: int) -> paged_cache.PoolPlan:
+    per, nb = slots, self.num_blocks  # the slots this call computes; padding names slot `per` (nobody)
     owner = np.full((self.replicas, nb), per, np.int32)
     column = np.zeros((self.replicas, nb), np.int32)
     extras = []
@@ -400,14 +475,14 @@ class PagedEngine(Engine):
     """Leading pool blocks a decode call attends (one program each): a power of two, or the pool."""
     return min(self.bucket(blocks, least=16), self.num_blocks)
 
-  def _kernel_plan(self, decode_state: PagedDecodeState) -> paged_cache.KernelPlan:
+  def _kernel_plan(self, decode_state: PagedDecodeState, slots: int) -> paged_cache.KernelPlan:
     tables, per = decode_state.tables, decode_state.tables.per_replica
     live, pos = decode_state.host_live, decode_state.host_positions
     reach = {int(s): blocks_for(self._call_end(pos[s]), self.block_size) for s in np.flatnonzero(live)}
-    out = np.zeros((self.replicas, per, self.bucket(max(reach.values(), default=1))), np.int32)
+    out = np.zeros((self.replicas, slots, self.bucket(max(reach.values(), default=1))), np.int32)
     for s, n in reach.items():
       out[s // per, s % per, :n] = tables.slots[s].blocks[:n]
-    return paged_cache.KernelPlan(out, live.reshape(self.replicas, per))
+    return paged_cache.KernelPlan(out, live.reshape(self.replicas, per)[:, :slots])
 
   # ------------------------------------------------------------------ ends
 
@@ -444,9 +519,15 @@ class PagedEngine(Engine):
       for n in lengths.values():
         prefix = self.prefill_many(params, [np.zeros(n, np.int32)] * size)[0]
         state = self.release(self.insert_many([prefix], state, [[0]], keys=[key]), 0)
-    for plan in self._warmup_plans(state):
-      arrays, _ = self._paged_generate_fn(params, state.arrays, plan)
+    for slots, plan in self._warmup_plans(state):
+      arrays, _ = self._paged_generate_fn(params, state.arrays, plan, width=slots)
       state = dataclasses.replace(state, arrays=arrays)
+    pool, small = self._split_arrays(state.arrays)
+    n = 1  # slot compaction's moves (padding only)
+    while n <= max(self._slots_per_replica * self.replicas // 2, 1):
+      small = self._move_slots_fn(small, np.zeros((n,), np.int32), np.full((n,), self.max_concurrent_decodes, np.int32))
+      n = self.bucket(n, least=8) + 1
+    state = dataclasses.replace(state, arrays=dict(small, cache=pool))
     if not self.use_kernel:  # compaction's copies: at most half the pool moves
       n = 1
       while n <= max(self.num_blocks // 2, 1):
@@ -456,26 +537,26 @@ class PagedEngine(Engine):
     jax.block_until_ready(state.arrays)
 
   def _warmup_plans(self, state: PagedDecodeState):
-    """A plan of every static shape decoding can meet: each table width up to the longest sequence's
-    blocks (kernel), or each attended pool width and count of extra references shared prompts can
-    make (pool)."""
-    if self.use_kernel:
-      plan, n = self._plan(state), 1
-      while n <= self.bucket(self._max_blocks):
-        yield dataclasses.replace(plan, tables=np.zeros((self.replicas, self._slots_per_replica, n), np.int32))
-        n *= 2
-      return
-    most = self._slots_per_replica * (self.max_prefill_length // self.block_size) if self.config.group_size > 1 else 0
-    extras, n = [], 0  # each bucket of shared references, padding only (read by nobody)
-    while not extras or n <= most:
-      x = self.bucket(n, least=8)
-      extras.append(np.full((self.replicas, x, 3), [0, self._slots_per_replica, 0], np.int32))
-      n = x + 1
-    widths = sorted({self.pool_width(1 << k) for k in range(self.num_blocks.bit_length() + 1)})
-    for width in widths:
-      for extra in extras:
-        yield paged_cache.PoolPlan(np.full((self.replicas, width), self._slots_per_replica, np.int32),
-                                   np.zeros((self.replicas, width), np.int32), extra)
+    """(decode width, plan) of every static shape decoding can meet: per decode width, each table
+    width up to the longest sequence's blocks (kernel), or each attended pool width and count of
+    extra references shared prompts can make (pool)."""
+    for slots in sorted({self._width(1 << k) for k in range(self._slots_per_replica.bit_length() + 1)}):
+      if self.use_kernel:
+        plan, n = self._plan(state, slots), 1
+        while n <= self.bucket(self._max_blocks):
+          yield slots, dataclasses.replace(plan, tables=np.zeros((self.replicas, slots, n), np.int32))
+          n *= 2
+        continue
+      most = slots * (self.max_prefill_length // self.block_size) if self.config.group_size > 1 else 0
+      extras, n = [], 0  # each bucket of shared references, padding only (read by nobody)
+      while not extras or n <= most:
+        x = self.bucket(n, least=8)
+        extras.append(np.full((self.replicas, x, 3), [0, slots, 0], np.int32))
+        n = x + 1
+      for width in sorted({self.pool_width(1 << k) for k in range(self.num_blocks.bit_length() + 1)}):
+        for extra in extras:
+          yield slots, paged_cache.PoolPlan(np.full((self.replicas, width), slots, np.int32),
+                                            np.zeros((self.replicas, width), np.int32), extra)
 
 
 def make_engine(model, config, mesh=None, rules=mesh_lib.SAMPLER_RULES) -> Engine:
