@@ -74,9 +74,9 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_di
 class PoolPlan:
   """Who reads each pool block in one decode call, per replica r (slots are local indices 0..Sr-1):
 
-  owner [R, W]: the slot that attends block b < W in place (Sr: nobody; the block is skipped); W
-    (static) covers every block in use, the rest of the pool is not read;
-  column [R, W]: the block's index in its owner's table (it holds positions column * bs + [0, bs));
+  owner [R, NB]: the slot that attends block b in place (Sr: nobody; the block is skipped), for
+    every block of the pool array (which the engine sizes to the blocks up to the highest in use);
+  column [R, NB]: the block's index in its owner's table (it holds positions column * bs + [0, bs));
   extra [R, X, 3]: (block, slot, column) of every other reference to a shared block (slot Sr: padding).
   A live slot writes its step's K/V into the block it owns at its position's column.
   """
@@ -126,8 +126,7 @@ def _pool_attend(q_skgd, k_pool, v_pool, positions_s, owner_n, column_n, extra_x
     pv = jnp.einsum("kngj,knjd->kngd", e.astype(v_knjd.dtype), v_knjd, preferred_element_type=jnp.float32)
     return m, e.sum(-1), pv
 
-  width = owner_n.shape[0]  # the leading blocks this call attends (the others are free)
-  parts = [per_block(k_pool[:, :width], v_pool[:, :width], owner_n, column_n) + (owner_n,)]
+  parts = [per_block(k_pool, v_pool, owner_n, column_n) + (owner_n,)]
   if extra_x3.shape[0]:
     block, slot, column = extra_x3[:, 0], extra_x3[:, 1], extra_x3[:, 2]
     parts.append(per_block(k_pool[:, block], v_pool[:, block], slot, column) + (slot,))
