@@ -67,7 +67,8 @@ class SamplerConfig:
   kv_block_size: int = setting(32, "positions per block of the paged cache (a power of two)",
                                check=_power_of_two, resumable=True)
   kv_cache_bytes: int | None = setting(None, "paged cache pool per sampler replica in bytes (K and V of every "
-                                       "layer); None = what the contiguous cache of all slots would take",
+                                       "layer; the pool array grows to it as blocks are used); None = what "
+                                       "the contiguous cache of all slots would take",
                                        check=optional(positive_int), resumable=True)
   prefill_chunk: int = setting(512, "prompts longer than this prefill a chunk per call (one program per chunk "
                                "size; decoding goes on between chunks)", check=_power_of_two, resumable=True)
