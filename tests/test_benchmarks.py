@@ -130,8 +130,9 @@ def test_rl_step_benchmark(tmp_path):
   assert_positive(split, "s_per_step", "learner_busy", "sampler_busy", "sync_ms", "learner_step_s")
   assert r["s_per_step"] == {"split": split["s_per_step"]} and r["fastest_layout"] == "split"
   # Busy time is counted when a call ends: over a 3-step window a side that is always busy can
-  # read slightly above 1 (a call that began before the window counts in full).
-  assert r["split_busy_max"] == max(split["learner_busy"], split["sampler_busy"]) <= 1.05
+  # read above 1 (a call that began before the window counts in full: 1.09 seen while the rest of
+  # the suite ran beside it); counting a side twice would read about 2.
+  assert r["split_busy_max"] == max(split["learner_busy"], split["sampler_busy"]) <= 1.25
   assert 0 <= split["overhead_s"] < split["s_per_step"] and split["timed_steps"] == 3
 
 
