@@ -495,7 +495,8 @@ class PagedEngine(Engine):
     return paged_cache.PagedKVCache(k=tuple(map(fit, pool.k)), v=tuple(map(fit, pool.v)), kernel_layout=pool.kernel_layout)
 
   def pool_width(self, blocks: int) -> int:
-    """Leading pool blocks a decode call attends (one program each): a power of two, or the pool."""
+    """Blocks of the pool array when the highest in use is `blocks` - 1 (`_fit_pool`; one program
+    each): a power of two of at least 16, or the budget's."""
     return min(self.bucket(blocks, least=16), self.num_blocks)
 
   def _kernel_plan(self, decode_state: PagedDecodeState, slots: int) -> paged_cache.KernelPlan:
@@ -542,9 +543,11 @@ class PagedEngine(Engine):
     sizes = [self.num_blocks] if self.use_kernel else self._pool_sizes()
     pool, small = self._split_arrays(state.arrays)
     for size in sizes:
-      for other in sizes:
+      if pool.num_blocks != size:
+        pool = self._resize_pool_fn(pool, blocks=size)
+      for other in sizes:  # every resize from this size (not donated: `pool` stays as it is)
         if other != size:
-          pool = self._resize_pool_fn(self._resize_pool_fn(pool, blocks=other), blocks=size)
+          self._resize_pool_fn(pool, blocks=other)
       for rows in self.config.prompt_batch_sizes:
         for n in lengths.values():
           prefix = self.prefill_many(params, [np.zeros(n, np.int32)] * rows)[0]
