@@ -1,10 +1,10 @@
 """Two co-evolving policies with long-tailed turns: synchronous vs group-level vs episode-level async.
 
   python benchmarks/multi_agent.py [--steps 24] [--skip-steps 4] [--episodes 8] [--median-tokens 24] [--max-tokens 256]
-      [--modes sync,group,episode] [--out FILE] [--quick]
+      [--modes sync,group,episode] [--seed 0] [--out FILE] [--quick]
 
 Prints one JSON object. The self-play task (`multi_agent.ProposeSolveEnv`, 2-digit problems, 4 solver
-attempts) on the main job's model and warm start (configs/addition_grpo.py, seed 0), two policies
+attempts) on the main job's model and warm start (configs/addition_grpo.py, seed `--seed`), two policies
 (proposer, solver) cloned from the warm-started model, each with its own learner and sampler on the
 4 + 4 CPU submeshes. Every turn's token limit is drawn from a log-normal distribution (median
 `--median-tokens`, p90 5x the median, capped at sampler.max_new_tokens) and EOS is off, so each turn
@@ -47,6 +47,7 @@ def _parse(argv=None):
   p.add_argument("--median-tokens", type=float, default=24.0, help="median turn length")
   p.add_argument("--max-tokens", type=int, default=256, help="sampler.max_new_tokens (the longest turn)")
   p.add_argument("--modes", default=",".join(MODES))
+  p.add_argument("--seed", type=int, default=0, help="config.seed: the warm start's batch order and the sampling noise")
   p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test, not the figures)")
   p.add_argument("--out", default=None)
   return p.parse_args(argv)
@@ -68,7 +69,7 @@ from tunixlike.rl import build  # noqa: E402
 def _setup(a):
   cfg = config_lib.from_config_dict(config_lib.load(REPO / "configs" / "addition_grpo.py",
                                                     "size=tiny" if a.quick else None))
-  cfg = config_lib.replace(cfg, log=dict(progress_bar=False, tensorboard=False),
+  cfg = config_lib.replace(cfg, seed=a.seed, log=dict(progress_bar=False, tensorboard=False),
                            sampler=dict(max_concurrent_decodes=32))
   setup = build.build(cfg, say=lambda *x: None)
   build.warm_start(setup, say=lambda *x: None)  # at the main job's lengths (long turns only in RL)
@@ -136,7 +137,7 @@ def main():
   out["final_reward"] = {k: v["final_reward"]["solver"] for k, v in m.items()}
   out["targets"] = dict(episode_async_vs_sync=2.0, episode_async_vs_group_async=1.3,
                         final_reward="episode >= sync - 2 standard errors")
-  out["setup"] = dict(steps=a.steps, skip_steps=a.skip_steps, episodes_per_step=a.episodes,
+  out["setup"] = dict(seed=a.seed, steps=a.steps, skip_steps=a.skip_steps, episodes_per_step=a.episodes,
                       median_tokens=a.median_tokens, max_tokens=a.max_tokens, quick=a.quick, jax=jax.__version__)
   out["load_average"] = round(os.getloadavg()[0], 2)
   out["wall_s"] = round(time.monotonic() - t0, 1)
