@@ -1,7 +1,7 @@
 """Two co-evolving policies with long-tailed turns: synchronous vs group-level vs episode-level async.
 
   python benchmarks/multi_agent.py [--steps 24] [--skip-steps 4] [--episodes 8] [--median-tokens 24] [--max-tokens 256]
-      [--modes sync,group,episode] [--seed 0] [--out FILE] [--quick]
+      [--modes sync,group,episode] [--seed 0] [--learning-rate 1.25e-4] [--out FILE] [--quick]
 
 Prints one JSON object. The self-play task (`multi_agent.ProposeSolveEnv`, 2-digit problems, 4 solver
 attempts) on the main job's model and warm start (configs/addition_grpo.py, seed `--seed`), two policies
@@ -48,6 +48,9 @@ def _parse(argv=None):
   p.add_argument("--max-tokens", type=int, default=256, help="sampler.max_new_tokens (the longest turn)")
   p.add_argument("--modes", default=",".join(MODES))
   p.add_argument("--seed", type=int, default=0, help="config.seed: the warm start's batch order and the sampling noise")
+  # The main job's 5e-4 moved a policy 0.05-0.17 nats per token in one step here, and at staleness 1
+  # the proposer drifted to invalid problems in 5 of 8 async runs (docs/benchmarks.md).
+  p.add_argument("--learning-rate", type=float, default=1.25e-4, help="optim.learning_rate of both policies' RL")
   p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test, not the figures)")
   p.add_argument("--out", default=None)
   return p.parse_args(argv)
@@ -73,7 +76,8 @@ def _setup(a):
                            sampler=dict(max_concurrent_decodes=32))
   setup = build.build(cfg, say=lambda *x: None)
   build.warm_start(setup, say=lambda *x: None)  # at the main job's lengths (long turns only in RL)
-  return dataclasses.replace(setup, cfg=config_lib.replace(cfg, sampler=dict(max_new_tokens=a.max_tokens)))
+  return dataclasses.replace(setup, cfg=config_lib.replace(cfg, sampler=dict(max_new_tokens=a.max_tokens),
+                                                           optim=dict(learning_rate=a.learning_rate)))
 
 
 def turn_lengths(median: float, cap: int):
@@ -137,7 +141,7 @@ def main():
   out["final_reward"] = {k: v["final_reward"]["solver"] for k, v in m.items()}
   out["targets"] = dict(episode_async_vs_sync=2.0, episode_async_vs_group_async=1.3,
                         final_reward="episode >= sync - 2 standard errors")
-  out["setup"] = dict(seed=a.seed, steps=a.steps, skip_steps=a.skip_steps, episodes_per_step=a.episodes,
+  out["setup"] = dict(seed=a.seed, learning_rate=a.learning_rate, steps=a.steps, skip_steps=a.skip_steps, episodes_per_step=a.episodes,
                       median_tokens=a.median_tokens, max_tokens=a.max_tokens, quick=a.quick, jax=jax.__version__)
   out["load_average"] = round(os.getloadavg()[0], 2)
   out["wall_s"] = round(time.monotonic() - t0, 1)
