@@ -48,9 +48,9 @@ def test_nothing_compiles_after_warmup_and_samples_are_unchanged():
 
 @pytest.fixture
 def no_cache_writes():
-  """This test's programs are not written to the persistent compilation cache: in full CI runs its
-  worker died twice of a segfault inside XLA's executable serialization (the cache write), which
-  never happened with the test alone. Reading the cache is unchanged."""
+  """This test's programs are not written to the persistent compilation cache: in full runs of the
+  suite (one in CI) its worker died twice of a segfault inside XLA's executable serialization (the
+  cache write), never with the test alone. Reading the cache is unchanged."""
   before = jax.config.jax_persistent_cache_min_compile_time_secs
   jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
   yield
