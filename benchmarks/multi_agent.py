@@ -142,7 +142,8 @@ def main():
   out["targets"] = dict(episode_async_vs_sync=2.0, episode_async_vs_group_async=1.3,
                         final_reward="episode >= sync - 2 standard errors")
   out["setup"] = dict(seed=a.seed, learning_rate=a.learning_rate, steps=a.steps, skip_steps=a.skip_steps,
-                      episodes_per_step=a.episodes, median_tokens=a.median_tokens, max_tokens=a.max_tokens, quick=a.quick, jax=jax.__version__)
+                      episodes_per_step=a.episodes, median_tokens=a.median_tokens, max_tokens=a.max_tokens,
+                      quick=a.quick, jax=jax.__version__)
   out["load_average"] = round(os.getloadavg()[0], 2)
   out["wall_s"] = round(time.monotonic() - t0, 1)
   out["date"] = time.strftime("%Y-%m-%d")
