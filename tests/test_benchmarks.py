@@ -173,3 +173,17 @@ def test_long_rollouts_benchmark(tmp_path):
   assert r["concurrent_contiguous"] <= 2 and r["preemptions"] >= 0
   # G = 8 samples of one (256-token) prompt hold its full blocks once and 8 partly filled blocks.
   assert r["prompt_blocks_shared"] == r["prompt_blocks_one_sample"] - 1 + 8
+
+
+@pytest.mark.slow
+def test_multi_agent_benchmark(tmp_path):
+  r = run_benchmark("multi_agent", tmp_path, "--seed", "1")
+  modes = r["modes"]
+  assert set(modes) == {"sync", "group", "episode"} and r["setup"]["seed"] == 1
+  for m in modes.values():
+    assert_positive(m, "s_per_episode", "episode_wait_p90_over_median", "trained_episode_tokens")
+    assert all(1 <= v <= r["setup"]["steps"] for v in m["versions"].values())  # at most one step per batch
+  assert r["episode_async_vs_sync"] == pytest.approx(modes["sync"]["s_per_episode"] / modes["episode"]["s_per_episode"],
+                                                     rel=1e-2)
+  assert r["episode_async_vs_group_async"] == pytest.approx(
+      modes["group"]["s_per_episode"] / modes["episode"]["s_per_episode"], rel=1e-2)
