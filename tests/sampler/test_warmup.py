@@ -2,6 +2,7 @@
 
 import jax
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from jit_traces import count_traces, engine_counts
 from sampler_prompts import random_prompts
@@ -10,6 +11,19 @@ from test_slot_groups import _run
 from tunixlike.sampler import Engine, SamplerConfig
 
 LENGTHS = (1, 2, 5, 8, 11, 16, 13, 3, 31, 20, 17, 32)
+
+
+@pytest.fixture(autouse=True)
+def no_persistent_cache():
+  """These tests neither read nor write the persistent compilation cache: in full runs of the suite
+  (one in CI) a worker died three times in them of a segfault inside XLA's executable serialization
+  or deserialization (the cache's write or read of a warm-up program), never with a test alone."""
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  yield
+  jax.config.update("jax_enable_compilation_cache", before)
+  compilation_cache.reset_cache()
 
 
 def _engine(**kw):
@@ -46,19 +60,8 @@ def test_nothing_compiles_after_warmup_and_samples_are_unchanged():
   assert 0 < cold_counts["generate"] and all(cold_counts[k] <= counts[k] for k in counts)
 
 
-@pytest.fixture
-def no_cache_writes():
-  """This test's programs are not written to the persistent compilation cache: in full runs of the
-  suite (one in CI) its worker died twice of a segfault inside XLA's executable serialization (the
-  cache write), never with the test alone. Reading the cache is unchanged."""
-  before = jax.config.jax_persistent_cache_min_compile_time_secs
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
-  yield
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
-
-
 @pytest.mark.slow  # windows ** 2 decode and move programs
-def test_warmup_covers_slot_groups(no_cache_writes):
+def test_warmup_covers_slot_groups():
   # Prompts of <= 16 tokens: 3 windows (9 + 9 programs) instead of the default 64's 6 (36 + 36).
   engine = Engine(_fresh_model(), SamplerConfig(temperature=0.0, max_concurrent_decodes=4, slot_groups=2,
                                                 max_prefill_length=16, max_new_tokens=24, attend_bucket=16))
