@@ -30,9 +30,9 @@ model warm-up), so neither is timed compiling a decode window it meets for the f
 2026-11-25 those compilations fell inside the timed steps of both modes, 0.1-0.2 s/step of sync's
 time on the long tail, and made the figures swing). Timing skips the first `--skip-steps` learner
 steps (the learner's compilation) and covers the rest; busy fractions are
-the runtime's `learner/busy_frac` and `sampler/busy_frac` taken over the timed window (learner:
-train step + weight sync; the runtime's cumulative figures, compilation included, are kept as
-`*_runtime`); final reward is the mean `reward/mean` of the last `--final-steps` steps (training
+busy seconds over the timed window (learner: train step + weight sync; sampler: the driver's
+device calls, 0 when it had sampled every step's groups before the window; the runtime's cumulative
+figures, compilation included, are kept as `*_runtime`); final reward is the mean `reward/mean` of the last `--final-steps` steps (training
 batches: in async mode those were sampled by policies up to max_staleness versions older than the
 learner's, so this figure lags the policy); `final_eval_accuracy` scores the final policy itself on
 the held-out split (greedy, the task's verifier, after the timed run), and the notes judge both
@@ -155,7 +155,9 @@ def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, fina
   rl = build.build_rl(setup, reward=rewards.CombinedReward([reward_name], timeout_s=cfg.rl.reward_timeout_s))
   records = []
   runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)))
-  runtime.hooks.add(lambda info: records.append((time.monotonic(), info.step, dict(info.metrics))))
+  # The sampler's busy seconds so far, read exactly at each step (its fraction is over the whole run).
+  runtime.hooks.add(lambda info: records.append((time.monotonic(), info.step, dict(info.metrics),
+                                                 runtime.driver.stats.busy_time_s)))
   with _LENGTHS_LOCK:
     _LENGTHS.clear()
   # make_runtime compiled every decode program (sampler.warmup): count the Engine's programs JAX
@@ -167,21 +169,20 @@ def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, fina
       compiled_in_run.append(fun_name)
 
   jax.monitoring.register_event_duration_secs_listener(listener)
+  busy_at_start = runtime.driver.stats.busy_time_s
   t0 = time.monotonic()
   runtime.run(threaded=True)
   total = time.monotonic() - t0
   jax.monitoring.unregister_event_duration_listener(listener)
   held_out = build.evaluate(setup, rl)  # the final policy itself, after the timed run
-  times = [t for t, _, _ in records]
+  times = [t for t, *_ in records]
   timed_steps = len(records) - skip
   wall = times[-1] - times[skip - 1] if skip else times[-1] - t0
   last = records[-1][2]
   # Busy fractions over the timed window (the runtime's are cumulative from the start, compile included).
-  t_a = times[skip - 1] if skip else t0
-  m_a = records[skip - 1][2] if skip else {"sampler/busy_frac": 0.0}
-  sampler_busy_s = last["sampler/busy_frac"] * (times[-1] - t0) - m_a["sampler/busy_frac"] * (t_a - t0)
-  learner_busy_s = sum(m["learner/step_s"] + m["sync/ms"] / 1e3 for _, _, m in records[skip:])
-  rewards_per_step = [m["reward/mean"] for _, _, m in records]
+  sampler_busy_s = records[-1][3] - (records[skip - 1][3] if skip else busy_at_start)
+  learner_busy_s = sum(m["learner/step_s"] + m["sync/ms"] / 1e3 for _, _, m, _ in records[skip:])
+  rewards_per_step = [m["reward/mean"] for _, _, m, _ in records]
   out = {
       "max_staleness_config": staleness,
       "wall_s": wall, "timed_steps": timed_steps, "s_per_step": wall / timed_steps, "wall_s_total": total,
@@ -191,13 +192,13 @@ def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, fina
       # Standard error of that mean (steps' rewards as samples): what "no worse" is judged against.
       "final_reward_se": float(np.std(rewards_per_step[-final:], ddof=1) / np.sqrt(final)) if final > 1 else 0.0,
       "reward_per_step": [round(r, 4) for r in rewards_per_step],
-      "max_staleness": int(max(m["staleness/max"] for _, _, m in records)),
-      "mean_staleness": float(np.mean([m["staleness/mean"] for _, _, m in records])),
+      "max_staleness": int(max(m["staleness/max"] for _, _, m, _ in records)),
+      "mean_staleness": float(np.mean([m["staleness/mean"] for _, _, m, _ in records])),
       "dropped_stale": int(last["queue/dropped_stale"]),
       "sampler_tokens_per_s": last["sampler/tokens_per_s"], "slot_occupancy": last["sampler/slot_occupancy"],
-      "learner_step_s_mean": float(np.mean([m["learner/step_s"] for _, _, m in records[skip:]])),
-      "learner_wait_s_mean": float(np.mean([m["learner/wait_s"] for _, _, m in records[skip:]])),
-      "sync_ms_mean": float(np.mean([m["sync/ms"] for _, _, m in records])),
+      "learner_step_s_mean": float(np.mean([m["learner/step_s"] for _, _, m, _ in records[skip:]])),
+      "learner_wait_s_mean": float(np.mean([m["learner/wait_s"] for _, _, m, _ in records[skip:]])),
+      "sync_ms_mean": float(np.mean([m["sync/ms"] for _, _, m, _ in records])),
       "steps": len(records), "learner_version": rl.policy.version,
       "sampler_programs_compiled_during_run": len(compiled_in_run),
       "final_eval_accuracy": float(held_out["eval/accuracy"]), "eval_prompts": int(held_out["eval/num_prompts"]),

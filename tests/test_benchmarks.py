@@ -65,7 +65,9 @@ def test_async_vs_sync_benchmark(tmp_path):
     assert w["async"]["max_staleness"] <= w["async"]["max_staleness_config"] == r["async_max_staleness_config"][name]
     for mode in ("sync", "async"):
       m = w[mode]
-      assert_positive(m, "wall_s", "s_per_step", "learner_busy_frac", "sampler_busy_frac", "sampler_tokens_per_s")
+      assert_positive(m, "wall_s", "s_per_step", "learner_busy_frac", "sampler_tokens_per_s")
+      # 0 when the sampler had sampled every step's groups before the timed window (quick runs).
+      assert math.isfinite(m["sampler_busy_frac"]) and m["sampler_busy_frac"] >= 0.0
       assert m["learner_version"] == m["steps"] == w["setup"]["steps"]
       assert m["sampler_programs_compiled_during_run"] == 0  # sampler.warmup compiled them all before
       assert 0.0 <= m["final_eval_accuracy"] <= 1.0 and m["eval_prompts"] > 0

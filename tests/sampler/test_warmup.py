@@ -1,8 +1,6 @@
 """Engine.warmup compiles every program up front: a run after it compiles nothing and decodes the same."""
 
-import jax
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 from jit_traces import count_traces, engine_counts
 from sampler_prompts import random_prompts
@@ -11,19 +9,6 @@ from test_slot_groups import _run
 from tunixlike.sampler import Engine, SamplerConfig
 
 LENGTHS = (1, 2, 5, 8, 11, 16, 13, 3, 31, 20, 17, 32)
-
-
-@pytest.fixture(autouse=True)
-def no_persistent_cache():
-  """These tests neither read nor write the persistent compilation cache: in full runs of the suite
-  (one in CI) a worker died three times in them of a segfault inside XLA's executable serialization
-  or deserialization (the cache's write or read of a warm-up program), never with a test alone."""
-  before = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  compilation_cache.reset_cache()
-  yield
-  jax.config.update("jax_enable_compilation_cache", before)
-  compilation_cache.reset_cache()
 
 
 def _engine(**kw):
