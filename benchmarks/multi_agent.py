@@ -15,6 +15,8 @@ solver's digits). Each mode trains `--steps` batches of `--episodes` episodes fr
   episode   each episode leaves when it ends, 2 batches of episodes in flight (over-provisioned;
             the learner takes the oldest finished), max_staleness 1.
 Reported per mode: wall-clock seconds per trained episode after `--skip-steps` (compilation),
+where a timed step's seconds go (`s_per_step`; `learner_s_per_step`: both policies' train steps and
+weight syncs; `sampler_busy_s_per_step`: both samplers' device calls, fetching results included),
 the episode wait (admission to end) p90 over median, the turn lengths' p90 over median per agent,
 the final solver and proposer rewards (mean over the last 5 steps, with the standard error over
 those steps; `reward_curve` has every step's), and `short_episode_bias`: the mean tokens of an
@@ -76,8 +78,12 @@ def _setup(a):
                            sampler=dict(max_concurrent_decodes=32))
   setup = build.build(cfg, say=lambda *x: None)
   build.warm_start(setup, say=lambda *x: None)  # at the main job's lengths (long turns only in RL)
-  return dataclasses.replace(setup, cfg=config_lib.replace(cfg, sampler=dict(max_new_tokens=a.max_tokens),
-                                                           optim=dict(learning_rate=a.learning_rate)))
+  # Long-tailed turns padded to the longest cost the learner 5x its work (1.17 s of a 1.87 s
+  # synchronous step): two micro-batches, each trimmed to its own longest row, as the library
+  # recommends for long-tailed batches (docs/learner.md), in every mode.
+  return dataclasses.replace(setup, cfg=config_lib.replace(
+      cfg, sampler=dict(max_new_tokens=a.max_tokens),
+      optim=dict(learning_rate=a.learning_rate, micro_batches=2, group_by_length=2)))
 
 
 def turn_lengths(median: float, cap: int):
@@ -87,18 +93,32 @@ def turn_lengths(median: float, cap: int):
 
 def run_mode(setup, mode: str, a) -> dict:
   b = a.episodes
+  # A paged KV cache: with continuous batching, a contiguous cache's window follows the longest live
+  # turn, so every short turn decoding beside a long one pays for its length.
+  sampler = dict(eos_ids=(), kv_layout="paged")
   policies = ma_build.build_policies(setup, {PROPOSER: 1, SOLVER: 4}, batch_episodes=b,
-                                     sampler={PROPOSER: dict(eos_ids=()), SOLVER: dict(eos_ids=())})
+                                     sampler={PROPOSER: sampler, SOLVER: sampler})
   options = dict(sync=dict(max_staleness=0, lockstep=True, max_episodes_in_flight=b),
                  group=dict(max_staleness=1, emit_groups_of=4),
                  episode=dict(max_staleness=1, max_episodes_in_flight=2 * b))[mode]
   lengths = turn_lengths(a.median_tokens, a.max_tokens)
   runtime = ma_build.build_runtime(setup, policies, lambda: ProposeSolveEnv(digits=2, attempts=4, turn_tokens=lengths),
                                    batch_episodes=b, max_turns=2, **options)
-  marks, rewards = [], []
+  marks, rewards, busy, train_s = [], [], [], []
+  drivers = runtime.coordinator.drivers.values()
+  train_batch = runtime.train_batch
+
+  def timed_train_batch(episodes):  # both policies' learner steps and weight syncs
+    t = time.monotonic()
+    out = train_batch(episodes)
+    train_s.append(time.monotonic() - t)
+    return out
+
+  runtime.train_batch = timed_train_batch
 
   def on_step(step, metrics):
     marks.append(time.monotonic())
+    busy.append(sum(d.stats.busy_time_s for d in drivers))  # both samplers' device calls so far
     rewards.append((metrics.get(f"{SOLVER}/reward", float("nan")), metrics.get(f"{PROPOSER}/reward", float("nan"))))
 
   runtime.run(a.steps, on_step=on_step)
@@ -108,7 +128,12 @@ def run_mode(setup, mode: str, a) -> dict:
   last = np.array(rewards[-5:])
   turn_tokens = {name: dict(median=float(np.median(t)), p90_over_median=round(float(np.percentile(t, 90) / np.median(t)), 2))
                  for name, t in runtime.turn_tokens.items() if t}
-  return dict(s_per_episode=round(per_episode, 4), episode_wait_p90_over_median=round(float(
+  # Where a timed step's wall clock goes: both learners (train + sync), both samplers' device calls.
+  step_s = (marks[-1] - marks[a.skip_steps]) / timed
+  learner_s = float(np.mean(train_s[a.skip_steps + 1:]))
+  sampler_s = (busy[-1] - busy[a.skip_steps]) / timed
+  return dict(s_per_episode=round(per_episode, 4), s_per_step=round(step_s, 4), learner_s_per_step=round(learner_s, 4),
+              sampler_busy_s_per_step=round(sampler_s, 4), episode_wait_p90_over_median=round(float(
       np.percentile(walls, 90) / np.median(walls)), 2),
       final_reward=dict(solver=round(float(np.nanmean(last[:, 0])), 4),
                         solver_se=round(float(np.nanstd(last[:, 0]) / math.sqrt(len(last))), 4),
@@ -123,7 +148,7 @@ def run_mode(setup, mode: str, a) -> dict:
 def main():
   a = ARGS
   if a.quick:
-    a.steps, a.skip_steps, a.episodes, a.max_tokens = 5, 1, 4, 16
+    a.steps, a.skip_steps, a.episodes, a.max_tokens = 5, 1, 8, 16
   t0 = time.monotonic()
   setup = _setup(a)
   out = {"modes": {}}

@@ -183,7 +183,9 @@ def test_multi_agent_benchmark(tmp_path):
   modes = r["modes"]
   assert set(modes) == {"sync", "group", "episode"} and r["setup"]["seed"] == 1
   for m in modes.values():
-    assert_positive(m, "s_per_episode", "episode_wait_p90_over_median", "trained_episode_tokens")
+    assert_positive(m, "s_per_episode", "episode_wait_p90_over_median", "trained_episode_tokens", "s_per_step",
+                    "learner_s_per_step", "sampler_busy_s_per_step")
+    assert m["s_per_step"] == pytest.approx(m["s_per_episode"] * r["setup"]["episodes_per_step"], rel=1e-2)
     assert all(1 <= v <= r["setup"]["steps"] for v in m["versions"].values())  # at most one step per batch
   assert r["episode_async_vs_sync"] == pytest.approx(modes["sync"]["s_per_episode"] / modes["episode"]["s_per_episode"],
                                                      rel=1e-2)
