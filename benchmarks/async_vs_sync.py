@@ -29,14 +29,14 @@ program before they start (`sampler.warmup`: each attention window and prompt bu
 model warm-up), so neither is timed compiling a decode window it meets for the first time (before
 2026-11-25 those compilations fell inside the timed steps of both modes, 0.1-0.2 s/step of sync's
 time on the long tail, and made the figures swing). Timing skips the first `--skip-steps` learner
-steps (the learner's compilation) and covers the rest; busy fractions are
-busy seconds over the timed window (learner: train step + weight sync; sampler: the driver's
-device calls, 0 when it had sampled every step's groups before the window; the runtime's cumulative
-figures, compilation included, are kept as `*_runtime`); final reward is the mean `reward/mean` of the last `--final-steps` steps (training
-batches: in async mode those were sampled by policies up to max_staleness versions older than the
-learner's, so this figure lags the policy); `final_eval_accuracy` scores the final policy itself on
-the held-out split (greedy, the task's verifier, after the timed run), and the notes judge both
-within two standard errors; staleness is the max of `staleness/max` over all steps. The machine may
+steps (the learner's compilation) and covers the rest; busy fractions are busy seconds over the
+timed window (learner: train step + weight sync; sampler: the driver's device calls, 0 when it had
+sampled every step's groups before the window; the runtime's cumulative figures, compilation
+included, are kept as `*_runtime`); final reward is the mean `reward/mean` of the last
+`--final-steps` steps (training batches: in async mode those were sampled by policies up to
+max_staleness versions older than the learner's, so this figure lags the policy);
+`final_eval_accuracy` scores the final policy itself on the held-out split (greedy, the task's
+verifier, after the timed run), and the notes judge both within two standard errors; staleness is the max of `staleness/max` over all steps. The machine may
 be shared: `os.getloadavg()` is recorded.
 """
 

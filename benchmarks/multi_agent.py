@@ -1,12 +1,13 @@
 """Two co-evolving policies with long-tailed turns: synchronous vs group-level vs episode-level async.
 
   python benchmarks/multi_agent.py [--steps 24] [--skip-steps 4] [--episodes 8] [--median-tokens 24] [--max-tokens 256]
-      [--modes sync,group,episode] [--seed 0] [--learning-rate 1.25e-4] [--out FILE] [--quick]
+      [--modes sync,group,episode] [--seed 0] [--learning-rate 1.25e-4]
+      [--sampler-devices 4] [--learner-devices 4] [--out FILE] [--quick]
 
 Prints one JSON object. The self-play task (`multi_agent.ProposeSolveEnv`, 2-digit problems, 4 solver
 attempts) on the main job's model and warm start (configs/addition_grpo.py, seed `--seed`), two policies
-(proposer, solver) cloned from the warm-started model, each with its own learner and sampler on the
-4 + 4 CPU submeshes. Every turn's token limit is drawn from a log-normal distribution (median
+(proposer, solver) cloned from the warm-started model, each with its own learner (two length-grouped
+micro-batches) and sampler (paged KV cache) on the CPU submeshes (4 + 4 virtual devices by default). Every turn's token limit is drawn from a log-normal distribution (median
 `--median-tokens`, p90 5x the median, capped at sampler.max_new_tokens) and EOS is off, so each turn
 decodes exactly its drawn length; a turn's answer is what it starts with (the proposer's `a+b`, the
 solver's digits). Each mode trains `--steps` batches of `--episodes` episodes from the same weights:
@@ -53,14 +54,17 @@ def _parse(argv=None):
   # The main job's 5e-4 moved a policy 0.05-0.17 nats per token in one step here, and at staleness 1
   # the proposer drifted to invalid problems in 5 of 8 async runs (docs/benchmarks.md).
   p.add_argument("--learning-rate", type=float, default=1.25e-4, help="optim.learning_rate of both policies' RL")
+  p.add_argument("--sampler-devices", type=int, default=4, help="mesh.sampler_devices (both policies' samplers)")
+  p.add_argument("--learner-devices", type=int, default=4, help="mesh.learner_devices (both policies' learners)")
   p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test, not the figures)")
   p.add_argument("--out", default=None)
   return p.parse_args(argv)
 
 
 ARGS = _parse()
-if "jax" not in sys.modules:
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if "jax" not in sys.modules:  # virtual CPU devices = the two submeshes (the last flag given wins)
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+                             f"{ARGS.sampler_devices + ARGS.learner_devices}").strip()
 
 import jax  # noqa: E402
 
@@ -75,7 +79,8 @@ def _setup(a):
   cfg = config_lib.from_config_dict(config_lib.load(REPO / "configs" / "addition_grpo.py",
                                                     "size=tiny" if a.quick else None))
   cfg = config_lib.replace(cfg, seed=a.seed, log=dict(progress_bar=False, tensorboard=False),
-                           sampler=dict(max_concurrent_decodes=32))
+                           sampler=dict(max_concurrent_decodes=32),
+                           mesh=dict(sampler_devices=a.sampler_devices, learner_devices=a.learner_devices))
   setup = build.build(cfg, say=lambda *x: None)
   build.warm_start(setup, say=lambda *x: None)  # at the main job's lengths (long turns only in RL)
   # Long-tailed turns padded to the longest cost the learner 5x its work (1.17 s of a 1.87 s
@@ -168,7 +173,8 @@ def main():
                         final_reward="episode >= sync - 2 standard errors")
   out["setup"] = dict(seed=a.seed, learning_rate=a.learning_rate, steps=a.steps, skip_steps=a.skip_steps,
                       episodes_per_step=a.episodes, median_tokens=a.median_tokens, max_tokens=a.max_tokens,
-                      quick=a.quick, jax=jax.__version__)
+                      sampler_devices=a.sampler_devices, learner_devices=a.learner_devices,
+                      xla_flags=os.environ.get("XLA_FLAGS", ""), quick=a.quick, jax=jax.__version__)
   out["load_average"] = round(os.getloadavg()[0], 2)
   out["wall_s"] = round(time.monotonic() - t0, 1)
   out["date"] = time.strftime("%Y-%m-%d")

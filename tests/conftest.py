@@ -1,5 +1,6 @@
-"""Shared test set-up: 8 virtual CPU devices (4 sampler + 4 learner) before JAX starts, and one
-persistent XLA compilation cache for the whole run."""
+"""Shared test set-up: 8 virtual CPU devices (4 sampler + 4 learner) before JAX starts, one
+persistent XLA compilation cache for the whole run, and each module's compiled programs released
+when it ends."""
 
 import atexit
 import gc
