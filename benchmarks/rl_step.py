@@ -2,7 +2,7 @@
 layout and against an earlier commit, side by side in one run.
 
   python benchmarks/rl_step.py [--steps 100] [--skip-steps 10] [--layouts split] [--baseline REV]
-      [--out FILE] [--quick]
+      [--repeats 1] [--out FILE] [--quick]
   python benchmarks/rl_step.py --grid [--layouts split,colocated]    # how the cost grows
   python benchmarks/rl_step.py --seeds 0,1,2 [--layouts colocated]   # the whole main job per seed
 
@@ -14,6 +14,10 @@ the main job's lengths), evals only at the start and the end. `--layouts` lists 
 `--baseline REV` runs the same workload from a git worktree of REV (its own CLI, configs and
 code, the same interpreter and packages), so a speed-up over earlier code is a ratio measured in the
 same invocation on the same machine; the baseline is driven only with config keys every commit has.
+`--repeats N` runs every layout and the baseline N times in interleaved rounds: each figure is the
+median round's (the faster of the middle two for an even N), `speedup_vs_baseline` the median of
+the rounds' ratios (`speedup_runs`), and `rounds` has every run (one round's ratio moves by about
+±0.15 with the machine's load).
 
 From each run's metrics.jsonl: `s_per_step` is the median time between consecutive RL steps after
 `--skip-steps` (compilation); the busy fractions are the runtime's cumulative `learner/busy_frac`
@@ -54,6 +58,8 @@ def _parse(argv=None):
   p.add_argument("--skip-steps", type=int, default=None, help="steps left out of the timing (default 10; quick 2)")
   p.add_argument("--layouts", default="split", help="comma-separated values of mesh.layout to run")
   p.add_argument("--baseline", default=None, help="a git revision to run the same workload from")
+  p.add_argument("--repeats", type=int, default=1,
+                 help="rounds of every layout (and the baseline), interleaved; the medians are reported")
   p.add_argument("--quick", action="store_true", help="the tiny variant, few steps (smoke test, not the figures)")
   p.add_argument("--grid", action="store_true", help="s/step as completion length, prompts and model grow")
   p.add_argument("--seeds", default=None, help="comma-separated seeds: the whole main job once per seed")
@@ -180,33 +186,46 @@ def main(argv=None):
     return
   steps = args.steps or (6 if args.quick else 100)
   skip = args.skip_steps if args.skip_steps is not None else (2 if args.quick else 10)
-  out = {"s_per_step": {}, "layouts": {}}
+  rounds = []  # per round: {layout or "baseline": summary}
   with tempfile.TemporaryDirectory(prefix="rl_step_") as tmp:
     tmp = pathlib.Path(tmp)
-    for layout in layouts:
-      summary = _summary(_run(REPO, tmp / layout, steps, args.quick, _layout_flags(layout)), skip)
-      out["layouts"][layout] = summary
-      out["s_per_step"][layout] = summary["s_per_step"]
+    tree = rev = None
     if args.baseline:
       rev = subprocess.run(["git", "rev-parse", args.baseline], cwd=REPO, capture_output=True, text=True,
                            check=True).stdout.strip()
       tree = tmp / "baseline-tree"
       subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=REPO, capture_output=True,
                      check=True)
-      try:
-        out["baseline"] = {"rev": rev, **_summary(_run(tree, tmp / "baseline", steps, args.quick, []), skip)}
-      finally:
+    try:
+      # Interleaved rounds: a load change on the shared machine falls on every run of a round alike.
+      for i in range(args.repeats):
+        runs = {layout: _summary(_run(REPO, tmp / f"{layout}-{i}", steps, args.quick, _layout_flags(layout)), skip)
+                for layout in layouts}
+        if tree is not None:
+          runs["baseline"] = {"rev": rev, **_summary(_run(tree, tmp / f"baseline-{i}", steps, args.quick, []), skip)}
+        rounds.append(runs)
+    finally:
+      if tree is not None:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
+  median_run = lambda name: sorted((r[name] for r in rounds), key=lambda s: s["s_per_step"])[(len(rounds) - 1) // 2]
+  out = {"layouts": {layout: median_run(layout) for layout in layouts}}
+  out["s_per_step"] = {layout: s["s_per_step"] for layout, s in out["layouts"].items()}
   fastest = min(out["s_per_step"], key=out["s_per_step"].get)
   out["fastest_layout"] = fastest
-  if "baseline" in out:
-    out["speedup_vs_baseline"] = round(out["baseline"]["s_per_step"] / out["s_per_step"][fastest], 3)
+  if args.baseline:
+    out["baseline"] = median_run("baseline")
+    # Per round: the baseline's s/step over that round's faster layout's.
+    out["speedup_runs"] = [round(r["baseline"]["s_per_step"] / min(r[x]["s_per_step"] for x in layouts), 3)
+                           for r in rounds]
+    out["speedup_vs_baseline"] = round(statistics.median(out["speedup_runs"]), 3)
+  if args.repeats > 1:
+    out["rounds"] = rounds
   if "split" in out["layouts"]:
     split = out["layouts"]["split"]
     out["split_busy_max"] = max(split["learner_busy"], split["sampler_busy"])
   out["sync_ms"] = out["layouts"][fastest]["sync_ms"]
   out["workload"] = {"config": "configs/addition_grpo.py" + (":size=tiny" if args.quick else ""), "settings": args.set,
-                     "steps": steps,
+                     "steps": steps, "repeats": args.repeats,
                      "skip_steps": skip, "devices": "4 sampler + 4 learner (virtual CPU)", "quick": args.quick}
   out["load_average"] = [round(x, 2) for x in os.getloadavg()]
   out["date"] = time.strftime("%Y-%m-%d")
