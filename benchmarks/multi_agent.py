@@ -5,9 +5,10 @@
       [--sampler-devices 4] [--learner-devices 4] [--out FILE] [--quick]
 
 Prints one JSON object. The self-play task (`multi_agent.ProposeSolveEnv`, 2-digit problems, 4 solver
-attempts) on the main job's model and warm start (configs/addition_grpo.py, seed `--seed`), two policies
-(proposer, solver) cloned from the warm-started model, each with its own learner (two length-grouped
-micro-batches) and sampler (paged KV cache) on the CPU submeshes (4 + 4 virtual devices by default). Every turn's token limit is drawn from a log-normal distribution (median
+attempts) on the main job's model and warm start (configs/addition_grpo.py, seed `--seed`), two
+policies (proposer, solver) cloned from the warm-started model, each with its own learner (two
+length-grouped micro-batches) and sampler (paged KV cache) on the CPU submeshes (4 + 4 virtual
+devices by default). Every turn's token limit is drawn from a log-normal distribution (median
 `--median-tokens`, p90 5x the median, capped at sampler.max_new_tokens) and EOS is off, so each turn
 decodes exactly its drawn length; a turn's answer is what it starts with (the proposer's `a+b`, the
 solver's digits). Each mode trains `--steps` batches of `--episodes` episodes from the same weights:
