@@ -112,18 +112,10 @@ def run_mode(setup, mode: str, a) -> dict:
                                    batch_episodes=b, max_turns=2, **options)
   marks, rewards, busy, train_s = [], [], [], []
   drivers = runtime.coordinator.drivers.values()
-  train_batch = runtime.train_batch
-
-  def timed_train_batch(episodes):  # both policies' learner steps and weight syncs
-    t = time.monotonic()
-    out = train_batch(episodes)
-    train_s.append(time.monotonic() - t)
-    return out
-
-  runtime.train_batch = timed_train_batch
 
   def on_step(step, metrics):
     marks.append(time.monotonic())
+    train_s.append(metrics["learner/step_s"])
     busy.append(sum(d.stats.busy_time_s for d in drivers))  # both samplers' device calls so far
     rewards.append((metrics.get(f"{SOLVER}/reward", float("nan")), metrics.get(f"{PROPOSER}/reward", float("nan"))))
 

@@ -96,6 +96,7 @@ class MultiAgentRuntime:
     """One step of each policy with turns in `episodes`; returns the step's metrics."""
     episodes = sorted(episodes, key=lambda e: e.seq)  # deterministic, whatever order they finished in
     metrics: dict[str, float] = {}
+    t0 = time.monotonic()
     for name, policy in self.policies.items():
       groups = [g for e in episodes for g in e.groups_of(name)]
       if not groups:
@@ -114,6 +115,7 @@ class MultiAgentRuntime:
       metrics.update({f"{name}/loss": float(out.get("loss", 0.0)), f"{name}/reward": float(rewards.mean()),
                       f"{name}/staleness_max": float(max(lags, default=0)), f"{name}/sync_ms": sync_ms,
                       f"{name}/version": float(policy.version)})
+    metrics["learner/step_s"] = time.monotonic() - t0  # every policy's train step and weight sync
     walls = np.array([e.wall_s for e in episodes])
     self.episode_wall_s.extend(walls.tolist())
     self.episode_tokens.extend(e.num_tokens for e in episodes)
