@@ -36,8 +36,8 @@ included, are kept as `*_runtime`); final reward is the mean `reward/mean` of th
 `--final-steps` steps (training batches: in async mode those were sampled by policies up to
 max_staleness versions older than the learner's, so this figure lags the policy);
 `final_eval_accuracy` scores the final policy itself on the held-out split (greedy, the task's
-verifier, after the timed run), and the notes judge both within two standard errors; staleness is the max of `staleness/max` over all steps. The machine may
-be shared: `os.getloadavg()` is recorded.
+verifier, after the timed run), and the notes judge both within two standard errors; staleness is
+the max of `staleness/max` over all steps. The machine may be shared: `os.getloadavg()` is recorded.
 """
 
 from __future__ import annotations
@@ -155,9 +155,9 @@ def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, fina
   rl = build.build_rl(setup, reward=rewards.CombinedReward([reward_name], timeout_s=cfg.rl.reward_timeout_s))
   records = []
   runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)))
-  # The sampler's busy seconds so far, read exactly at each step (its fraction is over the whole run).
-  runtime.hooks.add(lambda info: records.append((time.monotonic(), info.step, dict(info.metrics),
-                                                 runtime.driver.stats.busy_time_s)))
+  # With the sampler's busy seconds so far, read exactly at each step (its fraction is over the whole run).
+  runtime.hooks.add(lambda info: records.append((time.monotonic(), info.step, dict(
+      info.metrics, sampler_busy_s=runtime.driver.stats.busy_time_s))))
   with _LENGTHS_LOCK:
     _LENGTHS.clear()
   # make_runtime compiled every decode program (sampler.warmup): count the Engine's programs JAX
@@ -175,14 +175,14 @@ def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, fina
   total = time.monotonic() - t0
   jax.monitoring.unregister_event_duration_listener(listener)
   held_out = build.evaluate(setup, rl)  # the final policy itself, after the timed run
-  times = [t for t, *_ in records]
+  times = [t for t, _, _ in records]
   timed_steps = len(records) - skip
   wall = times[-1] - times[skip - 1] if skip else times[-1] - t0
   last = records[-1][2]
   # Busy fractions over the timed window (the runtime's are cumulative from the start, compile included).
-  sampler_busy_s = records[-1][3] - (records[skip - 1][3] if skip else busy_at_start)
-  learner_busy_s = sum(m["learner/step_s"] + m["sync/ms"] / 1e3 for _, _, m, _ in records[skip:])
-  rewards_per_step = [m["reward/mean"] for _, _, m, _ in records]
+  sampler_busy_s = last["sampler_busy_s"] - (records[skip - 1][2]["sampler_busy_s"] if skip else busy_at_start)
+  learner_busy_s = sum(m["learner/step_s"] + m["sync/ms"] / 1e3 for _, _, m in records[skip:])
+  rewards_per_step = [m["reward/mean"] for _, _, m in records]
   out = {
       "max_staleness_config": staleness,
       "wall_s": wall, "timed_steps": timed_steps, "s_per_step": wall / timed_steps, "wall_s_total": total,
@@ -192,13 +192,13 @@ def run_mode(cfg, staleness: int, init_params, reward_name: str, skip: int, fina
       # Standard error of that mean (steps' rewards as samples): what "no worse" is judged against.
       "final_reward_se": float(np.std(rewards_per_step[-final:], ddof=1) / np.sqrt(final)) if final > 1 else 0.0,
       "reward_per_step": [round(r, 4) for r in rewards_per_step],
-      "max_staleness": int(max(m["staleness/max"] for _, _, m, _ in records)),
-      "mean_staleness": float(np.mean([m["staleness/mean"] for _, _, m, _ in records])),
+      "max_staleness": int(max(m["staleness/max"] for _, _, m in records)),
+      "mean_staleness": float(np.mean([m["staleness/mean"] for _, _, m in records])),
       "dropped_stale": int(last["queue/dropped_stale"]),
       "sampler_tokens_per_s": last["sampler/tokens_per_s"], "slot_occupancy": last["sampler/slot_occupancy"],
-      "learner_step_s_mean": float(np.mean([m["learner/step_s"] for _, _, m, _ in records[skip:]])),
-      "learner_wait_s_mean": float(np.mean([m["learner/wait_s"] for _, _, m, _ in records[skip:]])),
-      "sync_ms_mean": float(np.mean([m["sync/ms"] for _, _, m, _ in records])),
+      "learner_step_s_mean": float(np.mean([m["learner/step_s"] for _, _, m in records[skip:]])),
+      "learner_wait_s_mean": float(np.mean([m["learner/wait_s"] for _, _, m in records[skip:]])),
+      "sync_ms_mean": float(np.mean([m["sync/ms"] for _, _, m in records])),
       "steps": len(records), "learner_version": rl.policy.version,
       "sampler_programs_compiled_during_run": len(compiled_in_run),
       "final_eval_accuracy": float(held_out["eval/accuracy"]), "eval_prompts": int(held_out["eval/num_prompts"]),
