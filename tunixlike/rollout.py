@@ -87,7 +87,7 @@ class RolloutGroup:
   @property
   def min_version(self) -> int:
     """Version of the oldest token in the group (what staleness is measured from)."""
-    return min(int(c.policy_versions.min()) for c in self.completions if c.num_tokens)
+    return int(np.concatenate([c.policy_versions for c in self.completions if c.num_tokens]).min())
 
   @property
   def admitted_version(self) -> int:

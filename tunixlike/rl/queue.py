@@ -126,13 +126,17 @@ class RolloutQueue:
     and free their admission so the sampler makes replacements.
     """
     deadline = time.monotonic() + timeout_s
-    checked: set[int] = set()  # ids of groups `keep` already passed
+    # ids of groups that passed both checks for this learner_version: each put wakes this loop, and
+    # re-checking every queued group's versions at each wake cost the learner ms per step.
+    checked: set[int] = set()
     with self._cond:
       while True:
         for group in list(self._ready):
+          if id(group) in checked:
+            continue
           if self._too_old(group, learner_version):
             self.dropped_stale += 1
-          elif keep is not None and id(group) not in checked and not keep(group):
+          elif keep is not None and not keep(group):
             self.dropped_filtered += 1
           else:
             checked.add(id(group))
