@@ -131,7 +131,7 @@ def workload_config(name: str, steps: int, quick: bool):
         sampler=dict(max_concurrent_decodes=16 if quick else 32, max_new_tokens=new, max_prefill_length=16,
                      steps_per_call=8, warmup=True),
         # quick: 2 length groups, not 8 (each is a branch of the compiled step: 8 took 36 s to compile)
-        optim=dict(micro_batches=2 if quick else 16, group_by_length=2 if quick else 8),
+        optim=dict(micro_batches=2 if quick else 16, group_by_length=2 if quick else 8, share_prompts=False),
         algo=dict(group_size=4), rl=dict(num_steps=steps, prompts_per_step=2 if quick else 8, reward_workers=4), **common)
   if name == "slow_reward":
     # Short completions (<= 4 tokens), so generation and training are cheap and the verifier's

@@ -71,7 +71,7 @@ def time_setting(micro: int, group: int, batches) -> dict:
   cfg = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py"))
   cfg = config_lib.replace(cfg, data=dict(task="reverse", max_prompt_length=16), warm_start=dict(max_steps=0),
                            mesh=dict(sampler_devices=1, learner_devices=ARGS.devices),
-                           optim=dict(micro_batches=micro, group_by_length=group))
+                           optim=dict(micro_batches=micro, group_by_length=group, share_prompts=False))
   setup = build.build(cfg, say=lambda *a: None)
   learner = build.build_learner(cfg, setup.model, setup.meshes.learner)
   state, times = learner.state, []

@@ -89,7 +89,7 @@ def _setup(a):
   # recommends for long-tailed batches (docs/learner.md), in every mode.
   return dataclasses.replace(setup, cfg=config_lib.replace(
       cfg, sampler=dict(max_new_tokens=a.max_tokens),
-      optim=dict(learning_rate=a.learning_rate, micro_batches=2, group_by_length=2)))
+      optim=dict(learning_rate=a.learning_rate, micro_batches=2, group_by_length=2, share_prompts=False)))
 
 
 def turn_lengths(median: float, cap: int):

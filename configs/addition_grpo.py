@@ -20,6 +20,9 @@ def get_config(arg: str | None = None):
   # points between evals at the end (final evals +26 to +52 points in 5 runs on 2026-11-24); with
   # the decay it ends on its plateau (+53.6, +53.0).
   c.optim.schedule = "cosine"
+  # A learner row per group (its 7-token prompt once, then its 8 answers): 32 rows of ~40 tokens
+  # instead of 256 of 16, the same loss and gradients in about half the learner's time.
+  c.optim.share_prompts = True
   c.rl.num_steps = 300  # +50 points on the held-out split in 2-4 minutes on 2 cores
   c.eval.every_steps = 100  # a held-out curve, not just two points
   if variant.size == "tiny":  # the end-to-end test: a couple of steps only

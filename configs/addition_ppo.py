@@ -15,6 +15,7 @@ def get_config(arg: str | None = None):
   # Same task, model, warm start and runtime; loaded by path so this file works from any directory.
   c = config.load(os.path.join(os.path.dirname(__file__), "addition_grpo.py"), f"size={variant.size}")
   c.algo.estimator = "ppo"
+  c.optim.share_prompts = False  # the critic's values and GAE are per row: a row per completion
   c.algo.gamma = 1.0  # one reward at the end of a short completion: no reason to discount
   c.algo.gae_lambda = 0.95
   c.algo.vf_coef = 0.1  # the value loss shapes the shared trunk; 0.5 (with a random-init head) collapsed to 0%

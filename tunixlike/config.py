@@ -323,10 +323,13 @@ class Config:
     require(self.sampler.max_concurrent_decodes % replicas == 0, "sampler.max_concurrent_decodes",
             self.sampler.max_concurrent_decodes, "must be divisible by the number of sampler replicas "
             f"({m.sizes_named('sampler')} / mesh.sampler_tensor = {replicas})")
-    batch = self.rl.prompts_per_step * self.algo.group_size
+    self._check_shared_prompts()
+    rows, what = ((self.rl.prompts_per_step, "prompts_per_step (optim.share_prompts: a row per group)")
+                  if self.optim.share_prompts else
+                  (self.rl.prompts_per_step * self.algo.group_size, "prompts_per_step * algo.group_size"))
     fsdp = m.learner_size // m.learner_tensor
-    require(batch % (self.optim.micro_batches * fsdp) == 0, "rl.prompts_per_step", self.rl.prompts_per_step,
-            f"prompts_per_step * algo.group_size = {batch} must be divisible by optim.micro_batches * "
+    require(rows % (self.optim.micro_batches * fsdp) == 0, "rl.prompts_per_step", self.rl.prompts_per_step,
+            f"{what} = {rows} must be divisible by optim.micro_batches * "
             f"learner fsdp devices = {self.optim.micro_batches} * {fsdp}"
             + ("" if m.layout == "split" else " (mesh.layout='colocated': the learner uses every device)"))
     require(not self.warm_start.max_steps or self.data.train is None, "warm_start.max_steps",
@@ -339,6 +342,19 @@ class Config:
             self.data.max_prompt_length, f"must be <= sampler.max_prefill_length={self.sampler.max_prefill_length}")
     require(self.optim.schedule != "cosine" or self.rl.num_steps > self.optim.warmup_steps, "optim.warmup_steps",
             self.optim.warmup_steps, f"cosine decays to 0 at rl.num_steps={self.rl.num_steps}: must be less")
+
+  def _check_shared_prompts(self):
+    """optim.share_prompts carries per-token advantages and counts sequences per segment: what needs
+    one row per sequence (a sequence-level ratio or IS weight, a critic, per-row masks) is refused."""
+    if not self.optim.share_prompts:
+      return
+    a = self.algo
+    refused = [(a.estimator == "ppo", "algo.estimator='ppo' (its critic reads one row per sequence)"),
+               (a.loss not in PPO_LOSSES, f"algo.loss={a.loss!r} (a ratio per sequence)"),
+               (a.is_level != "token", f"algo.is_level={a.is_level!r} (an IS weight per sequence)"),
+               (a.keep_sampling_mask, "algo.keep_sampling_mask"), (a.keep_routing, "algo.keep_routing")]
+    for bad, what in refused:
+      require(not bad, "optim.share_prompts", True, f"is not supported with {what}")
 
   def _check_token_advantages(self):
     """Process rewards and on-policy distillation: per-token advantages in the GRPO-family step."""

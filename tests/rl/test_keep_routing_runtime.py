@@ -19,7 +19,8 @@ def test_moe_routing_is_recorded_and_replayed_through_the_runtime():
   cfg = config_lib.replace(cfg, data=dict(digits=2, num_eval_examples=16), warm_start=dict(max_steps=0),
                            log=dict(progress_bar=False, tensorboard=False), sampler=dict(max_concurrent_decodes=16,
                                                                                          record_routing=True),
-                           algo=dict(keep_routing=True), rl=dict(num_steps=2, prompts_per_step=4, max_staleness=0))
+                           algo=dict(keep_routing=True), rl=dict(num_steps=2, prompts_per_step=4, max_staleness=0),
+                           optim=dict(share_prompts=False))  # Keep Routing needs a row per completion
   setup = build.build(cfg)
   # The config's model section builds dense models: swap in an MoE policy of the same trunk.
   moe_cfg = setup.model.cfg.replace(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)

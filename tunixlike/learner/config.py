@@ -138,12 +138,18 @@ class OptimConfig:
   group_by_length: int = setting(
       0, "N > 0: rows sorted by length, each micro-batch runs at the shortest of N prefix lengths (T*k/N) that "
       "holds its rows, so a long tail pads one micro-batch, not all", check=non_negative)
+  share_prompts: bool = setting(
+      False, "one learner row per GRPO group, its prompt once and then its answers, each answer attending the "
+      "prompt and itself (learner/prompt_rows.py): the same loss and gradients as a row per answer, without "
+      "repeating the prompt in every row or padding every answer to the longest", check=_bool)
   total_steps: int = run_value(0, "rl.num_steps: where cosine reaches 0 (0 = not set yet)", check=non_negative)
 
   def __post_init__(self):
     check_fields(self)
     require(not self.group_by_length or self.micro_batches >= 2, "optim.group_by_length", self.group_by_length,
             f"needs optim.micro_batches >= 2 to group rows into (got {self.micro_batches})")
+    require(not (self.share_prompts and self.group_by_length), "optim.share_prompts", True,
+            "and optim.group_by_length trim rows differently: set one of them")
     require(self.schedule != "cosine" or not self.total_steps or self.total_steps > self.warmup_steps,
             "rl.num_steps", self.total_steps,
             f"the cosine schedule needs more than optim.warmup_steps={self.warmup_steps}")

@@ -24,6 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tunixlike.learner import losses
+
 IS_MODES = ("none", "tis", "mis")
 IS_LEVELS = ("token", "sequence")
 
@@ -78,11 +80,12 @@ def importance_weights(prox_logp_bt, behav_logp_bt, mask_bt, *, mode: str, level
   return w, jax.tree.map(jax.lax.stop_gradient, stats)
 
 
-def version_lag_stats(versions_bt, mask_bt, learner_version):
+def version_lag_stats(versions_bt, mask_bt, learner_version, segments_bt=None):
   """Staleness of the trained tokens: lag = learner_version - version that produced the token.
 
   Returns scalars: version_lag_mean / _min / _max over loss tokens, stale_token_frac (lag > 0) and
   mixed_version_seq_frac (completions whose tokens span a weight update, see DESIGN "Staleness").
+  A completion is a row, or with `segments_bt` each segment of a row (as in `losses`).
   """
   mask = mask_bt.astype(bool)
   n = jnp.maximum(mask.sum(), 1)
@@ -90,9 +93,14 @@ def version_lag_stats(versions_bt, mask_bt, learner_version):
   big = jnp.float32(3.0e38)
   v = versions_bt.astype(jnp.int32)
   int_big = jnp.iinfo(jnp.int32).max
-  row_max = jnp.where(mask, v, -int_big).max(axis=-1)
-  row_min = jnp.where(mask, v, int_big).min(axis=-1)
-  rows = mask.any(axis=-1)
+  high, low = jnp.where(mask, v, -int_big), jnp.where(mask, v, int_big)
+  if segments_bt is None:
+    row_max, row_min, rows = high.max(axis=-1), low.min(axis=-1), mask.any(axis=-1)
+  else:
+    ids = losses.sequence_ids(segments_bt)
+    per_seq = lambda op, x: op(x.reshape(-1), ids, num_segments=ids.shape[0])
+    row_max, row_min = per_seq(jax.ops.segment_max, high), per_seq(jax.ops.segment_min, low)
+    rows = per_seq(jax.ops.segment_max, mask.astype(jnp.int32)) > 0
   return {
       "version_lag_mean": jnp.where(mask, lag, 0.0).sum() / n,
       "version_lag_max": jnp.where(mask.any(), jnp.where(mask, lag, -big).max(), 0.0),

@@ -123,7 +123,9 @@ def get_policy_loss(name: str) -> PolicyLoss:
 #   token_mean               sum_{i,t} m_it l_it / sum_{i,t} m_it            (DAPO: every token equal)
 #   seq_mean_token_mean      1/N sum_i (sum_t m_it l_it / sum_t m_it)       (GRPO paper)
 #   seq_mean_token_sum_norm  1/N sum_i (sum_t m_it l_it / L)                (Dr. GRPO, L a constant)
-# N counts the rows with at least one loss token (padding rows do not dilute the mean).
+# N counts the sequences with at least one loss token (padding rows do not dilute the mean). A
+# sequence is a row, or with `segments_bt` (shared-prompt rows, `learner/prompt_rows.py`) each
+# segment s > 0 of a row (segment 0, the shared prompt, and padding, -1, carry no loss).
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
@@ -134,26 +136,42 @@ def check_aggregation(mode: str) -> str:
   return mode
 
 
-def token_weights(mask_bt, mode: str, norm_length: int | None = None):
+def sequence_ids(segments_bt):
+  """Each token's sequence as row * T + segment, flattened [B * T] (padding joins segment 0)."""
+  b, t = segments_bt.shape
+  return (jnp.arange(b)[:, None] * t + jnp.maximum(segments_bt, 0)).reshape(-1)
+
+
+def _sequence_sums(mask_bt, segments_bt):
+  """Per sequence ([B * T], by `sequence_ids`) the sum of the mask over its tokens; and the ids."""
+  ids = sequence_ids(segments_bt)
+  return jax.ops.segment_sum(mask_bt.reshape(-1), ids, num_segments=ids.shape[0]), ids
+
+
+def token_weights(mask_bt, mode: str, norm_length: int | None = None, segments_bt=None):
   """Per-token weights [B, T] that depend only on each row (so micro-batches can compute them)."""
   check_aggregation(mode)
   mask = mask_bt.astype(jnp.float32)
   if mode == "token_mean":
     return mask
   if mode == "seq_mean_token_mean":
-    return mask / jnp.maximum(mask.sum(axis=-1, keepdims=True), 1.0)
+    if segments_bt is None:
+      return mask / jnp.maximum(mask.sum(axis=-1, keepdims=True), 1.0)
+    sums, ids = _sequence_sums(mask, segments_bt)
+    return mask / jnp.maximum(sums[ids].reshape(mask.shape), 1.0)
   if not norm_length or norm_length <= 0:
     raise ValueError(f"aggregation 'seq_mean_token_sum_norm' needs algo.norm_length > 0, got {norm_length!r}")
   return mask / float(norm_length)
 
 
-def normaliser(mask_bt, mode: str):
-  """The denominator for the whole batch: the number of loss tokens or of non-empty rows."""
+def normaliser(mask_bt, mode: str, segments_bt=None):
+  """The denominator for the whole batch: the number of loss tokens or of non-empty sequences."""
   check_aggregation(mode)
   mask = mask_bt.astype(jnp.float32)
   if mode == "token_mean":
     return jnp.maximum(mask.sum(), 1.0)
-  return jnp.maximum((mask.sum(axis=-1) > 0).sum().astype(jnp.float32), 1.0)
+  sums = mask.sum(axis=-1) if segments_bt is None else _sequence_sums(mask, segments_bt)[0]
+  return jnp.maximum((sums > 0).sum().astype(jnp.float32), 1.0)
 
 
 def aggregate(loss_bt, mask_bt, mode: str, norm_length: int | None = None):

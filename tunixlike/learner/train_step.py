@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tunixlike import distributed
 from tunixlike.learner import is_correction, kl as kl_lib, logprobs as logprobs_lib, losses, optimizer
 from tunixlike.learner import gae as gae_lib
+from tunixlike.learner import prompt_rows
 from tunixlike.learner import routing as routing_lib
 from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.state import TrainState
@@ -36,7 +37,8 @@ from tunixlike.models import sharding as sharding_lib
 
 BATCH_KEYS = ("tokens", "loss_mask", "behaviour_logprobs", "versions", "advantages")
 # token_advantages (optional, process rewards / distillation): the loss then takes A_t per token.
-TOKEN_KEYS = ("tokens", "loss_mask", "behaviour_logprobs", "versions", "proximal_logprobs", "token_advantages")
+TOKEN_KEYS = ("tokens", "loss_mask", "behaviour_logprobs", "versions", "proximal_logprobs", "token_advantages",
+              *prompt_rows.LAYOUT_KEYS)
 # Per-token rows [B, T, ...]: packed bits [B, T, W] ("Keep Sampling Mask"), experts [B, T, L, k] ("Keep Routing").
 PACKED_TOKEN_KEYS = ("sampling_mask", "routing")
 # Reported whenever the batch carries the sampler's routing (replayed or not), see routing.disagreement.
@@ -58,6 +60,16 @@ def _next(x_bt, fill=0):
   """Shift a per-token array so index t describes token t+1 (the one position t predicts)."""
   pad = jnp.full(x_bt.shape[:-1] + (1,), fill, x_bt.dtype)
   return jnp.concatenate([x_bt[..., 1:], pad], axis=-1)
+
+
+def _layout(mb):
+  """A shared-prompt batch's (`prompt_rows`) positions, segments and predictor; None for padded rows."""
+  return {k: mb[k] for k in prompt_rows.LAYOUT_KEYS} if "segments" in mb else None
+
+
+def _next_segments(batch):
+  """The segment of the token each position predicts (shared-prompt rows), or None."""
+  return _next(batch["segments"], -1) if "segments" in batch else None
 
 
 def _next_rows(x_btw):
@@ -206,13 +218,19 @@ class Learner:
   # ------------------------------------------------------------------ the math
 
   def _policy_logprobs(self, params, frozen, tokens_bt, with_entropy: bool, mask_btw=None, routing_btlk=None,
-                       return_aux: bool = False):
+                       return_aux: bool = False, layout=None):
     """Next-token logprobs at the sampling temperature; with `mask_btw` (packed, aligned with
     tokens) renormalised over the sampler's kept set of each token (`sampling_mask`); with
-    `routing_btlk` (aligned with tokens) through the sampler's MoE experts (`routing`).
+    `routing_btlk` (aligned with tokens) through the sampler's MoE experts (`routing`); with
+    `layout` (shared-prompt rows, `prompt_rows`) each token predicted from its `predictor`.
     return_aux=True adds the forward's `MoeAux` (router logits) as a third output."""
     model = nnx.merge(self.graphdef, params, frozen)
-    h_btd, aux = model.hidden_states(tokens_bt, routing_btlk=routing_btlk, return_aux=True)
+    if layout is None:
+      h_btd, aux = model.hidden_states(tokens_bt, routing_btlk=routing_btlk, return_aux=True)
+    else:
+      h_btd, aux = model.hidden_states(tokens_bt, layout["positions"], segments_bt=layout["segments"],
+                                       routing_btlk=routing_btlk, return_aux=True)
+      h_btd = jnp.take_along_axis(h_btd, _next(layout["predictor"])[..., None], axis=1)
     next_mask = None if mask_btw is None else _next_rows(mask_btw)
     logp, ent = logprobs_lib.chunked_token_logprobs(h_btd, _next(tokens_bt), model.unembed,
                                                     self.cfg.logprob_chunk_size, with_entropy=with_entropy,
@@ -238,10 +256,10 @@ class Learner:
                        "(sampler.record_routing=True, an MoE model) and pass assemble_batch(..., routing=True)")
     return mb["routing"]
 
-  def _ref_logprobs(self, state: TrainState, params, tokens_bt, mask_btw=None, routing_btlk=None):
+  def _ref_logprobs(self, state: TrainState, params, tokens_bt, mask_btw=None, routing_btlk=None, layout=None):
     ref_params = lora_lib.zero_adapters(params) if self.lora else state.ref_params
     logp, _ = self._policy_logprobs(jax.lax.stop_gradient(ref_params), state.frozen, tokens_bt, False, mask_btw,
-                                    routing_btlk)
+                                    routing_btlk, layout=layout)
     return jax.lax.stop_gradient(logp)
 
   def _off_policy(self, logp, behav, mask, mb):
@@ -264,8 +282,9 @@ class Learner:
     a = self.cfg.algo
     mask = _next(mb["loss_mask"]).astype(jnp.float32)
     behav = _next(mb["behaviour_logprobs"]).astype(jnp.float32)
+    layout = _layout(mb)
     logp, entropy, aux = self._policy_logprobs(params, state.frozen, mb["tokens"], True, self._sampling_mask(mb),
-                                               self._routing(mb), return_aux=True)
+                                               self._routing(mb), return_aux=True, layout=layout)
     old, is_w, stats = self._off_policy(logp, behav, mask, mb)
     if "routing" in mb:  # position t's routing feeds the log-prob of token t+1, weighted by mask[t]
       stats["routing_disagreement"], stats["routing_token_disagreement"] = routing_lib.disagreement(
@@ -280,11 +299,11 @@ class Learner:
     stats["clip_frac"] = loss_stats["clip_frac"]
     stats["entropy"] = entropy
     loss_bt = pg_bt
-    tw = losses.token_weights(mask, a.resolved_aggregation, a.norm_length)
+    tw = losses.token_weights(mask, a.resolved_aggregation, a.norm_length, _next_segments(mb))
     sums = {"pg_loss": (pg_bt * tw).sum() / denom}
     if a.kl_coef > 0:
       kl_bt = self.kl_fn(logp, self._ref_logprobs(state, params, mb["tokens"], self._sampling_mask(mb),
-                                                  self._routing(mb)))
+                                                  self._routing(mb), layout))
       loss_bt = loss_bt + a.kl_coef * kl_bt
       stats["kl"] = kl_bt
     loss = (loss_bt * tw).sum() / denom
@@ -312,7 +331,9 @@ class Learner:
     """Summed gradients, loss and metric sums over the micro-batches (leading axis M)."""
     a = self.cfg.algo
     mask_all = _next(batch["loss_mask"]).astype(jnp.float32)  # [M, b, T]
-    denom = losses.normaliser(mask_all.reshape(-1, mask_all.shape[-1]), a.resolved_aggregation)
+    segments = _next_segments(batch)
+    denom = losses.normaliser(mask_all.reshape(-1, mask_all.shape[-1]), a.resolved_aggregation,
+                              None if segments is None else segments.reshape(-1, segments.shape[-1]))
     grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
     def micro(carry, mb):
@@ -365,7 +386,9 @@ class Learner:
     if "is_weight" in metrics:
       metrics["is_ess"] = jnp.square(metrics["is_weight"]) / jnp.maximum(metrics.pop("is_weight_sq"), 1e-12)
     versions = _next(batch["versions"], -1)
-    metrics.update(is_correction.version_lag_stats(versions.reshape(-1, t), mask_all.reshape(-1, t), state.step))
+    segments = _next_segments(batch)
+    metrics.update(is_correction.version_lag_stats(versions.reshape(-1, t), mask_all.reshape(-1, t), state.step,
+                                                   None if segments is None else segments.reshape(-1, t)))
     adv = batch["advantages"].reshape(-1)
     rows = mask_all.reshape(-1, t).sum(-1) > 0
     metrics["advantage_abs_mean"] = jnp.where(rows, jnp.abs(adv), 0.0).sum() / jnp.maximum(rows.sum(), 1)
@@ -375,10 +398,11 @@ class Learner:
     """log pi(token t) aligned with `tokens` (0 at t = 0), [M, b, T]: the proximal logprobs."""
     def one(mb):
       logp, _ = self._policy_logprobs(state.params, state.frozen, mb["tokens"], False, self._sampling_mask(mb),
-                                      self._routing(mb))
+                                      self._routing(mb), layout=_layout(mb))
       return jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp[:, :-1]], axis=-1)
     a = self.cfg.algo
     keys = ("tokens",) + (("sampling_mask",) if a.keep_sampling_mask else ()) + (("routing",) if a.keep_routing else ())
+    keys += prompt_rows.LAYOUT_KEYS
     return jax.lax.map(one, {k: batch[k] for k in keys if k in batch})
 
   # ------------------------------------------------------------------ public

@@ -105,8 +105,12 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-  def __call__(self, x_btd, cos, sin):
-    """Causal self-attention over the whole sequence. Returns (out [B,T,E], k [B,T,Hkv,D], v)."""
+  def __call__(self, x_btd, cos, sin, segments_bt=None):
+    """Causal self-attention over the whole sequence. Returns (out [B,T,E], k [B,T,Hkv,D], v).
+
+    segments_bt (int [B,T], optional): a token of segment s > 0 sees only segment 0 (a shared prompt)
+    and its own segment; without it every token sees every earlier one.
+    """
     cfg = self.cfg
     b, t = x_btd.shape[:2]
     q, k, v = self._qkv(x_btd, cos, sin)
@@ -114,8 +118,11 @@ class Attention(nnx.Module):
     q = q.reshape(b, t, cfg.num_kv_heads, g, cfg.head_dim)
     s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(cfg.head_dim)
     # Right padding needs no key mask: a real token only sees earlier positions, which are real.
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    p = jax.nn.softmax(jnp.where(causal, s, -1e30), axis=-1).astype(v.dtype)
+    visible = jnp.tril(jnp.ones((t, t), dtype=bool))
+    if segments_bt is not None:
+      seg_q, seg_k = segments_bt[:, :, None], segments_bt[:, None, :]
+      visible = (visible & ((seg_k == 0) | (seg_k == seg_q)))[:, None, None]  # [B, 1, 1, T, T]
+    p = jax.nn.softmax(jnp.where(visible, s, -1e30), axis=-1).astype(v.dtype)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(b, t, cfg.num_heads * cfg.head_dim)
     return self.o_proj(o), k, v
 
@@ -208,8 +215,8 @@ class Block(nnx.Module):
       return x + out, (experts, logits)
     return x + self.mlp(h), None
 
-  def __call__(self, x, cos, sin, forced=None):
-    a, k, v = self.attn(self.input_layernorm(x), cos, sin)
+  def __call__(self, x, cos, sin, forced=None, segments=None):
+    a, k, v = self.attn(self.input_layernorm(x), cos, sin, segments)
     x, routed = self._mlp(x + a, forced)
     return x, k, v, routed
 
@@ -256,7 +263,7 @@ class Transformer(nnx.Module):
 
   # ------------------------------------------------------------------ full sequence
 
-  def _run_layers(self, tokens_bt, positions_bt, routing_btlk=None, what="forward"):
+  def _run_layers(self, tokens_bt, positions_bt, routing_btlk=None, what="forward", segments_bt=None):
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     cos, sin = rope_cos_sin(positions_bt, self.cfg)
@@ -264,20 +271,24 @@ class Transformer(nnx.Module):
     kvs, routed = [], []
     for layer, forced in zip(self.layers, _forced(routing_btlk, self.cfg, tokens_bt.shape, what)):
       if self.cfg.remat:
-        x, k, v, r = nnx.remat(lambda blk, x_, c_, s_, f_: blk(x_, c_, s_, f_))(layer, x, cos, sin, forced)
+        x, k, v, r = nnx.remat(lambda blk, x_, c_, s_, f_, g_: blk(x_, c_, s_, f_, g_))(layer, x, cos, sin, forced,
+                                                                                       segments_bt)
       else:
-        x, k, v, r = layer(x, cos, sin, forced)
+        x, k, v, r = layer(x, cos, sin, forced, segments_bt)
       kvs.append((k, v))
       routed.append(r)
     return self.norm(x), kvs, _stack_routing(routed, tokens_bt.shape, self.cfg)
 
-  def hidden_states(self, tokens_bt, positions_bt=None, *, routing_btlk=None, return_aux: bool = False):
+  def hidden_states(self, tokens_bt, positions_bt=None, *, segments_bt=None, routing_btlk=None,
+                    return_aux: bool = False):
     """[B,T] int -> [B,T,E] after the final norm (before unembedding).
 
-    routing_btlk: int [B,T,L,k] experts to force in every MoE layer (Keep Routing; rows whose first
-    entry is negative use the router). return_aux=True returns (h, MoeAux) instead of h.
+    segments_bt: int [B,T], several sequences in a row that share its first segment (0), as
+    `Attention` masks them (with their own positions_bt). routing_btlk: int [B,T,L,k] experts to
+    force in every MoE layer (Keep Routing; rows whose first entry is negative use the router).
+    return_aux=True returns (h, MoeAux) instead of h.
     """
-    h, _, aux = self._run_layers(tokens_bt, positions_bt, routing_btlk, "hidden_states")
+    h, _, aux = self._run_layers(tokens_bt, positions_bt, routing_btlk, "hidden_states", segments_bt)
     return (h, aux) if return_aux else h
 
   def unembed(self, h_btd):

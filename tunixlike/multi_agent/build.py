@@ -22,13 +22,15 @@ def build_policies(setup: build_lib.Setup, group_sizes: Mapping[str, int], batch
                    sampler: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Policy]:
   """A policy per agent, each with its own copy of `setup.model` (as warm-started), learner state,
   version counter and sampler engine whose groups are that agent's `group_sizes[name]` samples.
-  A learner batch holds `batch_episodes x turns_per_episode[name] (default 1) x group size` rows.
+  A learner batch holds `batch_episodes x turns_per_episode[name] (default 1) x group size` rows, a
+  row per turn completion (`optim.share_prompts` does not apply: a batch's turns have many prompts).
   `sampler[name]`: SamplerConfig fields of that policy's engine (e.g. its stop strings)."""
   policies = {}
   for name, g in group_sizes.items():
     rows = batch_episodes * (turns_per_episode or {}).get(name, 1) * g
     per_prompt = max(g, 2)  # the learner's rows = prompts_per_step x algo.group_size (>= 2 by its check)
-    cfg = config_lib.replace(setup.cfg, algo=dict(group_size=per_prompt), rl=dict(prompts_per_step=-(-rows // per_prompt)))
+    cfg = config_lib.replace(setup.cfg, algo=dict(group_size=per_prompt), rl=dict(prompts_per_step=-(-rows // per_prompt)),
+                             optim=dict(share_prompts=False))
     model = nnx.clone(setup.model)
     learner = build_lib.build_learner(cfg, model, setup.meshes.learner)
     s_cfg = dataclasses.replace(build_lib.sampler_config(cfg, setup.tok), group_size=g, **(sampler or {}).get(name, {}))

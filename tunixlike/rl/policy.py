@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from tunixlike import distributed, trace as trace_lib
 from tunixlike.config import Config
-from tunixlike.learner import offload as offload_lib, value as value_lib
+from tunixlike.learner import offload as offload_lib, prompt_rows, value as value_lib
 from tunixlike.learner.batch import assemble_batch, pick_bucket
 from tunixlike.learner.train_step import Learner
 from tunixlike.rl import weight_sync
@@ -39,11 +39,16 @@ class Policy:
     self.version = 0
     mesh = learner.mesh
     self.num_processes = 1 if mesh is None else len({d.process_index for d in mesh.devices.flat})
-    # This process's rows of each batch (all of them with one process).
-    self.num_rows = cfg.rl.prompts_per_step * cfg.algo.group_size // self.num_processes
+    # This process's rows of each batch (all of them with one process): a row per completion, or per
+    # group with optim.share_prompts.
     longest = cfg.sampler.max_prefill_length + cfg.sampler.max_new_tokens
-    self.seq_buckets = tuple(sorted({min(b, longest) for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
-                                    | {longest}))
+    if cfg.optim.share_prompts:
+      self.num_rows = cfg.rl.prompts_per_step // self.num_processes
+      self.seq_buckets = prompt_rows.row_buckets(longest * cfg.algo.group_size)
+    else:
+      self.num_rows = cfg.rl.prompts_per_step * cfg.algo.group_size // self.num_processes
+      self.seq_buckets = tuple(sorted({min(b, longest) for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
+                                      | {longest}))
     self._rng = jax.random.PRNGKey(cfg.seed)
     self.lora = learner.lora
     self._sampler_params = None  # LoRA sync keeps the sampler's base weights and swaps adapters only
@@ -84,11 +89,15 @@ class Policy:
     if unscored:
       raise ValueError(f"groups {unscored[:3]} have no advantages: score them first (rl/scoring.py)")
     buckets = self.seq_buckets
+    share = self.cfg.optim.share_prompts
     if self.cfg.optim.group_by_length:  # micro-batches are trimmed in the step: one T, one compilation
       buckets = buckets[-1:]
     elif self.num_processes > 1:  # every process's share must have the same length T: the longest bucket
-      longest = max((len(g.prompt_token_ids) + c.num_tokens for g in groups for c in g.completions), default=1)
-      buckets = (distributed.max_over_processes(pick_bucket(longest, self.seq_buckets)),)
+      lengths = ([prompt_rows.row_length(g) for g in groups] if share else
+                 [len(g.prompt_token_ids) + c.num_tokens for g in groups for c in g.completions])
+      buckets = (distributed.max_over_processes(pick_bucket(max(lengths, default=1), self.seq_buckets)),)
+    if share:
+      return prompt_rows.assemble(groups, num_rows=self.num_rows, seq_buckets=buckets, pad_id=self.pad_id)
     return assemble_batch(groups, num_rows=self.num_rows, seq_buckets=buckets, pad_id=self.pad_id,
                           sampling_mask=self.cfg.algo.keep_sampling_mask, routing=self.cfg.sampler.record_routing)
 

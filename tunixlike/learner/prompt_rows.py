@@ -1,0 +1,97 @@
+"""Shared-prompt rows (`optim.share_prompts`): one row per group, its prompt once, then its answers.
+
+The G samples of a GRPO group share their prompt, so the padded layout (`batch.py`, one row per
+completion) runs the prompt's tokens through the learner G times, and pads every row to the
+longest. Here a group is one row:
+
+  tokens     [prompt | answer 1 | answer 2 | ... | answer G | pad]
+  segments   [0 ...0 | 1 ...   1| 2 ...   2| ... | G ...  G | -1 ]
+  positions  [0..P-1 | P..P+n1-1| P..P+n2-1| ... |          | 0  ]
+  predictor  index of the position whose hidden state predicts the token: P - 1 for each answer's
+             first token, the previous index within its answer otherwise (t - 1 in the prompt)
+
+Attention lets segment s > 0 see segment 0 and itself (`Attention`, `segments_bt`), so every
+answer sees exactly what it saw in its own row, at the same positions: the loss and its gradient
+equal the padded layout's (tested), with per-token advantages (`token_advantages`) and the
+aggregation's sequences counted per segment (`losses`). The main job's 256 rows of 16 tokens
+become 32 rows of about 40 (a step of 31 ms instead of 62 on 2 CPU cores).
+
+Keys as in `batch.assemble_batch` (tokens, loss_mask, behaviour_logprobs, versions, advantages,
+token_advantages) plus positions, segments and predictor, each [B, T] aligned with `tokens`;
+`advantages` [B] holds each row's mean |advantage| over its answers (a metric only: the loss
+reads `token_advantages`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from tunixlike.learner.batch import pick_bucket
+from tunixlike.rollout import RolloutGroup
+
+LAYOUT_KEYS = ("positions", "segments", "predictor")
+
+
+def row_buckets(longest: int) -> tuple[int, ...]:
+  """Row lengths (multiples of 8 up to 64, then of 16 up to 256, then powers of two) up to and
+  including `longest`: a row holds a prompt and G answers, so its length varies more finely than a
+  sequence's and a power-of-two bucket would pad it by up to half."""
+  sizes = list(range(8, 65, 8)) + list(range(80, 257, 16))
+  b = 512
+  while b < longest:
+    sizes.append(b)
+    b *= 2
+  return tuple(sorted({min(s, longest) for s in sizes} | {longest}))
+
+
+def row_length(group: RolloutGroup) -> int:
+  return len(group.prompt_token_ids) + sum(c.num_tokens for c in group.completions)
+
+
+def assemble(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets: Sequence[int],
+             pad_id: int = 0) -> dict[str, np.ndarray]:
+  """One row per scored group (`group.advantages` set), `num_rows` rows of a bucketed length T."""
+  if len(groups) > num_rows:
+    raise ValueError(f"{len(groups)} groups for num_rows={num_rows}: shared-prompt rows hold one group each")
+  for g in groups:
+    if g.advantages is None:
+      raise ValueError(f"RolloutGroup(prompt_id={g.prompt_id!r}) has no advantages: score it first (rl/scoring.py)")
+    if len(g.prompt_token_ids) == 0:
+      raise ValueError(f"RolloutGroup(prompt_id={g.prompt_id!r}).prompt_token_ids is empty: the first "
+                       "completion token needs a prompt token to be predicted from")
+  t = pick_bucket(max((row_length(g) for g in groups), default=1), sorted(int(b) for b in seq_buckets))
+  batch = {
+      "tokens": np.full((num_rows, t), pad_id, np.int32),
+      "loss_mask": np.zeros((num_rows, t), np.float32),
+      "behaviour_logprobs": np.zeros((num_rows, t), np.float32),
+      "versions": np.full((num_rows, t), -1, np.int32),
+      "advantages": np.zeros((num_rows,), np.float32),
+      "token_advantages": np.zeros((num_rows, t), np.float32),
+      "positions": np.zeros((num_rows, t), np.int32),
+      "segments": np.full((num_rows, t), -1, np.int32),
+      "predictor": np.maximum(np.arange(t, dtype=np.int32) - 1, 0)[None].repeat(num_rows, axis=0),
+  }
+  for row, g in enumerate(groups):
+    p = len(g.prompt_token_ids)
+    batch["tokens"][row, :p] = g.prompt_token_ids
+    batch["positions"][row, :p] = np.arange(p)
+    batch["segments"][row, :p] = 0
+    start = p
+    for ci, c in enumerate(g.completions):
+      n, end = c.num_tokens, start + c.num_tokens
+      batch["tokens"][row, start:end] = c.token_ids
+      batch["loss_mask"][row, start:end] = 1.0 if c.loss_mask is None else np.asarray(c.loss_mask, np.float32)
+      batch["behaviour_logprobs"][row, start:end] = c.logprobs
+      batch["versions"][row, start:end] = c.policy_versions
+      batch["token_advantages"][row, start:end] = (g.advantages[ci] if g.token_advantages is None
+                                                   else g.token_advantages[ci])
+      batch["positions"][row, start:end] = p + np.arange(n)
+      batch["segments"][row, start:end] = ci + 1
+      batch["predictor"][row, start:end] = np.arange(start - 1, end - 1)
+      if n:
+        batch["predictor"][row, start] = p - 1
+      start = end
+    batch["advantages"][row] = float(np.mean(np.abs(g.advantages)))
+  return batch
