@@ -25,6 +25,12 @@ def tiny_config(**rl):
                             sampler=dict(max_concurrent_decodes=16), rl=dict(num_steps=3, prompts_per_step=4, **rl))
 
 
+def with_layout(cfg, layout):
+  """`cfg` in mesh.layout `layout`; colocated, the learner has 8 devices, more than the 4 shared-prompt
+  rows of 4 prompts, so it trains a row per completion (both row layouts run through the runtime)."""
+  return config_lib.replace(cfg, mesh=dict(layout=layout), optim=dict(share_prompts=layout == "split"))
+
+
 def run_steps(cfg, threaded, before=lambda setup, rl: None, reward=None, workdir=None):
   setup = build.build(cfg, None if workdir is None else os.path.join(workdir, "trace.json"))
   rl = build.build_rl(setup, reward=reward)
@@ -40,7 +46,7 @@ def run_steps(cfg, threaded, before=lambda setup, rl: None, reward=None, workdir
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["split", "colocated"])
 def test_async_at_staleness_zero_equals_the_synchronous_loop(layout):
-  cfg = config_lib.replace(tiny_config(max_staleness=0), mesh=dict(layout=layout))
+  cfg = with_layout(tiny_config(max_staleness=0), layout)
   sync, *_ = run_steps(cfg, threaded=False)
   async_, *_ = run_steps(cfg, threaded=True)
   assert [s for s, _ in sync] == [s for s, _ in async_] == [0, 1, 2]
@@ -53,7 +59,7 @@ def test_async_at_staleness_zero_equals_the_synchronous_loop(layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["split", "colocated"])
 def test_staleness_bound_holds_and_weights_reach_the_sampler(tmp_path, layout):
-  cfg = config_lib.replace(tiny_config(max_staleness=1), log=dict(trace=True), mesh=dict(layout=layout))
+  cfg = with_layout(config_lib.replace(tiny_config(max_staleness=1), log=dict(trace=True)), layout)
   initial = {}
 
   def before(setup, rl):
