@@ -1,6 +1,7 @@
 """The sharded train step: `(state, batch, rng) -> (state, metrics)`, one pure jitted function.
 
-A batch from `batch.assemble_batch` is split into `optim.micro_batches` micro-batches on the host
+A batch from `batch.assemble_batch` (a row per completion) or `prompt_rows.assemble` (a row per
+group: `optim.share_prompts`) is split into `optim.micro_batches` micro-batches on the host
 (`Learner.put_batch`: leaves become [M, B/M, ...], rows sharded over the learner mesh's batch
 axis). The step scans over them, summing gradients that are each already divided by the *whole*
 batch's normaliser (token count or row count), so accumulation is exact, not a mean of means.
