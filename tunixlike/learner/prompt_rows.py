@@ -14,7 +14,7 @@ Attention lets segment s > 0 see segment 0 and itself (`Attention`, `segments_bt
 answer sees exactly what it saw in its own row, at the same positions: the loss and its gradient
 equal the padded layout's (tested), with per-token advantages (`token_advantages`) and the
 aggregation's sequences counted per segment (`losses`). The main job's 256 rows of 16 tokens
-become 32 rows of about 40 (a step of 31 ms instead of 62 on 2 CPU cores).
+become 32 rows of about 40 (docs/learner.md#shared-prompt-rows).
 
 Keys as in `batch.assemble_batch` (tokens, loss_mask, behaviour_logprobs, versions, advantages,
 token_advantages) plus positions, segments and predictor, each [B, T] aligned with `tokens`;
