@@ -32,7 +32,7 @@ from tunixlike.learner import group_advantages
 from tunixlike.learner import routing as routing_lib
 from tunixlike.learner import sampling_mask as sampling_mask_lib
 from tunixlike.learner import token_advantages as token_adv_lib
-from tunixlike.rollout import RolloutGroup
+from tunixlike.rollout import Completion, RolloutGroup
 
 
 def pick_bucket(length: int, buckets: Sequence[int]) -> int:
@@ -41,6 +41,32 @@ def pick_bucket(length: int, buckets: Sequence[int]) -> int:
   if i == len(buckets):
     raise ValueError(f"a sequence of {length} tokens exceeds the largest seq_buckets entry {buckets[-1]}")
   return buckets[i]
+
+
+def check_prompt(group: RolloutGroup) -> None:
+  if len(group.prompt_token_ids) == 0:
+    raise ValueError(f"RolloutGroup(prompt_id={group.prompt_id!r}).prompt_token_ids is empty: the first "
+                     "completion token needs a prompt token to be predicted from")
+
+
+def empty_rows(num_rows: int, t: int, pad_id: int) -> dict[str, np.ndarray]:
+  """The columns every batch layout has (`prompt_rows` too), for `num_rows` rows of T tokens: all padding."""
+  return {
+      "tokens": np.full((num_rows, t), pad_id, np.int32),
+      "loss_mask": np.zeros((num_rows, t), np.float32),
+      "behaviour_logprobs": np.zeros((num_rows, t), np.float32),
+      "versions": np.full((num_rows, t), -1, np.int32),
+      "advantages": np.zeros((num_rows,), np.float32),
+  }
+
+
+def put_completion(batch: dict[str, np.ndarray], row: int, start: int, c: Completion) -> None:
+  """Completion `c`'s tokens, loss mask, behaviour logprobs and versions at [start, start + n) of `row`."""
+  end = start + c.num_tokens
+  batch["tokens"][row, start:end] = c.token_ids
+  batch["loss_mask"][row, start:end] = 1.0 if c.loss_mask is None else np.asarray(c.loss_mask, np.float32)
+  batch["behaviour_logprobs"][row, start:end] = c.logprobs
+  batch["versions"][row, start:end] = c.policy_versions
 
 
 def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets: Sequence[int],
@@ -72,20 +98,14 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
   for g in groups:  # an unscored group's advantages are computed here, not written back into it
     scores.append((g.shaped_rewards, g.advantages, g.token_advantages) if g.advantages is not None
                   else group_advantages.compute(g, unscored))
-    if len(g.prompt_token_ids) == 0:
-      raise ValueError(f"RolloutGroup(prompt_id={g.prompt_id!r}).prompt_token_ids is empty: the first "
-                       "completion token needs a prompt token to be predicted from")
+    check_prompt(g)
     lengths += [len(g.prompt_token_ids) + c.num_tokens for c in g.completions]
   t = pick_bucket(max(lengths, default=1), buckets)
   width = _check_sampling_masks(groups) if sampling_mask else 0
   layers_k = routing_lib.routing_shape(groups) if routing else None
 
   batch = {
-      "tokens": np.full((num_rows, t), pad_id, np.int32),
-      "loss_mask": np.zeros((num_rows, t), np.float32),
-      "behaviour_logprobs": np.zeros((num_rows, t), np.float32),
-      "versions": np.full((num_rows, t), -1, np.int32),
-      "advantages": np.zeros((num_rows,), np.float32),
+      **empty_rows(num_rows, t, pad_id),
       "rewards": np.zeros((num_rows,), np.float32),
       "group_ids": np.full((num_rows,), -1, np.int32),
       "prompt_lengths": np.zeros((num_rows,), np.int32),
@@ -106,10 +126,7 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
     for ci, c in enumerate(g.completions):
       n = c.num_tokens
       batch["tokens"][row, :p] = g.prompt_token_ids
-      batch["tokens"][row, p:p + n] = c.token_ids
-      batch["loss_mask"][row, p:p + n] = 1.0 if c.loss_mask is None else np.asarray(c.loss_mask, np.float32)
-      batch["behaviour_logprobs"][row, p:p + n] = c.logprobs
-      batch["versions"][row, p:p + n] = c.policy_versions
+      put_completion(batch, row, p, c)
       if sampling_mask:
         batch["sampling_mask"][row, p:p + n] = c.sampling_mask
       if routing:

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tunixlike.learner.batch import pick_bucket
+from tunixlike.learner import batch as batch_lib
 from tunixlike.rollout import RolloutGroup
 
 LAYOUT_KEYS = ("positions", "segments", "predictor")
@@ -58,16 +58,10 @@ def assemble(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets: Sequ
   for g in groups:
     if g.advantages is None:
       raise ValueError(f"RolloutGroup(prompt_id={g.prompt_id!r}) has no advantages: score it first (rl/scoring.py)")
-    if len(g.prompt_token_ids) == 0:
-      raise ValueError(f"RolloutGroup(prompt_id={g.prompt_id!r}).prompt_token_ids is empty: the first "
-                       "completion token needs a prompt token to be predicted from")
-  t = pick_bucket(max((row_length(g) for g in groups), default=1), sorted(int(b) for b in seq_buckets))
+    batch_lib.check_prompt(g)
+  t = batch_lib.pick_bucket(max((row_length(g) for g in groups), default=1), sorted(int(b) for b in seq_buckets))
   batch = {
-      "tokens": np.full((num_rows, t), pad_id, np.int32),
-      "loss_mask": np.zeros((num_rows, t), np.float32),
-      "behaviour_logprobs": np.zeros((num_rows, t), np.float32),
-      "versions": np.full((num_rows, t), -1, np.int32),
-      "advantages": np.zeros((num_rows,), np.float32),
+      **batch_lib.empty_rows(num_rows, t, pad_id),
       "token_advantages": np.zeros((num_rows, t), np.float32),
       "positions": np.zeros((num_rows, t), np.int32),
       "segments": np.full((num_rows, t), -1, np.int32),
@@ -81,10 +75,7 @@ def assemble(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets: Sequ
     start = p
     for ci, c in enumerate(g.completions):
       n, end = c.num_tokens, start + c.num_tokens
-      batch["tokens"][row, start:end] = c.token_ids
-      batch["loss_mask"][row, start:end] = 1.0 if c.loss_mask is None else np.asarray(c.loss_mask, np.float32)
-      batch["behaviour_logprobs"][row, start:end] = c.logprobs
-      batch["versions"][row, start:end] = c.policy_versions
+      batch_lib.put_completion(batch, row, start, c)
       batch["token_advantages"][row, start:end] = (g.advantages[ci] if g.token_advantages is None
                                                    else g.token_advantages[ci])
       batch["positions"][row, start:end] = p + np.arange(n)
