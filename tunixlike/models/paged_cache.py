@@ -109,20 +109,23 @@ def _pool_attend(q_skgd, k_pool, v_pool, positions_s, owner_n, column_n, extra_x
   through `extra` (gathered); the blocks of each slot combined by rescaling their softmax sums."""
   slots, _, _, d = q_skgd.shape
   bs = v_pool.shape[2]
-  q_skgd = q_skgd.astype(k_pool.dtype)
+  # Each block's query is gathered from this copy: without the barrier XLA fuses the query's
+  # producers (RoPE's sines and cosines) into the gather and computes them again for every block.
+  q_ksgd = jax.lax.optimization_barrier(jnp.moveaxis(q_skgd, 0, 1).astype(k_pool.dtype))
 
   def per_block(k_kndj, v_knjd, slot_n, column):
     reader = jnp.minimum(slot_n, slots - 1)
-    # Each block's query by a one-hot matmul, not a gather: XLA fuses the query's producers (RoPE's
-    # sines and cosines) into a gather and computes them again for every block (measured: the
-    # gather took as long as the attention itself). Exact: one term per sum; padding reads zeros.
-    q_kngd = jnp.einsum("ns,skgd->kngd", jax.nn.one_hot(slot_n, slots, dtype=q_skgd.dtype), q_skgd,
+    q_kngd = jnp.einsum("ns,ksgd->kngd", jax.nn.one_hot(slot_n, slots, dtype=q_ksgd.dtype), q_ksgd,
                         precision=jax.lax.Precision.HIGHEST)
     s = jnp.einsum("kngd,kndj->kngj", q_kngd, k_kndj, preferred_element_type=jnp.float32)
+    # Positions past the reader's (and every position of a block nobody reads) get -1e30 added: an
+    # add that fuses into the softmax's passes, where a select would be a pass of its own. exp of a
+    # masked score is 0; a block with none unmasked has m = -1e30, and its weight in the combination
+    # below, exp(m - the slot's max), is 0 (every live slot's first position is unmasked).
     valid = (slot_n < slots)[:, None] & (column[:, None] * bs + jnp.arange(bs) <= positions_s[reader][:, None])
-    s = jnp.where(valid[None, :, None, :], s / math.sqrt(d), -1e30)
+    s = s / math.sqrt(d) + jnp.where(valid, 0.0, -1e30)[None, :, None, :]
     m = s.max(-1)  # [Hkv, n, G]
-    e = jnp.where(valid[None, :, None, :], jnp.exp(s - m[..., None]), 0.0)
+    e = jnp.exp(s - m[..., None])
     pv = jnp.einsum("kngj,knjd->kngd", e.astype(v_knjd.dtype), v_knjd, preferred_element_type=jnp.float32)
     return m, e.sum(-1), pv
 
