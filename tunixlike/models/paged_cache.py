@@ -109,8 +109,10 @@ def _pool_attend(q_skgd, k_pool, v_pool, positions_s, owner_n, column_n, extra_x
   through `extra` (gathered); the blocks of each slot combined by rescaling their softmax sums."""
   slots, _, _, d = q_skgd.shape
   bs = v_pool.shape[2]
-  # Each block's query is gathered from this copy: without the barrier XLA fuses the query's
-  # producers (RoPE's sines and cosines) into the gather and computes them again for every block.
+  # Each block's query by a one-hot matmul over this copy, not a gather: XLA fuses the query's
+  # producers (RoPE's sines and cosines) into a gather and computes them again for every block
+  # (measured: as long as the attention itself); the barrier keeps them out of the matmul too.
+  # Exact: one term per sum; padding reads zeros.
   q_ksgd = jax.lax.optimization_barrier(jnp.moveaxis(q_skgd, 0, 1).astype(k_pool.dtype))
 
   def per_block(k_kndj, v_knjd, slot_n, column):
