@@ -235,13 +235,15 @@ def test_nothing_compiles_after_warmup(make_engine):
 
 def test_pallas_kernel_equals_pool_attention():
   """The TPU kernel (run here in Pallas's TPU interpret mode) and the plain-JAX pool attention agree,
-  a block shared by two slots included."""
+  a block shared by two slots included, and a block a slot holds ahead of its position (reserved for
+  the call's later steps, all of it masked) adds nothing however large its K and V."""
   from jax.experimental.pallas import tpu as pltpu
   rng = np.random.default_rng(0)
   r, slots, hkv, g, d, blocks, bs = 1, 3, 2, 2, 64, 12, 16
   pool_k = jnp.asarray(rng.normal(size=(r, hkv, blocks, bs, d)), jnp.float32)
   pool_v = jnp.asarray(rng.normal(size=(r, hkv, blocks, bs, d)), jnp.float32)
-  tables = [[3, 1], [3, 7, 9, 2], [4]]  # block 3 is a prompt block slots 0 and 1 share
+  pool_k, pool_v = pool_k.at[0, :, 5].set(30.0), pool_v.at[0, :, 5].set(1e4)
+  tables = [[3, 1], [3, 7, 9, 2], [4, 5]]  # block 3 is a prompt block slots 0 and 1 share; 5 is ahead of slot 2
   positions = np.asarray([20, 50, 3], np.int32)
   q = jnp.asarray(rng.normal(size=(slots, hkv, g, d)), jnp.float32)
   # This step's K/V are what the pool already holds at each position: the writes change nothing.
