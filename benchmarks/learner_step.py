@@ -49,9 +49,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 
-from tunixlike import models  # noqa: E402
+from tunixlike import flops, models  # noqa: E402
 from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig  # noqa: E402
 from tunixlike.mesh import LEARNER_RULES  # noqa: E402
 
@@ -64,38 +64,13 @@ MODELS = {
 PROMPT_LEN = 32
 
 
-def _best_time(fn, repeats):
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    best = min(best, time.perf_counter() - t0)
-  return best
-
-
-def peak_matmul_flops(devices, n=4096, repeats=5) -> dict:
+def peak_matmul_flops(devices, n=4096) -> dict:
   """FLOP/s of a large fp32 matmul: one device, and one per device in parallel."""
-  a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
-  mm = jax.jit(lambda x, y: x @ y)
-  jax.block_until_ready(mm(a, a))
-  single = 2 * n**3 / _best_time(lambda: mm(a, a), repeats)
-  out = {"single_device": single}
-  if len(devices) > 1:
-    mesh = Mesh(np.array(devices), ("d",))
-    ab = jax.device_put(jnp.broadcast_to(a, (len(devices), n, n)), NamedSharding(mesh, P("d")))
-    bmm = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x))
-    jax.block_until_ready(bmm(ab))
-    out["all_devices"] = len(devices) * 2 * n**3 / _best_time(lambda: bmm(ab), repeats)
-  out["peak"] = max(out.values())
-  return out
+  return flops.peak_matmul_flops(devices, n=n, dtype=jnp.float32)
 
 
 def flops_per_token(cfg: models.ModelConfig, seq: int) -> tuple[float, int]:
-  d, l = cfg.hidden_size, cfg.num_layers
-  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  per_layer = d * q + 2 * d * kv + q * d + 3 * d * cfg.intermediate_size
-  n_matmul = l * per_layer + cfg.vocab_size * d
-  return 6.0 * n_matmul + 12.0 * l * q * seq, n_matmul
+  return flops.train_flops_per_token(cfg, seq), flops.matmul_params(cfg)
 
 
 def bench_model(name: str, sizes: dict, mesh: Mesh, batch: int, seq: int, steps: int) -> dict:

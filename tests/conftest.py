@@ -10,6 +10,9 @@ import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The tests compare float32 results with torch's at tight tolerances: on GPU a float32 matmul
+# defaults to TF32 and on TPU to bf16 passes, so the suite asks for full precision (no-op on CPU).
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 # Most of the suite's time is XLA compiling the same tiny programs again: in every CLI run a test
 # starts (each a new process) and in every test that builds its own learner or engine. JAX's

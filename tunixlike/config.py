@@ -81,12 +81,15 @@ class MeshSection:
                         "all sampler_devices + learner_devices devices, taking turns (docs/runtime.md: which to pick)",
                         check=one_of(*mesh_lib.LAYOUTS))
   sampler_devices: int = setting(4, "devices that decode (4 + 4 of 8 virtual CPU devices)", check=positive)
-  learner_devices: int = setting(4, "devices that train (fsdp x tensor)", check=positive)
+  learner_devices: int = setting(4, "devices that train (fsdp x tensor); colocated on one device: 1 + 0",
+                                 check=non_negative)
   sampler_tensor: int = setting(1, "tensor parallelism hurts on CPU; use it on TPU/GPU for big models", check=positive)
   learner_tensor: int = setting(1, "tensor-parallel degree of the learner; the rest is FSDP", check=positive)
 
   def __post_init__(self):
     check_fields(self)
+    require(self.learner_devices > 0 or self.layout == "colocated", "mesh.learner_devices", self.learner_devices,
+            "must be > 0 (0 only with mesh.layout='colocated', where both sides use every device)")
     require(self.sampler_devices % self.sampler_tensor == 0, "mesh.sampler_tensor", self.sampler_tensor,
             _divides(self.sampler_devices, "mesh.sampler_devices"))
     require(self.learner_devices % self.learner_tensor == 0, "mesh.learner_tensor", self.learner_tensor,

@@ -107,6 +107,11 @@ def make_meshes(sampler_devices: int = 4, learner_devices: int = 4, sampler_tens
   layout='colocated': both on all sampler_devices + learner_devices devices."""
   if layout not in LAYOUTS:
     raise MeshError(f"mesh.layout={layout!r} must be 'split' or 'colocated'")
+  # Colocated, only the total counts: one device is sampler_devices=1, learner_devices=0.
+  least = 0 if layout == "colocated" else 1
+  if sampler_devices < 1 or learner_devices < least:
+    raise MeshError(f"mesh.sampler_devices={sampler_devices}, mesh.learner_devices={learner_devices}: each side "
+                    f"needs a device (learner_devices=0 only with mesh.layout='colocated')")
   for name, n, of in (("sampler_tensor", sampler_tensor, sampler_devices),
                       ("learner_tensor", learner_tensor, learner_devices)):
     if n < 1 or of % n:

@@ -18,6 +18,7 @@ def _cfg(micro=1, **algo):
                        logprob_chunk_size=8)
 
 
+@pytest.mark.gpu
 @pytest.mark.slow
 def test_grad_accumulation_over_4_micro_batches_equals_one_batch(tiny_model, host_batch):
   batch = host_batch(8)
@@ -80,6 +81,7 @@ def test_no_recompilation_after_warmup(tiny_model, host_batch):
   assert int(state.step) == 4
 
 
+@pytest.mark.gpu
 @pytest.mark.slow
 def test_every_weight_gets_a_gradient_logprobs_are_exact_and_training_follows_advantage(tiny_model, host_batch):
   batch = host_batch(8)
@@ -155,6 +157,7 @@ def test_config_errors_name_the_key():
   assert AlgoConfig(loss="dapo", eps_high=0.3).eps_high_value == 0.3
 
 
+@pytest.mark.gpu
 @pytest.mark.slow
 def test_bf16_compute_with_fp32_master_weights_and_remat(tiny_model, host_batch):
   learner = Learner(tiny_model(dtype="bfloat16", remat=True), _cfg(2))

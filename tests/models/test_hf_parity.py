@@ -30,6 +30,7 @@ def _assert_valid_close(ours, ref, lengths, atol=1e-4):
     np.testing.assert_allclose(np.asarray(ours)[b, :n], ref[b, :n], atol=atol, rtol=0)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("arch, tie", ARCH_CASES)
 def test_logits_and_cached_decode_match_transformers(arch, tie, hf_checkpoint, random_batch):
   path = hf_checkpoint(arch, tie)

@@ -20,6 +20,7 @@ def _model(**kw):
   return models.Transformer(models.tiny_config(**kw), rngs=nnx.Rngs(0))
 
 
+@pytest.mark.gpu
 def test_causal_and_right_padding_do_not_leak():
   m = _model(qkv_bias=True, tie_embeddings=False)
   toks = jax.random.randint(jax.random.key(1), (2, 8), 0, 256)
@@ -33,6 +34,7 @@ def test_causal_and_right_padding_do_not_leak():
 
 @pytest.mark.parametrize("kw", [dict(), dict(qkv_bias=True), dict(qk_norm=True, tie_embeddings=False),
                                 dict(rope_scaling=models.RopeScaling(original_max_position_embeddings=32))])
+@pytest.mark.gpu
 def test_prefill_then_decode_equals_full_forward(kw, random_batch):
   m = _model(**kw)
   lengths, steps = [5, 2, 4], 4
@@ -66,6 +68,7 @@ def test_cache_layout_and_prefill_zeroes_padding():
     m.decode_step(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), cache, 11)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("tie", [True, False])
 def test_every_parameter_gets_a_gradient(tie):
   m = _model(qkv_bias=True, tie_embeddings=tie)
@@ -84,6 +87,7 @@ def test_remat_gives_same_gradients():
     np.testing.assert_allclose(a.get_value(), b.get_value(), atol=1e-6, err_msg=str(p))
 
 
+@pytest.mark.gpu
 def test_bf16_params_and_compute():
   ref = _model()
   graphdef, _ = nnx.split(_model(param_dtype="bfloat16", dtype="bfloat16"))

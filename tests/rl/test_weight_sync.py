@@ -3,6 +3,7 @@ adapters kept packed on the sampler decode exactly like unpacked ones."""
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from tunixlike import mesh as mesh_lib, models
@@ -112,25 +113,33 @@ def test_pack_then_sync_equals_sync():
   assert weight_sync.pack(few, jax.tree.leaves(targets)[:2]) is None
 
 
+def _donate_all(tree):
+  """The learner's next step: every source buffer donated at once, as the runtime does."""
+  return jax.block_until_ready(jax.jit(lambda t: jax.tree.map(lambda x: x * 2, t), donate_argnums=0)(tree))
+
+
+@pytest.mark.gpu
 def test_colocated_sync_reshards_in_new_buffers_and_a_queued_copy_survives_donation():
-  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, layout="colocated")
+  n = len(jax.devices())  # every device, one included (a single GPU: mesh.sampler_devices=1, learner_devices=0)
+  meshes = mesh_lib.make_meshes(sampler_devices=n, learner_devices=0, layout="colocated")
   model = models.create_sharded(models.tiny_config(), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
   full = nnx.state(model)
   expected = jax.device_get(full)
   targets = models.state_shardings(full, meshes.sampler, mesh_lib.SAMPLER_RULES)
   assert weight_sync._on_same_devices(jax.tree.leaves(full), jax.tree.leaves(targets))
-  # Not waited for, then the learner's next step donates every source buffer at once (as the runtime does).
-  synced, _ = weight_sync.sync(full, targets, block=False)
-  donate_all = jax.jit(lambda tree: jax.tree.map(lambda x: x * 2, tree), donate_argnums=0)
-  jax.block_until_ready(donate_all(full))
+  synced, _ = weight_sync.sync(full, targets, block=False)  # not waited for, then the source is donated
+  _donate_all(full)
   assert any(x.is_deleted() for x in jax.tree.leaves(full))  # its buffers went to the step
   _check(synced, expected, targets)
-  # The split layout's queued copy is the same: donating the source does not change what arrives.
+
+
+def test_split_sync_queued_copy_survives_donation():
+  """The split layout's queued copy is the same: donating the source does not change what arrives."""
   split = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4)
   model = models.create_sharded(models.tiny_config(), split.learner, mesh_lib.LEARNER_RULES, seed=1)
   full = nnx.state(model)
   expected = jax.device_get(full)
   targets = models.state_shardings(full, split.sampler, mesh_lib.SAMPLER_RULES)
   synced, _ = weight_sync.sync(full, targets, block=False)
-  jax.block_until_ready(donate_all(full))
+  _donate_all(full)
   _check(synced, expected, targets)

@@ -31,6 +31,7 @@ def _decode_all(engine, params, prompts, keys=None):
   raise AssertionError("decode did not finish")
 
 
+@pytest.mark.gpu
 def test_greedy_equals_argmax_of_full_forward(tiny_model, make_engine):
   engine = make_engine(temperature=0.0)
   params = engine.load_params()
@@ -43,6 +44,7 @@ def test_greedy_equals_argmax_of_full_forward(tiny_model, make_engine):
     np.testing.assert_array_equal(logits[len(p) - 1:-1].argmax(-1), t)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)])
 def test_logprobs_and_mask_equal_processed_full_forward(tiny_model, make_engine, kw):
   engine = make_engine(record_sampling_mask=True, **kw)
@@ -61,6 +63,7 @@ def test_logprobs_and_mask_equal_processed_full_forward(tiny_model, make_engine,
   assert len({tuple(t) for t in toks}) == len(toks)
 
 
+@pytest.mark.gpu
 def test_eos_stops_exactly_and_is_kept(make_engine):
   greedy = make_engine(temperature=0.0)
   params = greedy.load_params()

@@ -39,6 +39,7 @@ def test_paged_decoding_equals_contiguous(make_engine, mesh_2x2, temperature):
     np.testing.assert_allclose(np.concatenate(lps), np.concatenate(want_lps), atol=1e-5)
 
 
+@pytest.mark.gpu
 def test_paged_greedy_equals_argmax_of_full_forward(tiny_model, make_engine):
   engine = make_engine(temperature=0.0, **PAGED)
   prompts = random_prompts(4, lengths=MIXED[4:])
@@ -48,6 +49,7 @@ def test_paged_greedy_equals_argmax_of_full_forward(tiny_model, make_engine):
     np.testing.assert_array_equal(logits[len(p) - 1:-1].argmax(-1), t)
 
 
+@pytest.mark.gpu
 def test_blocks_return_to_the_pool_when_sequences_end(make_engine):
   engine = make_engine(temperature=0.0, **PAGED)
   params = engine.load_params()
@@ -160,6 +162,7 @@ def test_decoding_narrows_to_the_live_slots_and_packs_them_low(make_engine, mesh
       np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_chunked_prefill_equals_one_shot(make_engine, layout):
   prompts = random_prompts(4, lengths=(16, 13, 9, 5))
@@ -233,6 +236,7 @@ def test_nothing_compiles_after_warmup(make_engine):
   assert not any(engine_counts(traces).values()), traces
 
 
+@pytest.mark.gpu
 def test_pallas_kernel_equals_pool_attention():
   """The TPU kernel (run here in Pallas's TPU interpret mode) and the plain-JAX pool attention agree,
   a block shared by two slots included, and a block a slot holds ahead of its position (reserved for

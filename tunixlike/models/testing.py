@@ -36,12 +36,13 @@ def tiny_hf_config(arch: str = "qwen2", tie_embeddings: bool = True, llama3_rope
 
 def write_random_hf_checkpoint(path, arch: str = "qwen2", tie_embeddings: bool = True, *, seed: int = 0,
                                std: float = 0.1, max_shard_size: str | None = None,
-                               llama3_rope: bool | None = None, **sizes) -> pathlib.Path:
+                               llama3_rope: bool | None = None, dtype: str = "float32", **sizes) -> pathlib.Path:
   """Writes a random `arch` checkpoint with transformers' own save_pretrained; returns the directory.
 
   Every tensor is random, including biases and norm weights (1 + noise), so a parity test
   catches a missing bias or norm; std is large enough that logits are O(1), not all near zero.
   max_shard_size (e.g. '20KB') writes a sharded model.safetensors.index.json checkpoint.
+  dtype: the dtype of the tensors on disk ('bfloat16' as the Hub's Qwen2.5 checkpoints are).
   """
   try:
     import torch
@@ -63,5 +64,44 @@ def write_random_hf_checkpoint(path, arch: str = "qwen2", tie_embeddings: bool =
         p.normal_(0.0, std)
   root = pathlib.Path(path)
   kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-  model.save_pretrained(str(root), **kwargs)
+  model.to(getattr(torch, dtype)).save_pretrained(str(root), **kwargs)
+  return root
+
+
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_bpe_tokenizer(path, vocab_size: int = 1024) -> pathlib.Path:
+  """Writes a byte-level BPE tokenizer in the Qwen2 format (tokenizer.json with merges, ByteLevel
+  pre-tokenizer and decoder, <|endoftext|> / <|im_start|> / <|im_end|>, a ChatML template in
+  tokenizer_config.json), trained by `tokenizers` on generated arithmetic and English text.
+
+  Every byte has a token, so any text round-trips; the vocabulary is far smaller than a real
+  model's (the model's embedding table may be larger, as Qwen2.5's 151936 rows are for 151665 tokens).
+  """
+  import random
+
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+
+  from tunixlike.data.tokenizer import Tokenizer
+  rng = random.Random(0)
+  words = ("the of and to in is that it for was on are as with his they at be this from have or by one had not "
+           "but what all were when we there can an your which their said if do will each about how up out them "
+           "then she many some so these would other into has more her two like him see time could no make than "
+           "first been its who now people my made over did down only way find use may water long little very "
+           "after words called just where most know answer number sum plus equals question think step").split()
+  lines = [f"{rng.randint(0, 999)}+{rng.randint(0, 999)}={rng.randint(0, 1998)}" for _ in range(2000)]
+  lines += [" ".join(rng.choice(words) for _ in range(rng.randint(4, 16))).capitalize() + "." for _ in range(2000)]
+  hf = tokenizers.Tokenizer(models.BPE())
+  hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  hf.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(QWEN_SPECIAL_TOKENS),
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+  hf.train_from_iterator(lines, trainer)
+  tok = Tokenizer(hf, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=QWEN_CHAT_TEMPLATE)
+  root = pathlib.Path(path)
+  tok.save(str(root))
   return root
