@@ -12,13 +12,16 @@ setup(
     packages=find_packages(include=["tunixlike", "tunixlike.*"]),
     package_data={"tunixlike.data": ["gsm8k/*.jsonl", "gsm8k/LICENSE"]},  # GSM8K (MIT), openai/grade-school-math
     install_requires=[
-        # The JAX stack's APIs move fast: versions pinned to what the code is tested with.
-        "jax==0.10.2",
-        "jaxlib==0.10.2",
-        "flax==0.12.8",
-        "optax==0.2.8",
-        "orbax-checkpoint==0.12.8",
-        "grain==0.2.18",
+        # The JAX stack: ranges, so that an existing TPU VM, GPU container or Colab keeps its own JAX.
+        # Lower bounds: the oldest versions tested (constraints.txt is the exact tested set); upper
+        # bounds: the next release series, whose API changes nobody has run this code against.
+        # docs/hosts_and_accelerators.md says which versions ran where.
+        "jax>=0.10.2,<0.13",
+        "jaxlib>=0.10.2,<0.13",
+        "flax>=0.12.8,<0.13",
+        "optax>=0.2.8,<0.3",
+        "orbax-checkpoint>=0.12.8,<0.13",
+        "grain>=0.2.18,<0.3",
         "ml-collections>=1.1.0",
         "numpy>=2.0",
         "tokenizers>=0.22",

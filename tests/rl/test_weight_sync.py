@@ -2,6 +2,7 @@
 adapters kept packed on the sampler decode exactly like unpacked ones."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -124,7 +125,9 @@ def test_colocated_sync_reshards_in_new_buffers_and_a_queued_copy_survives_donat
   meshes = mesh_lib.make_meshes(sampler_devices=n, learner_devices=0, layout="colocated")
   model = models.create_sharded(models.tiny_config(), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
   full = nnx.state(model)
-  expected = jax.device_get(full)
+  # Read from copies: on one CPU device a fetched array can share its buffer with numpy, which
+  # would (rightly) stop JAX from donating it below.
+  expected = jax.device_get(jax.tree.map(jnp.copy, full))
   targets = models.state_shardings(full, meshes.sampler, mesh_lib.SAMPLER_RULES)
   assert weight_sync._on_same_devices(jax.tree.leaves(full), jax.tree.leaves(targets))
   synced, _ = weight_sync.sync(full, targets, block=False)  # not waited for, then the source is donated
