@@ -134,7 +134,10 @@ def job_result(part: Part, status: dict, workdir: pathlib.Path) -> dict:
     first, last = rewards[: min(10, len(rewards))], rewards[-min(10, len(rewards)):]
     out["reward_first_10_steps"] = round(sum(v for _, v in first) / len(first), 4)
     out["reward_last_10_steps"] = round(sum(v for _, v in last) / len(last), 4)
-    out["rl_steps_done"] = rewards[-1][0]
+    out["last_rl_step"] = rewards[-1][0]
+  warm = [r for r in records if "warm_start/accuracy" in r]
+  if warm:
+    out["warm_start"] = {"steps": warm[-1].get("warm_start/steps"), "accuracy": warm[-1]["warm_start/accuracy"]}
   if evals:
     out["heldout_accuracy"] = {str(s): round(v, 4) for s, v in evals}
     out["heldout_before"], out["heldout_after"] = evals[0][1], evals[-1][1]
