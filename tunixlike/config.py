@@ -25,6 +25,7 @@ from ml_collections.config_dict import placeholder
 from tunixlike import mesh as mesh_lib
 from tunixlike.distributed import DistributedConfig
 from tunixlike.learner.config import PPO_LOSSES, AlgoConfig, OptimConfig
+from tunixlike.models.config import ATTENTION_IMPLEMENTATIONS
 from tunixlike.rl.runtime import RuntimeConfig
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.settings import (DTYPES, ConfigError, check_fields, in_range, is_key, non_negative, one_of, optional,
@@ -62,6 +63,9 @@ class ModelSection:
   param_dtype: str = setting("float32", "master weights", check=one_of(*DTYPES))
   dtype: str = setting("float32", "compute dtype ('bfloat16' on TPU/GPU)", check=one_of(*DTYPES))
   remat: bool = setting(False, "recompute activations in the backward pass to save memory")
+  attention: str = setting("auto", "attention kernel of training and prefill (docs/learner.md#attention-kernels): "
+                           "auto = the fastest correct one on this backend | reference | blockwise | cudnn | "
+                           "pallas_tpu", check=one_of(*ATTENTION_IMPLEMENTATIONS))
 
   def __post_init__(self):
     check_fields(self)

@@ -19,6 +19,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 MOE_ARCHS = ("qwen3_moe", "mixtral")
+ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn", "pallas_tpu")  # attention.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,7 @@ class ModelConfig:
   param_dtype: str = "float32"  # storage dtype of the parameters
   dtype: str = "float32"  # compute dtype of activations and matmuls (softmax/norms run in fp32)
   remat: bool = False  # rematerialise each layer in the backward pass (nnx.remat)
+  attention: str = "auto"  # the full-sequence attention kernel (attention.IMPLEMENTATIONS)
   max_position_embeddings: int = 4096
   init_std: float = 0.02  # stddev of the normal init of every kernel and embedding
   bos_token_id: int | None = None
@@ -88,6 +90,8 @@ class ModelConfig:
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}, expected one of {_DTYPES}")
+    if self.attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"ModelConfig.attention={self.attention!r}, expected one of {ATTENTION_IMPLEMENTATIONS}")
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r} must be a RopeScaling or None")
     if not isinstance(self.eos_token_ids, tuple):

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tunixlike.models import attention as attention_lib
 from tunixlike.models import sharding as sharding_lib
 from tunixlike.models.config import ModelConfig
 from tunixlike.models import paged_cache
@@ -105,26 +106,18 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-  def __call__(self, x_btd, cos, sin, segments_bt=None):
+  def __call__(self, x_btd, cos, sin, segments_bt=None, prefix_bt=None):
     """Causal self-attention over the whole sequence. Returns (out [B,T,E], k [B,T,Hkv,D], v).
 
-    segments_bt (int [B,T], optional): a token of segment s > 0 sees only segment 0 (a shared prompt)
-    and its own segment; without it every token sees every earlier one.
+    segments_bt (int [B,T], optional): a token sees only the earlier tokens of its own segment and of
+    segment prefix_bt (default 0: a shared prompt); without it every token sees every earlier one.
+    The kernel is cfg.attention's (`attention.py`: reference, blockwise flash, cuDNN, splash).
     """
     cfg = self.cfg
     b, t = x_btd.shape[:2]
     q, k, v = self._qkv(x_btd, cos, sin)
-    g = cfg.num_heads // cfg.num_kv_heads
-    q = q.reshape(b, t, cfg.num_kv_heads, g, cfg.head_dim)
-    s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(cfg.head_dim)
-    # Right padding needs no key mask: a real token only sees earlier positions, which are real.
-    visible = jnp.tril(jnp.ones((t, t), dtype=bool))
-    if segments_bt is not None:
-      seg_q, seg_k = segments_bt[:, :, None], segments_bt[:, None, :]
-      visible = (visible & ((seg_k == 0) | (seg_k == seg_q)))[:, None, None]  # [B, 1, 1, T, T]
-    p = jax.nn.softmax(jnp.where(visible, s, -1e30), axis=-1).astype(v.dtype)
-    o = jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(b, t, cfg.num_heads * cfg.head_dim)
-    return self.o_proj(o), k, v
+    o = attention_lib.attend(q, k, v, segments_bt=segments_bt, prefix_bt=prefix_bt, impl=cfg.attention)
+    return self.o_proj(o.reshape(b, t, cfg.num_heads * cfg.head_dim)), k, v
 
   def decode(self, x_bd, cos_bd, sin_bd, positions_b, k_cache, v_cache, attend_len: int | None,
              block: int | None = None, plan: paged_cache.PoolPlan | paged_cache.KernelPlan | None = None):
@@ -407,6 +400,15 @@ class Transformer(nnx.Module):
       new_cache = KVCache(k=tuple(ks), v=tuple(vs))
     out = self.unembed(self.norm(x)), new_cache
     return (*out, _stack_routing(routed, tokens_b.shape, self.cfg).routing_btlk) if return_routing else out
+
+
+def with_attention(model: Transformer, impl: str) -> Transformer:
+  """`model` with its attention kernel set to `impl` (for a model loaded with the file's config)."""
+  cfg = model.cfg.replace(attention=impl)
+  model.cfg = cfg
+  for layer in model.layers:
+    layer.attn.cfg = cfg
+  return model
 
 
 def check_mesh(mesh: jax.sharding.Mesh) -> None:

@@ -27,7 +27,7 @@ from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokeniz
 from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, value as value_lib
 from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.train_step import Learner
-from tunixlike.models import lora as lora_lib
+from tunixlike.models import lora as lora_lib, transformer
 from tunixlike.rewards import loader, process as process_lib
 from tunixlike.rewards.envs import CalculatorEnv
 from tunixlike.rl import distill as distill_lib, evaluate as eval_lib, scoring, warm_start as warm_start_lib
@@ -151,7 +151,8 @@ def agent_function(cfg: Config, agent=None):
 def build_model(cfg: Config, tok, mesh) -> nnx.Module:
   m = cfg.model
   if m.hf_path:
-    return models.from_pretrained(m.hf_path, mesh=mesh, rules=mesh_lib.LEARNER_RULES, dtype=m.param_dtype)
+    return transformer.with_attention(models.from_pretrained(m.hf_path, mesh=mesh, rules=mesh_lib.LEARNER_RULES,
+                                                             dtype=m.param_dtype), m.attention)
   # The model section's sizes carry ModelConfig's own names; the vocabulary is the tokenizer's.
   sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(models.ModelConfig) if hasattr(m, f.name)}
   return models.create_sharded(models.ModelConfig(vocab_size=tok.vocab_size, **sizes), mesh, mesh_lib.LEARNER_RULES,

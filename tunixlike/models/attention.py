@@ -1,0 +1,280 @@
+"""Causal self-attention over a whole sequence: the reference and the memory-efficient kernels.
+
+`attend(q, k, v, segments=, prefix=, window=, impl=)` is what `Attention.__call__` (training,
+prefill) runs. Every kernel computes the same function:
+
+  o[t] = sum_s softmax_s(q[t] . k[s] / sqrt(D)) v[s]  over the keys s that t may see:
+         s <= t (causal), t - s < window (sliding window, when set), and with segments
+         seg[s] == seg[t] or seg[s] == prefix[t] (a token sees its own sequence and its prefix:
+         a shared prompt, `learner/prompt_rows.py`; prefix defaults to segment 0).
+
+q [B, T, H, D], k / v [B, T, Hkv, D] (GQA: H a multiple of Hkv); softmax and accumulation in fp32
+whatever the input dtype. The kernels (`IMPLEMENTATIONS`, config key `model.attention`):
+
+  reference   materialises the [B, H, T, T] scores and probabilities; the backward pass keeps them
+              (memory ~ T^2: 20 GB per 8K-token row of the 4M-parameter bench model on CPU).
+  blockwise   flash attention in pure JAX (`jax.custom_vjp`): an online softmax over key blocks,
+              only [block, block] scores at a time; the backward pass recomputes them from the
+              saved log-sum-exp (FlashAttention-2, arXiv 2307.08691). Memory ~ T * block. Blocks
+              wholly above the diagonal (or outside the window) are skipped. Any backend.
+  cudnn       cuDNN flash attention (`jax.nn.dot_product_attention(implementation='cudnn')`), GPU,
+              bf16 / fp16 only; masks it cannot express (a shared prefix) go to blockwise.
+  pallas_tpu  Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), TPU;
+              masks it cannot express (a shared prefix) go to blockwise.
+  auto        the fastest one that is correct here (`choose`): on CPU the reference for short rows
+              (faster there, and its T^2 memory is small), blockwise beyond `REFERENCE_MAX_LEN`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from tunixlike.models.config import ATTENTION_IMPLEMENTATIONS
+
+IMPLEMENTATIONS = ATTENTION_IMPLEMENTATIONS  # `ModelConfig.attention`, `model.attention`
+# On CPU the reference is faster up to here (benchmarks/long_context.py: 2K equal within noise) and
+# its [B, H, T, T] fp32 scores of one 2K row of 4 heads are 64 MiB per layer.
+REFERENCE_MAX_LEN = 2048
+BLOCK = 512  # key / query block of the blockwise kernel: big matmuls on CPU, [512, 512] fp32 = 1 MiB
+_MASKED = -1e30
+
+
+def attend(q_bthd, k_btkd, v_btkd, *, segments_bt=None, prefix_bt=None, window: int | None = None,
+           impl: str = "auto", block: int = BLOCK):
+  """Causal attention (module docstring) -> [B, T, H, D] in q's dtype."""
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"attention implementation {impl!r}, expected one of {IMPLEMENTATIONS}")
+  if prefix_bt is not None and segments_bt is None:
+    raise ValueError("attend: prefix_bt needs segments_bt")
+  if window is not None and window <= 0:
+    raise ValueError(f"attend: window={window!r} must be a positive number of tokens")
+  impl = choose(impl, q_bthd.shape[1], q_bthd.dtype, segments_bt is not None, prefix_bt is not None)
+  if impl == "reference":
+    return reference(q_bthd, k_btkd, v_btkd, segments_bt, prefix_bt, window)
+  if impl == "cudnn":
+    return _cudnn(q_bthd, k_btkd, v_btkd, segments_bt, window)
+  if impl == "pallas_tpu":
+    return _splash(q_bthd, k_btkd, v_btkd, segments_bt, window)
+  return blockwise(q_bthd, k_btkd, v_btkd, segments_bt, prefix_bt, window, block)
+
+
+def choose(impl: str, t: int, dtype, has_segments: bool, has_prefix: bool, backend: str | None = None) -> str:
+  """The kernel that runs for `impl` on this backend. A forced backend kernel whose mask or dtype
+  it cannot take falls back to blockwise (same function, any backend)."""
+  backend = backend or jax.default_backend()
+  # A shared prefix (segment 0 seen by every segment) is not a mask cuDNN or splash can express;
+  # plain segments (packed rows) map to their segment ids.
+  expressible = not has_segments
+  if impl == "auto":
+    if backend == "gpu" and expressible and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+      return "cudnn"
+    if backend == "tpu" and expressible:
+      return "pallas_tpu"
+    return "reference" if t <= REFERENCE_MAX_LEN else "blockwise"
+  if impl == "cudnn" and not (expressible and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)):
+    return "blockwise"
+  if impl == "pallas_tpu" and not expressible:
+    return "blockwise"
+  return impl
+
+
+def visible_mask(q_idx, k_idx, seg_q=None, pre_q=None, seg_k=None, window=None):
+  """bool [..., Tq, Tk]: may query index q_idx [Tq] see key index k_idx [Tk]. seg_q / pre_q [B, Tq],
+  seg_k [B, Tk] (optional) give a [B, Tq, Tk] mask."""
+  vis = k_idx[None, :] <= q_idx[:, None]
+  if window is not None:
+    vis &= q_idx[:, None] - k_idx[None, :] < window
+  if seg_q is not None:
+    pre_q = jnp.zeros_like(seg_q) if pre_q is None else pre_q
+    sk = seg_k[:, None, :]
+    vis = vis & ((sk == seg_q[:, :, None]) | (sk == pre_q[:, :, None]))
+  return vis
+
+
+# ---------------------------------------------------------------------------------------- reference
+
+def reference(q_bthd, k_btkd, v_btkd, segments_bt=None, prefix_bt=None, window=None):
+  """Today's attention: the whole [B, Hkv, G, T, T] score matrix at once."""
+  b, t, h, d = q_bthd.shape
+  kv = k_btkd.shape[2]
+  q = q_bthd.reshape(b, t, kv, h // kv, d)
+  s = jnp.einsum("btkgd,bskd->bkgts", q, k_btkd, preferred_element_type=jnp.float32) / math.sqrt(d)
+  idx = jnp.arange(t)
+  vis = visible_mask(idx, idx, segments_bt, prefix_bt, segments_bt, window)
+  vis = vis[:, None, None] if segments_bt is not None else vis
+  p = jax.nn.softmax(jnp.where(vis, s, _MASKED), axis=-1).astype(v_btkd.dtype)
+  return jnp.einsum("bkgts,bskd->btkgd", p, v_btkd).reshape(b, t, h, d)
+
+
+# ---------------------------------------------------------------------------------------- blockwise
+
+def blockwise(q_bthd, k_btkd, v_btkd, segments_bt=None, prefix_bt=None, window=None, block: int = BLOCK):
+  """Flash attention in pure JAX (module docstring). T is padded up to a multiple of the block
+  (the padded keys come after every real query, so causality hides them)."""
+  b, t, h, d = q_bthd.shape
+  kv = k_btkd.shape[2]
+  blk = min(block, max(8, -(-t // 8) * 8))  # a short row is one block
+  tp = -(-t // blk) * blk
+  pad = lambda x, fill=0: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+  has_seg = segments_bt is not None
+  seg = pad(segments_bt.astype(jnp.int32), -1) if has_seg else jnp.zeros((b, tp), jnp.int32)
+  pre = (pad(prefix_bt.astype(jnp.int32), -1) if prefix_bt is not None else jnp.zeros((b, tp), jnp.int32))
+  n = tp // blk
+  # Blocks first ([N, B, blk, ...]): the loops index the leading axis.
+  to_blocks = lambda x: jnp.moveaxis(pad(x).reshape(b, n, blk, *x.shape[2:]), 1, 0)
+  q = to_blocks(q_bthd.reshape(b, t, kv, h // kv, d))
+  seg_n, pre_n = (jnp.moveaxis(x.reshape(b, n, blk), 1, 0) for x in (seg, pre))
+  o = _flash(q, to_blocks(k_btkd), to_blocks(v_btkd), seg_n, pre_n, _Static(blk, window, has_seg, 1 / math.sqrt(d)))
+  return jnp.moveaxis(o, 0, 1).reshape(b, tp, h, d)[:, :t]
+
+
+class _Static(NamedTuple):
+  """The kernel's static arguments."""
+
+  block: int
+  window: int | None
+  has_seg: bool
+  scale: float
+
+
+def _key_range(st: _Static, i):
+  """Key blocks [lo, i] that query block i may see (causal; the window drops blocks far behind)."""
+  lo = 0 if st.window is None else jnp.maximum(0, (i * st.block - st.window + 1) // st.block)
+  return lo, i + 1
+
+
+def _query_range(st: _Static, j, n: int):
+  """Query blocks [j, hi) that may see key block j."""
+  hi = n if st.window is None else jnp.minimum(n, ((j + 1) * st.block - 1 + st.window - 1) // st.block + 1)
+  return j, hi
+
+
+def _block_mask(st: _Static, i, j, seg_n, pre_n):
+  """[B, 1, 1, blk, blk] bool (or [blk, blk] without segments): query block i vs key block j."""
+  idx = jnp.arange(st.block)
+  if not st.has_seg:
+    return visible_mask(i * st.block + idx, j * st.block + idx, window=st.window)
+  return visible_mask(i * st.block + idx, j * st.block + idx, seg_n[i], pre_n[i], seg_n[j],
+                      st.window)[:, None, None]
+
+
+def _scores(st: _Static, q_i, k_j):
+  """[B, blk, Hkv, G, D] x [B, blk, Hkv, D] -> fp32 scores [B, Hkv, G, blk, blk]."""
+  return jnp.einsum("bqkgd,bskd->bkgqs", q_i, k_j, preferred_element_type=jnp.float32) * st.scale
+
+
+def _forward(q, k, v, seg_n, pre_n, st: _Static):
+  """-> (o [N, B, blk, Hkv, G, D] in q's dtype, lse [N, B, Hkv, G, blk] fp32)."""
+  n = q.shape[0]
+
+  def query_block(i):
+    q_i = q[i]
+    b, blk, kv, g, d = q_i.shape
+
+    def key_block(j, carry):
+      m, l, acc = carry
+      s = _scores(st, q_i, k[j])
+      vis = _block_mask(st, i, j, seg_n, pre_n)
+      m_new = jnp.maximum(m, jnp.where(vis, s, _MASKED).max(-1))
+      p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
+      corr = jnp.exp(m - m_new)
+      pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v[j], preferred_element_type=jnp.float32)
+      return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+    init = (jnp.full((b, kv, g, blk), _MASKED, jnp.float32), jnp.zeros((b, kv, g, blk), jnp.float32),
+            jnp.zeros((b, kv, g, blk, d), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(*_key_range(st, i), key_block, init)
+    l = jnp.maximum(l, 1e-30)  # padded queries of a padded row see nothing real; never divide by 0
+    o = jnp.einsum("bkgqd->bqkgd", acc / l[..., None]).astype(q.dtype)
+    return o, m + jnp.log(l)
+
+  return jax.lax.map(query_block, jnp.arange(n))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, seg_n, pre_n, st: _Static):
+  return _forward(q, k, v, seg_n, pre_n, st)[0]
+
+
+def _flash_fwd(q, k, v, seg_n, pre_n, st: _Static):
+  o, lse = _forward(q, k, v, seg_n, pre_n, st)
+  return o, (q, k, v, seg_n, pre_n, o, lse)
+
+
+def _flash_bwd(st: _Static, res, do):
+  """FlashAttention-2's backward: per key block j, the query blocks that see it, recomputing
+  p = exp(s - lse); dK_j, dV_j accumulate in the inner loop, dQ in a carry of all blocks (fp32)."""
+  q, k, v, seg_n, pre_n, o, lse = res
+  n = q.shape[0]
+  # delta_t = sum_d dO_t o_t: the softmax's backward term, [N, B, Hkv, G, blk]
+  delta = jnp.einsum("nbqkgd,nbqkgd->nbkgq", do.astype(jnp.float32), o.astype(jnp.float32))
+
+  def key_block(dq, j):
+    k_j, v_j = k[j], v[j]
+
+    def query_block(i, carry):
+      dk, dv, dq = carry
+      q_i, do_i = q[i], do[i]
+      vis = _block_mask(st, i, j, seg_n, pre_n)
+      p = jnp.where(vis, jnp.exp(_scores(st, q_i, k_j) - lse[i][..., None]), 0.0)  # [B, Hkv, G, blk, blk]
+      dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do.dtype), do_i, preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bqkgd,bskd->bkgqs", do_i, v_j, preferred_element_type=jnp.float32)
+      ds = p * (dp - delta[i][..., None]) * st.scale
+      dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q.dtype), q_i, preferred_element_type=jnp.float32)
+      dq_i = jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k.dtype), k_j, preferred_element_type=jnp.float32)
+      return dk, dv, dq.at[i].add(dq_i)
+
+    zeros = jnp.zeros(k_j.shape, jnp.float32)
+    dk, dv, dq = jax.lax.fori_loop(*_query_range(st, j, n), query_block, (zeros, zeros, dq))
+    return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
+
+  dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(n))
+  return dq.astype(q.dtype), dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ---------------------------------------------------------------------------------------- backends
+
+def _cudnn(q_bthd, k_btkd, v_btkd, segments_bt, window):
+  """cuDNN flash attention (GPU, bf16 / fp16). `choose` sends masks it cannot take elsewhere."""
+  assert segments_bt is None, "choose() routes segments away from cuDNN"
+  return jax.nn.dot_product_attention(q_bthd, k_btkd, v_btkd, is_causal=True, implementation="cudnn",
+                                      local_window_size=None if window is None else (window - 1, 0))
+
+
+def _splash(q_bthd, k_btkd, v_btkd, segments_bt, window, interpret: bool = False):
+  """Pallas splash attention (TPU; `interpret=True` runs it on any backend, slowly, for tests).
+  GQA: one MQA kernel per KV head over its G query heads; vmapped over rows and KV heads."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+  assert segments_bt is None, "choose() routes segments away from splash attention"
+  b, t, h, d = q_bthd.shape
+  kv = k_btkd.shape[2]
+  g = h // kv
+  tp = -(-t // 128) * 128  # splash blocks are multiples of 128 tokens; the padded keys are causally hidden
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2))
+  one = (masks.CausalMask((tp, tp)) if window is None
+         else masks.LocalMask((tp, tp), window_size=(window - 1, 0), offset=0))
+  blk = min(512, tp)
+  sizes = splash.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk, block_kv_dkv=blk,
+                            block_kv_dkv_compute=blk, block_q_dq=blk, block_kv_dq=blk)
+  kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([one] * g), block_sizes=sizes,
+                                                interpret=interpret)
+  # [B, T, Hkv, G, D] -> [B, Hkv, G, T, D]; splash scales nothing, so q carries 1/sqrt(D)
+  q = jnp.einsum("btkgd->bkgtd", pad(q_bthd).reshape(b, tp, kv, g, d)) / jnp.asarray(math.sqrt(d), q_bthd.dtype)
+  k, v = (jnp.einsum("btkd->bktd", pad(x)) for x in (k_btkd, v_btkd))
+  o = jax.vmap(jax.vmap(kernel))(q, k, v)  # [B, Hkv, G, T, D]
+  return jnp.einsum("bkgtd->btkgd", o).reshape(b, tp, h, d)[:, :t].astype(q_bthd.dtype)
+
+
+def splash_interpret(q_bthd, k_btkd, v_btkd, window=None):
+  """The TPU kernel in Pallas interpret mode (any backend): for tests against the reference."""
+  return _splash(q_bthd, k_btkd, v_btkd, None, window, interpret=True)
+
