@@ -73,8 +73,8 @@ def env_for(small: bool, **extra) -> dict:
   env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
   if small:  # the dry run: one CPU device, like one accelerator
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  else:
-    env.pop("JAX_PLATFORMS", None)
+  else:  # "" = every platform JAX finds (tests/conftest.py would otherwise pick the CPU)
+    env["JAX_PLATFORMS"] = ""
     env.pop("XLA_FLAGS", None)
   return env
 

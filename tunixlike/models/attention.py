@@ -245,8 +245,16 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def _cudnn(q_bthd, k_btkd, v_btkd, segments_bt, window):
   """cuDNN flash attention (GPU, bf16 / fp16). `choose` sends masks it cannot take elsewhere."""
   assert segments_bt is None, "choose() routes segments away from cuDNN"
-  return jax.nn.dot_product_attention(q_bthd, k_btkd, v_btkd, is_causal=True, implementation="cudnn",
-                                      local_window_size=None if window is None else (window - 1, 0))
+  t, d = q_bthd.shape[1], q_bthd.shape[3]
+  if d % 8 or d > 128:  # head dims cuDNN flash takes on every card: multiples of 8 up to 128
+    return blockwise(q_bthd, k_btkd, v_btkd, None, None, window, BLOCK)
+  # cuDNN refuses some lengths (odd ones in training): pad to whole 64-token tiles; the padded keys
+  # come after every real query, so the causal mask hides them, and the padded queries are cut off.
+  tp = -(-t // 64) * 64
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, tp - t), (0, 0), (0, 0)])
+  o = jax.nn.dot_product_attention(pad(q_bthd), pad(k_btkd), pad(v_btkd), is_causal=True, implementation="cudnn",
+                                   local_window_size=None if window is None else (window - 1, 0))
+  return o[:, :t]
 
 
 def _splash(q_bthd, k_btkd, v_btkd, segments_bt, window, interpret: bool = False):
