@@ -31,7 +31,8 @@ def test_scale_benchmark_loads_trains_syncs_and_decodes_50m(checkpoint_50m, tmp_
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(proc.stdout)
   assert r == json.loads(out.read_text())
-  assert 40e6 < r["params"] < 55e6 and r["checkpoint_bytes"] == 2 * r["params"]  # bf16 on disk, tied embeddings
+  assert 40e6 < r["params"] < 55e6  # tied embeddings
+  assert 0 <= r["checkpoint_bytes"] - 2 * r["params"] < 2**20  # bf16 on disk, plus the safetensors header
   assert r["layout"]["sampler"] == {"replica": 4, "tensor": 1} and r["layout"]["learner"] == {"fsdp": 4, "tensor": 1}
   # Loading never held a full copy per device on the host.
   assert r["load_memory"]["within_budget"], r["load_memory"]
@@ -39,7 +40,7 @@ def test_scale_benchmark_loads_trains_syncs_and_decodes_50m(checkpoint_50m, tmp_
   assert_positive(r, "load_s")
   assert_positive(r["learner"], "step_s", "mfu")
   assert_positive(r["sync"], "ms")
-  assert r["sync"]["bytes_delivered"] == 4 * r["checkpoint_bytes"]  # a whole bf16 copy on each of 4 replicas
+  assert r["sync"]["bytes_delivered"] == 4 * 2 * r["params"]  # a whole bf16 copy on each of 4 replicas
   for batch in ("batch_8", "batch_16"):
     assert_positive(r["sampler"][batch], "decode_tokens_per_s")
 
