@@ -185,8 +185,10 @@ def main():
   if a.small:  # the dry run exercises the logic: one quick file stands for the subset
     gpu_tests = ["tests/rl/test_weight_sync.py"]
   xml = out / "tests.xml"
+  # tests/conftest.py defaults JAX_PLATFORMS to cpu: name the accelerator's platform, as found above.
+  test_env = dict(shared, JAX_PLATFORMS=result["card"].get("backend", "gpu")) if not a.small else shared
   tests = Part("tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={xml}",
-                         *gpu_tests], out, min(150, left()) if not a.small else left(), shared)
+                         *gpu_tests], out, min(150, left()) if not a.small else left(), test_env)
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="device-check-job-"))  # its checkpoints stay out of --out
   job_cmd = [py, "-m", "tunixlike.train", "--config",
              "configs/addition_grpo.py" + (":size=tiny" if a.small else ""), f"--workdir={workdir}",
@@ -195,7 +197,7 @@ def main():
   if not a.small:  # held-out accuracy every 50 steps; 150 steps fit the time limit
     job_cmd += ["--config.rl.num_steps=150", "--config.eval.every_steps=50"]
   job = Part("main_job", job_cmd, out, min(150, left()) if not a.small else left(), shared)
-  result["tests"] = tests_result(tests, tests.wait(), xml)
+  result["tests"] = dict(tests_result(tests, tests.wait(), xml), jax_platforms=test_env.get("JAX_PLATFORMS"))
   result["main_job"] = job_result(job, job.wait(), workdir)
   if (workdir / "metrics.jsonl").exists():
     shutil.copy(workdir / "metrics.jsonl", out / "main_job_metrics.jsonl")
