@@ -185,8 +185,8 @@ def main():
   if a.small:  # the dry run exercises the logic: one quick file stands for the subset
     gpu_tests = ["tests/rl/test_weight_sync.py"]
   xml = out / "tests.xml"
-  # tests/conftest.py defaults JAX_PLATFORMS to cpu: name the accelerator's platform, as found above.
-  test_env = dict(shared, JAX_PLATFORMS=result["card"].get("backend", "gpu")) if not a.small else shared
+  # tests/conftest.py defaults JAX_PLATFORMS to cpu; set but empty, JAX picks the accelerator itself.
+  test_env = dict(shared, JAX_PLATFORMS="") if not a.small else shared
   tests = Part("tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={xml}",
                          *gpu_tests], out, min(150, left()) if not a.small else left(), test_env)
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="device-check-job-"))  # its checkpoints stay out of --out
