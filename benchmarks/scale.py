@@ -312,9 +312,12 @@ def main():
   peak = flops.peak_matmul_flops(list(meshes.learner.devices.flat), n=2048 if on_host or a.quick else 8192,
                                  dtype=jnp.dtype(a.dtype))
   out["peak_matmul"] = peak
-  with PeakRSS() as rss_train:
-    out["learner"] = learner_figures(learner, cfg, a, peak["peak"])
-  out["learner"]["rss_peak_bytes"] = rss_train.peak
+  try:  # e.g. out of device memory: recorded, and the sync and sampler figures still come
+    with PeakRSS() as rss_train:
+      out["learner"] = learner_figures(learner, cfg, a, peak["peak"])
+    out["learner"]["rss_peak_bytes"] = rss_train.peak
+  except Exception as e:  # noqa: BLE001
+    out["learner"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}", "first_step_s_incl_compile": None}
   _partial(out, a)
   out["sync"], out["sampler"] = {}, {}
   sampler_figures(meshes, learner, a, out["sync"], out["sampler"], lambda: _partial(out, a))
