@@ -23,6 +23,11 @@ def test_colocated_puts_both_submeshes_on_every_device_in_the_same_order():
   assert meshes.colocated and not mesh_lib.make_meshes().colocated
   with pytest.raises(mesh_lib.MeshError, match="mesh.layout='shared' must be 'split' or 'colocated'"):
     mesh_lib.make_meshes(layout="shared")
+  # Colocated, only the total counts: 8 + 0 is every device (one accelerator is 1 + 0).
+  whole = mesh_lib.make_meshes(sampler_devices=8, learner_devices=0, layout="colocated")
+  assert list(whole.sampler.devices.flat) == list(whole.learner.devices.flat) == jax.devices()
+  with pytest.raises(mesh_lib.MeshError, match="learner_devices=0 only with mesh.layout='colocated'"):
+    mesh_lib.make_meshes(sampler_devices=8, learner_devices=0)
 
 
 def test_sizes_that_do_not_add_up_or_divide():

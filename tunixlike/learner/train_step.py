@@ -370,7 +370,7 @@ class Learner:
     t = mask_all.shape[-1]
     n_tokens = jnp.maximum(mask_all.sum(), 1.0)
     grads, loss, sums = self._accumulate(state, batch)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt = self.tx.update(grads, state.opt_state, state.params)
     new_params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), state.params, updates)
