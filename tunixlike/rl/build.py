@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from typing import Any
 
 import jax
@@ -36,7 +37,7 @@ from tunixlike.rl.collapse import CollapseConfig, CollapseDetector
 from tunixlike.rl.policy import Policy
 from tunixlike.rl import prompts as prompts_lib
 from tunixlike.rl.prompts import PromptStream, requests_for
-from tunixlike.rl.runtime import AsyncRuntime
+from tunixlike.rl.runtime import AGENT_API_KEY_ENV, AsyncRuntime
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.sampler.driver import RolloutDriver
 from tunixlike.sampler import make_engine
@@ -87,7 +88,7 @@ class Setup:
   tracer: trace_lib.Tracer
   reward: rewards_lib.CombinedReward | None = None  # the training reward; its first term is the evals' verifier
   make_env: Any = None  # rl.env: builds one `Env` per episode (None: single-turn)
-  agent: Any = None  # rl.agent: run_episode(base_url, episode_id, row), served by the agent server
+  agent: Any = None  # rl.agent: run_episode(base_url, api_key, episode_id, row), served by the agent server
   warm_start_records: list | None = None  # held-out set of the warm start: the same on every process
   critic: nnx.Module | None = None  # PPO's separate critic trunk (model.critic_path), on the learner mesh
   teacher: distill_lib.Teacher | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
@@ -144,7 +145,7 @@ def agent_function(cfg: Config, agent=None):
     return None
   fn = loader.load(spec, key="rl.agent")
   if not callable(fn):
-    raise loader.LoadError(f"rl.agent={spec!r}: {fn!r} is not a function run_episode(base_url, episode_id, row)")
+    raise loader.LoadError(f"rl.agent={spec!r}: {fn!r} is not a function run_episode(base_url, api_key, episode_id, row)")
   return fn
 
 
@@ -361,7 +362,9 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
                            may_start_group=may_start_group, tracer=tracer, agent=setup.agent, tokenizer=tok,
                            agent_config=AgentConfig(max_turns=cfg.rl.env_max_turns, workers=cfg.rl.agent_workers,
                                                     episode_timeout_s=cfg.rl.episode_timeout_s,
-                                                    port=cfg.rl.agent_port))
+                                                    port=cfg.rl.agent_port, host=cfg.rl.agent_host,
+                                                    api_key=os.environ.get(AGENT_API_KEY_ENV) or None,
+                                                    max_body_bytes=cfg.rl.agent_max_body_bytes))
       say(f"agent server: {driver.base_url} (model {driver.model_name!r})")
       return driver
     if setup.make_env is None:
