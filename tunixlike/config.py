@@ -133,7 +133,8 @@ class DataSection:
   messages_field: str | None = setting(None, "instead: a column of chat messages [{role, content}], rendered with "
                                              "the model's chat template")
   system_prompt: str | None = setting(None, "a system message before each prompt (with a chat template)")
-  skip_bad_lines: bool = setting(False, "JSONL lines that do not parse are skipped and counted instead of failing")
+  skip_bad_lines: bool = setting(False, "JSONL lines that do not parse, and rows whose prompt is not text (null, a "
+                                 "number), are skipped and counted instead of failing")
   path: str | None = setting(None, "gsm8k: a directory with train.jsonl and test.jsonl (None: the copy shipped with "
                                    "tunixlike)")
   digits: int = setting(3, "addition: operand digits (difficulty)", check=positive)

@@ -210,6 +210,9 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
     say(f"data: {train_pipe.num_filtered} train prompts longer than data.max_prompt_length dropped")
   if getattr(train_pipe.source, "skipped", 0):
     say(f"data: {train_pipe.source.skipped} bad lines skipped (data.skip_bad_lines)")
+  if train_pipe.num_bad_rows or eval_pipe.num_bad_rows:
+    say(f"data: {train_pipe.num_bad_rows} train and {eval_pipe.num_bad_rows} held-out rows whose prompt is not "
+        "text skipped (data.skip_bad_lines)")
   return Setup(cfg, meshes, tok, task, model, train_pipe, eval_records, trace_lib.Tracer(trace_path), reward=reward,
                make_env=make_env, agent=agent, warm_start_records=warm_records, critic=critic, teacher=teacher)
 
@@ -219,7 +222,7 @@ def pipeline_config(cfg: Config, **changes) -> pipeline.PipelineConfig:
   d = cfg.data
   return pipeline.PipelineConfig(seed=d.shuffle_seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
                                  max_prompt_tokens=d.max_prompt_length, system_prompt=d.system_prompt,
-                                 messages_field=d.messages_field, **changes)
+                                 messages_field=d.messages_field, skip_bad_rows=d.skip_bad_lines, **changes)
 
 
 def warm_start(setup: Setup, say=print, should_stop=lambda: False, on_step=lambda step: None, optimizer=None,
