@@ -101,6 +101,7 @@ def test_rewards_that_do_not_load_or_do_not_fit_the_batch_are_named(tmp_path):
   (tmp_path / "r.py").write_text("def ok(completions, total):\n  return [0.0] * len(completions)\n"
                                  "def wants(completions, solution):\n  return [0.0] * len(completions)\n"
                                  "def one(completions):\n  return [1.0]\n"
+                                 "def nothing(completions):\n  return None\n"
                                  "raise_at_import = None\n")
   (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
   cases = [
@@ -114,6 +115,8 @@ def test_rewards_that_do_not_load_or_do_not_fit_the_batch_are_named(tmp_path):
       ([dict(fn=f"{tmp_path}/r.py:ok", kwargs={"scale": 2})], r"rewards\[0\]\.fn: kwargs \['scale'\] are not parameters"),
       ([dict(fn=f"{tmp_path}/r.py:ok"), dict(fn=f"{tmp_path}/r.py:one")],
        r"rewards\[1\]\.fn: one returned 1 scores for 2 completions: return one float \(or None\) per completion"),
+      ([dict(fn=f"{tmp_path}/r.py:nothing")],
+       r"rewards\[0\]\.fn: nothing returned None instead of a list of 2 scores: return one float \(or None\) per"),
   ]
   for rewards, expected in cases:
     with pytest.raises(ValueError, match=expected):

@@ -73,6 +73,9 @@ class CombinedReward:
                  prompt_ids=[r.get("id", i) for i, r in enumerate(rows)])
     for i, (spec, fn) in enumerate(zip(self.specs, self.fns)):
       count = fn.count_of(list(prompts), [""] * n, **batch)
+      if isinstance(count, str):
+        raise loader.LoadError(f"{self.where}[{i}].fn: {spec.name} returned {count} instead of a list of {n} "
+                               "scores: return one float (or None) per completion")
       if count is not None and count != n:
         raise loader.LoadError(f"{self.where}[{i}].fn: {spec.name} returned {count} scores for {n} completions: "
                                "return one float (or None) per completion")
