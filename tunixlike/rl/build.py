@@ -155,8 +155,40 @@ def build_model(cfg: Config, tok, mesh) -> nnx.Module:
     return models.from_pretrained(m.hf_path, mesh=mesh, rules=mesh_lib.LEARNER_RULES, dtype=m.param_dtype)
   # The model section's sizes carry ModelConfig's own names; the vocabulary is the tokenizer's.
   sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(models.ModelConfig) if hasattr(m, f.name)}
-  return models.create_sharded(models.ModelConfig(vocab_size=tok.vocab_size, **sizes), mesh, mesh_lib.LEARNER_RULES,
-                               seed=cfg.seed)
+  model_cfg = models.ModelConfig(vocab_size=tok.vocab_size, **sizes)
+  check_fits(model_cfg, mesh)
+  return models.create_sharded(model_cfg, mesh, mesh_lib.LEARNER_RULES, seed=cfg.seed)
+
+
+def memory_per_device(device) -> tuple[int | None, str]:
+  """(bytes one learner device can hold, what that is): an accelerator's own memory, or the host's
+  physical memory for CPU devices (they share it). None when neither is known."""
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), f"{device.platform.upper()} memory per device"
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+  except (ValueError, OSError, AttributeError):
+    return None, "host memory"
+
+
+def check_fits(model_cfg: models.ModelConfig, mesh) -> None:
+  """Refuses, from the sizes alone (`jax.eval_shape`, nothing allocated), a model whose parameters
+  cannot fit where the learner keeps them: one copy of the weights, before the optimizer's and the
+  sampler's, is a floor that the run cannot go under."""
+  abstract = nnx.state(nnx.eval_shape(lambda: models.Transformer(model_cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  leaves = jax.tree.leaves(abstract)
+  n_params, n_bytes = sum(x.size for x in leaves), sum(x.size * x.dtype.itemsize for x in leaves)
+  devices = mesh.devices.flatten()
+  limit, what = memory_per_device(devices[0])
+  if limit is None:
+    return
+  need = n_bytes if devices[0].platform == "cpu" else n_bytes / len(devices)  # sharded over the learner devices
+  if need > limit:
+    sizes = ", ".join(f"model.{k}={getattr(model_cfg, k)}" for k in ("hidden_size", "intermediate_size", "num_layers",
+                                                                     "num_heads", "head_dim"))
+    raise ValueError(f"{sizes}: the model has {n_params:,} parameters ({n_bytes / 2**30:,.1f} GiB in "
+                     f"{model_cfg.param_dtype}), more than the {limit / 2**30:,.1f} GiB of {what}: lower the sizes")
 
 
 def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bool = True, dataset=None,
