@@ -50,9 +50,10 @@ class SetupError(ValueError):
   """Bad input found while building the run (mesh sizes, model files, data, workdir): one clear line."""
 
 
-def run(cfg: Config, workdir: str, **user) -> dict[str, Any]:
+def run(cfg: Config, workdir: str, *, on_second_interrupt=None, **user) -> dict[str, Any]:
   """Trains (or resumes the run in `workdir`); returns a summary. See the module docstring.
-  `user`: in-memory `dataset`, `eval_dataset`, `rewards`, `env`, `agent` (see `tunixlike.train`)."""
+  `user`: in-memory `dataset`, `eval_dataset`, `rewards`, `env`, `agent` (see `tunixlike.train`).
+  `on_second_interrupt()`: what a second Ctrl-C does (the CLI exits at once); None raises KeyboardInterrupt."""
   try:  # before anything touches a JAX backend (the checkpointer does)
     distributed.initialize(cfg.distributed)
   except ValueError as e:
@@ -65,7 +66,7 @@ def run(cfg: Config, workdir: str, **user) -> dict[str, Any]:
   except workdir_lib.WorkdirError as e:
     raise SetupError(str(e)) from e
   try:
-    with Preemption() as preemption:
+    with Preemption(on_second=on_second_interrupt) as preemption:
       r = _Run(cfg, workdir, preemption, **user)
       try:
         return _stages(r)
