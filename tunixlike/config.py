@@ -133,6 +133,9 @@ class DataSection:
   messages_field: str | None = setting(None, "instead: a column of chat messages [{role, content}], rendered with "
                                              "the model's chat template")
   system_prompt: str | None = setting(None, "a system message before each prompt (with a chat template)")
+  allow_change: bool = setting(False, "a resume may read changed data.train / data.eval (each checkpoint keeps their "
+                               "fingerprint): the prompt stream starts again on the new data, warned; with data.train "
+                               "changed, needs data.eval (a carved held-out split would change)", resumable=True)
   skip_bad_lines: bool = setting(False, "JSONL lines that do not parse, and rows whose prompt is not text (null, a "
                                  "number), are skipped and counted instead of failing")
   path: str | None = setting(None, "gsm8k: a directory with train.jsonl and test.jsonl (None: the copy shipped with "
