@@ -72,19 +72,19 @@ _SSL = ssl.create_default_context()  # loading the CA bundle is most of a client
 _local = threading.local()
 
 
-def _client(base_url):
+def _client(base_url, api_key):
   """One client per agent thread: a shared client's connection pool is one lock and a scan over
   every connection per request, which 64 threads contend for."""
-  if getattr(_local, "base_url", None) != base_url:
-    _local.base_url = base_url
-    _local.client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120,
+  if getattr(_local, "base_url", None) != (base_url, api_key):
+    _local.base_url = (base_url, api_key)
+    _local.client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120,
                                   http_client=openai.DefaultHttpxClient(verify=_SSL))
   return _local.client
 
 
 def _agent(tokens):
-  def run_episode(base_url, episode_id, row):
-    client = _client(base_url)
+  def run_episode(base_url, api_key, episode_id, row):
+    client = _client(base_url, api_key)
     reply = client.chat.completions.create(model="policy", max_tokens=tokens,
                                            messages=[{"role": "user", "content": row["prompt_text"]}],
                                            extra_headers={"X-Episode-Id": episode_id})

@@ -101,6 +101,7 @@ def test_rewards_that_do_not_load_or_do_not_fit_the_batch_are_named(tmp_path):
   (tmp_path / "r.py").write_text("def ok(completions, total):\n  return [0.0] * len(completions)\n"
                                  "def wants(completions, solution):\n  return [0.0] * len(completions)\n"
                                  "def one(completions):\n  return [1.0]\n"
+                                 "def nothing(completions):\n  return None\n"
                                  "raise_at_import = None\n")
   (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
   cases = [
@@ -114,6 +115,8 @@ def test_rewards_that_do_not_load_or_do_not_fit_the_batch_are_named(tmp_path):
       ([dict(fn=f"{tmp_path}/r.py:ok", kwargs={"scale": 2})], r"rewards\[0\]\.fn: kwargs \['scale'\] are not parameters"),
       ([dict(fn=f"{tmp_path}/r.py:ok"), dict(fn=f"{tmp_path}/r.py:one")],
        r"rewards\[1\]\.fn: one returned 1 scores for 2 completions: return one float \(or None\) per completion"),
+      ([dict(fn=f"{tmp_path}/r.py:nothing")],
+       r"rewards\[0\]\.fn: nothing returned None instead of a list of 2 scores: return one float \(or None\) per"),
   ]
   for rewards, expected in cases:
     with pytest.raises(ValueError, match=expected):
@@ -140,6 +143,21 @@ def test_bad_datasets_are_named_with_file_and_line(tmp_path):
     _build(tmp_path, rewards=ok, eval=str(empty))
   with pytest.raises(ValueError, match=r"data.train=.*nothing\*.jsonl.*no data file matches"):
     _build(tmp_path, rewards=ok, train=str(tmp_path / "nothing*.jsonl"))
+
+
+@pytest.mark.parametrize("prompt", [None, 12345, ["a list"]])
+def test_a_prompt_that_is_not_text_is_named_by_its_line_or_skipped_and_counted(tmp_path, prompt):
+  ok = [dict(fn="stopped")]
+  rows = _rows(40) + [{"question": prompt, "total": 1, "level": "easy"}] + _rows(9)
+  type_name = type(prompt).__name__
+  with pytest.raises(ValueError, match=rf"train.jsonl:41: column 'question' is {type_name} .*, not text "
+                                       r"\(fix the row, or set data.skip_bad_lines"):
+    _build(tmp_path, rows=rows, rewards=ok)
+  setup = _build(tmp_path, rows=rows, rewards=ok, skip_bad_lines=True)
+  train_prompts = [r["question"] for r in setup.task.source("train", seed=0)]
+  assert setup.train_pipe.num_bad_rows == int(prompt in train_prompts) and setup.train_pipe.num_filtered == 0
+  assert setup.train_pipe.num_examples == len(train_prompts) - setup.train_pipe.num_bad_rows
+  assert all(isinstance(r["prompt_text"], str) and r["question"] is not None for r in setup.eval_records)
 
 
 def test_held_out_split_is_carved_from_train_and_globs_concatenate(tmp_path):

@@ -73,6 +73,8 @@ def one_error_line(out) -> str:
     ("import configs.nothing_here\n", "{path}:1: loading it raised ModuleNotFoundError"),
     ("LEARNING_RATE = 1e-3\n", "{path}: has no get_config function"),
     ("def get_config(arg=None):\n  pass\n", "get_config of {path} returned None instead of a ConfigDict"),
+    ("def get_config(arg=None):\n  return {'rl': {'num_steps': 2}}\n",
+     "get_config of {path} returned a dict instead of a ConfigDict"),
 ])
 def test_broken_config_file_is_named_in_one_line(tmp_path, source, expected):
   path = tmp_path / "broken.py"

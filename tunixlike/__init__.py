@@ -61,7 +61,7 @@ def train(config: str | Mapping | Config, workdir: str, *, dataset=None, eval_da
     rewards                 `rewards`: callables, or {fn, weight, kwargs} with fn a callable or a name;
                             the first is the evals' 0/1 verifier;
     env                     rl.env: an `Env` class (or factory) for multi-turn episodes.
-    agent                   rl.agent: your agent loop, run_episode(base_url, episode_id, row), talking
+    agent                   rl.agent: your agent loop, run_episode(base_url, api_key, episode_id, row), talking
                             to the policy through the OpenAI-compatible server (docs/agents.md).
   Resume a run given in-memory objects by passing the same objects again.
   """

@@ -66,7 +66,17 @@ class _SavesWithoutMetrics(logging.Filter):
     return "did not provide metrics" not in record.getMessage()
 
 
+class _BackgroundFailures(logging.Filter):
+  """Orbax logs a failed background write from each of its threads, with a traceback (a full disk:
+  about 25 of them). `Checkpointer` raises that failure as one CheckpointWriteError naming its cause
+  at the next save, wait or close, so orbax's own error records are left out."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
 logging.getLogger("absl").addFilter(_SavesWithoutMetrics())
+logging.getLogger("absl").addFilter(_BackgroundFailures())
 
 FORMAT = 1
 CHECKPOINT_SUBDIR = "checkpoints"  # <workdir>/checkpoints: where the trainer writes and export reads

@@ -35,6 +35,11 @@ __all__ = ["Config", "ConfigError", "check_paths", "default_config_dict", "from_
            "replace"]
 
 
+def _seed(v) -> str | None:
+  # JAX's PRNG keys and numpy's generators take 32-bit seeds; a larger one would wrap or overflow.
+  return None if 0 <= v < 2**32 else "must be in [0, 2**32)"
+
+
 def _divides(n: int, of: str) -> str:
   return f"must divide {of}={n}"
 
@@ -135,12 +140,17 @@ class DataSection:
   messages_field: str | None = setting(None, "instead: a column of chat messages [{role, content}], rendered with "
                                              "the model's chat template")
   system_prompt: str | None = setting(None, "a system message before each prompt (with a chat template)")
-  skip_bad_lines: bool = setting(False, "JSONL lines that do not parse are skipped and counted instead of failing")
+  allow_change: bool = setting(False, "a resume may read changed data.train / data.eval (each checkpoint keeps their "
+                               "fingerprint): the prompt stream starts again on the new data, warned; with data.train "
+                               "changed, needs data.eval (a carved held-out split would change)", resumable=True)
+  skip_bad_lines: bool = setting(False, "JSONL lines that do not parse, and rows whose prompt is not text (null, a "
+                                 "number), are skipped and counted instead of failing")
   path: str | None = setting(None, "gsm8k: a directory with train.jsonl and test.jsonl (None: the copy shipped with "
                                    "tunixlike)")
   digits: int = setting(3, "addition: operand digits (difficulty)", check=positive)
   max_prompt_length: int = setting(64, "longer prompts are filtered out and counted", check=positive)
-  shuffle_seed: int = setting(0, "order of the training prompts (reshuffled every epoch) and the carved eval split")
+  shuffle_seed: int = setting(0, "order of the training prompts (reshuffled every epoch) and the carved eval split",
+                              check=_seed)
   num_eval_examples: int = setting(500, "held-out accuracy swings 10-15 points on small evals", check=positive, resumable=True)
 
   def __post_init__(self):
@@ -278,7 +288,7 @@ class Config:
 
   SECTION: ClassVar[str] = ""
 
-  seed: int = setting(0, "model init, sampling noise and data order all derive from it")
+  seed: int = setting(0, "model init, sampling noise and data order all derive from it", check=_seed)
   rewards: tuple = setting((), "reward terms, each {fn, weight, kwargs}: fn a registered name, 'package.module:"
                            "function' or 'file.py:function'; () = the task's own", check=_reward_terms)
   model: ModelSection = ModelSection()
@@ -297,6 +307,7 @@ class Config:
   distributed: DistributedConfig = DistributedConfig()
 
   def __post_init__(self):
+    check_fields(self)  # seed, rewards
     # Checks across sections.
     ppo = self.algo.estimator == "ppo"
     require(ppo or self.model.critic_path is None, "model.critic_path", self.model.critic_path,
@@ -410,6 +421,20 @@ def _config_dict(section) -> ml_collections.ConfigDict:
       out[f.name] = placeholder(_unset_type(hints[f.name]))
     else:
       out[f.name] = value
+  return out
+
+
+def optional_keys(cls=None, prefix: str = "") -> set[str]:
+  """The keys that may be None (`str | None`), e.g. 'data.task'."""
+  cls = Config if cls is None else cls
+  hints, out = typing.get_type_hints(cls), set()
+  for f in dataclasses.fields(cls):
+    if not is_key(f):
+      continue
+    if dataclasses.is_dataclass(f.default):
+      out |= optional_keys(type(f.default), f"{prefix}{f.name}.")
+    elif type(None) in typing.get_args(hints[f.name]):
+      out.add(f"{prefix}{f.name}")
   return out
 
 

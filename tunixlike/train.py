@@ -74,19 +74,33 @@ def main(argv: list[str] | None = None):
   from tunixlike import checkpoint, mesh
   from tunixlike.rl import trainer  # heavy imports only once the config is known to be good
   # Orbax's async writes leave failed asyncio tasks behind when a save fails (a full disk): their
-  # "exception was never retrieved" tracebacks would bury the one line that says what happened.
+  # "exception was never retrieved" tracebacks, and the writes that complete after their event loop
+  # closed, would bury the one line that says what happened.
   logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+  sys.unraisablehook = _without_closed_loops
   from tunixlike.metrics import LogWriteError
   from tunixlike.rl.collapse import PolicyCollapse
   from tunixlike.rl.runtime import NonFiniteLoss
   try:
-    trainer.run(cfg, workdir)
+    trainer.run(cfg, workdir, on_second_interrupt=interrupted)
   except (NonFiniteLoss, PolicyCollapse, LogWriteError, checkpoint.CheckpointWriteError) as e:
     cli.fail(PROG, str(e), status=1)  # the run stopped itself, and says why
   except (mesh.MeshError, checkpoint.CheckpointError, config_lib.ConfigError, trainer.SetupError) as e:
     cli.fail(PROG, str(e))
-  except KeyboardInterrupt:  # a second Ctrl-C: stop waiting for the current step
-    cli.fail(PROG, "interrupted (a second Ctrl-C); the last checkpoint is kept", status=130)
+  except KeyboardInterrupt:  # Ctrl-C before the run's own handler was installed
+    interrupted()
+
+
+def _without_closed_loops(unraisable, default=sys.unraisablehook):
+  """Drops the 'Event loop is closed' errors of writes that finish after a failed save's loop closed
+  (a full disk: one traceback per array); the save's failure itself is reported once, by the run."""
+  if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+    default(unraisable)
+
+
+def interrupted():
+  """A second Ctrl-C: stop waiting for the current step, exit 130 at once (`cli.exit_now`)."""
+  cli.exit_now(PROG, "interrupted (a second Ctrl-C); the last checkpoint is kept", 130)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """Agents served over HTTP: the real server (uvicorn), real clients (openai, httpx), the tiny model."""
 
 import json
+import socket
+import subprocess
+import sys
+import threading
 import time
 
 import httpx
@@ -25,9 +29,9 @@ def _run(engine, tokenizer, agent, *, n=1, params=None, **ac):
   """Runs `agent` (given the driver too) on n prompts x G episodes; returns (driver, groups, episodes)."""
   out, holder, episodes = [], {}, {}
 
-  def run_episode(base_url, episode_id, row):
+  def run_episode(base_url, api_key, episode_id, row):
     episodes[episode_id] = holder["driver"].episode(episode_id)
-    return agent(base_url, episode_id, row)
+    return agent(base_url, api_key, episode_id, row)
 
   driver = AgentDriver(engine, engine.load_params() if params is None else params, source=iter(_requests(tokenizer, n)),
                        sink=out.append, agent=run_episode, tokenizer=tokenizer,
@@ -40,9 +44,18 @@ def _run(engine, tokenizer, agent, *, n=1, params=None, **ac):
   return driver, out, episodes
 
 
-def _client(base_url, episode_id):
-  return openai.OpenAI(base_url=base_url, api_key="unused", default_headers={"X-Episode-Id": episode_id},
+def _client(base_url, api_key, episode_id):
+  return openai.OpenAI(base_url=base_url, api_key=api_key, default_headers={"X-Episode-Id": episode_id},
                        max_retries=0, timeout=60)
+
+
+def _auth(api_key, episode_id=None):
+  return {"Authorization": f"Bearer {api_key}", **({"X-Episode-Id": episode_id} if episode_id else {})}
+
+
+def _episode(episodes, group_seq, index):
+  """The episode `index` of the group admitted `group_seq`-th (ids are random)."""
+  return next(e for e in episodes.values() if e.group.seq == group_seq and e.index == index)
 
 
 def _direct_decode(engine, params, prompt_ids, key, max_new):
@@ -77,8 +90,10 @@ def _turns(chain):
 
 
 def _two_turn_agent(stream, log):
-  def agent(base_url, episode_id, row):
-    client = _client(base_url, episode_id)
+  """Logs each turn's text (and logprobs) under (prompt id, episode index in its group, ...)."""
+  def agent(base_url, api_key, episode_id, row):
+    client = _client(base_url, api_key, episode_id)
+    name = (row["prompt_id"], int(episode_id.rsplit("-", 1)[1]))
     messages = [{"role": "user", "content": row["prompt_text"]}]
     for turn in range(2):
       kw = dict(model="policy", messages=messages, max_tokens=6)
@@ -87,8 +102,8 @@ def _two_turn_agent(stream, log):
       else:
         reply = client.chat.completions.create(logprobs=True, **kw)
         text = reply.choices[0].message.content
-        log[(episode_id, turn)] = [x.logprob for x in reply.choices[0].logprobs.content]
-      log[(episode_id, "text", turn)] = text
+        log[(*name, turn)] = [x.logprob for x in reply.choices[0].logprobs.content]
+      log[(*name, "text", turn)] = text
       messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": "=4\n"}]
     return 1.0
   return agent
@@ -104,15 +119,15 @@ def test_recorded_turns_equal_a_direct_engine_decode_and_the_group_is_the_chain(
   group = groups[0]
   np.testing.assert_array_equal(group.rewards, [1.0] * G)
   for i, completion in enumerate(group.completions):
-    ep = episodes[f"0-{i}"]
+    ep = _episode(episodes, 0, i)
     turns = [t for chain in ep.recording.chains for t in _turns(chain)]
     assert len(turns) == 2
     for number, (prompt, tokens, logprobs) in enumerate(turns):
       want_tokens, want_logprobs = _direct_decode(engine, params, prompt, keys[i, number], 6)
       assert tokens == want_tokens
       np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-5)
-      np.testing.assert_allclose(log[(ep.id, number)], logprobs, atol=1e-6)  # what the client was told
-      assert log[(ep.id, "text", number)] == tokenizer.decode(tokens)
+      np.testing.assert_allclose(log[(0, i, number)], logprobs, atol=1e-6)  # what the client was told
+      assert log[(0, i, "text", number)] == tokenizer.decode(tokens)
     # The group trains on the episode's last chain: the shared prompt, then everything after it.
     chain = ep.recording.chains[-1]
     assert list(group.prompt_token_ids) + list(completion.token_ids) == chain.ids
@@ -147,8 +162,8 @@ def test_streamed_and_non_streamed_answers_are_identical(make_engine, tokenizer)
 def test_an_agent_that_edits_its_history_splits_its_episode_and_is_counted(make_engine, tokenizer):
   engine = make_engine(group_size=G)
 
-  def agent(base_url, episode_id, row):
-    client = _client(base_url, episode_id)
+  def agent(base_url, api_key, episode_id, row):
+    client = _client(base_url, api_key, episode_id)
     first = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2+2="}],
                                            max_tokens=4)
     # The next request rewrites the question: it does not extend what the model saw.
@@ -160,19 +175,20 @@ def test_an_agent_that_edits_its_history_splits_its_episode_and_is_counted(make_
   driver, groups, episodes = _run(engine, tokenizer, agent)
   assert driver.stats.history_edits == G
   assert groups[0].reward_metrics["agent/history_edits"] == 1.0
-  for ep, completion in zip((episodes[f"0-{i}"] for i in range(G)), groups[0].completions):
+  for ep, completion in zip((_episode(episodes, 0, i) for i in range(G)), groups[0].completions):
     assert len(ep.recording.chains) == 2
     assert tokenizer.decode(ep.recording.chains[1].prompt_ids).startswith("3+3=")
     # Trained: the second chain only, its prompt (after the shared part) masked out.
     assert list(groups[0].prompt_token_ids) + list(completion.token_ids) == ep.recording.chains[1].ids
 
 
-def test_bad_requests_get_clear_4xx_answers_and_the_run_goes_on(make_engine, tokenizer):
+def test_bad_requests_get_clear_4xx_answers_and_the_run_goes_on(make_engine, tokenizer, capfd, caplog):
   engine = make_engine(group_size=G)
   answers = {}
+  limit = 4096
 
-  def agent(base_url, episode_id, row):
-    http = httpx.Client(base_url=base_url, headers={"X-Episode-Id": episode_id}, timeout=60)
+  def agent(base_url, api_key, episode_id, row):
+    http = httpx.Client(base_url=base_url, headers=_auth(api_key, episode_id), timeout=60)
     ok = {"model": "policy", "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 4}
     tries = {
         "malformed_json": http.post("/chat/completions", content=b"{not json",
@@ -180,7 +196,7 @@ def test_bad_requests_get_clear_4xx_answers_and_the_run_goes_on(make_engine, tok
         "unknown_model": http.post("/chat/completions", json={**ok, "model": "gpt-9"}),
         "too_long": http.post("/chat/completions", json={**ok, "messages": [{"role": "user", "content": "1" * 100}]}),
         "unknown_episode": http.post("/chat/completions", json=ok, headers={"X-Episode-Id": "nope"}),
-        "no_episode": httpx.post(f"{base_url}/chat/completions", json=ok),
+        "no_episode": httpx.post(f"{base_url}/chat/completions", json=ok, headers=_auth(api_key)),
         "bad_role": http.post("/chat/completions", json={**ok, "messages": [{"role": "robot", "content": "x"}]}),
         "n_2": http.post("/chat/completions", json={**ok, "n": 2}),
         "clamped": http.post("/chat/completions", json={**ok, "temperature": 0.3, "max_tokens": 999}),
@@ -189,16 +205,28 @@ def test_bad_requests_get_clear_4xx_answers_and_the_run_goes_on(make_engine, tok
         "reward_again": http.post(f"/episodes/{episode_id}/reward", json={"reward": 1.0}),
         "reward_unknown": http.post("/episodes/nope/reward", json={"reward": 1.0}),
         "models": http.get("/models"),
+        "no_key": httpx.post(f"{base_url}/chat/completions", json=ok, headers={"X-Episode-Id": episode_id}),
+        "wrong_key": http.post("/chat/completions", json=ok, headers={"Authorization": "Bearer " + "x" * 43}),
+        "too_large": http.post("/chat/completions", json={**ok, "user": "1" * limit}),
+        "too_large_chunked": http.post("/chat/completions", content=iter([b"{" + b" " * limit, b"}"]),
+                                       headers={"content-type": "application/json"}),
     }
     answers[episode_id] = {k: (r.status_code, r.json(), r.headers) for k, r in tries.items()}
+    # A client that goes away while sending its body: one counted line, no traceback.
+    host, port = base_url.split("//")[1].split("/")[0].split(":")
+    with socket.create_connection((host, int(port))) as s:
+      s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api_key}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":".encode())
+    time.sleep(0.5)  # the server notices before the group ends
 
-  driver, groups, _ = _run(engine, tokenizer, agent)
+  driver, groups, _ = _run(engine, tokenizer, agent, max_body_bytes=limit)
   assert len(groups) == 1  # the run went on
   for got in answers.values():
     status = {k: v[0] for k, v in got.items()}
     assert status == {"malformed_json": 400, "unknown_model": 404, "too_long": 400, "unknown_episode": 404,
                       "no_episode": 400, "bad_role": 400, "n_2": 400, "clamped": 200, "completion": 200,
-                      "reward": 200, "reward_again": 409, "reward_unknown": 404, "models": 200}
+                      "reward": 200, "reward_again": 409, "reward_unknown": 404, "models": 200, "no_key": 401,
+                      "wrong_key": 401, "too_large": 413, "too_large_chunked": 413}
     message = lambda k: got[k][1]["error"]["message"]
     assert "not valid JSON" in message("malformed_json")
     assert "'gpt-9' does not exist" in message("unknown_model") and got["unknown_model"][1]["error"]["code"] == \
@@ -210,7 +238,13 @@ def test_bad_requests_get_clear_4xx_answers_and_the_run_goes_on(make_engine, tok
     assert got["clamped"][2]["x-tunixlike-clamped"] == "temperature,max_tokens"
     assert got["clamped"][1]["usage"]["completion_tokens"] <= engine.config.max_new_tokens
     assert got["models"][1]["data"][0]["id"] == "policy"
-  assert driver.stats.refused_requests == 9 * G and driver.stats.clamped_requests == G
+    assert "API key" in message("no_key") and got["wrong_key"][1]["error"]["code"] == "invalid_api_key"
+    assert all(f"rl.agent_max_body_bytes={limit}" in message(k) for k in ("too_large", "too_large_chunked"))
+  assert driver.stats.refused_requests == 11 * G and driver.stats.clamped_requests == G
+  assert driver.stats.unauthorized_requests == 2 * G and driver.stats.dropped_requests == G
+  logged = capfd.readouterr().err + caplog.text
+  assert "Exception in ASGI application" not in logged and "ClientDisconnect" not in logged
+  assert f"a client disconnected before its request was read ({G} so far)" in caplog.text
   np.testing.assert_array_equal(groups[0].rewards, [1.0] * G)  # the posted reward, once
   assert groups[0].reward_metrics["agent/clamped_requests"] == 1.0
 
@@ -219,27 +253,28 @@ def test_a_client_gone_mid_stream_frees_its_slot_and_aborts_its_episode(make_eng
   engine = make_engine(group_size=G, max_new_tokens=64, steps_per_call=1, eos_ids=())
   late = {}
 
-  def agent(base_url, episode_id, row):
+  def agent(base_url, api_key, episode_id, row):
     body = {"model": "policy", "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 64,
             "stream": episode_id.endswith("-0")}
     if not body["stream"]:
-      httpx.post(f"{base_url}/chat/completions", json=body, headers={"X-Episode-Id": episode_id}, timeout=60)
+      httpx.post(f"{base_url}/chat/completions", json=body, headers=_auth(api_key, episode_id), timeout=60)
       time.sleep(4.0)  # keeps the group (and so the aborted episode's id) alive for the late request
       return 1.0
-    with httpx.stream("POST", f"{base_url}/chat/completions", json=body, headers={"X-Episode-Id": episode_id},
+    with httpx.stream("POST", f"{base_url}/chat/completions", json=body, headers=_auth(api_key, episode_id),
                       timeout=60) as response:
       for line in response.iter_lines():
         if line.startswith("data:") and json.loads(line[5:])["choices"][0]["delta"].get("content"):
           break  # gone after the first text: the connection closes here
     time.sleep(1.0)  # the episode is aborted meanwhile; a request now is refused
     r = httpx.post(f"{base_url}/chat/completions", json={**body, "stream": False},
-                   headers={"X-Episode-Id": episode_id}, timeout=60)
-    late["answer"] = (r.status_code, r.json()["error"]["message"])
+                   headers=_auth(api_key, episode_id), timeout=60)
+    late["answer"] = (episode_id, r.status_code, r.json()["error"]["message"])
     return 1.0
 
   driver, groups, episodes = _run(engine, tokenizer, agent)
   assert driver.stats.disconnects == 1 and driver.stats.aborted_episodes == 1 and driver.stats.agent_errors == 0
-  assert late["answer"] == (409, "episode '0-0' is over (aborted)")
+  episode_id, status, message = late["answer"]
+  assert (status, message) == (409, f"episode {episode_id!r} is over (aborted)")
   first = groups[0].completions[0]
   assert first.finish_reason == "aborted" and first.loss_mask.sum() == 0  # no turn finished in it
   assert groups[0].completions[1].loss_mask.sum() == 64
@@ -250,8 +285,8 @@ def test_a_client_gone_mid_stream_frees_its_slot_and_aborts_its_episode(make_eng
 def test_an_agent_that_raises_or_hangs_costs_its_episode_not_the_run(make_engine, tokenizer):
   engine = make_engine(group_size=G)
 
-  def agent(base_url, episode_id, row):
-    _client(base_url, episode_id).completions.create(model="policy", prompt=row["prompt_text"], max_tokens=3)
+  def agent(base_url, api_key, episode_id, row):
+    _client(base_url, api_key, episode_id).completions.create(model="policy", prompt=row["prompt_text"], max_tokens=3)
     if episode_id.endswith("-0"):
       raise RuntimeError("the agent's own bug")
     time.sleep(30)  # past episode_timeout_s
@@ -268,10 +303,10 @@ def test_an_agent_that_raises_or_hangs_costs_its_episode_not_the_run(make_engine
 def test_a_client_gone_before_its_answer_frees_its_slot_and_aborts_its_episode(make_engine, tokenizer):
   engine = make_engine(group_size=G, max_new_tokens=64, steps_per_call=1, eos_ids=())
 
-  def agent(base_url, episode_id, row):
+  def agent(base_url, api_key, episode_id, row):
     body = {"model": "policy", "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 64}
     try:  # episode 0 gives up long before 64 tokens are decoded, one at a time
-      httpx.post(f"{base_url}/chat/completions", json=body, headers={"X-Episode-Id": episode_id},
+      httpx.post(f"{base_url}/chat/completions", json=body, headers=_auth(api_key, episode_id),
                  timeout=0.03 if episode_id.endswith("-0") else 60)
     except httpx.ReadTimeout:
       pass
@@ -283,3 +318,62 @@ def test_a_client_gone_before_its_answer_frees_its_slot_and_aborts_its_episode(m
   assert groups[0].completions[0].finish_reason == "aborted"
   assert groups[0].completions[1].loss_mask.sum() == 64
   assert driver.is_idle and all(s is None for s in driver._slots)
+
+
+# Another local process that knows the server's address: blind reward posts and chat turns, to the
+# episode ids the server used to give out ("{group}-{i}") and, without the key, to the live ones.
+_INJECTOR = r"""
+import json, sys, httpx
+base_url, key, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+headers = {"Authorization": f"Bearer {key}"} if key else {}
+chat = {"model": "policy", "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 4}
+status = []
+with httpx.Client(base_url=base_url, headers=headers, timeout=30) as http:
+  for episode_id in ids:
+    status.append(http.post(f"/episodes/{episode_id}/reward", json={"reward": 1.0}).status_code)
+    status.append(http.post("/chat/completions", json=chat, headers={"X-Episode-Id": episode_id}).status_code)
+    status.append(http.post("/completions", json={**chat, "prompt": "2+2=", "user": episode_id}).status_code)
+print(json.dumps(status))
+"""
+
+
+def test_another_process_cannot_post_rewards_or_turns_with_or_without_the_key(make_engine, tokenizer):
+  engine = make_engine(group_size=G)
+  holder, attacked, seen = {}, threading.Event(), {}
+  guessed = [f"{s}-{i}" for s in range(8) for i in range(G)]
+
+  def inject(base_url, key, ids):
+    out = subprocess.run([sys.executable, "-c", _INJECTOR, base_url, key, json.dumps(ids)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+  def agent(base_url, api_key, episode_id, row):
+    client = _client(base_url, api_key, episode_id)
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2+2="}], max_tokens=4)
+    if episode_id.endswith("-0"):  # while both episodes are live
+      live = [e.id for e in holder["driver"].episode(episode_id).group.episodes]
+      seen["no key"] = inject(base_url, "", live + guessed)
+      seen["wrong key"] = inject(base_url, "not-" + api_key, live)
+      seen["the key, guessed ids"] = inject(base_url, api_key, guessed + [f"{'0' * 32}-0"])
+      attacked.set()
+    assert attacked.wait(300)
+    httpx.post(f"{base_url}/episodes/{episode_id}/reward", json={"reward": 0.25},
+               headers=_auth(api_key)).raise_for_status()
+
+  out = []
+  driver = AgentDriver(engine, engine.load_params(), source=iter(_requests(tokenizer, 1)), sink=out.append,
+                       agent=agent, tokenizer=tokenizer, agent_config=AgentConfig(max_turns=3, workers=8))
+  holder["driver"] = driver
+  try:
+    driver.run(max_wall_s=300)
+  finally:
+    driver.stop()
+  assert set(seen["no key"]) == {401} and set(seen["wrong key"]) == {401}
+  assert set(seen["the key, guessed ids"]) == {404}
+  assert driver.stats.unauthorized_requests == len(seen["no key"]) + len(seen["wrong key"])
+  # Nothing reached training: the group holds the agents' own turns and rewards only.
+  assert len(out) == 1 and driver.stats.requests == G
+  np.testing.assert_array_equal(out[0].rewards, [0.25] * G)
+  assert all(c.loss_mask.sum() > 0 for c in out[0].completions)
+  assert driver.stats.episodes == G and driver.stats.aborted_episodes == 0

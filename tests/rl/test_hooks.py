@@ -22,6 +22,16 @@ def test_hooks_run_in_order_when_the_version_is_a_multiple_of_every():
     hooks.add(lambda i: None, every=0)
 
 
+def test_a_skipped_step_makes_no_version_so_periodic_hooks_do_not_run_again():
+  calls, hooks = [], Hooks()
+  hooks.add(lambda i: calls.append(("each", i.version)))
+  hooks.add(lambda i: calls.append(("eval", i.version)), every=2)
+  hooks.run(info(2))
+  for _ in range(2):  # non-finite steps at version 2: trained nothing, the version stays
+    hooks.run(StepInfo(step=2, version=2, metrics={}, trained=[], dropped=[]))
+  assert calls == [("each", 2), ("eval", 2), ("each", 2), ("each", 2)]
+
+
 def test_the_collapse_guard_stops_the_hooks_after_it():
   calls, hooks = [], Hooks()
   hooks.add(lambda i: calls.append("metrics"))

@@ -1,9 +1,10 @@
 """Agent episodes: the policy served to the user's own agent code, one request per policy turn.
 
 `AgentDriver` is a `RolloutDriver` whose episodes are run by an agent function written with any
-framework (`run_episode(base_url, episode_id, row)`, plain or async). For each prompt it starts G
-episodes on a pool of worker threads (`EnvRunner`, with `episode_timeout_s`); each agent talks to
-the policy through the OpenAI-compatible server (`server.py`) and names its episode in every request:
+framework (`run_episode(base_url, api_key, episode_id, row)`, plain or async). For each prompt it starts
+G episodes on a pool of worker threads (`EnvRunner`, with `episode_timeout_s`); each agent talks to
+the policy through the OpenAI-compatible server (`server.py`) with the run's key, and names its
+episode (a random id) in every request:
 
   1. the server renders the request (chat template) and the episode's `Recording` turns it into a
      prompt that extends the episode's token chain (or splits it, counted, if the agent edited its
@@ -31,6 +32,7 @@ import dataclasses
 import logging
 import math
 import queue
+import secrets
 import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -54,6 +56,9 @@ class AgentConfig:
   workers: int = 64  # agent functions running at once = episodes in flight
   episode_timeout_s: float = 300.0
   port: int = 0  # 0 = any free port
+  host: str = "127.0.0.1"  # another address lets other hosts reach the server (warned about)
+  api_key: str | None = None  # None = a random key for this run only
+  max_body_bytes: int = 4 << 20
   failure_reward: float = 0.0  # reward of an episode without one when the agent gives rewards
 
 
@@ -70,6 +75,8 @@ class AgentStats(DriverStats):
   episodes: int = 0
   requests: int = 0  # turns accepted
   refused_requests: int = 0  # answered with a 4xx
+  unauthorized_requests: int = 0  # without the run's key: answered 401, never read
+  dropped_requests: int = 0  # clients gone before their request was read
   history_edits: int = 0  # requests that did not extend their episode's chain (the episode split)
   clamped_requests: int = 0  # sampling settings the run cannot train on, served at the run's
   timeouts: int = 0
@@ -144,12 +151,13 @@ class AgentDriver(RolloutDriver):
   def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None], sink,
                agent: Callable[..., Any], tokenizer, agent_config: AgentConfig = AgentConfig(), version: int = 0,
                may_start_group: Callable[[], bool] | None = None, tracer=None, model_name: str = "policy"):
-    """`agent(base_url, episode_id, row)` runs one episode against `base_url` (its OpenAI base URL)."""
+    """`agent(base_url, api_key, episode_id, row)` runs one episode against `base_url` (its OpenAI
+    base URL), sending `api_key` with every request."""
     if engine.config.record_routing or engine.config.record_sampling_mask:
       raise ValueError("sampler.record_routing and sampler.record_sampling_mask are not supported with rl.agent: "
                        "agent turns are prefilled from the agent's history, not decoded in one sequence")
     if not callable(agent):
-      raise TypeError(f"rl.agent must be a function run_episode(base_url, episode_id, row), got {agent!r}")
+      raise TypeError(f"rl.agent must be a function run_episode(base_url, api_key, episode_id, row), got {agent!r}")
     super().__init__(engine, params, source=source, sink=sink, version=version, may_start_group=may_start_group,
                      detokenize=tokenizer.decode, **({} if tracer is None else {"tracer": tracer}))
     self.agent_config = ac = agent_config
@@ -165,8 +173,13 @@ class AgentDriver(RolloutDriver):
     self._live_episodes = 0
     self._prefixes: collections.OrderedDict = collections.OrderedDict()
     self._runner = EnvRunner(num_workers=ac.workers, timeout_s=ac.episode_timeout_s, name="agent")
-    from tunixlike.agents.server import AgentServer  # the server reads this driver's types
-    self.server = AgentServer(self, port=ac.port)
+    from tunixlike.agents.server import AgentServer, is_loopback  # the server reads this driver's types
+    self.api_key = ac.api_key or secrets.token_urlsafe(32)
+    self.server = AgentServer(self, api_key=self.api_key, host=ac.host, port=ac.port,
+                              max_body_bytes=ac.max_body_bytes)
+    if not is_loopback(ac.host):
+      _log.warning("the agent server listens on %s, reachable from other hosts: anyone who can read its traffic "
+                   "(plain HTTP) can learn the key and drive the policy or post rewards", ac.host)
     self.server.start()
     self.base_url = self.server.base_url
 
@@ -317,12 +330,14 @@ class AgentDriver(RolloutDriver):
       encode = lambda text, special: self.tokenizer.encode(text, add_special_tokens=special)
       with self._episode_lock:
         for i in range(g):
-          ep = AgentEpisode(id=f"{group.seq}-{i}", group=group, index=i, recording=Recording(encode))
+          # Unguessable (128 random bits), so a request cannot name a live episode it was not given;
+          # the suffix is the episode's index in its group.
+          ep = AgentEpisode(id=f"{secrets.token_hex(16)}-{i}", group=group, index=i, recording=Recording(encode))
           group.episodes.append(ep)
           self._episodes[ep.id] = ep
       for ep in group.episodes:
         self._live_episodes += 1
-        self._tickets[self._runner.submit(self._agent, self.base_url, ep.id, dict(record))] = ep
+        self._tickets[self._runner.submit(self._agent, self.base_url, self.api_key, ep.id, dict(record))] = ep
 
   def _refill(self) -> None:
     """Waiting turns into free slots; turns with the same prompt (the G episodes' first requests

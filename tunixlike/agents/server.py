@@ -9,6 +9,12 @@ Starlette on uvicorn, in a thread of the training process; the requests are serv
 `AgentDriver`, on the same decode slots as everything else. Every request names its episode: the
 `X-Episode-Id` header, or the body's `metadata.episode_id` or `user` field.
 
+Only the run's own agents are admitted: every request on every path must carry the run's key
+(`Authorization: Bearer KEY`, which the OpenAI client sends as its `api_key`), compared in constant
+time, or it is answered 401 before its body is read; episode ids are random (128 bits), so even a
+holder of the key cannot guess a live one. A body over `max_body_bytes` is answered 413. A client
+that disconnects before its request is read is counted and logged in one line.
+
 Sampling: the learner corrects only for the run's own sampling distribution (`sampler.temperature`,
 `top_p`), so a request asking for another one is served at the run's and counted (clamped, and the
 response carries the header `X-Tunixlike-Clamped`); so is a `max_tokens` over `sampler.max_new_tokens`.
@@ -19,7 +25,10 @@ sets vLLM's `include_stop_str_in_output`. One choice per request (`n` = 1): a GR
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
+import logging
 import math
 import socket
 import threading
@@ -30,7 +39,8 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
@@ -42,6 +52,8 @@ EPISODE_HEADER = "x-episode-id"
 CLAMPED_HEADER = "x-tunixlike-clamped"
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
+_log = logging.getLogger(__name__)
+
 
 def _error(status: int, message: str, code: str = "invalid_request_error") -> JSONResponse:
   kind = "invalid_request_error" if status < 500 else "server_error"
@@ -50,6 +62,36 @@ def _error(status: int, message: str, code: str = "invalid_request_error") -> JS
 
 class _Gone(Exception):
   """The client disconnected."""
+
+
+class _Guard:
+  """ASGI middleware in front of every route: a request without the run's key gets 401 (its body
+  unread); a body announced over the limit gets 413; a client gone before its request was read is
+  one counted log line, not an 'Exception in ASGI application' traceback."""
+
+  def __init__(self, app, *, server: "AgentServer"):
+    self.app, self.server = app, server
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    headers = dict(scope["headers"])
+    server = self.server
+    if not hmac.compare_digest(headers.get(b"authorization", b""), server._authorization):
+      server.driver.stats.unauthorized_requests += 1
+      return await _error(401, "missing or wrong API key: send the key the agent function was given as the "
+                          "OpenAI client's api_key (Authorization: Bearer KEY)", "invalid_api_key")(scope, receive, send)
+    length = headers.get(b"content-length", b"0")
+    if length.isdigit() and int(length) > server.max_body_bytes:
+      server.driver.stats.refused_requests += 1
+      return await _error(413, f"the request body ({length.decode(errors='replace')} bytes) is over "
+                          f"rl.agent_max_body_bytes={server.max_body_bytes}", "request_too_large")(scope, receive, send)
+    try:
+      await self.app(scope, receive, send)
+    except ClientDisconnect:
+      server.driver.stats.dropped_requests += 1
+      _log.warning("agent server: a client disconnected before its request was read (%d so far)",
+                   server.driver.stats.dropped_requests)
 
 
 async def _disconnected(request: Request) -> None:
@@ -71,11 +113,22 @@ async def _next(events: asyncio.Queue, gone: asyncio.Task):
   raise _Gone()
 
 
-class AgentServer:
-  """Serves an `AgentDriver` on 127.0.0.1:`port` (0 = a free port) from a daemon thread."""
+def is_loopback(host: str) -> bool:
+  try:
+    return ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    return host == "localhost"
 
-  def __init__(self, driver, *, host: str = "127.0.0.1", port: int = 0):
+
+class AgentServer:
+  """Serves an `AgentDriver` on `host`:`port` (0 = a free port) from a daemon thread, to requests
+  that carry `api_key` and bodies of at most `max_body_bytes`."""
+
+  def __init__(self, driver, *, api_key: str, host: str = "127.0.0.1", port: int = 0,
+               max_body_bytes: int = 4 << 20):
     self.driver = driver
+    self._authorization = f"Bearer {api_key}".encode()
+    self.max_body_bytes = max_body_bytes
     cfg = driver.engine.config
     self._temperature, self._top_p, self._max_new = cfg.temperature, cfg.top_p, cfg.max_new_tokens
     tok = driver.tokenizer
@@ -85,8 +138,9 @@ class AgentServer:
               Route("/v1/chat/completions", self.chat, methods=["POST"]),
               Route("/v1/completions", self.completions, methods=["POST"]),
               Route("/v1/episodes/{episode_id}/reward", self.reward, methods=["POST"])]
-    self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
-    self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error},
+                         middleware=[Middleware(_Guard, server=self)])
+    self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
       self._sock.bind((host, port))
@@ -94,7 +148,7 @@ class AgentServer:
       self._sock.close()
       raise ValueError(f"rl.agent_port={port}: cannot listen on {host}:{port}: {e}") from e
     self.port = self._sock.getsockname()[1]
-    self.base_url = f"http://{host}:{self.port}/v1"
+    self.base_url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}/v1"
     self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
                                                  timeout_graceful_shutdown=1))
     self._thread: threading.Thread | None = None
@@ -172,7 +226,12 @@ class AgentServer:
     return _error(e.status, e.message, e.code)
 
   async def _body(self, request: Request) -> dict[str, Any]:
-    raw = await request.body()
+    raw = bytearray()
+    async for chunk in request.stream():  # a body sent without its length is cut at the limit too
+      raw += chunk
+      if len(raw) > self.max_body_bytes:
+        raise RequestError(413, f"the request body is over rl.agent_max_body_bytes={self.max_body_bytes}",
+                           "request_too_large")
     try:
       body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

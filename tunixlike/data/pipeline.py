@@ -35,6 +35,7 @@ class PipelineConfig:
   messages_field: str | None = None  # A column of chat messages to render with the chat template, instead.
   use_chat_template: bool = True  # Apply the tokenizer's chat template when it has one.
   max_prompt_tokens: int | None = None  # Longer prompts are dropped (and counted) before shuffling.
+  skip_bad_rows: bool = False  # A row whose prompt columns are not text is dropped (counted), not an error.
   num_threads: int = 1  # grain read threads; tokenization is cheap, prompts are consumed slowly.
   prefetch_buffer_size: int = 16
 
@@ -58,6 +59,10 @@ def _template_fields(template: str) -> set[str]:
     raise ValueError(f"prompt_template={template!r} is not a valid str.format template: {e}") from None
 
 
+class BadRow(ValueError):
+  """A row whose prompt cannot be formatted as text (null, a number, a list)."""
+
+
 class PromptPipeline:
   """Formats and tokenizes the prompts of `source`; iterate it to get prompt records.
 
@@ -73,8 +78,9 @@ class PromptPipeline:
     if len(source) == 0:
       raise ValueError(f"{source.name}: the dataset is empty")
     self._check_columns()
+    self.num_bad_rows = 0  # Rows whose prompt is not text, dropped (skip_bad_rows).
     kept = self._length_filter()
-    self.num_filtered = len(source) - len(kept)  # Prompts dropped for exceeding max_prompt_tokens.
+    self.num_filtered = len(source) - len(kept) - self.num_bad_rows  # Prompts over max_prompt_tokens.
     if len(kept) < config.shard_count:
       raise ValueError(f"{source.name}: {len(kept)} prompts left after dropping {self.num_filtered} longer than "
                        f"max_prompt_tokens={config.max_prompt_tokens}; need at least shard_count={config.shard_count}")
@@ -110,6 +116,11 @@ class PromptPipeline:
     except (KeyError, IndexError) as e:
       where = where or f"{self.source.name}: record {record.get('id')!r}"
       raise ValueError(f"{where}: lacks column {e} needed by prompt_template {self.template!r}") from None
+    for field in _template_fields(self.template):  # null would be trained on as the text "None"
+      if not isinstance(record[field], str):
+        where = where or f"{self.source.name}: record {record.get('id')!r}"
+        raise BadRow(f"{where}: column {field!r} is {type(record[field]).__name__} {str(record[field])[:40]!r}, "
+                     "not text (fix the row, or set data.skip_bad_lines to skip such rows)")
     return self.tokenizer.format_prompt(text, system=self.config.system_prompt,
                                         use_chat_template=self.config.use_chat_template)
 
@@ -127,16 +138,26 @@ class PromptPipeline:
     return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
   def _length_filter(self) -> np.ndarray:
+    """The rows kept: every prompt is formatted now, so a bad row is named (or skipped) at start-up."""
     n = len(self.source)
     if self.config.max_prompt_tokens is None:
       return np.arange(n)
-    texts = [self.format(self.source[i], self.source.where(i)) for i in range(n)]
+    rows, texts = [], []
+    for i in range(n):
+      try:
+        texts.append(self.format(self.source[i], self.source.where(i)))
+        rows.append(i)
+      except BadRow:
+        if not self.config.skip_bad_rows:
+          raise
+        self.num_bad_rows += 1
+    rows = np.asarray(rows, np.int64)
     if self.templated:
       ids = self.tokenizer.encode_batch(texts, add_special_tokens=False)
     else:
       ids = self.tokenizer.encode_batch(texts)
     lengths = np.array([len(x) for x in ids])
-    return np.flatnonzero(lengths <= self.config.max_prompt_tokens)
+    return rows[lengths <= self.config.max_prompt_tokens] if len(rows) else rows
 
   def _tokenize(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
     text = self.format(record)

@@ -223,6 +223,10 @@ class DatasetTask:
   def _eval(self) -> sources.RecordSource:
     return as_source(self.eval, key="data.eval", skip_bad_lines=self.skip_bad_lines)
 
+  def data(self) -> dict[str, sources.RecordSource]:
+    """The sources as given, by the key that names them: data.train and (when given) data.eval."""
+    return {"data.train": self._train, **({"data.eval": self._eval} if self.eval is not None else {})}
+
   def source(self, split: str = "train", *, size: int | None = None, seed: int = 0) -> sources.RecordSource:
     if split not in SPLITS:
       raise ValueError(f"split={split!r}, expected one of {SPLITS}")

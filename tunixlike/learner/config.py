@@ -26,6 +26,12 @@ def _bool(v) -> str | None:
   return None if isinstance(v, bool) else "must be a bool"
 
 
+def _finite_range(v) -> str | None:
+  ok = (isinstance(v, (tuple, list)) and len(v) == 2
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v))
+  return None if ok and v[0] < v[1] else "must be two finite numbers [low, high] with low < high"
+
+
 @dataclasses.dataclass(frozen=True)
 class AlgoConfig:
   """The RL objective. eps_low / eps_high / aggregation = None take the loss's paper default."""
@@ -59,6 +65,9 @@ class AlgoConfig:
   keep_routing: bool = setting(
       False, "'Keep Routing' (needs sampler.record_routing): force the sampler's recorded MoE experts in the "
       "learner's forward, so experts that would flip cannot move the IS ratio", check=_bool)
+  reward_clip: tuple[float, float] = setting(
+      (-1e4, 1e4), "rewards are clipped to this finite [low, high] before advantages (the share clipped is "
+      "reward/clipped), so no reward, however large, makes the loss non-finite", check=_finite_range)
   overlong_buffer: int = setting(0, "DAPO soft overlong penalty over the last N tokens before max_new_tokens; 0 = off",
                                  check=non_negative)
   overlong_penalty: float = setting(1.0, "the penalty at max_new_tokens (linear over the buffer)", check=non_negative)

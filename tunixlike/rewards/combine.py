@@ -73,6 +73,9 @@ class CombinedReward:
                  prompt_ids=[r.get("id", i) for i, r in enumerate(rows)])
     for i, (spec, fn) in enumerate(zip(self.specs, self.fns)):
       count = fn.count_of(list(prompts), [""] * n, **batch)
+      if isinstance(count, str):
+        raise loader.LoadError(f"{self.where}[{i}].fn: {spec.name} returned {count} instead of a list of {n} "
+                               "scores: return one float (or None) per completion")
       if count is not None and count != n:
         raise loader.LoadError(f"{self.where}[{i}].fn: {spec.name} returned {count} scores for {n} completions: "
                                "return one float (or None) per completion")
@@ -81,18 +84,20 @@ class CombinedReward:
                                                                                              dict[str, float]]:
     if len(prompts) != len(completions):
       raise ValueError(f"CombinedReward: {len(prompts)} prompts for {len(completions)} completions")
-    total_n = np.zeros(len(completions), np.float32)
+    total_n = np.zeros(len(completions), np.float64)  # float32 would overflow a sum of huge finite scores
     metrics: dict[str, float] = {}
     for spec, fn in zip(self.specs, self.fns):
       scores, failed = fn(prompts, completions, **columns)
       scored_n = np.array([s is not None for s in scores], bool)
-      scores_n = np.array([0.0 if s is None else s for s in scores], np.float32)
+      scores_n = np.array([0.0 if s is None else s for s in scores], np.float64)
       total_n += spec.weight * scores_n
       metrics[f"rewards/{spec.name}"] = float(scores_n[scored_n].mean()) if scored_n.any() else 0.0
       metrics[f"rewards/{spec.name}/failures"] = float(failed)
       metrics[f"rewards/{spec.name}/skipped"] = float((~scored_n).sum())
     metrics["rewards/total"] = float(total_n.mean()) if len(total_n) else 0.0
-    return total_n, metrics
+    # Past float32's range saturates rather than turning into inf; algo.reward_clip then clips it (counted).
+    f32 = float(np.finfo(np.float32).max)
+    return np.clip(total_n, -f32, f32).astype(np.float32), metrics
 
 
 def _as_spec(spec) -> RewardSpec:

@@ -95,15 +95,17 @@ class SafeReward:
       return self._fail(n, f"returned {count} values for {n} completions")
     return self._collect([_SKIPPED if v is None else as_score(v) for v in values])
 
-  def count_of(self, prompts, completions, **columns) -> int | None:
-    """How many values one call returns (-1: not a sequence); None when it raised or was slow."""
+  def count_of(self, prompts, completions, **columns) -> int | str | None:
+    """How many values one call returns, or what it returned instead of a list ('None', 'a float');
+    None when it raised or was slow."""
     call = _Call(self.fn, list(prompts), list(completions), **columns)
     if not call.wait(time.monotonic() + min(self.timeout_s, 5.0)) or call.error is not None:
       return None
-    try:
-      return len(call.result)
-    except TypeError:
-      return -1
+    if call.result is None:
+      return "None"
+    if isinstance(call.result, (str, bytes)) or not hasattr(call.result, "__len__"):
+      return f"a {type(call.result).__name__}"
+    return len(call.result)
 
   def _per_sample(self, prompts, completions, columns, deadline) -> tuple[list[float], int]:
     n = len(completions)

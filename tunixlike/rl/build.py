@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from typing import Any
 
 import jax
@@ -36,7 +37,7 @@ from tunixlike.rl.collapse import CollapseConfig, CollapseDetector
 from tunixlike.rl.policy import Policy
 from tunixlike.rl import prompts as prompts_lib
 from tunixlike.rl.prompts import PromptStream, requests_for
-from tunixlike.rl.runtime import AsyncRuntime
+from tunixlike.rl.runtime import AGENT_API_KEY_ENV, AsyncRuntime
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.sampler.driver import RolloutDriver
 from tunixlike.sampler import make_engine
@@ -87,7 +88,7 @@ class Setup:
   tracer: trace_lib.Tracer
   reward: rewards_lib.CombinedReward | None = None  # the training reward; its first term is the evals' verifier
   make_env: Any = None  # rl.env: builds one `Env` per episode (None: single-turn)
-  agent: Any = None  # rl.agent: run_episode(base_url, episode_id, row), served by the agent server
+  agent: Any = None  # rl.agent: run_episode(base_url, api_key, episode_id, row), served by the agent server
   warm_start_records: list | None = None  # held-out set of the warm start: the same on every process
   critic: nnx.Module | None = None  # PPO's separate critic trunk (model.critic_path), on the learner mesh
   teacher: distill_lib.Teacher | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
@@ -144,7 +145,7 @@ def agent_function(cfg: Config, agent=None):
     return None
   fn = loader.load(spec, key="rl.agent")
   if not callable(fn):
-    raise loader.LoadError(f"rl.agent={spec!r}: {fn!r} is not a function run_episode(base_url, episode_id, row)")
+    raise loader.LoadError(f"rl.agent={spec!r}: {fn!r} is not a function run_episode(base_url, api_key, episode_id, row)")
   return fn
 
 
@@ -155,8 +156,40 @@ def build_model(cfg: Config, tok, mesh) -> nnx.Module:
                                                              dtype=m.param_dtype), m.attention)
   # The model section's sizes carry ModelConfig's own names; the vocabulary is the tokenizer's.
   sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(models.ModelConfig) if hasattr(m, f.name)}
-  return models.create_sharded(models.ModelConfig(vocab_size=tok.vocab_size, **sizes), mesh, mesh_lib.LEARNER_RULES,
-                               seed=cfg.seed)
+  model_cfg = models.ModelConfig(vocab_size=tok.vocab_size, **sizes)
+  check_fits(model_cfg, mesh)
+  return models.create_sharded(model_cfg, mesh, mesh_lib.LEARNER_RULES, seed=cfg.seed)
+
+
+def memory_per_device(device) -> tuple[int | None, str]:
+  """(bytes one learner device can hold, what that is): an accelerator's own memory, or the host's
+  physical memory for CPU devices (they share it). None when neither is known."""
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), f"{device.platform.upper()} memory per device"
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+  except (ValueError, OSError, AttributeError):
+    return None, "host memory"
+
+
+def check_fits(model_cfg: models.ModelConfig, mesh) -> None:
+  """Refuses, from the sizes alone (`jax.eval_shape`, nothing allocated), a model whose parameters
+  cannot fit where the learner keeps them: one copy of the weights, before the optimizer's and the
+  sampler's, is a floor that the run cannot go under."""
+  abstract = nnx.state(nnx.eval_shape(lambda: models.Transformer(model_cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  leaves = jax.tree.leaves(abstract)
+  n_params, n_bytes = sum(x.size for x in leaves), sum(x.size * x.dtype.itemsize for x in leaves)
+  devices = mesh.devices.flatten()
+  limit, what = memory_per_device(devices[0])
+  if limit is None:
+    return
+  need = n_bytes if devices[0].platform == "cpu" else n_bytes / len(devices)  # sharded over the learner devices
+  if need > limit:
+    sizes = ", ".join(f"model.{k}={getattr(model_cfg, k)}" for k in ("hidden_size", "intermediate_size", "num_layers",
+                                                                     "num_heads", "head_dim"))
+    raise ValueError(f"{sizes}: the model has {n_params:,} parameters ({n_bytes / 2**30:,.1f} GiB in "
+                     f"{model_cfg.param_dtype}), more than the {limit / 2**30:,.1f} GiB of {what}: lower the sizes")
 
 
 def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bool = True, dataset=None,
@@ -210,6 +243,9 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
     say(f"data: {train_pipe.num_filtered} train prompts longer than data.max_prompt_length dropped")
   if getattr(train_pipe.source, "skipped", 0):
     say(f"data: {train_pipe.source.skipped} bad lines skipped (data.skip_bad_lines)")
+  if train_pipe.num_bad_rows or eval_pipe.num_bad_rows:
+    say(f"data: {train_pipe.num_bad_rows} train and {eval_pipe.num_bad_rows} held-out rows whose prompt is not "
+        "text skipped (data.skip_bad_lines)")
   return Setup(cfg, meshes, tok, task, model, train_pipe, eval_records, trace_lib.Tracer(trace_path), reward=reward,
                make_env=make_env, agent=agent, warm_start_records=warm_records, critic=critic, teacher=teacher)
 
@@ -219,7 +255,7 @@ def pipeline_config(cfg: Config, **changes) -> pipeline.PipelineConfig:
   d = cfg.data
   return pipeline.PipelineConfig(seed=d.shuffle_seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
                                  max_prompt_tokens=d.max_prompt_length, system_prompt=d.system_prompt,
-                                 messages_field=d.messages_field, **changes)
+                                 messages_field=d.messages_field, skip_bad_rows=d.skip_bad_lines, **changes)
 
 
 def warm_start(setup: Setup, say=print, should_stop=lambda: False, on_step=lambda step: None, optimizer=None,
@@ -362,7 +398,9 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
                            may_start_group=may_start_group, tracer=tracer, agent=setup.agent, tokenizer=tok,
                            agent_config=AgentConfig(max_turns=cfg.rl.env_max_turns, workers=cfg.rl.agent_workers,
                                                     episode_timeout_s=cfg.rl.episode_timeout_s,
-                                                    port=cfg.rl.agent_port))
+                                                    port=cfg.rl.agent_port, host=cfg.rl.agent_host,
+                                                    api_key=os.environ.get(AGENT_API_KEY_ENV) or None,
+                                                    max_body_bytes=cfg.rl.agent_max_body_bytes))
       say(f"agent server: {driver.base_url} (model {driver.model_name!r})")
       return driver
     if setup.make_env is None:

@@ -44,6 +44,9 @@ class Hooks:
     return fn
 
   def run(self, info: StepInfo) -> None:
+    """Every-step hooks always; periodic ones when the step made a new version that is a multiple of
+    theirs (a skipped non-finite step made none: its version's eval is not redone)."""
+    advanced = info.version != info.step
     for fn, every in self._hooks:
-      if info.version % every == 0:
+      if every == 1 or (advanced and info.version % every == 0):
         fn(info)

@@ -6,6 +6,10 @@ optimizer, sampling, seed) would silently train another experiment on the old we
 position, so it is refused with the list of what changed. A key is resumable when its field says
 so (`setting(..., resumable=True)`, or a section's `RESUMABLE = True`): it only decides how long,
 how fast, or how visibly the run goes on.
+
+The data is checked too, by content: each checkpoint keeps a fingerprint of every data source
+(`data_fingerprints`), and a restart whose data changed is refused, naming the file and what
+changed, unless data.allow_change says it may.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, Mapping
 
 from tunixlike import metrics as metrics_lib, settings
 from tunixlike.config import Config
+from tunixlike.data import fingerprint as fingerprint_lib, tasks
 
 
 class IncompatibleResume(ValueError):
@@ -54,6 +59,31 @@ def check_compatible(meta: Mapping[str, Any], cfg, model_cfg: Mapping[str, Any],
     raise IncompatibleResume(
         f"{where} was trained with other settings; resuming would change {'; '.join(changes)}. Use a new --workdir, "
         f"or restore those keys (a resume may change only: {_resumable_summary()})")
+
+
+def data_fingerprints(task) -> dict[str, dict]:
+  """What the run's data holds (`data/fingerprint.py`), by the key that names it: the user's data.train
+  and data.eval (files or rows in memory), gsm8k's files. Built-in generated tasks are their config."""
+  if isinstance(task, tasks.DatasetTask):
+    return {key: fingerprint_lib.fingerprint(source) for key, source in task.data().items()}
+  if isinstance(task, tasks.Gsm8kTask):
+    paths = [os.path.join(task.path, f"{split}.jsonl") for split in ("train", "test")]
+    return {"data.path": {"files": {p: fingerprint_lib.file_digest(p) for p in paths}}}
+  return {}
+
+
+def data_changes(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[str]:
+  """`key: what changed` for every data source that differs from the checkpoint's ([] for a
+  checkpoint saved without fingerprints)."""
+  if saved is None:
+    return []
+  out = []
+  for key in sorted(saved.keys() | now.keys()):
+    if key not in now or key not in saved:
+      out.append(f"{key} was {'given' if key in saved else 'not given'} and is {'now' if key in now else 'not'}")
+      continue
+    out += [f"{key}: {change}" for change in fingerprint_lib.changes(saved[key], now[key])]
+  return out
 
 
 def _resumable_summary() -> str:

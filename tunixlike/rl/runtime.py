@@ -45,6 +45,13 @@ def _import_path(v) -> str | None:
   return None if isinstance(v, str) and ":" in v else "must be an import path 'package.module:fn' or 'file.py:fn'"
 
 
+def _host(v) -> str | None:
+  return None if isinstance(v, str) and v else "must be an address to listen on, e.g. '127.0.0.1'"
+
+
+AGENT_API_KEY_ENV = "TUNIXLIKE_AGENT_API_KEY"  # a key of your own for the agent server (else a random one)
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
   """The `rl` section of the config: the async loop, rewards, multi-turn episodes, stop conditions."""
@@ -74,12 +81,15 @@ class RuntimeConfig:
   env_max_turns: int = setting(4, "policy turns per episode (rl.env steps, or rl.agent requests)", check=positive)
   env_step_timeout_s: float = setting(30.0, "a tool slower than this costs its episode, not the run", check=positive)
   agent: str | None = setting(None, "your own agent loop, any framework: a function 'package.module:run_episode' or "
-                              "'file.py:run_episode' (base_url, episode_id, row) that talks to the policy through "
-                              "the OpenAI-compatible server (docs/agents.md); None = no agent",
+                              "'file.py:run_episode' (base_url, api_key, episode_id, row) that talks to the policy "
+                              "through the OpenAI-compatible server (docs/agents.md); None = no agent",
                               check=optional(_import_path))
   agent_workers: int = setting(64, "agent episodes running at once (one thread each)", check=positive)
-  agent_port: int = setting(0, "port of the agent server on 127.0.0.1 (0 = any free port)",
-                            check=in_range(0, 65535))
+  agent_port: int = setting(0, "port of the agent server (0 = any free port)", check=in_range(0, 65535))
+  agent_host: str = setting("127.0.0.1", "address the agent server listens on; another one than loopback lets "
+                            "other hosts reach it over plain HTTP (warned about; docs/agents.md)", check=_host)
+  agent_max_body_bytes: int = setting(4 << 20, "a request body over this is refused (413) unread",
+                                      check=positive)
   episode_timeout_s: float = setting(300.0, "an agent episode longer than this is aborted (and counted)",
                                      check=positive)
   dynamic_sampling: bool = run_value(False, "algo.dynamic_sampling: drop groups whose rewards have no variance, "

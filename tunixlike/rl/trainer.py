@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tunixlike import checkpoint as checkpoint_lib, distributed, metrics as metrics_lib, models
 from tunixlike import workdir as workdir_lib
 from tunixlike.config import Config
+from tunixlike.data import tasks as tasks_lib
 from tunixlike.rl import build as build_lib, collapse as collapse_lib, resume as resume_lib
 from tunixlike.rl import warm_start as warm_start_lib
 from tunixlike.rl.hooks import StepInfo
@@ -50,9 +51,10 @@ class SetupError(ValueError):
   """Bad input found while building the run (mesh sizes, model files, data, workdir): one clear line."""
 
 
-def run(cfg: Config, workdir: str, **user) -> dict[str, Any]:
+def run(cfg: Config, workdir: str, *, on_second_interrupt=None, **user) -> dict[str, Any]:
   """Trains (or resumes the run in `workdir`); returns a summary. See the module docstring.
-  `user`: in-memory `dataset`, `eval_dataset`, `rewards`, `env`, `agent` (see `tunixlike.train`)."""
+  `user`: in-memory `dataset`, `eval_dataset`, `rewards`, `env`, `agent` (see `tunixlike.train`).
+  `on_second_interrupt()`: what a second Ctrl-C does (the CLI exits at once); None raises KeyboardInterrupt."""
   try:  # before anything touches a JAX backend (the checkpointer does)
     distributed.initialize(cfg.distributed)
   except ValueError as e:
@@ -65,7 +67,7 @@ def run(cfg: Config, workdir: str, **user) -> dict[str, Any]:
   except workdir_lib.WorkdirError as e:
     raise SetupError(str(e)) from e
   try:
-    with Preemption() as preemption:
+    with Preemption(on_second=on_second_interrupt) as preemption:
       r = _Run(cfg, workdir, preemption, **user)
       try:
         return _stages(r)
@@ -166,7 +168,8 @@ def _restore(r: _Run) -> bool:
   policy = r.build_rl().policy
   meta = policy.restore(r.ckpt)  # step=None: a damaged newest checkpoint falls back, with a warning
   where = r.ckpt.step_dir(policy.version)
-  r.check_resumable(meta, policy.version, json.loads(json.dumps(dataclasses.asdict(policy.model().cfg))))
+  data_changed = r.check_resumable(meta, policy.version,
+                                   json.loads(json.dumps(dataclasses.asdict(policy.model().cfg))))
   r.open_logs(policy.version)
   r.counters.update(meta["counters"])
   r.queue_counts = meta.get("queue")
@@ -175,11 +178,17 @@ def _restore(r: _Run) -> bool:
     raise SetupError(f"{where} was saved by {len(streams)} processes; resuming needs the same number, not "
                      f"{jax.process_count()}")
   mine = streams[r.pid]
-  r.stream = PromptStream(r.setup.train_pipe, mine["position"], replay=mine["outstanding"])
-  r.counters["groups_regenerated"] += r.stream.replayed
   for rec in metrics_lib.read_jsonl(r.logger.path):
     if "eval/accuracy" in rec:
       r.evals[rec["step"]] = rec["eval/accuracy"]
+  if data_changed:  # data.allow_change: positions in the old data mean nothing in the new
+    r.stream = PromptStream(r.setup.train_pipe)
+    r.say(f"resumed from {where} at step {policy.version} on changed data ({'; '.join(data_changed)}); "
+          f"data.allow_change: the prompt stream starts again at the start of the new data, and the "
+          f"{len(mine['outstanding'])} prompts in flight in the old data are not regenerated")
+    return True
+  r.stream = PromptStream(r.setup.train_pipe, mine["position"], replay=mine["outstanding"])
+  r.counters["groups_regenerated"] += r.stream.replayed
   r.say(f"resumed from {where} at step {policy.version}; regenerating {r.stream.replayed} prompts that were in "
         "flight")
   return True
@@ -252,17 +261,18 @@ def _readable_meta(ckpt: checkpoint_lib.Checkpointer, step: int) -> dict | None:
 
 
 def checkpoint_meta(setup: build_lib.Setup, rl: build_lib.RLStack, stream: PromptStream, counters: dict,
-                    queue: dict | None = None) -> dict[str, Any]:
+                    queue: dict | None = None, data: dict | None = None) -> dict[str, Any]:
   """Everything besides arrays that resuming (and export) needs, as plain JSON: the policy version,
   the data position with the prompts in flight (replayed on resume), the run's counters, the
-  queue's admission counters, and the config it was trained with (checked on resume)."""
+  queue's admission counters, the config it was trained with and the data's fingerprints
+  (`resume.data_fingerprints`; both checked on resume)."""
   cfg, model_cfg = setup.cfg, rl.policy.model().cfg
   # Each process reads its own data shard: keep every process's stream position (in process order).
   streams = distributed.allgather_json(stream.state()) if jax.process_count() > 1 else None
   return json.loads(json.dumps({
       "version": rl.policy.version, "stream": stream.state() if streams is None else streams[0],
       **({"streams": streams} if streams is not None else {}), "counters": counters,
-      **({"queue": queue} if queue is not None else {}),
+      **({"queue": queue} if queue is not None else {}), **({"data": data} if data is not None else {}),
       "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(model_cfg),
       "lora": ({"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets)}
                if cfg.lora.rank else None),
@@ -283,6 +293,7 @@ class _Run:
       self.setup = build_lib.build(cfg, self.trace_path, **user)
     except (ValueError, OSError, models.CheckpointError) as e:
       raise SetupError(str(e)) from e
+    self.data_fingerprints = resume_lib.data_fingerprints(self.setup.task)  # kept in every checkpoint
     self.ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), keep=cfg.checkpoint.keep,
                                             save_every_steps=cfg.checkpoint.every_steps,
                                             save_every_seconds=cfg.checkpoint.every_seconds,
@@ -314,14 +325,27 @@ class _Run:
     """A preemption seen by any process (a signal reaches the hosts at different times)."""
     return self.agreed(self.preemption.requested)
 
-  def check_resumable(self, meta: dict | None, step: int, model_cfg: dict | None = None):
-    """A restart whose config would change what checkpoint `step` was trained with is refused."""
+  def check_resumable(self, meta: dict | None, step: int, model_cfg: dict | None = None) -> list[str]:
+    """A restart whose config would change what checkpoint `step` was trained with is refused; so is
+    one whose data changed, unless data.allow_change. Returns what changed in the data ([]: nothing)."""
     if meta is None:
-      return
+      return []
+    where = self.ckpt.step_dir(step)
     try:
-      resume_lib.check_compatible(meta, self.cfg, model_cfg or {}, self.ckpt.step_dir(step))
+      resume_lib.check_compatible(meta, self.cfg, model_cfg or {}, where)
     except resume_lib.IncompatibleResume as e:
       raise SetupError(str(e)) from e
+    changed = resume_lib.data_changes(meta.get("data"), self.data_fingerprints)
+    if changed and not self.cfg.data.allow_change:
+      raise SetupError(f"{where} was trained on other data: {'; '.join(changed)}. Resuming would continue its prompt "
+                       "stream by position into other rows. Restore the data, use a new --workdir, or set "
+                       "data.allow_change=true to start the stream again on the new data")
+    carved = isinstance(self.setup.task, tasks_lib.DatasetTask) and self.setup.task.eval is None
+    if carved and any(c.startswith("data.train") for c in changed):
+      raise SetupError(f"{where}: data.train changed ({'; '.join(changed)}) and the held-out split is carved from it: "
+                       "it would be carved again from the new rows, so former held-out prompts could be trained on. "
+                       "Give a fixed held-out file (data.eval) to resume on changed data, or use a new --workdir")
+    return changed
 
   # ---- logs ----
   def open_logs(self, step: int | None):
@@ -379,7 +403,8 @@ class _Run:
   def meta(self) -> dict[str, Any]:
     if self.runtime is not None:
       self.queue_counts = self.runtime.queue.counts()
-    return checkpoint_meta(self.setup, self.rl, self.stream, self.counters, queue=self.queue_counts)
+    return checkpoint_meta(self.setup, self.rl, self.stream, self.counters, queue=self.queue_counts,
+                           data=self.data_fingerprints)
 
   # ---- the loop's hooks, in the order they run after every step ----
   def add_hooks(self, runtime: AsyncRuntime):

@@ -1,0 +1,54 @@
+"""algo.reward_clip: no finite reward, however large, makes the advantages (and so the loss) non-finite."""
+
+import numpy as np
+import pytest
+
+from tunixlike.learner import group_advantages
+from tunixlike.learner.config import AlgoConfig
+from tunixlike.rewards import CombinedReward
+from tunixlike.rollout import Completion, RolloutGroup
+from tunixlike.settings import ConfigError
+
+
+def _group(rewards):
+  completions = [Completion(np.array([5, 2], np.int32), np.zeros(2, np.float32), np.zeros(2, np.int32), "eos")
+                 for _ in rewards]
+  return RolloutGroup(prompt_id=0, prompt_token_ids=np.array([7], np.int32), completions=completions,
+                      rewards=np.asarray(rewards, np.float32))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_huge_finite_rewards_are_clipped_and_counted(estimator):
+  # Unclipped, three of these overflow float32's sum: the group mean is inf and the advantages NaN.
+  group = _group([3e38, 3e38, 3e38, 0.0])
+  with np.errstate(over="ignore", invalid="ignore"):
+    unclipped = group_advantages.compute(group, group_advantages.AdvantageConfig(estimator, reward_clip=(-4e38, 4e38)))
+  assert not np.isfinite(unclipped[1]).all()
+  group_advantages.set_advantages(group, group_advantages.AdvantageConfig(estimator, reward_clip=(-1e4, 1e4)))
+  np.testing.assert_array_equal(group.rewards, [1e4, 1e4, 1e4, 0.0])
+  assert group.reward_metrics["reward/clipped"] == 0.75
+  assert np.isfinite(group.advantages).all() and group.advantages[3] < 0 < group.advantages[0]
+
+
+def test_a_sum_of_rewards_past_float32_saturates_then_clips():
+  big = lambda prompts, completions, **_: [3e38] * len(completions)
+  reward = CombinedReward([{"fn": big, "name": "a"}, {"fn": big, "name": "b"}])
+  total, metrics = reward(["p"] * 2, ["x", "y"])
+  assert np.isfinite(total).all() and np.isfinite(metrics["rewards/total"])
+  group = _group(total)
+  group_advantages.set_advantages(group, group_advantages.AdvantageConfig())
+  np.testing.assert_array_equal(group.rewards, [1e4, 1e4])
+  assert group.reward_metrics["reward/clipped"] == 1.0
+
+
+def test_in_range_rewards_are_untouched():
+  group = _group([1.0, 0.0, -2.5])
+  group_advantages.set_advantages(group, group_advantages.AdvantageConfig())
+  np.testing.assert_array_equal(group.rewards, [1.0, 0.0, -2.5])
+  assert group.reward_metrics["reward/clipped"] == 0.0
+
+
+@pytest.mark.parametrize("bad", [(1.0, -1.0), (0.0, float("inf")), (float("nan"), 1.0), (1.0,), "wide"])
+def test_the_range_must_be_finite_and_ordered(bad):
+  with pytest.raises(ConfigError, match=r"algo.reward_clip=.*two finite numbers"):
+    AlgoConfig(reward_clip=bad)
