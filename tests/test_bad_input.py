@@ -111,3 +111,56 @@ def test_a_full_disk_stops_the_run_with_one_clear_line(tmp_path):
   assert len(ours) == 1 and ("No space left on device" in ours[0] or "File too large" in ours[0]), ours
   # orbax's writer threads' own tracebacks (about 25 on a full disk) are not repeated on top of it.
   assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr, out.stderr[-3000:]
+
+
+def _one_line(out) -> str:
+  assert out.returncode == 2, out.stderr[-3000:]
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("tunixlike.train: error: "), out.stderr[-3000:]
+  return lines[0].removeprefix("tunixlike.train: error: ")
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--config.seed=99999999999999999999"], "seed=99999999999999999999: must be in [0, 2**32)"),
+    (["--config.seed=-1"], "seed=-1: must be in [0, 2**32)"),
+    (["--config.data.shuffle_seed=-1"], "data.shuffle_seed=-1: must be in [0, 2**32)"),
+    (["--config.algo.reward_clip=(1.0, -1.0)"], "algo.reward_clip=(1.0, -1.0): must be two finite numbers"),
+    (["--config.rl.agent_host="], "rl.agent_host='': must be an address to listen on"),
+    # An optional key set to None from the command line reaches the config as None (here data.task,
+    # which then needs data.train), in each spelling the docs and users write.
+    (["--config.data.task=None"], "data.task=None: needs a dataset instead"),
+    (["--config.data.task=none"], "data.task=None: needs a dataset instead"),
+    (["--config.data.task=null"], "data.task=None: needs a dataset instead"),
+    (["--config.data.task="], "data.task=None: needs a dataset instead"),
+])
+def test_values_out_of_range_are_named_before_the_run(args, expected):
+  line = _one_line(train("--config", "configs/addition_grpo.py", *args, "--check_only"))
+  assert line.startswith(expected), line
+
+
+def test_a_reward_weight_that_is_not_finite_is_named(tmp_path):
+  path = tmp_path / "nan_weight.py"
+  path.write_text("from tunixlike import config\n\ndef get_config(arg=None):\n  c = config.default_config_dict()\n"
+                  "  c.rewards = ({'fn': 'exact_match', 'weight': float('nan')},)\n  return c\n")
+  line = _one_line(train("--config", str(path), "--check_only"))
+  assert line == "rewards=({'fn': 'exact_match', 'weight': nan},): item 0: weight=nan must be a finite number", line
+
+
+def test_a_model_too_large_for_memory_is_refused_before_allocating(tmp_path):
+  out = train(*TINY, "--config.model.hidden_size=1000000000", f"--workdir={tmp_path / 'run'}")
+  line = _one_line(out)
+  assert line.startswith("model.hidden_size=1000000000, ") and " parameters (" in line and "GiB of" in line, line
+
+
+@pytest.mark.slow
+def test_a_huge_finite_reward_is_clipped_not_fatal_and_the_eval_is_logged_once(tmp_path):
+  (tmp_path / "huge.py").write_text("def huge(completions, **_):\n  return [3e38 if i % 8 < 3 else 0.0 for i in "
+                                    "range(len(completions))]\n")
+  out = train(*TINY, "--config.rl.num_steps=2", f"--config.rewards=({{'fn': '{tmp_path}/huge.py:huge'}},)",
+              f"--workdir={tmp_path / 'run'}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  records = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
+  steps = [r for r in records if "loss" in r]
+  assert len(steps) == 2 and all(r["nonfinite_in_a_row"] == 0 and r["reward/clipped"] > 0 for r in steps)
+  assert all(abs(r["reward/mean"]) <= 1e4 for r in steps)
+  assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2]
