@@ -35,6 +35,8 @@ def _files(source: sources.RecordSource) -> list[str] | None:
     return None if any(p is None for p in parts) else [f for p in parts for f in p]
   if isinstance(source, sources.HFDiskSource):
     return sorted(os.path.join(root, f) for root, _, files in os.walk(source.name) for f in files)
+  if isinstance(source, sources.ListSource) and source.lines is None:  # rows given in memory, named by their key
+    return None
   return [source.name] if os.path.isfile(source.name) else None
 
 
