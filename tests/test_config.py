@@ -5,7 +5,7 @@ import pathlib
 import pytest
 
 from tunixlike import config as config_lib, settings
-from tunixlike.rl.runtime import RuntimeConfig
+from tunixlike.rl.config import RuntimeConfig
 from tunixlike.sampler.config import SamplerConfig
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"

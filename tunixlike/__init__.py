@@ -12,18 +12,33 @@ layer over the same `train`.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-from tunixlike.config import Config, ConfigError, from_config_dict, load, replace
-from tunixlike.rewards.envs.base import Env, StepResult
-from tunixlike.rewards.registry import register as register_reward
+from tunixlike.lazy_exports import lazy_exports
 
-__all__ = ["Config", "ConfigError", "Env", "StepResult", "load_config", "register_reward", "replace", "train"]
+if TYPE_CHECKING:
+  from tunixlike.config import Config
+
+# Imported on first use, so `import tunixlike.settings` (or any leaf module) imports no JAX.
+__getattr__, __dir__, _lazy = lazy_exports(__name__, {
+    "config": ("Config", "ConfigError", "replace"),
+    "rewards.envs.base": ("Env", "StepResult"),
+})
+__all__ = sorted(_lazy + ["load_config", "register_reward", "train"])
+
+
+def register_reward(name: str):
+  """Decorator: `@tunixlike.register_reward("my_reward")` makes a reward function usable by name in configs."""
+  from tunixlike.rewards.registry import register
+
+  return register(name)
 
 
 def load_config(spec: str | Mapping | Config, overrides: Mapping[str, Any] | None = None) -> Config:
   """A validated `Config` from a config file (`path.py` or `path.py:variant`), a ConfigDict or a
   Config, with `overrides` as {"section.key": value} (what `--config.section.key=value` does)."""
+  from tunixlike.config import Config, ConfigError, from_config_dict, load, replace
+
   if isinstance(spec, Config):
     raw = None
     cfg = spec
