@@ -67,7 +67,7 @@ def load_config(spec: str | Mapping | Config, overrides: Mapping[str, Any] | Non
 
 
 def train(config: str | Mapping | Config, workdir: str, *, dataset=None, eval_dataset=None, rewards=None,
-          env=None, agent=None) -> dict[str, Any]:
+          env=None, agent=None, hooks=None) -> dict[str, Any]:
   """Trains, or resumes the run in `workdir`; returns the summary (eval accuracy before and after,
   counters, where the outputs are).
 
@@ -79,9 +79,16 @@ def train(config: str | Mapping | Config, workdir: str, *, dataset=None, eval_da
     agent                   rl.agent: your agent loop, run_episode(base_url, episode_id, row), talking
                             to the policy through the OpenAI-compatible server (docs/agents.md).
   Resume a run given in-memory objects by passing the same objects again.
+  `hooks`: functions of each RL step's `StepInfo` (step, version, metrics, trained and dropped
+  groups), or {"fn": function, "every": N} to run one when the new version is a multiple of N. A hook
+  may add to `info.metrics` (logged with the step) or call `info.stop()` to end the run after this
+  step (the final eval and checkpoint follow). docs/runtime.md#hooks has an example.
   """
-  from tunixlike.rl import trainer  # JAX starts here: set XLA_FLAGS before calling
+  from tunixlike.rl import hooks as hooks_lib
 
   cfg = load_config(config)
+  hooks_lib.user_hooks(hooks)  # bad hooks are refused here, before JAX starts
+  from tunixlike.rl import trainer  # JAX starts here: set XLA_FLAGS before calling
+
   return trainer.run(cfg, workdir, dataset=dataset, eval_dataset=eval_dataset, rewards=rewards, env=env,
-                     agent=agent)
+                     agent=agent, hooks=hooks)

@@ -68,6 +68,7 @@ class AsyncRuntime:
     self.queue = RolloutQueue(cfg.prompts_per_step, cfg.max_staleness, self.stop_event,
                               on_drop=self._dropped.append, start_version=policy.version, counts=queue_counts)
     self.preempted = False
+    self.stopped_by_hook = False  # a hook called `info.stop()`
     self._errors: list[BaseException] = []
     self._pool = concurrent.futures.ThreadPoolExecutor(cfg.reward_workers, thread_name_prefix="reward")
     self.driver = driver_factory(sink=self._on_group,
@@ -77,9 +78,11 @@ class AsyncRuntime:
     self.learner_busy_s = 0.0
     self.sync_ms: list[float] = []
 
-  def request_stop(self) -> None:
-    """Stop after the current step (a hook's way to end the run cleanly, e.g. on preemption)."""
+  def request_stop(self, *, finish: bool = False) -> None:
+    """Stop after the current step: a preemption (`preempted`: the run resumes later) or, with
+    `finish=True` (a hook's `info.stop()`), the end of the run (the final eval and checkpoint follow)."""
     self._stop_requested = True
+    self.stopped_by_hook = finish
 
   # ---- sampler side (driver thread, reward pool) ----------------------------------------------
   def _on_group(self, group: RolloutGroup):
@@ -128,7 +131,7 @@ class AsyncRuntime:
     try:
       for _ in range(self.num_steps):
         if self._stop_requested:
-          self.preempted = True
+          self.preempted = not self.stopped_by_hook
           break
         self._check()
         t0 = time.monotonic()
@@ -178,7 +181,8 @@ class AsyncRuntime:
           values = [g.reward_metrics[name] for g in groups if name in g.reward_metrics]
           metrics[name] = float(np.mean(values)) if "failures" not in name else float(np.sum(values))
         dropped, self._dropped[:] = list(self._dropped), []
-        self.hooks.run(StepInfo(version, self.policy.version, metrics, groups, dropped, collapse=collapsed))
+        self.hooks.run(StepInfo(version, self.policy.version, metrics, groups, dropped, collapse=collapsed,
+                                stop=lambda: self.request_stop(finish=True)))
         last = metrics
     except Stopped:
       self._check()  # the original error of the thread that stopped the run
@@ -189,4 +193,4 @@ class AsyncRuntime:
       self._pool.shutdown(wait=False, cancel_futures=True)
     self._check()
     wall = time.monotonic() - t_start
-    return {**last, "wall_s": wall, "preempted": self.preempted}
+    return {**last, "wall_s": wall, "preempted": self.preempted, "stopped_by_hook": self.stopped_by_hook}
