@@ -1,6 +1,6 @@
 """Async vs sync RL: the same config and learner steps at max_staleness=0 (sync) and >= 1 (async).
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/async_vs_sync.py [--out FILE] [--quick]
+  python benchmarks/async_vs_sync.py [--out FILE] [--quick]
 
 Prints one JSON object (and writes it to --out). Both modes run the real runtime
 (`build.build` -> `build_rl` -> `make_runtime` -> `AsyncRuntime.run(threaded=True)`) on
