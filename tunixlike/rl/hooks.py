@@ -20,6 +20,10 @@ from typing import Any, Callable, Mapping, Sequence
 from tunixlike.rollout import RolloutGroup
 
 
+def _no_stop():
+  raise RuntimeError("StepInfo.stop: this StepInfo comes from no loop that can be stopped")
+
+
 @dataclasses.dataclass
 class StepInfo:
   step: int  # the policy version the batch trained (its metrics are logged at this step)
@@ -28,11 +32,7 @@ class StepInfo:
   trained: list[RolloutGroup]
   dropped: list[RolloutGroup]  # dropped since the previous step (too stale, or no reward variance)
   collapse: str | None = None  # why the policy looks collapsed at this step (`collapse.py`), or None
-  stop: Callable[[], None] = dataclasses.field(default=lambda: _no_stop(), repr=False)  # end the run after this step
-
-
-def _no_stop():
-  raise RuntimeError("StepInfo.stop: this StepInfo comes from no loop that can be stopped")
+  stop: Callable[[], None] = dataclasses.field(default=_no_stop, repr=False)  # ends the run after this step
 
 
 Hook = Callable[[StepInfo], None]
