@@ -19,37 +19,30 @@ timed runs each, after a warm-up run of each that compiles every program).
 
 from __future__ import annotations
 
-import argparse
 import ssl
-import os
 import statistics
-import sys
 import threading
 import time
 
+import harness
 
-def _parse():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def _flags(p):
   p.add_argument("--agents", type=int, default=64, help="agents (episodes) running at once")
   p.add_argument("--slots", type=int, default=32, help="decode slots (both modes)")
   p.add_argument("--prompts", type=int, default=32, help="prompts per run (x 8 samples)")
   p.add_argument("--tokens", type=int, default=64, help="new tokens per sample")
   p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--quick", action="store_true", help="a smaller workload (smoke test, not the figures)")
-  p.add_argument("--out", default=None, help="also write the JSON object to this file")
-  return p.parse_args()
 
 
-ARGS = _parse()
-if "jax" not in sys.modules:
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()
+ARGS = harness.parse(__doc__, _flags)
+harness.host_devices(1)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import openai  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import models  # noqa: E402
 from tunixlike.agents.driver import AgentConfig, AgentDriver  # noqa: E402
 from tunixlike.data import char_tokenizer  # noqa: E402
@@ -60,7 +53,7 @@ G = 8
 
 
 def _requests(tok, n):
-  rng = np.random.default_rng(0)
+  rng = np.random.default_rng(ARGS.seed)
   out = []
   for i in range(n):
     text = f"{rng.integers(100, 999)}+{rng.integers(100, 999)}="
@@ -111,7 +104,7 @@ def main():
   tok = char_tokenizer.build()
   cfg = models.tiny_config(vocab_size=tok.vocab_size, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
                            intermediate_size=1024, num_layers=4)
-  model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+  model = models.Transformer(cfg, rngs=nnx.Rngs(ARGS.seed))
   slots = ARGS.slots
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("replica", "tensor"))
   engine = Engine(model, SamplerConfig(max_prefill_length=32, max_new_tokens=tokens, max_concurrent_decodes=slots,
@@ -143,13 +136,12 @@ def main():
       runs[name].append({"seconds": round(seconds, 3), "tokens_per_s": round(n_tokens / seconds, 1)})
   med = {name: statistics.median(r["seconds"] for r in rs) for name, rs in runs.items()}
   n_tokens = prompts * G * tokens
-  print_report(dict(
+  harness.report(dict(
       endpoint_tok_s=round(n_tokens / med["endpoint"], 1), inprocess_tok_s=round(n_tokens / med["inprocess"], 1),
       endpoint_vs_inprocess=round(med["endpoint"] / med["inprocess"], 3), runs=runs,
       workload=dict(prompts=prompts, samples_per_prompt=G, new_tokens=tokens, agents=ARGS.agents, slots=slots,
                     requests_per_run=prompts * G, quick=ARGS.quick, repeats=repeats),
-      model=dict(layers=4, hidden=256, ffn=1024, heads=4, kv_heads=2, vocab=tok.vocab_size),
-      load_average=[round(x, 2) for x in os.getloadavg()], date=time.strftime("%Y-%m-%d")), ARGS.out, indent=2)
+      model=dict(layers=4, hidden=256, ffn=1024, heads=4, kv_heads=2, vocab=tok.vocab_size)), ARGS, indent=2)
 
 
 if __name__ == "__main__":

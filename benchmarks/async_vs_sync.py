@@ -1,6 +1,6 @@
 """Async vs sync RL: the same config and learner steps at max_staleness=0 (sync) and >= 1 (async).
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/async_vs_sync.py [--out FILE] [--quick]
+  python benchmarks/async_vs_sync.py [--out FILE] [--quick]
 
 Prints one JSON object (and writes it to --out). Both modes run the real runtime
 (`build.build` -> `build_rl` -> `make_runtime` -> `AsyncRuntime.run(threaded=True)`) on
@@ -37,24 +37,20 @@ included, are kept as `*_runtime`); final reward is the mean `reward/mean` of th
 max_staleness versions older than the learner's, so this figure lags the policy);
 `final_eval_accuracy` scores the final policy itself on the held-out split (greedy, the task's
 verifier, after the timed run), and the notes judge both within two standard errors; staleness is
-the max of `staleness/max` over all steps. The machine may be shared: `os.getloadavg()` is recorded.
+the max of `staleness/max` over all steps. The machine may be shared: the load average is recorded (`harness.py`).
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import pathlib
-import sys
 import threading
 import time
 import zlib
 
+import harness
 
-def _parse(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--out", default=None, help="also write the JSON object to this file")
-  p.add_argument("--quick", action="store_true", help="tiny sizes, few steps (smoke test, not the figures)")
+
+def _flags(p):
   p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 40; quick 2)")
   p.add_argument("--skip-steps", type=int, default=None, help="steps excluded from timing (compilation)")
   p.add_argument("--final-steps", type=int, default=8, help="steps averaged for the final reward")
@@ -63,19 +59,15 @@ def _parse(argv=None):
   p.add_argument("--workloads", default="long_tail,slow_reward")
   p.add_argument("--sampler-devices", type=int, default=1, help="mesh.sampler_devices (data-parallel replicas)")
   p.add_argument("--learner-devices", type=int, default=1, help="mesh.learner_devices (FSDP)")
-  return p.parse_args(argv)
 
 
-ARGS = _parse()
-if "jax" not in sys.modules:  # virtual CPU devices = the two submeshes (the last flag given wins)
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-                             f"{ARGS.sampler_devices + ARGS.learner_devices}").strip()
+ARGS = harness.parse(__doc__, _flags)
+harness.host_devices(ARGS.sampler_devices + ARGS.learner_devices)  # the two submeshes
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import config as config_lib, rewards  # noqa: E402
 from tunixlike.rewards import basic  # noqa: E402
 from tunixlike.rl import build  # noqa: E402
@@ -115,7 +107,8 @@ def bench_slow_exact_match(prompts, completions, *, answer, prompt_ids, **kw):
 
 def workload_config(name: str, steps: int, quick: bool):
   cfg = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py"))
-  common = dict(log=dict(progress_bar=False, tensorboard=False, trace=False), eval=dict(every_steps=0),
+  common = dict(seed=ARGS.seed, log=dict(progress_bar=False, tensorboard=False, trace=False),
+                eval=dict(every_steps=0),
                 mesh=dict(sampler_devices=ARGS.sampler_devices, learner_devices=ARGS.learner_devices))
   if name == "long_tail":
     # 8 prompts x 4 samples = 32 completions per step on 32 slots: sync starts a whole batch at once
@@ -256,7 +249,6 @@ def main():
   if not 0 <= skip < steps:
     raise ValueError(f"--skip-steps={skip} must be in [0, --steps={steps})")
   names = [n for n in ARGS.workloads.split(",") if n]
-  load_before = os.getloadavg()
   t0 = time.time()
   staleness = {n: ARGS.async_staleness if ARGS.async_staleness is not None else ASYNC_STALENESS[n] for n in names}
   detail = {n: bench_workload(n, steps, skip, ARGS.final_steps, staleness[n], ARGS.quick) for n in names}
@@ -272,11 +264,9 @@ def main():
   result["final_eval_accuracy_async"] = {n: detail[n]["async"]["final_eval_accuracy"] for n in names}
   result["max_staleness"] = max(r["max_staleness"] for r in runs)
   result["workloads"] = detail
-  result["loadavg_before"] = list(load_before)
-  result["loadavg_after"] = list(os.getloadavg())
   result["wall_s"] = time.time() - t0
   result["notes"] = notes(result, names)
-  print_report(result, ARGS.out, indent=1)
+  harness.report(result, ARGS)
 
 
 def _eval_verdict(sync: dict, async_: dict) -> str:
@@ -299,8 +289,9 @@ def _verdict(diff: float, two_se: float) -> str:
 
 def notes(result, names) -> list[str]:
   """What the figures mean against the targets (filled from the measurements, not assumed)."""
-  out = [f"machine: 2 CPU cores shared with other jobs (loadavg {result['loadavg_before'][0]:.1f} -> "
-         f"{result['loadavg_after'][0]:.1f}); sampler and learner submeshes share those cores, so async "
+  load = harness.load_average()
+  out = [f"machine: 2 CPU cores shared with other jobs (loadavg {load['before'][0]:.1f} -> "
+         f"{load['after'][0]:.1f}); sampler and learner submeshes share those cores, so async "
          "overlaps latency (idle slots, reward waits) but not compute."]
   targets = {"long_tail": 1.5, "slow_reward": 1.8}
   for n in names:

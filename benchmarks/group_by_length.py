@@ -19,33 +19,25 @@ train the same objective.
 
 from __future__ import annotations
 
-import argparse
-import os
 import pathlib
-import sys
 import time
 
+import harness
 
-def _parse():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def _flags(p):
   p.add_argument("--devices", type=int, default=1, help="learner devices (FSDP)")
   p.add_argument("--steps", type=int, default=8, help="timed steps per setting (median reported)")
-  p.add_argument("--out", default=None, help="also write the JSON object to this file")
   p.add_argument("--groups", type=int, default=8, help="optim.group_by_length of the grouped setting (each "
                  "group is a branch of the compiled step: fewer compile faster)")
-  p.add_argument("--quick", action="store_true", help="short rows, 2 steps: a smoke test, not the figures")
-  return p.parse_args()
 
 
-ARGS = _parse()
-if "jax" not in sys.modules:  # one sampler device (unused) + the learner devices
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={ARGS.devices + 1}").strip()
+ARGS = harness.parse(__doc__, _flags, quick="short rows, 2 steps")
+harness.host_devices(ARGS.devices + 1)  # one sampler device (unused) + the learner devices
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import config as config_lib  # noqa: E402
 from tunixlike.rl import build  # noqa: E402
 
@@ -91,9 +83,8 @@ def time_setting(micro: int, group: int, batches) -> dict:
 def main():
   max_new = 24 if ARGS.quick else 320
   steps = 2 if ARGS.quick else ARGS.steps
-  rng = np.random.default_rng(0)
+  rng = np.random.default_rng(ARGS.seed)
   batches = [long_tailed_batch(rng, max_new) for _ in range(steps)]
-  load_before = os.getloadavg()
   settings = {name: time_setting(m, g, batches) for name, (m, g) in SETTINGS.items()}
   lengths = np.concatenate([b["loss_mask"].sum(1) for b in batches])
   ms = {k: v["median_ms"] for k, v in settings.items()}
@@ -103,9 +94,9 @@ def main():
       "completion_length": {"mean": float(lengths.mean()), "p50": float(np.median(lengths)), "max": int(lengths.max())},
       "padded_ms": ms["padded"], "micro_ms": ms["micro"], "grouped_ms": ms["grouped"],
       "grouped_vs_padded": ms["padded"] / ms["grouped"], "grouped_vs_micro": ms["micro"] / ms["grouped"],
-      "settings": settings, "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()),
+      "settings": settings,
   }
-  print_report(result, ARGS.out, indent=1)
+  harness.report(result, ARGS)
 
 
 if __name__ == "__main__":

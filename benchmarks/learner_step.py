@@ -1,6 +1,6 @@
 """Learner train-step throughput and model FLOPs utilisation (MFU) on this machine.
 
-  python benchmarks/learner_step.py [--devices 2] [--batch 8] [--seq 256] [--steps 3] [--quick]
+  python benchmarks/learner_step.py [--devices 2] [--batch 8] [--seq 256] [--steps 3] [--out FILE] [--quick]
 
 Prints one JSON object. Two models (fp32, random weights, Qwen2-style with tied embeddings):
   sampler_bench: the model of benchmarks/sampler_throughput.py (4 layers, hidden 256, ffn 1024,
@@ -22,28 +22,21 @@ average is reported: figures taken under load are noisy.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 import time
 
+import harness
 
-def _parse():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def _flags(p):
   p.add_argument("--devices", type=int, default=2, help="CPU devices = learner fsdp axis")
   p.add_argument("--batch", type=int, default=8, help="rows per step")
   p.add_argument("--seq", type=int, default=256, help="tokens per row (prompt 32 + completion)")
   p.add_argument("--micro-batches", type=int, default=1)
   p.add_argument("--steps", type=int, default=3, help="timed steps (best of them is reported)")
-  p.add_argument("--quick", action="store_true", help="small shapes: a smoke test, not the figures")
-  return p.parse_args()
 
 
-ARGS = _parse()
-if "jax" not in sys.modules:  # virtual CPU devices must be set before JAX starts
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
+ARGS = harness.parse(__doc__, _flags, quick="small shapes")
+harness.host_devices(ARGS.devices)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -75,13 +68,13 @@ def flops_per_token(cfg: models.ModelConfig, seq: int) -> tuple[float, int]:
 
 def bench_model(name: str, sizes: dict, mesh: Mesh, batch: int, seq: int, steps: int) -> dict:
   cfg = models.ModelConfig(**sizes, max_position_embeddings=max(seq, 512))
-  model = models.create_sharded(cfg, mesh, LEARNER_RULES, seed=0)
+  model = models.create_sharded(cfg, mesh, LEARNER_RULES, seed=ARGS.seed)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
   lcfg = LearnerConfig(algo=AlgoConfig(loss="ppo_clip", is_mode="tis"),
                        optim=OptimConfig(learning_rate=1e-5, micro_batches=ARGS.micro_batches),
                        logprob_chunk_size=128)
   learner = Learner(model, lcfg, mesh=mesh, rules=LEARNER_RULES)
-  rng = np.random.default_rng(0)
+  rng = np.random.default_rng(ARGS.seed)
   host = {
       "tokens": rng.integers(1, cfg.vocab_size, size=(batch, seq)).astype(np.int32),
       "loss_mask": np.zeros((batch, seq), np.float32),
@@ -117,7 +110,6 @@ def main():
   devices = jax.devices()[:ARGS.devices]
   batch, seq, steps = (ARGS.batch, ARGS.seq, ARGS.steps) if not ARGS.quick else (4, 64, 1)
   n = 1024 if ARGS.quick else 4096
-  load_before = os.getloadavg()[0]
   # The machine may be shared: the peak is measured before and after every model and the best
   # figure is used, so a busy moment during one peak measurement cannot inflate the MFU.
   peaks = [peak_matmul_flops(devices, n=n)]
@@ -131,18 +123,17 @@ def main():
     r["mfu"] = r["model_flops_per_s"] / peak["peak"]
   large = max(results, key=lambda k: results[k]["params"])
   out = {
-      "benchmark": "learner_step", "backend": jax.default_backend(), "devices": len(devices),
-      "mesh": {"fsdp": len(devices), "tensor": 1}, "dtype": "float32", "quick": ARGS.quick,
+      "benchmark": "learner_step", "devices": len(devices),
+      "mesh": {"fsdp": len(devices), "tensor": 1}, "dtype": "float32",
       "larger_model": large,
       "tokens_per_s": results[large]["tokens_per_s"],
       "model_flops_per_s": results[large]["model_flops_per_s"],
       "peak_matmul_flops_per_s": peak["peak"], "peak_matmul_detail": peak,
       "peak_matmul_measurements": [p["peak"] for p in peaks],
-      "load_average_1m": {"before": load_before, "after": os.getloadavg()[0], "cpu_count": os.cpu_count()},
       "mfu": results[large]["mfu"], "mfu_target": 0.25, "mfu_target_met": results[large]["mfu"] >= 0.25,
       "models": results,
   }
-  print(json.dumps(out, indent=1))
+  harness.report(out, ARGS)
 
 
 if __name__ == "__main__":

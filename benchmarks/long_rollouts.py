@@ -26,14 +26,13 @@ compilation is timed; asserted from JAX's trace events).
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 
+import harness
 
-def _parse(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def _flags(p):
   p.add_argument("--requests", type=int, default=32, help="prompts of the long-tailed workload")
   p.add_argument("--max-tokens", type=int, default=8192, help="longest completion limit")
   p.add_argument("--min-tokens", type=int, default=64, help="shortest completion limit")
@@ -44,21 +43,16 @@ def _parse(argv=None):
   p.add_argument("--repeats", type=int, default=1, help="paired timed runs of (a): contiguous then paged, each time")
   p.add_argument("--lengths", default="", help="comma-separated completion lengths for the growth table")
   p.add_argument("--skip-short", action="store_true", help="leave out the short fixed workload (c)")
-  p.add_argument("--quick", action="store_true", help="small workloads (smoke test, not the figures)")
-  p.add_argument("--out", default=None, help="also write the JSON object to this file")
-  return p.parse_args(argv)
 
 
-ARGS = _parse()
-if "jax" not in sys.modules:
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()
+ARGS = harness.parse(__doc__, _flags, quick="small workloads")
+harness.host_devices(1)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tunixlike import mesh as mesh_lib  # noqa: E402
 from tunixlike import models  # noqa: E402
-from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike.sampler import PromptRequest, RolloutDriver, SamplerConfig, make_engine  # noqa: E402
 from tunixlike.sampler.blocks import blocks_for  # noqa: E402
 
@@ -71,7 +65,7 @@ TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 def _model(max_positions: int):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), mesh_lib.SAMPLER_AXES)
   cfg = models.ModelConfig(max_position_embeddings=max_positions, **SIZES)
-  return models.create_sharded(cfg, mesh, mesh_lib.SAMPLER_RULES, seed=0), mesh
+  return models.create_sharded(cfg, mesh, mesh_lib.SAMPLER_RULES, seed=ARGS.seed), mesh
 
 
 def _run(engine, params, prompts, limits):
@@ -197,10 +191,9 @@ def main():
   a = ARGS
   if a.quick:
     a.requests, a.max_tokens, a.min_tokens, a.slots, a.budget_slots = 8, 256, 16, 8, 2
-  rng = np.random.default_rng(0)
+  rng = np.random.default_rng(a.seed)
   longest = max([a.max_tokens, 2048 + 64] + [int(x) for x in a.lengths.split(",") if x]) + PROMPT_LEN + 64
   model, mesh = _model(longest)
-  load_before = os.getloadavg()[0]
   out = long_tail(model, mesh, rng, a)
   out.update(prompt_sharing(model, mesh, a, prompt_len=256 if a.quick else 2048))
   if not a.skip_short:
@@ -211,10 +204,8 @@ def main():
                         short_paged_vs_contiguous=0.9)
   out["setup"] = dict(devices=1, paged_slots=a.slots, budget_slots=a.budget_slots, block_size=a.block_size,
                       steps_per_call=a.steps_per_call, requests=a.requests, repeats=a.repeats, prompt_tokens=PROMPT_LEN,
-                      spread=f"geometric over [{a.min_tokens}, {a.max_tokens}]", quick=a.quick, jax=jax.__version__)
-  out["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-  out["date"] = time.strftime("%Y-%m-%d")
-  print_report(out, a.out, indent=2)
+                      spread=f"geometric over [{a.min_tokens}, {a.max_tokens}]")
+  harness.report(out, a, indent=2)
 
 
 if __name__ == "__main__":

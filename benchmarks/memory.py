@@ -1,6 +1,6 @@
 """Learner memory for PPO: what lives on the device vs the host, and what host offload costs per step.
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/memory.py [--out FILE] [--quick]
+  python benchmarks/memory.py [--devices 2] [--out FILE] [--quick]
       [--steps 3] [--only none|reference|optimizer|critic|all]
 
 Prints one JSON object (and writes it to --out). It builds the learner state that has every
@@ -28,36 +28,29 @@ recorded.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
 import time
+
+import harness
 
 
 SETTINGS = {"none": (), "reference": ("reference",), "optimizer": ("optimizer",), "critic": ("critic",),
             "all": ("reference", "optimizer", "critic")}
 
 
-def _parse(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--out", default=None, help="also write the JSON object to this file")
+def _flags(p):
   p.add_argument("--devices", type=int, default=2, help="learner devices (the 'fsdp' axis)")
   p.add_argument("--steps", type=int, default=3, help="timed steps per setting (after one warm-up step)")
   p.add_argument("--only", choices=sorted(SETTINGS), default=None, help="run one setting (per-setting peaks)")
-  p.add_argument("--quick", action="store_true", help="tiny models and batch, settings none and all (smoke test)")
-  return p.parse_args(argv)
 
 
-ARGS = _parse()
-if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+ARGS = harness.parse(__doc__, _flags, quick="tiny models and batch, settings none and all")
+harness.host_devices(ARGS.devices)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import mesh as mesh_lib, models  # noqa: E402
 from tunixlike.learner import batch as batch_lib, offload as offload_lib  # noqa: E402
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig  # noqa: E402
@@ -82,7 +75,7 @@ if ARGS.quick:
 
 def host_batch(vocab: int) -> dict:
   """One PPO batch of real RolloutGroups (random tokens, 0/1 rewards) through `assemble_batch`."""
-  rng = np.random.default_rng(0)
+  rng = np.random.default_rng(ARGS.seed)
   groups = []
   for gi in range(BATCH["rows"] // 2):
     n = BATCH["completion"]
@@ -95,8 +88,8 @@ def host_batch(vocab: int) -> dict:
 
 
 def make_learner(mesh) -> PPOLearner:
-  policy = models.create_sharded(models.ModelConfig(**POLICY), mesh, mesh_lib.LEARNER_RULES, seed=0)
-  critic = models.create_sharded(models.ModelConfig(**CRITIC), mesh, mesh_lib.LEARNER_RULES, seed=1)
+  policy = models.create_sharded(models.ModelConfig(**POLICY), mesh, mesh_lib.LEARNER_RULES, seed=ARGS.seed)
+  critic = models.create_sharded(models.ModelConfig(**CRITIC), mesh, mesh_lib.LEARNER_RULES, seed=ARGS.seed + 1)
   cfg = LearnerConfig(algo=AlgoConfig(), optim=OptimConfig(learning_rate=1e-4, weight_decay=0.01), logprob_chunk_size=64)
   return PPOLearner(PolicyWithCritic.create(policy, critic), cfg, PPOConfig(kl_reward_coef=0.05), mesh=mesh,
                     rules=mesh_lib.LEARNER_RULES)
@@ -151,15 +144,14 @@ def main():
       r["step_time_ratio"] = r["step_s"] / base["step_s"]
       r["loss_equal_to_no_offload"] = bool(abs(r["loss_last_step"] - base["loss_last_step"]) <= 1e-5 * max(1.0, abs(base["loss_last_step"])))
   report = {
-      "benchmark": "memory", "backend": jax.default_backend(), "devices": ARGS.devices, "quick": ARGS.quick,
+      "benchmark": "memory", "devices": ARGS.devices,
       "model": {"policy": POLICY, "critic": CRITIC, "params": n_params, "dtype": "float32"},
       "batch": BATCH, "component_bytes": sizes, "settings": results,
       "peak_device_memory_reported": any(r["peak_device_bytes"] is not None for r in results.values()),
-      "load_average": list(os.getloadavg()),
       "note": ("CPU: device and host memory are the same DRAM; bytes_between_steps shows what leaves the device, "
                "step_s the cost of the copies at memcpy speed. Freed HBM and transfer/compute overlap need a GPU/TPU run."),
   }
-  print_report(report, ARGS.out, indent=1)
+  harness.report(report, ARGS)
 
 
 if __name__ == "__main__":

@@ -36,32 +36,27 @@ above. With replay the learner runs the sampler's experts, so its disagreement i
 
 from __future__ import annotations
 
-import argparse
 import time
 
+import harness
 
-def _parse():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def _flags(p):
   p.add_argument("--prompts", type=int, default=16)
   p.add_argument("--group", type=int, default=4, help="completions per prompt")
   p.add_argument("--new-tokens", type=int, default=64, help="tokens per completion (no early stop)")
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--top-k", type=int, default=0, help="top-k applied together with top_p (0 = off)")
-  p.add_argument("--seed", type=int, default=0)
   p.add_argument("--lr", type=float, default=5e-4, help="Adam step of the staleness=1 routing setting")
-  p.add_argument("--quick", action="store_true", help="tiny model and workload: a smoke test")
-  p.add_argument("--out", default=None, help="also write the JSON object to this file")
-  return p.parse_args()
 
 
-ARGS = _parse()
+ARGS = harness.parse(__doc__, _flags, quick="tiny model and workload", seed="the random weights and prompts")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import models  # noqa: E402
 from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig  # noqa: E402
 from tunixlike.learner import routing as routing_lib  # noqa: E402
@@ -210,10 +205,10 @@ def main():
       setup=dict(model=dict(sizes, params=n_params, weights=f"random init (seed {a.seed})"),
                  learner="fp32 Learner.token_logprobs (chunked unembedding), same weights as the sampler",
                  band=list(BAND), temperature=a.temperature, top_k=a.top_k, top_ps=list(TOP_PS), prompts=a.prompts,
-                 group=a.group, prompt_tokens=PROMPT_LEN, new_tokens=a.new_tokens, wall_s=round(time.perf_counter() - t0, 1),
-                 jax=jax.__version__, devices=len(jax.devices()), platform=jax.devices()[0].platform, quick=a.quick),
+                 group=a.group, prompt_tokens=PROMPT_LEN, new_tokens=a.new_tokens,
+                 wall_s=round(time.perf_counter() - t0, 1)),
   )
-  print_report(out, a.out, indent=1)
+  harness.report(out, a)
 
 
 if __name__ == "__main__":

@@ -28,49 +28,40 @@ starts), below 1 if taking the first finished episodes favours short ones.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import os
 import pathlib
 import sys
 import time
 
 import numpy as np
 
+import harness
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 MODES = ("sync", "group", "episode")
 P90_Z = 1.2815515655446004  # the standard normal's 90th percentile
 
 
-def _parse(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _flags(p):
   p.add_argument("--steps", type=int, default=24)
   p.add_argument("--skip-steps", type=int, default=4)
   p.add_argument("--episodes", type=int, default=8, help="episodes per learner step")
   p.add_argument("--median-tokens", type=float, default=24.0, help="median turn length")
   p.add_argument("--max-tokens", type=int, default=256, help="sampler.max_new_tokens (the longest turn)")
   p.add_argument("--modes", default=",".join(MODES))
-  p.add_argument("--seed", type=int, default=0, help="config.seed: the warm start's batch order and the sampling noise")
   # The main job's 5e-4 moved a policy 0.05-0.17 nats per token in one step here, and at staleness 1
   # the proposer drifted to invalid problems in 5 of 8 async runs (docs/benchmarks.md).
   p.add_argument("--learning-rate", type=float, default=1.25e-4, help="optim.learning_rate of both policies' RL")
   p.add_argument("--sampler-devices", type=int, default=4, help="mesh.sampler_devices (both policies' samplers)")
   p.add_argument("--learner-devices", type=int, default=4, help="mesh.learner_devices (both policies' learners)")
-  p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test, not the figures)")
-  p.add_argument("--out", default=None)
-  return p.parse_args(argv)
 
 
-ARGS = _parse()
-if "jax" not in sys.modules:  # virtual CPU devices = the two submeshes (the last flag given wins)
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-                             f"{ARGS.sampler_devices + ARGS.learner_devices}").strip()
-
-import jax  # noqa: E402
+ARGS = harness.parse(__doc__, _flags, quick="tiny model, few steps",
+                     seed="config.seed: the warm start's batch order and the sampling noise")
+harness.host_devices(ARGS.sampler_devices + ARGS.learner_devices)  # the two submeshes
 
 from tunixlike import config as config_lib  # noqa: E402
-from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike.multi_agent import ProposeSolveEnv, build as ma_build  # noqa: E402
 from tunixlike.multi_agent.self_play import PROPOSER, SOLVER  # noqa: E402
 from tunixlike.rl import build  # noqa: E402
@@ -166,12 +157,9 @@ def main():
                         final_reward="episode >= sync - 2 standard errors")
   out["setup"] = dict(seed=a.seed, learning_rate=a.learning_rate, steps=a.steps, skip_steps=a.skip_steps,
                       episodes_per_step=a.episodes, median_tokens=a.median_tokens, max_tokens=a.max_tokens,
-                      sampler_devices=a.sampler_devices, learner_devices=a.learner_devices,
-                      xla_flags=os.environ.get("XLA_FLAGS", ""), quick=a.quick, jax=jax.__version__)
-  out["load_average"] = round(os.getloadavg()[0], 2)
+                      sampler_devices=a.sampler_devices, learner_devices=a.learner_devices)
   out["wall_s"] = round(time.monotonic() - t0, 1)
-  out["date"] = time.strftime("%Y-%m-%d")
-  print_report(out, a.out, indent=2)
+  harness.report(out, a, indent=2)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ Launch logs stay in the workdirs' parent (--workdir-root; a temporary one is del
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -62,7 +61,7 @@ import tempfile
 import threading
 import time
 
-from tunixlike.metrics import print_report
+import harness
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PHASES = ("warm_start", "eval", "rl", "checkpoint")
@@ -75,13 +74,8 @@ POLL_S = 0.02  # short enough to see a small model's orbax temporary directory
 FALLBACK_PHASE_S = 2.0  # a phase's duration when the uninterrupted run did not show it
 
 
-def _parse(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--out", default=None, help="also write the JSON object to this file")
-  p.add_argument("--quick", action="store_true",
-                 help="tiny variant, 12 steps, 3 kills (smoke test, a few minutes)")
+def _flags(p):
   p.add_argument("--kills", type=int, default=None, help="signals to deliver (default 20; quick 3)")
-  p.add_argument("--seed", type=int, default=0, help="seeds the phases, signals and moments")
   p.add_argument("--config", default=None, help=f"config file[:variant] (default {DEFAULT_CONFIG}; quick :size=tiny)")
   p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                  help="config override for both runs, e.g. rl.num_steps=100 (repeatable; after the defaults)")
@@ -91,7 +85,6 @@ def _parse(argv=None):
   p.add_argument("--launch-timeout-s", type=float, default=None, help="one launch's limit (default 1800; quick 300)")
   p.add_argument("--term-timeout-s", type=float, default=180.0, help="time allowed to save and exit after SIGTERM")
   p.add_argument("--kill-timeout-s", type=float, default=60.0, help="time allowed to die after SIGKILL")
-  return p.parse_args(argv)
 
 
 # ---- the config's few settings the schedule needs ---------------------------------------------------
@@ -394,8 +387,7 @@ def train_command(config: str, workdir: str, flags: list[str]) -> list[str]:
 
 def _env() -> dict:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  if "xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):  # the main job's 4 + 4 devices
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+  env["XLA_FLAGS"] = harness.xla_flags(8, env.get("XLA_FLAGS", ""))  # the main job's 4 + 4 devices
   return env
 
 
@@ -584,7 +576,7 @@ def summarize(args, cmd_clean, cmd_chaos, s, clean, clean_wall, clean_rc, chaos,
   a, b = audit(chaos.workdir, s), clean
   kills = chaos.kills
   result = {
-      "benchmark": "resume_chaos", "quick": args.quick, "seed": args.seed, "kills_requested": args.kills,
+      "benchmark": "resume_chaos", "kills_requested": args.kills,
       "kills": len(kills), "kills_by_signal": _count(k["signal"] for k in kills),
       "kills_by_phase": _count(k["phase"] for k in kills),
       "kills_planned_by_phase": _count(k["planned"] for k in kills),
@@ -611,7 +603,6 @@ def summarize(args, cmd_clean, cmd_chaos, s, clean, clean_wall, clean_rc, chaos,
           "eval_s": {str(k): round(v, 2) for k, v in durations["eval_s"].items()},
           "saves_seen": durations["saves_seen"]},
       "kill_log": kills, "launches": chaos.launches,
-      "loadavg": list(os.getloadavg()),
   }
   result["targets_met"] = (result["finished"] and a["final_step"] == s["num_steps"] and not any(
       result[k] for k in ("prompts_lost", "prompts_trained_twice", "extra_stale_drops", "duplicate_metric_steps")))
@@ -619,7 +610,8 @@ def summarize(args, cmd_clean, cmd_chaos, s, clean, clean_wall, clean_rc, chaos,
 
 
 def main():
-  args = _parse()
+  args = harness.parse(__doc__, _flags, quick="tiny variant, 12 steps, 3 kills; a few minutes",
+                       seed="seeds the phases, signals and moments")
   args.kills = args.kills if args.kills is not None else (3 if args.quick else 20)
   args.launch_timeout_s = args.launch_timeout_s or (300.0 if args.quick else 1800.0)
   config = args.config or (DEFAULT_CONFIG + (":size=tiny" if args.quick else ""))
@@ -645,7 +637,7 @@ def main():
   finally:
     if not (args.workdir_root or args.keep):
       shutil.rmtree(root, ignore_errors=True)
-  print_report(result, args.out, indent=1, default=str)
+  harness.report(result, args, default=str)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ From each run's metrics.jsonl: `s_per_step` is the median time between consecuti
 and `sampler/busy_frac` turned into busy seconds and taken over the same window; `sync_ms` the
 median `sync/ms` over it; `overhead_s` the step time minus the busier side's busy time per step
 (what neither side's compute explains: waits, bubbles, host work on the critical path). The machine
-may be shared: `os.getloadavg()` is recorded.
+may be shared: the load average is recorded (`harness.py`).
 
 `--grid`: the same measurements (warm start off, `--steps` default 14, 8 held-out prompts) as one
 setting at a time grows from the main job's: completion length (`sampler.max_new_tokens` 8, 64,
@@ -37,7 +37,6 @@ own `time_s` at its last eval). JSON key `seeds`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -45,37 +44,33 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
-from tunixlike.metrics import print_report, read_jsonl
+import harness
+from tunixlike.metrics import read_jsonl
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _parse(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _flags(p):
   p.add_argument("--steps", type=int, default=None, help="RL steps per run (default 100; quick 6)")
   p.add_argument("--skip-steps", type=int, default=None, help="steps left out of the timing (default 10; quick 2)")
   p.add_argument("--layouts", default="split", help="comma-separated values of mesh.layout to run")
   p.add_argument("--baseline", default=None, help="a git revision to run the same workload from")
   p.add_argument("--repeats", type=int, default=1,
                  help="rounds of every layout (and the baseline), interleaved; the medians are reported")
-  p.add_argument("--quick", action="store_true", help="the tiny variant, few steps (smoke test, not the figures)")
   p.add_argument("--grid", action="store_true", help="s/step as completion length, prompts and model grow")
   p.add_argument("--seeds", default=None, help="comma-separated seeds: the whole main job once per seed")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="a config key for every run of this checkout (not the baseline's), e.g. rl.max_staleness=2")
-  p.add_argument("--out", default=None, help="also write the JSON object to this file")
-  return p.parse_args(argv)
 
 
-def _run(root: pathlib.Path, workdir: pathlib.Path, steps: int | None, quick: bool, extra: list[str]) -> list[dict]:
+def _run(root: pathlib.Path, workdir: pathlib.Path, steps: int | None, quick: bool, extra: list[str],
+         seed: int = 0) -> list[dict]:
   """Runs the main job from the checkout at `root` (`steps` None: all of it); returns its metrics records."""
   config = f"{root / 'configs' / 'addition_grpo.py'}{':size=tiny' if quick else ''}"
-  env = {**os.environ, "PYTHONPATH": str(root),
-         "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
+  env = {**os.environ, "PYTHONPATH": str(root), "XLA_FLAGS": harness.xla_flags(8)}
   cmd = [sys.executable, "-m", "tunixlike.train", "--config", config, "--workdir", str(workdir),
-         f"--config.rl.num_steps={steps}", "--config.eval.every_steps=0", "--config.seed=0",
+         f"--config.rl.num_steps={steps}", "--config.eval.every_steps=0", f"--config.seed={seed}",
          "--config.log.progress_bar=false", *extra]
   if steps is None:  # the whole main job, with its own steps and evals
     cmd = [c for c in cmd if not c.startswith(("--config.rl.num_steps=", "--config.eval.every_steps=",
@@ -168,7 +163,8 @@ def _seed_run(tmp: pathlib.Path, seed: int, layout: str) -> dict:
 
 
 def main(argv=None):
-  args = _parse(argv)
+  args = harness.parse(__doc__, _flags, argv, quick="the tiny variant, few steps",
+                       seed="config.seed of the timed runs (--grid and --seeds set their own)")
   SETTINGS[:] = [f"--config.{kv}" for kv in args.set]
   layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
   if args.grid or args.seeds:
@@ -180,9 +176,7 @@ def main(argv=None):
         out["seeds"] = [_seed_run(pathlib.Path(tmp), int(s), layout) for s in args.seeds.split(",") for layout in layouts]
         out["seeds_all_pass"] = all(r["gain_points"] >= 50 and r["wall_s"] <= 150 for r in out["seeds"])
     out["settings"] = args.set
-    out["load_average"] = [round(x, 2) for x in os.getloadavg()]
-    out["date"] = time.strftime("%Y-%m-%d")
-    print_report(out, args.out, indent=2)
+    harness.report(out, args, indent=2)
     return
   steps = args.steps or (6 if args.quick else 100)
   skip = args.skip_steps if args.skip_steps is not None else (2 if args.quick else 10)
@@ -199,10 +193,12 @@ def main(argv=None):
     try:
       # Interleaved rounds: a load change on the shared machine falls on every run of a round alike.
       for i in range(args.repeats):
-        runs = {layout: _summary(_run(REPO, tmp / f"{layout}-{i}", steps, args.quick, _layout_flags(layout)), skip)
+        runs = {layout: _summary(_run(REPO, tmp / f"{layout}-{i}", steps, args.quick, _layout_flags(layout),
+                                      args.seed), skip)
                 for layout in layouts}
         if tree is not None:
-          runs["baseline"] = {"rev": rev, **_summary(_run(tree, tmp / f"baseline-{i}", steps, args.quick, []), skip)}
+          runs["baseline"] = {"rev": rev, **_summary(_run(tree, tmp / f"baseline-{i}", steps, args.quick, [],
+                                                          args.seed), skip)}
         rounds.append(runs)
     finally:
       if tree is not None:
@@ -226,10 +222,8 @@ def main(argv=None):
   out["sync_ms"] = out["layouts"][fastest]["sync_ms"]
   out["workload"] = {"config": "configs/addition_grpo.py" + (":size=tiny" if args.quick else ""), "settings": args.set,
                      "steps": steps, "repeats": args.repeats,
-                     "skip_steps": skip, "devices": "4 sampler + 4 learner (virtual CPU)", "quick": args.quick}
-  out["load_average"] = [round(x, 2) for x in os.getloadavg()]
-  out["date"] = time.strftime("%Y-%m-%d")
-  print_report(out, args.out, indent=2)
+                     "skip_steps": skip, "devices": "4 sampler + 4 learner (virtual CPU)"}
+  harness.report(out, args, indent=2)
 
 
 if __name__ == "__main__":

@@ -21,31 +21,25 @@ against an earlier checkout (PYTHONPATH=that checkout) for a before/after compar
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
 import time
 
+import harness
 
-def _parse():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def _flags(p):
   p.add_argument("--rl-steps", type=int, default=20, help="RL steps' worth of prompts per timed run")
   p.add_argument("--repeats", type=int, default=3, help="timed runs (the median is reported)")
   p.add_argument("--lengths", choices=("answer", "model"), default="answer")
-  p.add_argument("--quick", action="store_true", help="2 RL steps, 1 repeat (smoke test, not the figures)")
-  p.add_argument("--out", default=None, help="also write the JSON object to this file")
-  return p.parse_args()
 
 
-ARGS = _parse()
-if "jax" not in sys.modules:  # virtual CPU devices must be set before JAX starts
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+ARGS = harness.parse(__doc__, _flags, quick="2 RL steps, 1 repeat", seed="config.seed (the model's weights)")
+harness.host_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import config as config_lib  # noqa: E402
 from tunixlike import mesh as mesh_lib  # noqa: E402
 from tunixlike.rl import build  # noqa: E402
@@ -106,7 +100,7 @@ def run(engine, params, reqs) -> tuple[float, RolloutDriver]:
 def main():
   a = ARGS
   rl_steps, repeats = (2, 1) if a.quick else (a.rl_steps, a.repeats)
-  cfg = config_lib.from_config_dict(config_lib.load(CONFIG))
+  cfg = config_lib.replace(config_lib.from_config_dict(config_lib.load(CONFIG)), seed=a.seed)
   tok, task = build.build_task(cfg)
   meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices)
   model = build.build_model(cfg, tok, meshes.learner)
@@ -151,9 +145,8 @@ def main():
       blocking=dict(wall_ms_per_step=round(1e3 * blocked_wall / rl_steps, 1),
                     **{f"{k}_ms_per_step": round(1e3 * v / rl_steps, 1) for k, v in counter.seconds.items()},
                     **{f"{k}_ms_per_call": round(1e3 * counter.seconds[k] / max(counter.calls[k], 1), 2)
-                       for k in PROGRAMS}),
-      load_average=[round(x, 2) for x in os.getloadavg()])
-  print_report(result, a.out)
+                       for k in PROGRAMS}))
+  harness.report(result, a)
 
 
 if __name__ == "__main__":

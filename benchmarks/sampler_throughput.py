@@ -26,15 +26,13 @@ replicas faster); `--devices 2` measures the other layout.
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import tempfile
 import time
 
+import harness
 
-def _parse():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def _flags(p):
   p.add_argument("--devices", type=int, default=1, help="CPU devices = sampler replicas")
   p.add_argument("--slots", type=int, default=16, help="decode slots (batch) for both workloads")
   p.add_argument("--steps-per-call", type=int, default=8)
@@ -44,22 +42,16 @@ def _parse():
   p.add_argument("--repeats-fixed", type=int, default=9,
                  help="timed runs of the fixed workload per system (about 1 s each: cheap, and its run-to-run "
                       "spread on a shared 2-core machine needs more than 3 for a stable median)")
-  p.add_argument("--quick", action="store_true", help="smaller workloads (smoke test, not the figures)")
-  p.add_argument("--out", default=None, help="also write the JSON object to this file")
-  return p.parse_args()
 
 
-ARGS = _parse()
-if "jax" not in sys.modules:  # virtual CPU devices must be set before JAX starts
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
+ARGS = harness.parse(__doc__, _flags, quick="smaller workloads")
+harness.host_devices(ARGS.devices)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import mesh as mesh_lib  # noqa: E402
 from tunixlike.models import hf as hf_lib  # noqa: E402
 from tunixlike.models import testing as model_testing  # noqa: E402
@@ -137,9 +129,9 @@ def continuous_vs_static(engine, params, prompts, limits, a) -> dict:
 def main():
   a = ARGS
   batch, new_tokens, n_long, max_long = (16, 128, 64, 512) if not a.quick else (8, 32, 16, 64)
-  rng = np.random.default_rng(0)
+  rng = np.random.default_rng(a.seed)
   with tempfile.TemporaryDirectory() as tmp:
-    path = model_testing.write_random_hf_checkpoint(tmp, "qwen2", tie_embeddings=True, seed=0, **SIZES)
+    path = model_testing.write_random_hf_checkpoint(tmp, "qwen2", tie_embeddings=True, seed=a.seed, **SIZES)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:a.devices]).reshape(a.devices, 1), mesh_lib.SAMPLER_AXES)
     model = hf_lib.from_pretrained(path, mesh=mesh, rules=mesh_lib.SAMPLER_RULES)
@@ -163,7 +155,6 @@ def main():
   run_tunixlike(engine, params, prompts_a[:a.slots], limits_a[:a.slots], static=True)  # warm-up
   run_transformers(hf_model, prompts_a, new_tokens)
   ours_a, theirs_a = [], []
-  load_before = os.getloadavg()[0]
   for _ in range(a.repeats_fixed):  # interleaved, so load from other processes hits both alike
     ours_a.append(run_tunixlike(engine, params, prompts_a, limits_a, static=True)[0])
     theirs_a.append(run_transformers(hf_model, prompts_a, new_tokens))
@@ -177,12 +168,11 @@ def main():
     spreads[name] = continuous_vs_static(engine, params, prompts_b, limits_b, a)
   long_tail = spreads["geometric"]
   med = dict(tunixlike_tok_s=float(np.median(ours_a)), transformers_tok_s=float(np.median(theirs_a)))
-  print_report(dict(
+  harness.report(dict(
       **{k: round(v, 1) for k, v in med.items()},
       speedup_vs_transformers=round(med["tunixlike_tok_s"] / med["transformers_tok_s"], 3),
       **{k: v for k, v in long_tail.items() if k != "runs"},
       even_spread=spreads["even"],
-      load_average=[round(load_before, 2), round(os.getloadavg()[0], 2)],
       runs=dict(tunixlike_tok_s=[round(x) for x in ours_a], transformers_tok_s=[round(x) for x in theirs_a],
                 **long_tail["runs"]),
       setup=dict(devices=a.devices, mesh="replica=%d x tensor=1" % a.devices, slots=a.slots,
@@ -193,10 +183,9 @@ def main():
                  batch_a=batch, figures="median of repeats", repeats_fixed=a.repeats_fixed, repeats=a.repeats,
                  prompt_tokens=PROMPT_LEN, new_tokens_a=new_tokens, prompts_b=n_long,
                  lengths_b=[8, max_long], spread_b="geometric (headline) and even",
-                 torch_threads=torch.get_num_threads(), jax=jax.__version__,
-                 transformers=transformers.__version__, quick=a.quick),
+                 torch_threads=torch.get_num_threads(), transformers=transformers.__version__),
       logits_max_abs_diff=logits_diff,
-  ), a.out)
+  ), a)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ import tempfile
 import threading
 import time
 
+import harness  # benchmarks/harness.py: the shared flags, devices and JSON report
+
 SIZES = {
     "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, intermediate_size=4864,
                  vocab_size=151936, rope_theta=1e6, max_position_embeddings=32768),
@@ -54,8 +56,7 @@ SIZES = {
 }
 
 
-def _parse(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _flags(p):
   p.add_argument("--size", default=None, choices=sorted(SIZES), help="default 0.5b (--quick: tiny)")
   p.add_argument("--layout", default=None, choices=("split", "colocated"),
                  help="default: colocated on one device, else split into halves")
@@ -72,11 +73,12 @@ def _parse(argv=None):
                  help="build the learner (its state is what syncs) but time no train step: on CPU a 0.5B step's "
                       "compilation took over 17 GB of host memory, more than a shared 24 GB machine has")
   p.add_argument("--checkpoint", default=None, help="an existing directory written by this script (skips writing)")
-  p.add_argument("--quick", action="store_true", help="small shapes (and the tiny size unless --size): a smoke test")
-  p.add_argument("--out", default=None, help="also write the JSON object to this file")
   p.add_argument("--write", default=None, help=argparse.SUPPRESS)  # child: write the checkpoint here and exit
   p.add_argument("--hf-generate-only", default=None, help=argparse.SUPPRESS)  # child: time generate on this dir
-  a = p.parse_args(argv)
+
+
+def _parse(argv=None):
+  a = harness.parse(__doc__, _flags, argv, quick="small shapes (and the tiny size unless --size)")
   if a.quick:
     a.size = a.size or "tiny"
     a.batches, a.prompt_len, a.new_tokens, a.train_batch, a.train_seq, a.steps, a.syncs = "8,16", 16, 16, 4, 64, 1, 2
@@ -136,8 +138,8 @@ if ARGS.hf_generate_only is not None:
   print(json.dumps(hf_generate(ARGS.hf_generate_only, ARGS)))
   sys.exit(0)
 
-if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  harness.host_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -147,7 +149,6 @@ from flax import nnx  # noqa: E402
 
 from tunixlike import flops, mesh as mesh_lib, models  # noqa: E402
 from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig  # noqa: E402
-from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike.rl import weight_sync  # noqa: E402
 from tunixlike.sampler import Engine, PromptRequest, RolloutDriver, SamplerConfig  # noqa: E402
 
@@ -260,7 +261,7 @@ def _partial(out: dict, a) -> None:
 
 def main():
   a = ARGS
-  out: dict = {"benchmark": "scale", "size": a.size, "dtype": a.dtype, "quick": a.quick, "backend": None}
+  out: dict = {"benchmark": "scale", "size": a.size, "dtype": a.dtype, "backend": None}
   with tempfile.TemporaryDirectory(prefix="tunixlike-scale-") as tmp:
     path = a.checkpoint or tmp
     t0 = time.perf_counter()
@@ -333,9 +334,8 @@ def main():
     out["decode_vs_hf_generate_target"] = 2.0
   out["compile_s"] = {"learner_first_step": out["learner"].get("first_step_s_incl_compile"),
                       **{f"sampler_{k}_first_run": v["first_run_s_incl_compile"] for k, v in out["sampler"].items()}}
-  out["setup"] = dict(prompt_len=a.prompt_len, new_tokens=a.new_tokens, batches=a.batches, kv_layout="paged",
-                      jax=jax.__version__, load_average=os.getloadavg(), cpu_count=os.cpu_count())
-  print_report(out, a.out)
+  out["setup"] = dict(prompt_len=a.prompt_len, new_tokens=a.new_tokens, batches=a.batches, kv_layout="paged")
+  harness.report(out, a)
 
 
 if __name__ == "__main__":

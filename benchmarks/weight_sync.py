@@ -1,6 +1,6 @@
 """Weight sync learner -> sampler: full vs the memcpy floor, full vs LoRA-only, and the alternatives.
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/weight_sync.py [--out FILE] [--quick]
+  python benchmarks/weight_sync.py [--out FILE] [--quick]
 
 Prints one JSON object (and writes it to --out). On 4 learner + 4 sampler devices it builds a model
 born sharded on the learner submesh (LEARNER_RULES, fsdp) and times `tunixlike.rl.weight_sync.sync`
@@ -31,31 +31,24 @@ is recorded.
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
 
+import harness
 
-def _parse(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--out", default=None, help="also write the JSON object to this file")
+
+def _flags(p):
   p.add_argument("--repeats", type=int, default=9, help="timed repetitions per method (after warm-up)")
   p.add_argument("--warmup", type=int, default=2)
-  p.add_argument("--quick", action="store_true", help="tiny model and few repetitions (smoke test)")
-  return p.parse_args(argv)
 
 
-ARGS = _parse()
-if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+ARGS = harness.parse(__doc__, _flags, quick="tiny model and few repetitions")
+harness.host_devices(8)  # 4 learner + 4 sampler devices
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 
-from tunixlike.metrics import print_report  # noqa: E402
 from tunixlike import mesh as mesh_lib, models  # noqa: E402
 from tunixlike.models import lora as lora_lib  # noqa: E402
 from tunixlike.rl import weight_sync  # noqa: E402
@@ -112,7 +105,7 @@ def timed(fn, fresh, repeats: int, warmup: int) -> dict:
 
 
 def memcpy_ms(nbytes: int, repeats: int, warmup: int) -> float:
-  src = np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)
+  src = np.random.default_rng(ARGS.seed).random(nbytes // 4, dtype=np.float32)
   dst = np.empty_like(src)
   times = []
   for i in range(warmup + repeats):
@@ -143,7 +136,7 @@ def check_equal(out, ref_tree, targets):
 
 def bench_layout(sampler_tensor: int, sizes, repeats: int, warmup: int) -> dict:
   meshes = mesh_lib.make_meshes(4, 4, sampler_tensor=sampler_tensor)
-  model = models.create_sharded(model_config(sizes), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
+  model = models.create_sharded(model_config(sizes), meshes.learner, mesh_lib.LEARNER_RULES, seed=ARGS.seed)
   params = nnx.state(model, nnx.Param)
   targets = models.state_shardings(params, meshes.sampler, mesh_lib.SAMPLER_RULES)
   flat_targets = jax.tree.leaves(targets)
@@ -181,7 +174,7 @@ def bench_layout(sampler_tensor: int, sizes, repeats: int, warmup: int) -> dict:
   full = times["library_sync"]["median_ms"]
 
   # LoRA-only: rank-8 adapters on every projection, synced to their sampler shardings.
-  lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=LORA_RANK), seed=0, mesh=meshes.learner,
+  lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=LORA_RANK), seed=ARGS.seed, mesh=meshes.learner,
                       rules=mesh_lib.LEARNER_RULES)
   adapters = lora_lib.adapter_params(model)
   lora_targets = models.state_shardings(adapters, meshes.sampler, mesh_lib.SAMPLER_RULES)
@@ -209,13 +202,13 @@ def bench_layout(sampler_tensor: int, sizes, repeats: int, warmup: int) -> dict:
 def lora_vs_full(sizes, repeats: int, warmup: int) -> dict:
   """Full vs LoRA-only (rank 8) sync of one model, default sampler layout (4 replicas)."""
   meshes = mesh_lib.make_meshes(4, 4, sampler_tensor=1)
-  model = models.create_sharded(model_config(sizes), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
+  model = models.create_sharded(model_config(sizes), meshes.learner, mesh_lib.LEARNER_RULES, seed=ARGS.seed)
   params = nnx.state(model, nnx.Param)
   targets = models.state_shardings(params, meshes.sampler, mesh_lib.SAMPLER_RULES)
   full = timed(lambda t: weight_sync.sync(t, targets)[0], Fresh(params), repeats, warmup)["median_ms"]
   model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
   del params
-  lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=LORA_RANK), seed=0, mesh=meshes.learner,
+  lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=LORA_RANK), seed=ARGS.seed, mesh=meshes.learner,
                       rules=mesh_lib.LEARNER_RULES)
   adapters = lora_lib.adapter_params(model)
   lora_targets = models.state_shardings(adapters, meshes.sampler, mesh_lib.SAMPLER_RULES)
@@ -238,14 +231,12 @@ def lora_sync_times(adapters, lora_targets, repeats: int, warmup: int) -> tuple[
 def main():
   sizes = QUICK if ARGS.quick else FULL
   repeats, warmup = (3, 1) if ARGS.quick else (ARGS.repeats, ARGS.warmup)
-  load_before = os.getloadavg()
   t0 = time.time()
   layouts = {"replicated": bench_layout(1, sizes, repeats, warmup), "tensor": bench_layout(4, sizes, repeats, warmup)}
   main_layout = layouts["replicated"]  # the default config's sampler layout
   larger = lora_vs_full(QUICK if ARGS.quick else LARGE, repeats, warmup)
   result = {
-      "benchmark": "weight_sync", "quick": ARGS.quick, "devices": jax.device_count(),
-      "backend": jax.default_backend(), "model_sizes": sizes, "repeats": repeats, "warmup": warmup,
+      "benchmark": "weight_sync", "devices": jax.device_count(), "model_sizes": sizes, "repeats": repeats, "warmup": warmup,
       "headline_layout": "replicated (default config: mesh.sampler_tensor=1, 4 decode replicas)",
       "full_sync_ms": main_layout["full_sync_ms"],
       # "The same bytes": what the sync physically writes (4 replicas) ...
@@ -263,10 +254,9 @@ def main():
       # The same comparison on a 4x larger model: LoRA sync is a fixed cost of dispatches here.
       "full_vs_lora_larger_model": larger["full_vs_lora"], "larger_model": larger,
       "layouts": layouts,
-      "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()),
       "wall_s": time.time() - t0,
   }
-  print_report(result, ARGS.out, indent=1)
+  harness.report(result, ARGS)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Async GRPO on 3-digit addition (answer least-significant digit first): the main job.
+"""Async GRPO on 2-digit addition (answer least-significant digit first): the main job.
 
 A tiny model gets a short supervised warm start, then async GRPO on 4 sampler + 4 learner devices.
 Run: python -m tunixlike.train --config configs/addition_grpo.py --workdir runs/addition
@@ -23,7 +23,7 @@ def get_config(arg: str | None = None):
   # A learner row per group (its 7-token prompt once, then its 8 answers): 32 rows of ~40 tokens
   # instead of 256 of 16, the same loss and gradients in about half the learner's time.
   c.optim.share_prompts = True
-  c.rl.num_steps = 300  # +50 points on the held-out split in 2-4 minutes on 2 cores
+  c.rl.num_steps = 300  # the figures: README's results table, docs/benchmarks.md#the-main-job
   c.eval.every_steps = 100  # a held-out curve, not just two points
   if variant.size == "tiny":  # the end-to-end test: a couple of steps only
     c.rl.num_steps = 3

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from test_benchmarks import assert_shared_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,6 +20,7 @@ def test_memory_benchmark(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(proc.stdout)
   assert r == json.loads(out.read_text())
+  assert_shared_keys(r)
   sizes, none, both = r["component_bytes"], r["settings"]["none"], r["settings"]["all"]
   assert sizes["optimizer"] > sizes["reference"] > sizes["critic"] > 0
   total = sum(none["bytes_between_steps"].values())

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from test_benchmarks import assert_shared_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,6 +21,7 @@ def test_mismatch_benchmark(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(proc.stdout)
   assert r == json.loads(out.read_text())
+  assert_shared_keys(r)
   routing = r["routing"]["settings"]
   same = routing["float32_sampler/staleness=0"]
   assert same["with_replay"]["max_abs_log_ratio"] < 1e-4  # fp32 rounding only

@@ -95,11 +95,9 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
       f"tunixlike.train: error: --workdir {workdir} is in use by process {proc.pid} on host "
       f"{os.uname().nodename} (started {json.load(open(f'{workdir}/.lock'))['started']}); stop that run or "
       "choose another --workdir")
-  t0 = time.monotonic()
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=120)
   assert proc.returncode == 0, out[-3000:]
-  assert time.monotonic() - t0 < 60
   assert "checkpoint saved" in out
   reached = checkpoint_steps(workdir)[-1]
   assert 1 <= reached < 200

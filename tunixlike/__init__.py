@@ -12,18 +12,33 @@ layer over the same `train`.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-from tunixlike.config import Config, ConfigError, from_config_dict, load, replace
-from tunixlike.rewards.envs.base import Env, StepResult
-from tunixlike.rewards.registry import register as register_reward
+from tunixlike.lazy_exports import lazy_exports
 
-__all__ = ["Config", "ConfigError", "Env", "StepResult", "load_config", "register_reward", "replace", "train"]
+if TYPE_CHECKING:
+  from tunixlike.config import Config
+
+# Imported on first use, so `import tunixlike.settings` (or any leaf module) imports no JAX.
+__getattr__, __dir__, _lazy = lazy_exports(__name__, {
+    "config": ("Config", "ConfigError", "replace"),
+    "rewards.envs.base": ("Env", "StepResult"),
+})
+__all__ = sorted(_lazy + ["load_config", "register_reward", "train"])
+
+
+def register_reward(name: str):
+  """Decorator: `@tunixlike.register_reward("my_reward")` makes a reward function usable by name in configs."""
+  from tunixlike.rewards.registry import register
+
+  return register(name)
 
 
 def load_config(spec: str | Mapping | Config, overrides: Mapping[str, Any] | None = None) -> Config:
   """A validated `Config` from a config file (`path.py` or `path.py:variant`), a ConfigDict or a
   Config, with `overrides` as {"section.key": value} (what `--config.section.key=value` does)."""
+  from tunixlike.config import Config, ConfigError, from_config_dict, load, replace
+
   if isinstance(spec, Config):
     raw = None
     cfg = spec
@@ -52,7 +67,7 @@ def load_config(spec: str | Mapping | Config, overrides: Mapping[str, Any] | Non
 
 
 def train(config: str | Mapping | Config, workdir: str, *, dataset=None, eval_dataset=None, rewards=None,
-          env=None, agent=None) -> dict[str, Any]:
+          env=None, agent=None, hooks=None) -> dict[str, Any]:
   """Trains, or resumes the run in `workdir`; returns the summary (eval accuracy before and after,
   counters, where the outputs are).
 
@@ -64,9 +79,16 @@ def train(config: str | Mapping | Config, workdir: str, *, dataset=None, eval_da
     agent                   rl.agent: your agent loop, run_episode(base_url, api_key, episode_id, row), talking
                             to the policy through the OpenAI-compatible server (docs/agents.md).
   Resume a run given in-memory objects by passing the same objects again.
+  `hooks`: functions of each RL step's `StepInfo` (step, version, metrics, trained and dropped
+  groups), or {"fn": function, "every": N} to run one when the new version is a multiple of N. A hook
+  may add to `info.metrics` (logged with the step) or call `info.stop()` to end the run after this
+  step (the final eval and checkpoint follow). docs/runtime.md#hooks has an example.
   """
-  from tunixlike.rl import trainer  # JAX starts here: set XLA_FLAGS before calling
+  from tunixlike.rl import hooks as hooks_lib
 
   cfg = load_config(config)
+  hooks_lib.user_hooks(hooks)  # bad hooks are refused here, before JAX starts
+  from tunixlike.rl import trainer  # JAX starts here: set XLA_FLAGS before calling
+
   return trainer.run(cfg, workdir, dataset=dataset, eval_dataset=eval_dataset, rewards=rewards, env=env,
-                     agent=agent)
+                     agent=agent, hooks=hooks)

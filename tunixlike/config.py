@@ -26,7 +26,7 @@ from tunixlike import mesh as mesh_lib
 from tunixlike.distributed import DistributedConfig
 from tunixlike.learner.config import PPO_LOSSES, AlgoConfig, OptimConfig
 from tunixlike.models.config import ATTENTION_IMPLEMENTATIONS
-from tunixlike.rl.runtime import RuntimeConfig
+from tunixlike.rl.config import RuntimeConfig
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.settings import (DTYPES, ConfigError, check_fields, in_range, is_key, non_negative, one_of, optional,
                                 positive, require, setting)

@@ -283,16 +283,6 @@ def _lines(path: str) -> tuple[list[tuple[bytes, dict[str, Any]]], bool]:
   return out, False
 
 
-def print_report(result: Mapping[str, Any], out_path: str | None = None, **dumps) -> None:
-  """Prints `result` as one JSON object (`json.dumps` with `dumps`) and, given `out_path`, writes the
-  same text to that file: how every benchmark in `benchmarks/` ends."""
-  text = json.dumps(result, **dumps)
-  print(text)
-  if out_path:
-    with open(out_path, "w") as f:
-      f.write(text + "\n")
-
-
 def read_jsonl(path: str) -> list[dict[str, Any]]:
   """The records of a JSONL log; a torn last line is dropped with a warning, a bad line before it raises."""
   return [record for _, record in _lines(path)[0]]

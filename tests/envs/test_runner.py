@@ -38,13 +38,21 @@ def test_results_errors_and_async_functions():
 
 
 def test_submit_and_poll_never_block_and_calls_run_in_parallel():
-  runner = EnvRunner(num_workers=4, timeout_s=5.0)
-  t0 = time.perf_counter()
-  tickets = [runner.submit(time.sleep, 0.2) for _ in range(4)]
-  runner.poll()
-  assert time.perf_counter() - t0 < 0.05
-  _drain(runner, len(tickets))
-  assert time.perf_counter() - t0 < 0.6  # four 0.2 s calls on four workers, not 0.8 s in a row
+  """Four calls meet at a barrier, which only opens while all four run at once, and then hold on
+  until released: submit and poll returned while every call was still running."""
+  runner = EnvRunner(num_workers=4, timeout_s=30.0)
+  together, release = threading.Barrier(4, timeout=10), threading.Event()
+
+  def call(i):
+    together.wait()  # a BrokenBarrierError (reported as the call's error) if the calls ran one by one
+    release.wait(10)
+    return i
+
+  tickets = [runner.submit(call, i) for i in range(4)]
+  assert runner.poll() == [] and runner.pending == 4
+  release.set()
+  out = _drain(runner, len(tickets), timeout_s=20)
+  assert [out[t] for t in tickets] == [(i, None) for i in range(4)]
   runner.close()
 
 

@@ -1,6 +1,5 @@
 import math
 import threading
-import time
 
 from tunixlike import rewards
 from tunixlike.rewards import SafeReward
@@ -23,16 +22,16 @@ def test_exception_is_isolated_to_the_bad_sample():
 
 
 def test_timeout_scores_zero_and_never_hangs():
-  release = threading.Event()
+  release, finished = threading.Event(), threading.Event()
 
   def stuck(prompts, completions, **_):
     release.wait(30)
+    finished.set()
     return [1.0] * len(completions)
 
   fn = SafeReward(stuck, name="stuck", timeout_s=0.2)
-  t0 = time.monotonic()
   assert fn(["p"] * 3, ["a", "b", "c"]) == ([0.0, 0.0, 0.0], 3)
-  assert time.monotonic() - t0 < 2.0
+  assert not finished.is_set()  # the scores came back while the call was still stuck
   assert fn.failures == 3
   release.set()
 

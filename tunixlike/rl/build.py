@@ -37,7 +37,8 @@ from tunixlike.rl.collapse import CollapseConfig, CollapseDetector
 from tunixlike.rl.policy import Policy
 from tunixlike.rl import prompts as prompts_lib
 from tunixlike.rl.prompts import PromptStream, requests_for
-from tunixlike.rl.runtime import AGENT_API_KEY_ENV, AsyncRuntime
+from tunixlike.rl.config import AGENT_API_KEY_ENV
+from tunixlike.rl.runtime import AsyncRuntime
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.sampler.driver import RolloutDriver
 from tunixlike.sampler import make_engine

@@ -16,87 +16,22 @@ thread with its original traceback; every wait has a timeout.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from tunixlike import device_turns
 from tunixlike.rl.collapse import CollapseDetector
+from tunixlike.rl.config import RuntimeConfig
 from tunixlike.rl.hooks import Hooks, StepInfo
 from tunixlike.rl.queue import RolloutQueue, Stopped
 from tunixlike.rollout import RolloutGroup
-from tunixlike.settings import (DTYPES, check_fields, in_range, non_negative, one_of, optional, positive,
-                                run_value, setting)
 
-if TYPE_CHECKING:  # policy.py reads the run config, whose `rl` section is defined here
+if TYPE_CHECKING:
   from tunixlike.rl.policy import Policy
-
-
-def _env_name(v) -> str | None:
-  ok = isinstance(v, str) and (v == "calculator" or ":" in v)
-  return None if ok else "must be 'calculator' or an import path 'package.module:MyEnv' / 'file.py:MyEnv'"
-
-
-def _import_path(v) -> str | None:
-  return None if isinstance(v, str) and ":" in v else "must be an import path 'package.module:fn' or 'file.py:fn'"
-
-
-def _host(v) -> str | None:
-  return None if isinstance(v, str) and v else "must be an address to listen on, e.g. '127.0.0.1'"
-
-
-AGENT_API_KEY_ENV = "TUNIXLIKE_AGENT_API_KEY"  # a key of your own for the agent server (else a random one)
-
-
-@dataclasses.dataclass(frozen=True)
-class RuntimeConfig:
-  """The `rl` section of the config: the async loop, rewards, multi-turn episodes, stop conditions."""
-
-  SECTION: ClassVar[str] = "rl"
-
-  num_steps: int = setting(60, "learner steps (= policy versions) of RL", check=positive, resumable=True)
-  prompts_per_step: int = setting(32, "groups per learner step (the run splits them over the hosts)", check=positive)
-  max_staleness: int = setting(1, "0 = synchronous (the baseline every comparison uses)", check=non_negative)
-  sync_mode: str = setting("soft_pause", "soft_pause (swap weights between decode steps) | drain (finish in-flight "
-                           "first)", check=one_of("soft_pause", "drain"))
-  sync_dtype: str | None = setting(None, "e.g. 'bfloat16' for a bf16 sampler; None = the learner's dtype",
-                                   check=optional(one_of(*DTYPES)))
-  reward_workers: int = setting(4, "threads scoring groups, so slow verifiers never stall decoding", check=positive, resumable=True)
-  reward_timeout_s: float = setting(10.0, "a reward call slower than this scores 0 and is counted", check=positive, resumable=True)
-  max_nonfinite_steps: int = setting(3, "stop after this many non-finite losses in a row", check=positive, resumable=True)
-  wait_timeout_s: float = setting(300.0, "no wait without a timeout", check=positive, resumable=True)
-  stop_on_collapse: bool = setting(True, "stop at a collapsed step (the best checkpoint survives) rather than "
-                                   "train on; else it is only logged", resumable=True)
-  collapse_entropy_frac: float = setting(0.01, "collapsed: token entropy within this fraction of ln V (uniform "
-                                         "policy)", check=in_range(0, 1, low_open=True, high_open=True), resumable=True)
-  collapse_spike_factor: float = setting(1000.0, "also collapsed: grad norm this many times its recent median "
-                                         "(0 = off)", check=non_negative, resumable=True)
-  env: str | None = setting(None, "multi-turn episodes that interleave decoding with tool calls: 'calculator' (built "
-                            "in), an Env class 'package.module:MyEnv' or 'file.py:MyEnv'; None = single-turn",
-                            check=optional(_env_name))
-  env_max_turns: int = setting(4, "policy turns per episode (rl.env steps, or rl.agent requests)", check=positive)
-  env_step_timeout_s: float = setting(30.0, "a tool slower than this costs its episode, not the run", check=positive)
-  agent: str | None = setting(None, "your own agent loop, any framework: a function 'package.module:run_episode' or "
-                              "'file.py:run_episode' (base_url, api_key, episode_id, row) that talks to the policy "
-                              "through the OpenAI-compatible server (docs/agents.md); None = no agent",
-                              check=optional(_import_path))
-  agent_workers: int = setting(64, "agent episodes running at once (one thread each)", check=positive)
-  agent_port: int = setting(0, "port of the agent server (0 = any free port)", check=in_range(0, 65535))
-  agent_host: str = setting("127.0.0.1", "address the agent server listens on; another one than loopback lets "
-                            "other hosts reach it over plain HTTP (warned about; docs/agents.md)", check=_host)
-  agent_max_body_bytes: int = setting(4 << 20, "a request body over this is refused (413) unread",
-                                      check=positive)
-  episode_timeout_s: float = setting(300.0, "an agent episode longer than this is aborted (and counted)",
-                                     check=positive)
-  dynamic_sampling: bool = run_value(False, "algo.dynamic_sampling: drop groups whose rewards have no variance, "
-                                     "refill")
-
-  def __post_init__(self):
-    check_fields(self)
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -133,6 +68,7 @@ class AsyncRuntime:
     self.queue = RolloutQueue(cfg.prompts_per_step, cfg.max_staleness, self.stop_event,
                               on_drop=self._dropped.append, start_version=policy.version, counts=queue_counts)
     self.preempted = False
+    self.stopped_by_hook = False  # a hook called `info.stop()`
     self._errors: list[BaseException] = []
     self._pool = concurrent.futures.ThreadPoolExecutor(cfg.reward_workers, thread_name_prefix="reward")
     self.driver = driver_factory(sink=self._on_group,
@@ -142,9 +78,11 @@ class AsyncRuntime:
     self.learner_busy_s = 0.0
     self.sync_ms: list[float] = []
 
-  def request_stop(self) -> None:
-    """Stop after the current step (a hook's way to end the run cleanly, e.g. on preemption)."""
+  def request_stop(self, *, finish: bool = False) -> None:
+    """Stop after the current step: a preemption (`preempted`: the run resumes later) or, with
+    `finish=True` (a hook's `info.stop()`), the end of the run (the final eval and checkpoint follow)."""
     self._stop_requested = True
+    self.stopped_by_hook = finish
 
   # ---- sampler side (driver thread, reward pool) ----------------------------------------------
   def _on_group(self, group: RolloutGroup):
@@ -193,7 +131,7 @@ class AsyncRuntime:
     try:
       for _ in range(self.num_steps):
         if self._stop_requested:
-          self.preempted = True
+          self.preempted = not self.stopped_by_hook
           break
         self._check()
         t0 = time.monotonic()
@@ -243,7 +181,8 @@ class AsyncRuntime:
           values = [g.reward_metrics[name] for g in groups if name in g.reward_metrics]
           metrics[name] = float(np.mean(values)) if "failures" not in name else float(np.sum(values))
         dropped, self._dropped[:] = list(self._dropped), []
-        self.hooks.run(StepInfo(version, self.policy.version, metrics, groups, dropped, collapse=collapsed))
+        self.hooks.run(StepInfo(version, self.policy.version, metrics, groups, dropped, collapse=collapsed,
+                                stop=lambda: self.request_stop(finish=True)))
         last = metrics
     except Stopped:
       self._check()  # the original error of the thread that stopped the run
@@ -254,4 +193,4 @@ class AsyncRuntime:
       self._pool.shutdown(wait=False, cancel_futures=True)
     self._check()
     wall = time.monotonic() - t_start
-    return {**last, "wall_s": wall, "preempted": self.preempted}
+    return {**last, "wall_s": wall, "preempted": self.preempted, "stopped_by_hook": self.stopped_by_hook}

@@ -37,6 +37,7 @@ from tunixlike.config import Config
 from tunixlike.data import tasks as tasks_lib
 from tunixlike.rl import build as build_lib, collapse as collapse_lib, resume as resume_lib
 from tunixlike.rl import warm_start as warm_start_lib
+from tunixlike.rl import hooks as hooks_lib
 from tunixlike.rl.hooks import StepInfo
 from tunixlike.rl.preemption import Preemption
 from tunixlike.rl.prompts import PromptStream
@@ -53,7 +54,7 @@ class SetupError(ValueError):
 
 def run(cfg: Config, workdir: str, *, on_second_interrupt=None, **user) -> dict[str, Any]:
   """Trains (or resumes the run in `workdir`); returns a summary. See the module docstring.
-  `user`: in-memory `dataset`, `eval_dataset`, `rewards`, `env`, `agent` (see `tunixlike.train`).
+  `user`: in-memory `dataset`, `eval_dataset`, `rewards`, `env`, `agent`, `hooks` (see `tunixlike.train`).
   `on_second_interrupt()`: what a second Ctrl-C does (the CLI exits at once); None raises KeyboardInterrupt."""
   try:  # before anything touches a JAX backend (the checkpointer does)
     distributed.initialize(cfg.distributed)
@@ -283,8 +284,9 @@ def checkpoint_meta(setup: build_lib.Setup, rl: build_lib.RLStack, stream: Promp
 class _Run:
   """One run: its setup and RL stack, logs, checkpoints, prompt accounting, evals and hooks."""
 
-  def __init__(self, cfg: Config, workdir: str, preemption: Preemption, **user):
+  def __init__(self, cfg: Config, workdir: str, preemption: Preemption, hooks=(), **user):
     self.cfg, self.workdir, self.preemption = cfg, workdir, preemption
+    self.user_hooks = hooks_lib.user_hooks(hooks)  # (fn, every): `tunixlike.train(hooks=...)`
     self.multi, self.pid = jax.process_count() > 1, jax.process_index()
     self.dir = workdir_lib.local_dir(workdir, self.pid)  # this process's logs (WORKDIR itself on process 0)
     self.say = print
@@ -409,6 +411,8 @@ class _Run:
   # ---- the loop's hooks, in the order they run after every step ----
   def add_hooks(self, runtime: AsyncRuntime):
     runtime.hooks.add(self.account_prompts)
+    for fn, every in self.user_hooks:  # before the metrics hook: what they add to info.metrics is logged
+      runtime.hooks.add(fn, every=every)
     runtime.hooks.add(self.log_metrics)
     if self.cfg.rl.stop_on_collapse:
       runtime.hooks.add(collapse_lib.stop_on_collapse)  # logged, but neither evaluated nor saved

@@ -1,13 +1,12 @@
-"""The sampler: a JetStream-shaped decode engine, token sampling and the rollout driver."""
+"""The sampler: a JetStream-shaped decode engine, token sampling and the rollout driver. Names are
+imported on first use (`lazy_exports`): the config imports `sampler.config` without the engine."""
 
-from tunixlike.sampler.config import SamplerConfig
-from tunixlike.sampler.driver import DriverError, DriverStats, PromptRequest, RolloutDriver
-from tunixlike.sampler.engine import DecodeState, Engine, GenerateResult, Prefix, PromptError
-from tunixlike.sampler.paged import PagedEngine, make_engine
-from tunixlike.sampler.sampling import Sample, SamplingParams, process_logits, sample, sample_with_uniform, unpack_mask
+from tunixlike.lazy_exports import lazy_exports
 
-__all__ = [
-    "DecodeState", "DriverError", "DriverStats", "Engine", "GenerateResult", "PagedEngine", "Prefix", "PromptError",
-    "PromptRequest", "RolloutDriver", "Sample", "SamplerConfig", "SamplingParams", "process_logits", "sample",
-    "sample_with_uniform", "unpack_mask", "make_engine",
-]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "config": ("SamplerConfig",),
+    "driver": ("DriverError", "DriverStats", "PromptRequest", "RolloutDriver"),
+    "engine": ("DecodeState", "Engine", "GenerateResult", "Prefix", "PromptError"),
+    "paged": ("PagedEngine", "make_engine"),
+    "sampling": ("Sample", "SamplingParams", "process_logits", "sample", "sample_with_uniform", "unpack_mask"),
+})
