@@ -40,6 +40,8 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from tunixlike.agents.chains import Recording
+from tunixlike.agents.protocol import RequestError, TurnResult
+from tunixlike.agents.server import AgentServer, is_loopback
 from tunixlike.rewards.envs.runner import EnvRunner, EnvTimeout
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler.driver import DriverError, DriverStats, PromptRequest, RolloutDriver
@@ -62,14 +64,6 @@ class AgentConfig:
   failure_reward: float = 0.0  # reward of an episode without one when the agent gives rewards
 
 
-class RequestError(Exception):
-  """A request the server answers with a 4xx: `status`, OpenAI-style `code` and a message."""
-
-  def __init__(self, status: int, message: str, code: str = "invalid_request_error"):
-    super().__init__(message)
-    self.status, self.code, self.message = status, code, message
-
-
 @dataclasses.dataclass
 class AgentStats(DriverStats):
   episodes: int = 0
@@ -83,16 +77,6 @@ class AgentStats(DriverStats):
   disconnects: int = 0  # clients gone mid-request: slot freed, episode aborted
   agent_errors: int = 0  # agent functions that raised
   aborted_episodes: int = 0
-
-
-@dataclasses.dataclass
-class TurnResult:
-  text: str  # content returned: special tokens skipped, cut before a stop string
-  full_text: str  # the same, not cut (include_stop_str_in_output)
-  finish_reason: str  # OpenAI's: "stop" (EOS or a stop string) or "length"
-  prompt_tokens: int
-  token_ids: list[int]
-  logprobs: list[float]
 
 
 @dataclasses.dataclass(eq=False)
@@ -173,7 +157,6 @@ class AgentDriver(RolloutDriver):
     self._live_episodes = 0
     self._prefixes: collections.OrderedDict = collections.OrderedDict()
     self._runner = EnvRunner(num_workers=ac.workers, timeout_s=ac.episode_timeout_s, name="agent")
-    from tunixlike.agents.server import AgentServer, is_loopback  # the server reads this driver's types
     self.api_key = ac.api_key or secrets.token_urlsafe(32)
     self.server = AgentServer(self, api_key=self.api_key, host=ac.host, port=ac.port,
                               max_body_bytes=ac.max_body_bytes)

@@ -45,7 +45,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from tunixlike.agents.chains import PLAIN_CHAT_TEMPLATE
-from tunixlike.agents.driver import RequestError, TurnResult
+from tunixlike.agents.protocol import EpisodeBackend, RequestError, TurnResult
 from tunixlike.data import chat_template
 
 EPISODE_HEADER = "x-episode-id"
@@ -124,7 +124,7 @@ class AgentServer:
   """Serves an `AgentDriver` on `host`:`port` (0 = a free port) from a daemon thread, to requests
   that carry `api_key` and bodies of at most `max_body_bytes`."""
 
-  def __init__(self, driver, *, api_key: str, host: str = "127.0.0.1", port: int = 0,
+  def __init__(self, driver: EpisodeBackend, *, api_key: str, host: str = "127.0.0.1", port: int = 0,
                max_body_bytes: int = 4 << 20):
     self.driver = driver
     self._authorization = f"Bearer {api_key}".encode()
