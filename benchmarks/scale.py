@@ -238,7 +238,11 @@ def sampler_figures(meshes, learner, a, sync: dict, decode: dict, report) -> Non
     engine = Engine(trained, cfg, meshes.sampler)
     source = nnx.split(trained)[1]
     if not sync:  # the runtime's full sync (Policy.sampler_weights without packing), waited for
-      times = [weight_sync.sync(source, engine.param_shardings)[1] for _ in range(a.syncs + 1)]
+      times = []
+      for _ in range(a.syncs + 1):  # each copy dropped before the next (two would hold 2x the sampler's bytes)
+        synced, ms = weight_sync.sync(source, engine.param_shardings)
+        times.append(ms)
+        del synced
       sync.update(ms=float(np.median(times[1:])), ms_all=[round(x, 2) for x in times], first_ms=times[0],
                   target_ms=50.0)
     params, _ = weight_sync.sync(source, engine.param_shardings)
