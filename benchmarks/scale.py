@@ -60,6 +60,8 @@ def _flags(p):
   p.add_argument("--size", default=None, choices=sorted(SIZES), help="default 0.5b (--quick: tiny)")
   p.add_argument("--layout", default=None, choices=("split", "colocated"),
                  help="default: colocated on one device, else split into halves")
+  p.add_argument("--sampler-tensor", type=int, default=1,
+                 help="mesh.sampler_tensor: 4 holds one copy of the weights over 4 sampler devices, not one per replica")
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="weights, compute, checkpoint")
   p.add_argument("--batches", default="64,256", help="decode batch sizes (comma-separated)")
   p.add_argument("--prompt-len", type=int, default=64)
@@ -239,7 +241,11 @@ def sampler_figures(meshes, learner, a, sync: dict, decode: dict, report) -> Non
     engine = Engine(trained, cfg, meshes.sampler)
     source = nnx.split(trained)[1]
     if not sync:  # the runtime's full sync (Policy.sampler_weights without packing), waited for
-      times = [weight_sync.sync(source, engine.param_shardings)[1] for _ in range(a.syncs + 1)]
+      times = []
+      for _ in range(a.syncs + 1):  # each copy dropped before the next (two would hold 2x the sampler's bytes)
+        synced, ms = weight_sync.sync(source, engine.param_shardings)
+        times.append(ms)
+        del synced
       sync.update(ms=float(np.median(times[1:])), ms_all=[round(x, 2) for x in times], first_ms=times[0],
                   target_ms=50.0)
     params, _ = weight_sync.sync(source, engine.param_shardings)
@@ -284,7 +290,7 @@ def main():
     layout = a.layout or ("colocated" if len(devices) == 1 else "split")
     half = len(devices) // 2
     sizes = (len(devices), 0) if layout == "colocated" else (half, len(devices) - half)
-    meshes = mesh_lib.make_meshes(*sizes, layout=layout)
+    meshes = mesh_lib.make_meshes(*sizes, sampler_tensor=a.sampler_tensor, layout=layout)
     out["layout"] = {"layout": layout, "sampler": dict(meshes.sampler.shape), "learner": dict(meshes.learner.shape)}
 
     with PeakRSS() as rss:

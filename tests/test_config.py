@@ -111,6 +111,8 @@ def test_defaults_of_base_match_dataclass_defaults():
     ("optim", "learning_rate", float("inf"), "optim.learning_rate=inf: must be finite"),
     ("rl", "wait_timeout_s", float("nan"), "rl.wait_timeout_s=nan: must be finite"),
     ("data", "path", "/data", "data.path='/data': is only read by data.task='gsm8k'"),
+    # Only colocated sides may give the learner no devices of its own (one GPU: 1 + 0).
+    ("mesh", "learner_devices", 0, "mesh.learner_devices=0: must be > 0 (0 only with mesh.layout='colocated'"),
 ])
 def test_invalid_values_name_the_key_and_value(section, key, value, message):
   raw = config_lib.default_config_dict()
@@ -122,9 +124,6 @@ def test_invalid_values_name_the_key_and_value(section, key, value, message):
 
 @pytest.mark.parametrize("changes,message", [
     ({"mesh": {"layout": "shared"}}, "mesh.layout='shared': must be one of ['split', 'colocated']"),
-    # Only colocated sides may give the learner no devices of its own (one GPU: 1 + 0).
-    ({"mesh": {"learner_devices": 0}}, "mesh.learner_devices=0: must be > 0 (0 only with mesh.layout='colocated', "
-                                       "where both sides use every device)"),
     # Colocated, the sampler decodes on all 8 devices: 12 slots do not split over 8 replicas.
     ({"mesh": {"layout": "colocated"}, "sampler": {"max_concurrent_decodes": 12}},
      "sampler.max_concurrent_decodes=12: must be divisible by the number of sampler replicas (mesh.sampler_devices "

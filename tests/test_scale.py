@@ -50,7 +50,9 @@ def test_async_grpo_steps_through_the_cli_with_a_50m_hf_checkpoint(checkpoint_50
   cmd = [sys.executable, "-m", "tunixlike.train", "--config", "configs/addition_grpo.py:size=tiny",
          f"--workdir={tmp_path / 'run'}", f"--config.model.hf_path={checkpoint_50m}", "--config.model.param_dtype=bfloat16",
          "--config.warm_start.max_steps=0", "--config.rl.num_steps=2", "--config.data.num_eval_examples=8",
-         "--config.sampler.max_new_tokens=8"]
+         "--config.sampler.max_new_tokens=8",
+         # The model's ChatML template wraps each prompt: longer than the char tokenizer's 16 tokens.
+         "--config.data.max_prompt_length=48", "--config.sampler.max_prefill_length=48"]
   proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
