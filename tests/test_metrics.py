@@ -276,7 +276,14 @@ def test_each_stage_has_its_own_progress_bar(tmp_path, capsys):
   logger.write(1, {"eval/accuracy": 0.25}, advance=False)  # an eval does not advance the bar
   logger.end_progress()
   rl = capsys.readouterr().err
-  assert "1/2" in rl and "2/2" not in rl and "warm start" not in rl and "eval_acc=0.25" in rl
+  assert "1/2" in rl and "2/2" not in rl and "warm start" not in rl and "held_out=0.25" in rl
+  logger.progress("rl", total=3, initial=1)
+  logger.write(1, {"reward/mean": 0.75, "staleness/max": 1})  # the last eval stays beside the step's reward
+  logger.write(2, {"eval/accuracy": 0.5}, advance=False)
+  logger.write(2, {"reward/mean": 0.25})
+  logger.end_progress()
+  bar = capsys.readouterr().err.splitlines()[-1]
+  assert "reward=0.25" in bar and "held_out=0.5" in bar and "max" not in bar, bar
   logger.close()
 
 

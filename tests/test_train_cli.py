@@ -23,7 +23,7 @@ def test_valid_config_passes_check():
 @pytest.mark.parametrize("args,expected", [
     (["--config.rl.bogus=1"], "unknown config key 'bogus' in --config.rl.bogus=1"),
     (["--config.rl.num_steps=abc"], "--config.rl.num_steps=abc"),
-    (["--config.rl.num_steps=-3"], "rl.num_steps=-3: must be > 0"),
+    (["--config.rl.num_steps=-3"], "rl.num_steps=-3: must be >= 0"),
     (["--config.mesh.sampler_devices=3"], "mesh.sampler_devices / mesh.sampler_tensor = 3"),
     (["--config.rl.sync_mode=fast"], "rl.sync_mode='fast'"),
 ])

@@ -79,20 +79,28 @@ class CombinedReward:
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns) -> tuple[np.ndarray,
                                                                                              dict[str, float]]:
+    total_n, _, metrics = self.score(prompts, completions, **columns)
+    return total_n, metrics
+
+  def score(self, prompts: Sequence[str], completions: Sequence[str], **columns
+            ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
+    """(weighted total [N], each term's own scores [N] by name, NaN where skipped, metrics)."""
     if len(prompts) != len(completions):
       raise ValueError(f"CombinedReward: {len(prompts)} prompts for {len(completions)} completions")
     total_n = np.zeros(len(completions), np.float32)
+    terms: dict[str, np.ndarray] = {}
     metrics: dict[str, float] = {}
     for spec, fn in zip(self.specs, self.fns):
       scores, failed = fn(prompts, completions, **columns)
       scored_n = np.array([s is not None for s in scores], bool)
       scores_n = np.array([0.0 if s is None else s for s in scores], np.float32)
       total_n += spec.weight * scores_n
+      terms[spec.name] = np.where(scored_n, scores_n, np.nan).astype(np.float32)
       metrics[f"rewards/{spec.name}"] = float(scores_n[scored_n].mean()) if scored_n.any() else 0.0
       metrics[f"rewards/{spec.name}/failures"] = float(failed)
       metrics[f"rewards/{spec.name}/skipped"] = float((~scored_n).sum())
     metrics["rewards/total"] = float(total_n.mean()) if len(total_n) else 0.0
-    return total_n, metrics
+    return total_n, terms, metrics
 
 
 def _as_spec(spec) -> RewardSpec:

@@ -51,7 +51,9 @@ class RuntimeConfig:
 
   SECTION: ClassVar[str] = "rl"
 
-  num_steps: int = setting(60, "learner steps (= policy versions) of RL", check=positive, resumable=True)
+  num_steps: int = setting(60, "learner steps (= policy versions) of RL: 60 keeps a first run short; the configs "
+                           "set their own (300 learns the built-in tasks); 0 = the supervised stage only",
+                           check=non_negative, resumable=True)
   prompts_per_step: int = setting(32, "groups per learner step (the run splits them over the hosts)", check=positive)
   max_staleness: int = setting(1, "0 = synchronous (the baseline every comparison uses)", check=non_negative)
   sync_mode: str = setting("soft_pause", "soft_pause (swap weights between decode steps) | drain (finish in-flight "
@@ -82,6 +84,8 @@ class RuntimeConfig:
                             check=in_range(0, 65535))
   episode_timeout_s: float = setting(300.0, "an agent episode longer than this is aborted (and counted)",
                                      check=positive)
+  no_signal_warn_steps: int = setting(10, "warn after this many steps in a row where every group's rewards were "
+                                      "equal (no gradient signal); 0 = never", check=non_negative, resumable=True)
   dynamic_sampling: bool = run_value(False, "algo.dynamic_sampling: drop groups whose rewards have no variance, "
                                      "refill")
 
@@ -220,6 +224,9 @@ class AsyncRuntime:
         rewards = np.concatenate([g.rewards for g in groups])
         metrics.update({
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+            # GRPO's advantages are 0 in a group whose rewards are all equal: no gradient from it.
+            "frac_reward_zero_std": float(np.mean([not _has_variance(g) for g in groups])),
+            "groups/all_zero_reward": int(sum(not np.any(g.rewards) for g in groups)),
             "staleness/min": int(lags.min()), "staleness/mean": float(lags.mean()),
             "staleness/max": int(lags.max()), "learner/step_s": train_s, "learner/wait_s": wait_s,
             "learner/busy_frac": self.learner_busy_s / wall,
