@@ -44,7 +44,10 @@ class ModelSection:
 
   SECTION: ClassVar[str] = "model"
 
-  hf_path: str | None = setting(None, "local HF checkpoint dir; when set, the sizes below are ignored")
+  hf_path: str | None = setting(None, "a Hugging Face model: a local directory or a Hub name 'org/name' (read "
+                                "through the huggingface_hub cache; HF_HUB_OFFLINE=1: the cache only); when set, the "
+                                "sizes below are ignored")
+  revision: str | None = setting(None, "a Hub name's branch, tag or commit (None: main)")
   teacher_path: str | None = setting(None, "on-policy distillation (algo.advantage='distill'): frozen teacher's HF dir")
   critic_path: str | None = setting(None, "PPO: HF dir of a separate critic model (same vocab); None = a value head "
                                     "on the policy trunk")
@@ -578,11 +581,20 @@ def check_paths(config: Config):
   if config.data.task is None and config.data.train is None:
     raise ConfigError("data.task=None: needs a dataset instead: set data.train to a file, a glob or a directory")
   m = config.model
-  if m.hf_path is not None:  # the run's tokenizer comes from the same directory
-    _check_dir("model.hf_path", m.hf_path, _HF_FILES + (("tokenizer.json",),))
-  for key, path in (("model.critic_path", m.critic_path), ("model.teacher_path", m.teacher_path)):
-    if path is not None:
-      _check_dir(key, path, _HF_FILES)
+  for key, path, needs, revision in (("model.hf_path", m.hf_path, _HF_FILES + (("tokenizer.json",),), m.revision),
+                                     ("model.critic_path", m.critic_path, _HF_FILES, None),
+                                     ("model.teacher_path", m.teacher_path, _HF_FILES, None)):
+    if path is None:
+      continue
+    from tunixlike.models import hub  # noqa: PLC0415 (huggingface_hub only when a model is named)
+    if hub.is_hub_name(path):  # checked where it is cached; online, the run downloads it
+      local = hub.cached(path, revision)
+      if local is None and hub.offline():
+        raise ConfigError(hub.not_cached(path, revision, key))
+      if local is not None:
+        _check_dir(f"{key} ({path!r} in the Hugging Face cache)", local, needs)
+      continue
+    _check_dir(key, path, needs)  # the run's tokenizer comes from model.hf_path's directory too
   if config.data.task == "gsm8k" and config.data.path is not None:  # None: the copy shipped with the package
     _check_dir("data.path", config.data.path, _GSM8K_FILES)
 

@@ -27,7 +27,7 @@ from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokeniz
 from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, value as value_lib
 from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.train_step import Learner
-from tunixlike.models import lora as lora_lib
+from tunixlike.models import hub, lora as lora_lib
 from tunixlike.rewards import loader, process as process_lib
 from tunixlike.rewards.envs import CalculatorEnv
 from tunixlike.rl import distill as distill_lib, evaluate as eval_lib, scoring, warm_start as warm_start_lib
@@ -100,7 +100,7 @@ def build_task(cfg: Config, dataset=None, eval_dataset=None):
   With data.train (or `dataset` / `eval_dataset` given in memory: a list of dicts, a grain
   MapDataset, a RecordSource) the task is the user's dataset, with data.task's rewards as its default."""
   if cfg.model.hf_path:
-    tok = tokenizer_lib.load(cfg.model.hf_path)
+    tok = tokenizer_lib.load(hub.resolve(cfg.model.hf_path, cfg.model.revision))
   else:
     tok = char_tokenizer.build()
   d = cfg.data
@@ -158,7 +158,7 @@ def agent_function(cfg: Config, agent=None):
 def build_model(cfg: Config, tok, mesh) -> nnx.Module:
   m = cfg.model
   if m.hf_path:
-    return models.from_pretrained(m.hf_path, mesh=mesh, rules=mesh_lib.LEARNER_RULES, dtype=m.param_dtype)
+    return models.from_pretrained(hub.resolve(m.hf_path, m.revision), mesh=mesh, rules=mesh_lib.LEARNER_RULES, dtype=m.param_dtype)
   # The model section's sizes carry ModelConfig's own names; the vocabulary is the tokenizer's.
   sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(models.ModelConfig) if hasattr(m, f.name)}
   return models.create_sharded(models.ModelConfig(vocab_size=tok.vocab_size, **sizes), mesh, mesh_lib.LEARNER_RULES,
@@ -193,11 +193,11 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   model = build_model(cfg, tok, meshes.learner)
   critic = None
   if training and cfg.model.critic_path:  # loaded (and checked against the policy) before any training starts
-    critic = value_lib.load_critic(cfg.model.critic_path, model, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
+    critic = value_lib.load_critic(hub.resolve(cfg.model.critic_path, key="model.critic_path"), model, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
                                    dtype=cfg.model.param_dtype)
   teacher = None
   if training and cfg.model.teacher_path:  # frozen, on the learner submesh; it scores groups in the reward stage
-    teacher = distill_lib.Teacher.load(cfg.model.teacher_path, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
+    teacher = distill_lib.Teacher.load(hub.resolve(cfg.model.teacher_path, key="model.teacher_path"), mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
                                        dtype=cfg.model.param_dtype, vocab_size=model.cfg.vocab_size, pad_id=tok.pad_id)
   pipe_cfg = pipeline_config(cfg)
   train_pipe = pipeline.from_task(task, tok, split="train", config=pipe_cfg)

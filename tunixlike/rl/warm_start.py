@@ -66,14 +66,15 @@ def chat_example(messages: Sequence[Mapping[str, Any]], tokenizer, *, system: st
     if not (before.startswith(done) and through.startswith(before)):
       raise ExampleError("the chat template does not render the conversation as a sequence of its prefixes, so "
                          "its assistant turns cannot be found; use data.answer_field instead")
-    for text, target in ((before[len(done):], 0), (through[len(before):], 1)):
-      ids = tokenizer.encode_prompt(text, templated=True) if text else []
-      tokens += ids
-      targets += [target] * len(ids)
+    prompt = tokenizer.encode_prompt(before[len(done):], templated=True) if len(before) > len(done) else []
+    turn = tokenizer.encode_prompt(through[len(before):], templated=True)
+    stops = [j for j, t in enumerate(turn) if t in tokenizer.stop_ids]
+    if not stops:  # a template that writes no end of turn: the model must still learn to stop
+      turn, stops = turn + [tokenizer.eos_id], [len(turn)]
+    tokens += prompt + turn
+    # The turn up to its end-of-turn token; what the template writes after it (a newline) is context.
+    targets += [0] * len(prompt) + [int(j <= stops[-1]) for j in range(len(turn))]
     done = through
-  if not set(tokens[-len(through):]) & set(tokenizer.stop_ids):  # a template that writes no end of turn
-    tokens.append(tokenizer.eos_id)
-    targets.append(1)
   return tokens, targets
 
 
@@ -215,7 +216,8 @@ class SupervisedStage:
         log(f"warm start step {step}: loss {loss:.3f}, held-out loss {held_loss:.3f}, "
             f"held-out accuracy {metrics['warm_start/accuracy']:.3f}")
       on_step(step, {"loss": loss, "eval/accuracy": metrics["warm_start/accuracy"]})
-    return {**metrics, "warm_start/steps": step, "warm_start/loss": loss, "warm_start/interrupted": int(interrupted)}
+    summary = {k: v for k, v in metrics.items() if k != "warm_start/step"}  # the eval records have that
+    return {**summary, "warm_start/steps": step, "warm_start/loss": loss, "warm_start/interrupted": int(interrupted)}
 
   def _has_answer(self, record: Mapping[str, Any]) -> bool:
     field = self.fmt.messages_field or self.fmt.answer_field
