@@ -126,6 +126,10 @@ def test_bad_datasets_are_named_with_file_and_line(tmp_path):
   ok = [dict(fn="stopped")]
   with pytest.raises(ValueError, match=r"train.jsonl:3: prompt_template '\{question\}' needs column\(s\) \['question'\]"):
     _build(tmp_path, rows=_rows(2) + [{"total": 1}], rewards=ok)
+  # A prompt column the file does not have: named plainly, with the columns it does have.
+  with pytest.raises(ValueError, match=r"^data.prompt_field='prompt': data.train='.*train.jsonl' has no such column; "
+                     r"its columns are \['question', 'total', 'level'\]$"):
+    _build(tmp_path, rewards=ok, prompt_field="prompt")
   bad = tmp_path / "bad.jsonl"
   bad.write_text(json.dumps(_rows(1)[0]) + "\n{not json\n" + "".join(json.dumps(r) + "\n" for r in _rows(40)))
   with pytest.raises(ValueError, match=r"data.train=.*bad.jsonl:2: invalid JSON.*data.skip_bad_lines"):
@@ -195,3 +199,16 @@ def test_a_process_reward_from_an_import_path(tmp_path):
   with pytest.raises(ValueError, match=r"algo.process_reward='nowhere:prm': importing nowhere failed"):
     build_lib.build_rl(build_lib.build(tunixlike.load_config(TINY, {**FAST, **steps,
                                                                      "algo.process_reward": "nowhere:prm"})))
+
+
+def test_the_data_may_come_from_python_and_must_come_from_somewhere(tmp_path):
+  cfg = tunixlike.load_config(TINY, {**FAST, "data.task": None, "data.prompt_field": "question"})  # accepted
+  with pytest.raises(ValueError, match=r"^data.task=None: needs a dataset instead: set data.train"):
+    build_lib.build(cfg)
+  assert build_lib.build(cfg, dataset=_rows(), rewards=[dict(fn="stopped")]).task.columns() == ("question", "total",
+                                                                                                  "level")
+  # The supervised stage needs the answers of your own data.
+  with pytest.raises(tunixlike.ConfigError, match=r"warm_start.max_steps=5: .*set data.answer_field"):
+    tunixlike.load_config(TINY, {"data.task": None, "data.train": "x.jsonl", "warm_start.max_steps": 5})
+  with pytest.raises(ValueError, match=r"warm_start.max_steps=5: .*set data.answer_field"):
+    build_lib.build(tunixlike.load_config(cfg, {"warm_start.max_steps": 5}), dataset=_rows())

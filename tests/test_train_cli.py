@@ -56,7 +56,17 @@ def test_submesh_sizes_that_do_not_add_up_to_the_devices(tmp_path):
                 "--config.warm_start.max_steps=0", f"--workdir={tmp_path}")
   assert out.returncode == 2
   assert out.stderr.strip().splitlines()[-1] == ("tunixlike.train: error: mesh.sampler_devices=4 + "
-                                                "mesh.learner_devices=8 = 12, but there are 8 devices")
+                                                "mesh.learner_devices=8 = 12, but there are 8 devices (on CPU, "
+                                                "XLA_FLAGS=--xla_force_host_platform_device_count=12 set before JAX "
+                                                "starts makes 12)")
+
+
+def test_a_missing_xla_flags_is_suggested(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+  out = subprocess.run([sys.executable, "-m", "tunixlike.train", "--config", "configs/addition_grpo.py",
+                        f"--workdir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert one_error_line(out) == ("mesh.sampler_devices=4 + mesh.learner_devices=4 = 8, but there are 1 devices (on CPU, "
+                                 "XLA_FLAGS=--xla_force_host_platform_device_count=8 set before JAX starts makes 8)")
 
 
 def one_error_line(out) -> str:
@@ -117,7 +127,7 @@ def test_model_directory_problems_are_named(tmp_path):
 def test_device_count_is_named_before_rules_derived_from_the_mesh(tmp_path):
   # 6 sampler devices also break "decode slots divisible by the replicas"; the device count is the cause.
   out = run_cli("--config", "configs/addition_grpo.py", "--config.mesh.sampler_devices=6", f"--workdir={tmp_path}")
-  assert one_error_line(out) == "mesh.sampler_devices=6 + mesh.learner_devices=4 = 10, but there are 8 devices"
+  assert one_error_line(out).startswith("mesh.sampler_devices=6 + mesh.learner_devices=4 = 10, but there are 8 devices")
 
 
 def test_help_explains_the_command_and_its_flags():

@@ -205,16 +205,20 @@ class LoraSection:
 
 @dataclasses.dataclass(frozen=True)
 class WarmStartSection:
-  """Supervised warm start before RL (stops once held-out accuracy reaches the target)."""
+  """The supervised stage (SFT) before RL, or alone with rl.num_steps=0: next-token training on
+  data.answer_field or the assistant turns of data.messages_field (stops at the target accuracy)."""
 
   SECTION: ClassVar[str] = "warm_start"
 
-  max_steps: int = setting(0, "0 = no warm start", check=non_negative, resumable=True)
-  batch_size: int = setting(64, "(prompt, answer) pairs per supervised step", check=positive)
-  learning_rate: float = setting(1e-3, "supervised steps tolerate a larger rate than RL", check=positive)
-  target_accuracy: float = setting(0.2, "a warm start that memorises stops exploring: stop early",
+  max_steps: int = setting(0, "supervised steps; 0 = no supervised stage", check=non_negative, resumable=True)
+  batch_size: int = setting(64, "rows per supervised step (sharded over the learner fsdp devices)", check=positive)
+  learning_rate: float = setting(1e-3, "supervised steps tolerate a larger rate than RL (the rest of the optax "
+                                 "chain is optim.*'s)", check=positive)
+  target_accuracy: float = setting(0.2, "stop once held-out accuracy reaches it: a warm start that memorises stops "
+                                   "exploring (1.0: run every max_steps step)",
                                    check=in_range(0, 1, low_open=True), resumable=True)
-  eval_every: int = setting(25, "check held-out accuracy this often (teacher-forced, cheap)", check=positive, resumable=True)
+  eval_every: int = setting(25, "held-out loss and accuracy (greedy, scored by the first reward) this often",
+                            check=positive, resumable=True)
 
   def __post_init__(self):
     check_fields(self)

@@ -101,6 +101,10 @@ def evaluate_checkpoint(cfg: config_lib.Config | None, checkpoint: str, *, step:
       if "config" not in meta:
         raise EvalError(f"{ckpt.step_dir(step)}: meta holds no 'config'; pass --config")
       cfg = config_lib.from_saved(meta["config"])
+      in_memory = [f"{key}={value!r}" for key, value in _named_inputs(cfg) if value.startswith("<in memory")]
+      if in_memory:
+        raise EvalError(f"{ckpt.step_dir(step)} was trained on objects given to tunixlike.train in memory "
+                        f"({', '.join(in_memory)}): pass --config with files or import paths for them")
     config_lib.check_paths(cfg)  # the run's model directory may have moved since
     if samples > cfg.sampler.max_concurrent_decodes:
       raise EvalError(f"samples={samples} is larger than sampler.max_concurrent_decodes="
@@ -109,6 +113,13 @@ def evaluate_checkpoint(cfg: config_lib.Config | None, checkpoint: str, *, step:
                      say)
   finally:
     ckpt.close()
+
+
+def _named_inputs(cfg: config_lib.Config):
+  """(key, value) of every config key that names data or code."""
+  yield from (("data.train", cfg.data.train or ""), ("data.eval", cfg.data.eval or ""), ("rl.env", cfg.rl.env or ""),
+              ("rl.agent", cfg.rl.agent or ""))
+  yield from ((f"rewards[{i}].fn", term["fn"]) for i, term in enumerate(cfg.rewards))
 
 
 def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -> dict[str, Any]:

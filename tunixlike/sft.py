@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-from tunixlike import train
+from tunixlike.train import main as train_main  # the module (tunixlike.train is also the function)
 
 PROG = "tunixlike.sft"
 
@@ -29,9 +29,10 @@ def _check(cfg) -> str | None:
 
 
 def main(argv: list[str] | None = None):
-  argv = list(sys.argv if argv is None else argv)
-  # Last, so it wins over the config file; flags after it would otherwise change it back.
-  train.main(argv + ["--config.rl.num_steps=0"], prog=PROG, module=sys.modules[__name__], check=_check)
+  # Last, so it wins over the config file and any flag before it. ml_collections finds `--config.*`
+  # overrides in sys.argv itself, so the flag goes there.
+  sys.argv = list(sys.argv if argv is None else argv) + ["--config.rl.num_steps=0"]
+  train_main(sys.argv, prog=PROG, module=sys.modules[__name__], check=_check)
 
 
 if __name__ == "__main__":

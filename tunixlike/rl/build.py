@@ -114,10 +114,15 @@ def build_task(cfg: Config, dataset=None, eval_dataset=None):
                      "messages with assistant turns")
   if own:
     preset = tasks.TASKS[d.task].default_rewards if d.task is not None else ()
-    return tok, tasks.DatasetTask(dataset if dataset is not None else d.train,
-                                  eval_dataset if eval_dataset is not None else d.eval,
-                                  prompt_field=d.prompt_field, holdout=d.num_eval_examples,
-                                  skip_bad_lines=d.skip_bad_lines, default_rewards=preset)
+    task = tasks.DatasetTask(dataset if dataset is not None else d.train,
+                             eval_dataset if eval_dataset is not None else d.eval,
+                             prompt_field=d.prompt_field, holdout=d.num_eval_examples,
+                             skip_bad_lines=d.skip_bad_lines, default_rewards=preset)
+    key, field = ("data.messages_field", d.messages_field) if d.messages_field else ("data.prompt_field", d.prompt_field)
+    if field not in task.columns():  # said plainly, before the prompt template would say it its own way
+      where = f"data.train={d.train!r}" if dataset is None else "the dataset given to tunixlike.train"
+      raise ValueError(f"{key}={field!r}: {where} has no such column; its columns are {list(task.columns())}")
+    return tok, task
   kwargs = {"digits": d.digits} if d.task == "addition" else {}
   if d.task == "gsm8k":
     kwargs = {} if d.path is None else {"path": d.path}

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from tunixlike import checkpoint as checkpoint_lib, distributed, metrics as metrics_lib, models
 from tunixlike import workdir as workdir_lib
+from tunixlike import config as config_lib
 from tunixlike.config import Config
 from tunixlike.rl import build as build_lib, collapse as collapse_lib, resume as resume_lib
 from tunixlike.rl import completions_log, signal_guard, warm_start as warm_start_lib
@@ -286,6 +287,39 @@ def checkpoint_meta(setup: build_lib.Setup, rl: build_lib.RLStack, stream: Promp
       **({"hf_path": cfg.model.hf_path} if cfg.model.hf_path else {})}))
 
 
+IN_MEMORY = "<in memory"  # how the saved config names an object given to tunixlike.train that no file holds
+
+
+def _import_path(obj) -> str:
+  """`module:qualname` of a function or class, or `<in memory: name>` when it cannot be imported."""
+  module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", type(obj).__name__)
+  if module in (None, "__main__") or "<locals>" in name or "<lambda>" in name:
+    return f"{IN_MEMORY}: {name}>"
+  return f"{module}:{name}"
+
+
+def _rows(data) -> str:
+  if isinstance(data, (str, os.PathLike)):
+    return os.fspath(data)
+  return f"{IN_MEMORY}: {len(data) if hasattr(data, '__len__') else 'an iterable of'} rows>"
+
+
+def as_trained(cfg: Config, setup: build_lib.Setup, user: dict) -> Config:
+  """`cfg` with the objects given to `tunixlike.train` in memory recorded by what they are, so the
+  checkpoint's saved config says what was trained on: rows as `<in memory: N rows>` (a path as
+  itself), functions and classes by import path (`<in memory: name>` when they have none)."""
+  data = {key: _rows(user[arg]) for key, arg in (("train", "dataset"), ("eval", "eval_dataset"))
+          if user.get(arg) is not None}
+  rl = {key: user[key] if isinstance(user[key], str) else _import_path(user[key]) for key in ("env", "agent")
+        if user.get(key) is not None}
+  changes: dict[str, Any] = {"data": data, "rl": rl}
+  if user.get("rewards") is not None:
+    changes["rewards"] = tuple({"fn": spec.fn if isinstance(spec.fn, str) else _import_path(spec.fn),
+                                "weight": float(spec.weight), "kwargs": dict(spec.kwargs), "name": spec.name}
+                               for spec in setup.reward.specs)
+  return config_lib.replace(cfg, **{k: v for k, v in changes.items() if v})
+
+
 # ---- one run's state, shared by its stages, and the loop's hooks ------------------------------------
 class _Run:
   """One run: its setup and RL stack, logs, checkpoints, prompt accounting, evals and hooks."""
@@ -300,6 +334,9 @@ class _Run:
       self.setup = build_lib.build(cfg, self.trace_path, **user)
     except (ValueError, OSError, models.CheckpointError) as e:
       raise SetupError(str(e)) from e
+    # What the checkpoints record (and a resume compares): the config as trained.
+    self.cfg = cfg = as_trained(cfg, self.setup, user)
+    self.setup = dataclasses.replace(self.setup, cfg=cfg)
     self.ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), keep=cfg.checkpoint.keep,
                                             save_every_steps=cfg.checkpoint.every_steps,
                                             save_every_seconds=cfg.checkpoint.every_seconds,
