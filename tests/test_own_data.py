@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 import tunixlike
+from tunixlike import checkpoint as ckpt_lib
 from tunixlike.rl import build as build_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +36,8 @@ def test_python_api_trains_on_rows_in_memory_with_async_and_none_rewards(tmp_pat
   def only_some(completions, prompt_ids, level):  # None: does not apply to this completion (skipped)
     return [None if i % 2 else 0.5 for i in range(len(completions))]
 
-  cfg = tunixlike.load_config(TINY, {**FAST, "data.prompt_field": "question"})
+  cfg = tunixlike.load_config(TINY, {**FAST, "data.prompt_field": "question", "log.completions_every": 1,
+                                     "log.completions_groups": 2})
   summary = tunixlike.train(cfg, str(tmp_path / "run"), dataset=_rows(),
                             rewards=[correct, dict(fn=only_some, weight=0.5)])
   assert 0.0 <= summary["eval/accuracy_before"] <= 1.0 and 0.0 <= summary["eval/accuracy_after"] <= 1.0
@@ -45,6 +47,24 @@ def test_python_api_trains_on_rows_in_memory_with_async_and_none_rewards(tmp_pat
   for m in steps:
     assert m["rewards/only_some/skipped"] > 0 and m["rewards/only_some"] == 0.5
     assert m["rewards/correct/failures"] == 0
+    assert 0.0 <= m["frac_reward_zero_std"] <= 1.0 and 0 <= m["groups/all_zero_reward"] <= 4
+  # Completions to look at: every step (log.completions_every=1), 2 groups of 8.
+  rows = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
+  assert [r["step"] for r in rows] == [0] * 16 + [1] * 16
+  assert all(set(r["rewards"]) == {"correct", "only_some"} and r["finish_reason"] in ("eos", "length") for r in rows)
+  assert all(r["prompt"].endswith("=") and r["versions"][0] <= r["step"] for r in rows)
+  # The checkpoint's saved config says what was trained on: in-memory rows, the functions' import paths.
+  with ckpt_lib.Checkpointer(ckpt_lib.workdir_checkpoints(tmp_path / "run"), read_only=True) as ck:
+    saved = ck.read_meta(ck.latest_step())["config"]
+  assert saved["data"]["train"] == "<in memory: 120 rows>"
+  assert [t["fn"] for t in saved["rewards"]] == ["<in memory: test_python_api_trains_on_rows_in_memory_with_async_and_"
+                                                 "none_rewards.<locals>.correct>", "<in memory: test_python_api_trains_on_"
+                                                 "rows_in_memory_with_async_and_none_rewards.<locals>.only_some>"]
+  assert [t["weight"] for t in saved["rewards"]] == [1.0, 0.5]
+  from tunixlike import eval as eval_lib
+  with pytest.raises(eval_lib.EvalError, match=r"trained on objects given to tunixlike.train in memory \(data.train="
+                     r"'<in memory: 120 rows>', rewards\[0\].fn=.*pass --config"):
+    eval_lib.evaluate_checkpoint(None, str(tmp_path / "run"))
 
 
 def test_cli_trains_on_a_user_dataset_file_and_reward_module_from_another_directory(tmp_path):
