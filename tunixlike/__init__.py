@@ -63,7 +63,9 @@ def train(config: str | Mapping | Config, workdir: str, *, dataset=None, eval_da
     env                     rl.env: an `Env` class (or factory) for multi-turn episodes.
     agent                   rl.agent: your agent loop, run_episode(base_url, episode_id, row), talking
                             to the policy through the OpenAI-compatible server (docs/agents.md).
-  Resume a run given in-memory objects by passing the same objects again.
+  Resume a run given in-memory objects by passing the same objects again. With `rl.num_steps: 0` the
+  run is the supervised stage alone (warm_start.*, data.answer_field / data.messages_field); a later
+  call with rl.num_steps > 0 and the same workdir goes on with RL.
   """
   from tunixlike.rl import trainer  # JAX starts here: set XLA_FLAGS before calling
 
