@@ -135,3 +135,15 @@ def test_help_explains_the_command_and_its_flags():
   assert out.returncode == 0
   assert "python -m tunixlike.train --config configs/addition_grpo.py" in out.stdout
   assert "--workdir" in out.stdout and "check_only" in out.stdout
+
+
+def test_sft_is_train_with_no_rl_steps():
+  run = lambda *args: subprocess.run([sys.executable, "-m", "tunixlike.sft", *args], cwd=ROOT, capture_output=True,
+                                     text=True, timeout=120)
+  out = run("--config", "configs/addition_grpo.py", "--check_only")  # its warm_start.max_steps > 0
+  assert out.returncode == 0 and out.stdout.strip() == "config OK", out.stderr[-2000:]
+  out = run("--config", "configs/addition_grpo.py", "--config.warm_start.max_steps=0", "--check_only")
+  assert out.returncode == 2 and out.stderr.strip() == ("tunixlike.sft: error: warm_start.max_steps=0: nothing to train; "
+                                                        "set --config.warm_start.max_steps to the supervised steps")
+  out = run("--help")
+  assert out.returncode == 0 and "Supervised fine-tuning alone" in out.stdout and "--workdir" in out.stdout
