@@ -25,6 +25,7 @@ setup(
         "ml-collections>=1.1.0",
         "numpy>=2.0",
         "tokenizers>=0.22",
+        "huggingface_hub>=0.30,<3",  # model.hf_path by Hub name: its cache, revisions, offline mode
         "safetensors>=0.6",
         "jinja2>=3.1",  # chat templates
         "pyarrow>=20",

@@ -1,6 +1,7 @@
 """Export: a real Learner state saved with the Checkpointer, exported, loaded by transformers."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -89,6 +90,9 @@ def test_export_matches_transformers(mesh4, tmp_path, use_lora):
   tok = tokenizer_lib.load(str(out))
   assert tok.encode("12+7=") == char_tokenizer.build().encode("12+7=")
   assert hf.from_pretrained(out).cfg.eos_token_ids == (2,)
+  # transformers' generate pads with config.json's pad_token_id: the tokenizer's, kept.
+  theirs = transformers.AutoConfig.from_pretrained(str(out))
+  assert (theirs.pad_token_id, theirs.bos_token_id) == (tok.pad_id, tok.bos_id) == (0, 1)
 
 
 def test_export_ppo_checkpoint_keeps_the_policy_and_drops_the_value_head(mesh4, tmp_path):
@@ -116,6 +120,7 @@ def test_export_lora_over_hf_base_without_saved_base(mesh4, tmp_path):
   assert_transformers_matches(out, learner.model(state), 128)
   assert sorted(f for f in os.listdir(out) if f.startswith("tokenizer")) == ["tokenizer.json",
                                                                               "tokenizer_config.json"]
+  assert json.load(open(out / "config.json"))["pad_token_id"] == char_tokenizer.build().pad_id
 
 
 def run_cli(*args):

@@ -279,7 +279,14 @@ def test_each_stage_has_its_own_progress_bar(tmp_path, capsys):
   logger.write(1, {"eval/accuracy": 0.25}, advance=False)  # an eval does not advance the bar
   logger.end_progress()
   rl = capsys.readouterr().err
-  assert "1/2" in rl and "2/2" not in rl and "warm start" not in rl and "eval_acc=0.25" in rl
+  assert "1/2" in rl and "2/2" not in rl and "warm start" not in rl and "held_out=0.25" in rl
+  logger.progress("rl", total=3, initial=1)
+  logger.write(1, {"reward/mean": 0.75, "staleness/max": 1})  # the last eval stays beside the step's reward
+  logger.write(2, {"eval/accuracy": 0.5}, advance=False)
+  logger.write(2, {"reward/mean": 0.25})
+  logger.end_progress()
+  bar = capsys.readouterr().err.splitlines()[-1]
+  assert "reward=0.25" in bar and "held_out=0.5" in bar and "max" not in bar, bar
   logger.close()
 
 
@@ -361,3 +368,21 @@ def test_wandb_without_the_package_is_named_in_one_line(tmp_path, monkeypatch):
   with pytest.raises(ImportError, match="^log.wandb=True needs the wandb package: pip install wandb$"):
     metrics.MetricsLogger(str(tmp_path), progress_bar=False, tensorboard=False, wandb=True)
   config_lib.LogSection(wandb=False)  # off: never looked for
+
+
+def test_completions_go_to_their_jsonl_a_tensorboard_text_and_a_wandb_table(tmp_path, monkeypatch):
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  logger = metrics.MetricsLogger(str(tmp_path), progress_bar=False, wandb=True)
+  rows = [{"step": 4, "prompt": "1+2=", "completion": "3", "reward": 1.0, "rewards": {"correct": 1.0}},
+          {"step": 4, "prompt": "1+2=", "completion": "4", "reward": 0.0, "rewards": {"correct": 0.0}}]
+  logger.write(4, {"reward/mean": 0.5})
+  logger.write_completions(4, rows, "| prompt | completion |\n|---|---|\n| 1+2= | 3 |")
+  records = _close_and_read_wandb(logger)
+  assert [json.loads(line) for line in open(tmp_path / "completions.jsonl")] == rows
+  texts = [(e.step, v.tag, v.tensor.string_val[0].decode()) for e in _events(tmp_path / "tensorboard")[1:]
+           for v in e.summary.value if v.tag.startswith("completions")]
+  assert texts == [(4, "completions/text_summary", "| prompt | completion |\n|---|---|\n| 1+2= | 3 |")]
+  (row,) = [_items(r.history.item) for r in records if r.HasField("history")]  # one W&B row for step 4
+  assert row["_step"] == 4 and row["reward/mean"] == 0.5
+  assert row["completions/_type"] == "table-file" and row["completions/nrows"] == 2
+  assert [r.artifact.type for r in records if r.HasField("artifact")] == ["run_table"]

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 import tunixlike
+from tunixlike import checkpoint as ckpt_lib
 from tunixlike.rl import build as build_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +36,8 @@ def test_python_api_trains_on_rows_in_memory_with_async_and_none_rewards(tmp_pat
   def only_some(completions, prompt_ids, level):  # None: does not apply to this completion (skipped)
     return [None if i % 2 else 0.5 for i in range(len(completions))]
 
-  cfg = tunixlike.load_config(TINY, {**FAST, "data.prompt_field": "question"})
+  cfg = tunixlike.load_config(TINY, {**FAST, "data.prompt_field": "question", "log.completions_every": 1,
+                                     "log.completions_groups": 2})
   summary = tunixlike.train(cfg, str(tmp_path / "run"), dataset=_rows(),
                             rewards=[correct, dict(fn=only_some, weight=0.5)])
   assert 0.0 <= summary["eval/accuracy_before"] <= 1.0 and 0.0 <= summary["eval/accuracy_after"] <= 1.0
@@ -45,6 +47,24 @@ def test_python_api_trains_on_rows_in_memory_with_async_and_none_rewards(tmp_pat
   for m in steps:
     assert m["rewards/only_some/skipped"] > 0 and m["rewards/only_some"] == 0.5
     assert m["rewards/correct/failures"] == 0
+    assert 0.0 <= m["frac_reward_zero_std"] <= 1.0 and 0 <= m["groups/all_zero_reward"] <= 4
+  # Completions to look at: every step (log.completions_every=1), 2 groups of 8.
+  rows = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
+  assert [r["step"] for r in rows] == [0] * 16 + [1] * 16
+  assert all(set(r["rewards"]) == {"correct", "only_some"} and r["finish_reason"] in ("eos", "length") for r in rows)
+  assert all(r["prompt"].endswith("=") and r["versions"][0] <= r["step"] for r in rows)
+  # The checkpoint's saved config says what was trained on: in-memory rows, the functions' import paths.
+  with ckpt_lib.Checkpointer(ckpt_lib.workdir_checkpoints(tmp_path / "run"), read_only=True) as ck:
+    saved = ck.read_meta(ck.latest_step())["config"]
+  assert saved["data"]["train"] == "<in memory: 120 rows>"
+  assert [t["fn"] for t in saved["rewards"]] == ["<in memory: test_python_api_trains_on_rows_in_memory_with_async_and_"
+                                                 "none_rewards.<locals>.correct>", "<in memory: test_python_api_trains_on_"
+                                                 "rows_in_memory_with_async_and_none_rewards.<locals>.only_some>"]
+  assert [t["weight"] for t in saved["rewards"]] == [1.0, 0.5]
+  from tunixlike import eval as eval_lib
+  with pytest.raises(eval_lib.EvalError, match=r"trained on objects given to tunixlike.train in memory \(data.train="
+                     r"'<in memory: 120 rows>', rewards\[0\].fn=.*pass --config"):
+    eval_lib.evaluate_checkpoint(None, str(tmp_path / "run"))
 
 
 def test_cli_trains_on_a_user_dataset_file_and_reward_module_from_another_directory(tmp_path):
@@ -129,6 +149,10 @@ def test_bad_datasets_are_named_with_file_and_line(tmp_path):
   ok = [dict(fn="stopped")]
   with pytest.raises(ValueError, match=r"train.jsonl:3: prompt_template '\{question\}' needs column\(s\) \['question'\]"):
     _build(tmp_path, rows=_rows(2) + [{"total": 1}], rewards=ok)
+  # A prompt column the file does not have: named plainly, with the columns it does have.
+  with pytest.raises(ValueError, match=r"^data.prompt_field='prompt': data.train='.*train.jsonl' has no such column; "
+                     r"its columns are \['question', 'total', 'level'\]$"):
+    _build(tmp_path, rewards=ok, prompt_field="prompt")
   bad = tmp_path / "bad.jsonl"
   bad.write_text(json.dumps(_rows(1)[0]) + "\n{not json\n" + "".join(json.dumps(r) + "\n" for r in _rows(40)))
   with pytest.raises(ValueError, match=r"data.train=.*bad.jsonl:2: invalid JSON.*data.skip_bad_lines"):
@@ -213,3 +237,16 @@ def test_a_process_reward_from_an_import_path(tmp_path):
   with pytest.raises(ValueError, match=r"algo.process_reward='nowhere:prm': importing nowhere failed"):
     build_lib.build_rl(build_lib.build(tunixlike.load_config(TINY, {**FAST, **steps,
                                                                      "algo.process_reward": "nowhere:prm"})))
+
+
+def test_the_data_may_come_from_python_and_must_come_from_somewhere(tmp_path):
+  cfg = tunixlike.load_config(TINY, {**FAST, "data.task": None, "data.prompt_field": "question"})  # accepted
+  with pytest.raises(ValueError, match=r"^data.task=None: needs a dataset instead: set data.train"):
+    build_lib.build(cfg)
+  assert build_lib.build(cfg, dataset=_rows(), rewards=[dict(fn="stopped")]).task.columns() == ("question", "total",
+                                                                                                  "level")
+  # The supervised stage needs the answers of your own data.
+  with pytest.raises(tunixlike.ConfigError, match=r"warm_start.max_steps=5: .*set data.answer_field"):
+    tunixlike.load_config(TINY, {"data.task": None, "data.train": "x.jsonl", "warm_start.max_steps": 5})
+  with pytest.raises(ValueError, match=r"warm_start.max_steps=5: .*set data.answer_field"):
+    build_lib.build(tunixlike.load_config(cfg, {"warm_start.max_steps": 5}), dataset=_rows())

@@ -82,6 +82,10 @@ def test_sigkill_then_resume_continues_steps_and_data_exactly(tmp_path):
   times = [r["time_s"] for r in metrics]
   assert times == sorted(times)  # the wall clock continues across the restart
   assert [r["step"] for r in metrics if "eval/accuracy" in r] == [0, 12]
+  # Once more: the run is finished, and says so (it regenerates nothing).
+  out, _ = start(workdir, steps=12).communicate(timeout=600)
+  assert "is finished (step 12 of rl.num_steps=12); nothing to do" in out and "regenerating" not in out, out[-3000:]
+  assert steps_in(f"{workdir}/metrics.jsonl") == metrics
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ def test_valid_config_passes_check():
 @pytest.mark.parametrize("args,expected", [
     (["--config.rl.bogus=1"], "unknown config key 'bogus' in --config.rl.bogus=1"),
     (["--config.rl.num_steps=abc"], "--config.rl.num_steps=abc"),
-    (["--config.rl.num_steps=-3"], "rl.num_steps=-3: must be > 0"),
+    (["--config.rl.num_steps=-3"], "rl.num_steps=-3: must be >= 0"),
     (["--config.mesh.sampler_devices=3"], "mesh.sampler_devices / mesh.sampler_tensor = 3"),
     (["--config.rl.sync_mode=fast"], "rl.sync_mode='fast'"),
 ])
@@ -56,7 +56,17 @@ def test_submesh_sizes_that_do_not_add_up_to_the_devices(tmp_path):
                 "--config.warm_start.max_steps=0", f"--workdir={tmp_path}")
   assert out.returncode == 2
   assert out.stderr.strip().splitlines()[-1] == ("tunixlike.train: error: mesh.sampler_devices=4 + "
-                                                "mesh.learner_devices=8 = 12, but there are 8 devices")
+                                                "mesh.learner_devices=8 = 12, but there are 8 devices (on CPU, "
+                                                "XLA_FLAGS=--xla_force_host_platform_device_count=12 set before JAX "
+                                                "starts makes 12)")
+
+
+def test_a_missing_xla_flags_is_suggested(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+  out = subprocess.run([sys.executable, "-m", "tunixlike.train", "--config", "configs/addition_grpo.py",
+                        f"--workdir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert one_error_line(out) == ("mesh.sampler_devices=4 + mesh.learner_devices=4 = 8, but there are 1 devices (on CPU, "
+                                 "XLA_FLAGS=--xla_force_host_platform_device_count=8 set before JAX starts makes 8)")
 
 
 def one_error_line(out) -> str:
@@ -119,7 +129,7 @@ def test_model_directory_problems_are_named(tmp_path):
 def test_device_count_is_named_before_rules_derived_from_the_mesh(tmp_path):
   # 6 sampler devices also break "decode slots divisible by the replicas"; the device count is the cause.
   out = run_cli("--config", "configs/addition_grpo.py", "--config.mesh.sampler_devices=6", f"--workdir={tmp_path}")
-  assert one_error_line(out) == "mesh.sampler_devices=6 + mesh.learner_devices=4 = 10, but there are 8 devices"
+  assert one_error_line(out).startswith("mesh.sampler_devices=6 + mesh.learner_devices=4 = 10, but there are 8 devices")
 
 
 def test_help_explains_the_command_and_its_flags():
@@ -127,3 +137,15 @@ def test_help_explains_the_command_and_its_flags():
   assert out.returncode == 0
   assert "python -m tunixlike.train --config configs/addition_grpo.py" in out.stdout
   assert "--workdir" in out.stdout and "check_only" in out.stdout
+
+
+def test_sft_is_train_with_no_rl_steps():
+  run = lambda *args: subprocess.run([sys.executable, "-m", "tunixlike.sft", *args], cwd=ROOT, capture_output=True,
+                                     text=True, timeout=120)
+  out = run("--config", "configs/addition_grpo.py", "--check_only")  # its warm_start.max_steps > 0
+  assert out.returncode == 0 and out.stdout.strip() == "config OK", out.stderr[-2000:]
+  out = run("--config", "configs/addition_grpo.py", "--config.warm_start.max_steps=0", "--check_only")
+  assert out.returncode == 2 and out.stderr.strip() == ("tunixlike.sft: error: warm_start.max_steps=0: nothing to train; "
+                                                        "set --config.warm_start.max_steps to the supervised steps")
+  out = run("--help")
+  assert out.returncode == 0 and "Supervised fine-tuning alone" in out.stdout and "--workdir" in out.stdout

@@ -78,7 +78,9 @@ def train(config: str | Mapping | Config, workdir: str, *, dataset=None, eval_da
     env                     rl.env: an `Env` class (or factory) for multi-turn episodes.
     agent                   rl.agent: your agent loop, run_episode(base_url, api_key, episode_id, row), talking
                             to the policy through the OpenAI-compatible server (docs/agents.md).
-  Resume a run given in-memory objects by passing the same objects again.
+  Resume a run given in-memory objects by passing the same objects again. With `rl.num_steps: 0` the
+  run is the supervised stage alone (warm_start.*, data.answer_field / data.messages_field); a later
+  call with rl.num_steps > 0 and the same workdir goes on with RL.
   `hooks`: functions of each RL step's `StepInfo` (step, version, metrics, trained and dropped
   groups), or {"fn": function, "every": N} to run one when the new version is a multiple of N. A hook
   may add to `info.metrics` (logged with the step) or call `info.stop()` to end the run after this

@@ -31,8 +31,8 @@ from tunixlike.sampler.config import SamplerConfig
 from tunixlike.settings import (DTYPES, ConfigError, check_fields, in_range, is_key, non_negative, one_of, optional,
                                 positive, require, setting)
 
-__all__ = ["Config", "ConfigError", "check_paths", "default_config_dict", "from_config_dict", "load", "parse_arg",
-           "replace"]
+__all__ = ["Config", "ConfigError", "check_paths", "default_config_dict", "from_config_dict", "from_saved", "load",
+           "parse_arg", "replace"]
 
 
 def _seed(v) -> str | None:
@@ -50,7 +50,10 @@ class ModelSection:
 
   SECTION: ClassVar[str] = "model"
 
-  hf_path: str | None = setting(None, "local HF checkpoint dir; when set, the sizes below are ignored")
+  hf_path: str | None = setting(None, "a Hugging Face model: a local directory or a Hub name 'org/name' (read "
+                                "through the huggingface_hub cache; HF_HUB_OFFLINE=1: the cache only); when set, the "
+                                "sizes below are ignored")
+  revision: str | None = setting(None, "a Hub name's branch, tag or commit (None: main)")
   teacher_path: str | None = setting(None, "on-policy distillation (algo.advantage='distill'): frozen teacher's HF dir")
   critic_path: str | None = setting(None, "PPO: HF dir of a separate critic model (same vocab); None = a value head "
                                     "on the policy trunk")
@@ -138,7 +141,10 @@ class DataSection:
                                    "data.train")
   prompt_field: str = setting("prompt", "the column holding the prompt text (every column reaches the rewards)")
   messages_field: str | None = setting(None, "instead: a column of chat messages [{role, content}], rendered with "
-                                             "the model's chat template")
+                                             "the model's chat template (a last assistant turn is the supervised "
+                                             "stage's answer, not part of the RL prompt)")
+  answer_field: str | None = setting(None, "the column of answers the supervised stage (warm_start.*) learns; None: "
+                                           "a built-in task's 'answer', else the assistant turns of data.messages_field")
   system_prompt: str | None = setting(None, "a system message before each prompt (with a chat template)")
   allow_change: bool = setting(False, "a resume may read changed data.train / data.eval (each checkpoint keeps their "
                                "fingerprint): the prompt stream starts again on the new data, warned; with data.train "
@@ -157,8 +163,6 @@ class DataSection:
     check_fields(self)
     require(self.task == "gsm8k" or self.path is None, "data.path", self.path,
             f"is only read by data.task='gsm8k' (data.task={self.task!r} generates its own data)")
-    require(self.task is not None or self.train is not None, "data.task", None,
-            "needs a dataset instead: set data.train to a file, a glob or a directory")
     require(self.eval is None or self.train is not None, "data.eval", self.eval, "needs data.train")
     require(self.messages_field is None or self.train is not None, "data.messages_field", self.messages_field,
             "is read from a user dataset (data.train)")
@@ -218,16 +222,20 @@ class LoraSection:
 
 @dataclasses.dataclass(frozen=True)
 class WarmStartSection:
-  """Supervised warm start before RL (stops once held-out accuracy reaches the target)."""
+  """The supervised stage (SFT) before RL, or alone with rl.num_steps=0: next-token training on
+  data.answer_field or the assistant turns of data.messages_field (stops at the target accuracy)."""
 
   SECTION: ClassVar[str] = "warm_start"
 
-  max_steps: int = setting(0, "0 = no warm start", check=non_negative, resumable=True)
-  batch_size: int = setting(64, "(prompt, answer) pairs per supervised step", check=positive)
-  learning_rate: float = setting(1e-3, "supervised steps tolerate a larger rate than RL", check=positive)
-  target_accuracy: float = setting(0.2, "a warm start that memorises stops exploring: stop early",
+  max_steps: int = setting(0, "supervised steps; 0 = no supervised stage", check=non_negative, resumable=True)
+  batch_size: int = setting(64, "rows per supervised step (sharded over the learner fsdp devices)", check=positive)
+  learning_rate: float = setting(1e-3, "supervised steps tolerate a larger rate than RL (the rest of the optax "
+                                 "chain is optim.*'s)", check=positive)
+  target_accuracy: float = setting(0.2, "stop once held-out accuracy reaches it: a warm start that memorises stops "
+                                   "exploring (1.0: run every max_steps step)",
                                    check=in_range(0, 1, low_open=True), resumable=True)
-  eval_every: int = setting(25, "check held-out accuracy this often (teacher-forced, cheap)", check=positive, resumable=True)
+  eval_every: int = setting(25, "held-out loss and accuracy (greedy, scored by the first reward) this often",
+                            check=positive, resumable=True)
 
   def __post_init__(self):
     check_fields(self)
@@ -258,6 +266,11 @@ class LogSection:
 
   tensorboard: bool = setting(True, "WORKDIR/tensorboard event files")
   progress_bar: bool = setting(True, "console progress bars of the warm start and of RL (off in tests and notebooks)")
+  completions_every: int = setting(10, "every this many RL steps, append sampled completions (prompt, text, reward "
+                                   "per term, length, finish reason, versions) to WORKDIR/completions.jsonl; 0 = off",
+                                   check=non_negative)
+  completions_groups: int = setting(4, "groups of the step's batch written each time (all their completions)",
+                                    check=positive)
   trace: bool = setting(False, "write WORKDIR/trace.json (Chrome / Perfetto) of sampler, learner, sync, reward spans")
   wandb: bool = setting(False, "also log every record to Weights & Biases (pip install wandb; WANDB_MODE=offline "
                                "keeps it in WORKDIR/wandb)", check=_needs_wandb)
@@ -350,15 +363,18 @@ class Config:
             f"{what} = {rows} must be divisible by optim.micro_batches * "
             f"learner fsdp devices = {self.optim.micro_batches} * {fsdp}"
             + ("" if m.layout == "split" else " (mesh.layout='colocated': the learner uses every device)"))
-    require(not self.warm_start.max_steps or self.data.train is None, "warm_start.max_steps",
-            self.warm_start.max_steps, "the supervised warm start learns a built-in task's generated answers: set it "
-            "to 0 with data.train")
+    d = self.data
+    require(not self.warm_start.max_steps or d.train is None or d.answer_field is not None
+            or d.messages_field is not None, "warm_start.max_steps", self.warm_start.max_steps,
+            "the supervised stage on your own data needs its answers: set data.answer_field to the column holding "
+            "them, or data.messages_field to chat messages with assistant turns")
     require(not self.warm_start.max_steps or self.warm_start.batch_size % fsdp == 0, "warm_start.batch_size",
             self.warm_start.batch_size, "must be divisible by the learner fsdp devices "
             f"({m.sizes_named('learner')} / mesh.learner_tensor = {fsdp}); the warm start shards its batch over them")
     require(self.sampler.max_prefill_length >= self.data.max_prompt_length, "data.max_prompt_length",
             self.data.max_prompt_length, f"must be <= sampler.max_prefill_length={self.sampler.max_prefill_length}")
-    require(self.optim.schedule != "cosine" or self.rl.num_steps > self.optim.warmup_steps, "optim.warmup_steps",
+    require(self.optim.schedule != "cosine" or self.rl.num_steps == 0 or self.rl.num_steps > self.optim.warmup_steps,
+            "optim.warmup_steps",
             self.optim.warmup_steps, f"cosine decays to 0 at rl.num_steps={self.rl.num_steps}: must be less")
 
   def _check_shared_prompts(self):
@@ -516,9 +532,9 @@ def _is_instance(value: Any, hint: Any) -> bool:
     return any(_is_instance(value, h) for h in typing.get_args(hint))
   if hint is type(None):
     return value is None
-  if origin is tuple:
-    (item, _) = typing.get_args(hint)
-    return isinstance(value, (tuple, list)) and all(_is_instance(v, item) for v in value)
+  if hint is tuple or origin is tuple:  # a list too: a config read back from JSON (a checkpoint's meta) has lists
+    item = typing.get_args(hint)[0] if typing.get_args(hint) else Any
+    return isinstance(value, (tuple, list)) and (item is Any or all(_is_instance(v, item) for v in value))
   if hint is float:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
   if hint is int:
@@ -554,6 +570,26 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   return _build(Config, values, "")
 
 
+def _keys_only(cls, values: Mapping[str, Any]) -> dict[str, Any]:
+  """`values` without the run values (`settings.run_value`) that `dataclasses.asdict` also writes."""
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  out = {}
+  for key, value in values.items():
+    f = fields.get(key)
+    if f is not None and not is_key(f):
+      continue
+    if f is not None and dataclasses.is_dataclass(f.default) and isinstance(value, Mapping):
+      value = _keys_only(type(f.default), value)
+    out[key] = value
+  return out
+
+
+def from_saved(saved: Mapping[str, Any]) -> Config:
+  """The config a checkpoint's meta holds (`dataclasses.asdict` of it, through JSON: lists for
+  tuples, the run values filled in) as a validated `Config`."""
+  return from_config_dict(_keys_only(Config, saved))
+
+
 # What a run reads from each directory (alternatives in a tuple), checked before anything is built.
 _HF_FILES = (("config.json",), ("model.safetensors", "model.safetensors.index.json"))
 _GSM8K_FILES = (("train.jsonl",), ("test.jsonl",))
@@ -576,13 +612,25 @@ def check_paths(config: Config):
   """The local directories the config names, as the commands see them before a run builds anything.
 
   Kept out of the dataclasses: a config stays a value that can be built (and tested) on any machine.
+  Also the data's presence: `tunixlike.train(dataset=rows)` supplies data the config does not name.
   """
+  if config.data.task is None and config.data.train is None:
+    raise ConfigError("data.task=None: needs a dataset instead: set data.train to a file, a glob or a directory")
   m = config.model
-  if m.hf_path is not None:  # the run's tokenizer comes from the same directory
-    _check_dir("model.hf_path", m.hf_path, _HF_FILES + (("tokenizer.json",),))
-  for key, path in (("model.critic_path", m.critic_path), ("model.teacher_path", m.teacher_path)):
-    if path is not None:
-      _check_dir(key, path, _HF_FILES)
+  for key, path, needs, revision in (("model.hf_path", m.hf_path, _HF_FILES + (("tokenizer.json",),), m.revision),
+                                     ("model.critic_path", m.critic_path, _HF_FILES, None),
+                                     ("model.teacher_path", m.teacher_path, _HF_FILES, None)):
+    if path is None:
+      continue
+    from tunixlike.models import hub  # noqa: PLC0415 (huggingface_hub only when a model is named)
+    if hub.is_hub_name(path):  # checked where it is cached; online, the run downloads it
+      local = hub.cached(path, revision)
+      if local is None and hub.offline():
+        raise ConfigError(hub.not_cached(path, revision, key))
+      if local is not None:
+        _check_dir(f"{key} ({path!r} in the Hugging Face cache)", local, needs)
+      continue
+    _check_dir(key, path, needs)  # the run's tokenizer comes from model.hf_path's directory too
   if config.data.task == "gsm8k" and config.data.path is not None:  # None: the copy shipped with the package
     _check_dir("data.path", config.data.path, _GSM8K_FILES)
 

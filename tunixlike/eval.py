@@ -14,6 +14,11 @@ order, no shuffle) are decoded:
   pass@K            with --samples K > 1: the fraction of prompts with at least one correct
                     completion among K sampled at --temperature (sampled_accuracy: mean over all).
 
+The prompts are built as training built them (prompt field or chat messages, system prompt, chat
+template). In agent runs (rl.agent) and multi-turn runs (rl.env) the eval is the same single-turn
+greedy completion of each held-out prompt, not an episode through the agent or the environment.
+`--out FILE` also keeps `examples`: each prompt's greedy completion with its score.
+
 Without --config the run's own config (saved in the checkpoint's meta) is used. `--checkpoint` is
 the run's --workdir (its checkpoints/ is read) or a checkpoint directory itself. The JSON goes to
 stdout (and to --out); progress lines go to stderr. Bad input (no checkpoint, an unknown config key,
@@ -53,7 +58,8 @@ _SAMPLES = flags.DEFINE_integer("samples", 1, "Completions per prompt for pass@k
                                 "pass@K and sampled_accuracy). Accuracy is always greedy.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature of the --samples K > 1 "
                                   "completions (top-k / top-p off).")
-_OUT = flags.DEFINE_string("out", None, "Also write the JSON result to this file.")
+_OUT = flags.DEFINE_string("out", None, "Also write the JSON result to this file, with 'examples': every "
+                           "prompt's greedy completion (prompt, completion, score, finish_reason, num_tokens).")
 
 
 class EvalError(ValueError):
@@ -94,7 +100,11 @@ def evaluate_checkpoint(cfg: config_lib.Config | None, checkpoint: str, *, step:
       meta = ckpt.read_meta(step)
       if "config" not in meta:
         raise EvalError(f"{ckpt.step_dir(step)}: meta holds no 'config'; pass --config")
-      cfg = config_lib.from_config_dict(meta["config"])
+      cfg = config_lib.from_saved(meta["config"])
+      in_memory = [f"{key}={value!r}" for key, value in _named_inputs(cfg) if value.startswith("<in memory")]
+      if in_memory:
+        raise EvalError(f"{ckpt.step_dir(step)} was trained on objects given to tunixlike.train in memory "
+                        f"({', '.join(in_memory)}): pass --config with files or import paths for them")
     config_lib.check_paths(cfg)  # the run's model directory may have moved since
     if samples > cfg.sampler.max_concurrent_decodes:
       raise EvalError(f"samples={samples} is larger than sampler.max_concurrent_decodes="
@@ -103,6 +113,13 @@ def evaluate_checkpoint(cfg: config_lib.Config | None, checkpoint: str, *, step:
                      say)
   finally:
     ckpt.close()
+
+
+def _named_inputs(cfg: config_lib.Config):
+  """(key, value) of every config key that names data or code."""
+  yield from (("data.train", cfg.data.train or ""), ("data.eval", cfg.data.eval or ""), ("rl.env", cfg.rl.env or ""),
+              ("rl.agent", cfg.rl.agent or ""))
+  yield from ((f"rewards[{i}].fn", term["fn"]) for i, term in enumerate(cfg.rewards))
 
 
 def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -> dict[str, Any]:
@@ -122,8 +139,8 @@ def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -
   version = int(meta.get("version", step))
   say(f"restored {ckpt.step_dir(step)} (policy version {version}) in {time.monotonic() - start:.1f} s")
 
-  pipe_cfg = pipeline.PipelineConfig(seed=cfg.data.shuffle_seed, shuffle=False, num_epochs=1,
-                                     max_prompt_tokens=cfg.data.max_prompt_length)
+  # The prompts are built exactly as training built them (templates, system prompt, chat messages).
+  pipe_cfg = build.pipeline_config(cfg, shuffle=False, num_epochs=1)
   records = list(itertools.islice(iter(pipeline.from_task(setup.task, setup.tok, split=split, config=pipe_cfg)),
                                   num_examples))
   requests = requests_for(records)
@@ -132,7 +149,8 @@ def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -
   engine = make_engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
   params, _ = weight_sync.sync(nnx.state(model), engine.param_shardings, dtype=cfg.rl.sync_dtype)
 
-  greedy = eval_lib.evaluate(engine, params, requests, correctness, setup.tok, version=version)
+  examples: list = []
+  greedy = eval_lib.evaluate(engine, params, requests, correctness, setup.tok, version=version, examples=examples)
   out: dict[str, Any] = {
       "checkpoint": ckpt.step_dir(step), "step": step, "policy_version": version, "split": split,
       "task": cfg.data.task, "num_prompts": greedy["eval/num_prompts"], "accuracy": greedy["eval/accuracy"],
@@ -146,6 +164,7 @@ def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -
                 "sampled_mean_completion_tokens": sampled["eval/mean_completion_tokens"]})
   out["wall_s"] = round(time.monotonic() - start, 3)
   out["devices"] = f"{jax.device_count()} x {jax.devices()[0].platform}"
+  out["examples"] = examples  # the greedy completions, one per prompt
   return out
 
 
@@ -172,12 +191,11 @@ def main(argv: list[str] | None = None):
     result = evaluate_checkpoint(cfg, say=say, **kwargs)
   except (EvalError, checkpoint_lib.CheckpointError, config_lib.ConfigError, FileNotFoundError) as e:
     cli.fail(PROG, str(e))
-  text = json.dumps(result, indent=2)
-  if _OUT.value:
+  if _OUT.value:  # the file also keeps every prompt's greedy completion and its score
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
     with open(_OUT.value, "w", encoding="utf-8") as f:
-      f.write(text + "\n")
-  print(text)
+      f.write(json.dumps(result, indent=2) + "\n")
+  print(json.dumps({k: v for k, v in result.items() if k != "examples"}, indent=2))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import pathlib
 import shutil
@@ -25,7 +26,8 @@ from flax import nnx
 
 from tunixlike import checkpoint as ckpt_lib
 from tunixlike.learner import state as state_lib
-from tunixlike.models import hf, lora as lora_lib
+from tunixlike.data import tokenizer as tokenizer_lib
+from tunixlike.models import hf, hub, lora as lora_lib
 from tunixlike.models.config import ModelConfig, RopeScaling
 from tunixlike.models.transformer import Transformer
 
@@ -71,8 +73,37 @@ def find_checkpoints(workdir) -> str:
   return sub if os.path.isdir(sub) else os.fspath(workdir)
 
 
-def _save_tokenizer(meta: dict, out: pathlib.Path) -> str:
+def _model_dir(meta: dict) -> str | None:
+  """The run's model.hf_path as a local directory (a Hub name through the huggingface_hub cache)."""
   hf_path = meta.get("hf_path")
+  if not hf_path:
+    return None
+  try:
+    return hub.resolve(hf_path, meta.get("config", {}).get("model", {}).get("revision"))
+  except hub.HubError as e:
+    print(f"export: warning: {e}", file=sys.stderr)
+    return hf_path
+
+
+def _token_ids(hf_path: str | None, out: pathlib.Path):
+  """config.json keeps the special token ids transformers reads (generate pads with pad_token_id):
+  the base model's own, else the ids of the tokenizer written beside it."""
+  ids = {}
+  if hf_path and os.path.isfile(os.path.join(hf_path, "config.json")):
+    with open(os.path.join(hf_path, "config.json"), encoding="utf-8") as f:
+      base = json.load(f)
+    ids = {k: base[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id") if base.get(k) is not None}
+  if "pad_token_id" not in ids and os.path.isfile(out / "tokenizer.json"):
+    tok = tokenizer_lib.load(str(out))
+    ids = {"pad_token_id": tok.pad_id, "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, **ids}
+  if ids:
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    config.update({k: v for k, v in ids.items() if v is not None})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def _save_tokenizer(meta: dict, out: pathlib.Path) -> str:
+  hf_path = _model_dir(meta)
   if hf_path:
     if not os.path.isdir(hf_path):
       print(f"export: warning: tokenizer not written: the run's hf_path {hf_path} is not a directory",
@@ -102,7 +133,7 @@ def export(workdir, out, step: int | None = None) -> pathlib.Path:
     cfg = model_config_from_meta(meta["model"], where=where)
     lora_cfg = lora_config_from_meta(meta.get("lora"), where=where)
     with jax.default_device(cpu):
-      hf_path = meta.get("hf_path")
+      hf_path = _model_dir(meta)
       frozen_saved = ck.layout(step).get("frozen_saved", True)
       if frozen_saved:
         build = lambda: Transformer(cfg, rngs=nnx.Rngs(0))
@@ -124,6 +155,7 @@ def export(workdir, out, step: int | None = None) -> pathlib.Path:
       out = pathlib.Path(out)
       hf.save_pretrained(model, out)
       _save_tokenizer(meta, out)
+      _token_ids(hf_path, out)
   return out
 
 

@@ -80,8 +80,11 @@ def split_devices(sampler_devices: int, learner_devices: int,
   """Per-host split: each process gives its first local devices to the sampler."""
   total = sampler_devices + learner_devices
   if total != len(devices):
+    # CPU devices are virtual: a process has as many as XLA_FLAGS says when JAX starts (1 by default).
+    hint = (f" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={total} set before JAX starts makes "
+            f"{total})" if devices and devices[0].platform == "cpu" else "")
     raise MeshError(f"mesh.sampler_devices={sampler_devices} + mesh.learner_devices="
-                    f"{learner_devices} = {total}, but there are {len(devices)} devices")
+                    f"{learner_devices} = {total}, but there are {len(devices)} devices{hint}")
   by_process: dict[int, list] = {}
   for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
     by_process.setdefault(d.process_index, []).append(d)

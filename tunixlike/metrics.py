@@ -23,9 +23,11 @@ import numpy as np
 
 _log = logging.getLogger(__name__)
 
-# Shown on the progress bar and in console lines, in this order, when present.
-CONSOLE_KEYS = ("reward/mean", "accuracy", "eval/accuracy", "loss", "kl", "staleness/max",
-                "sampler/tokens_per_s", "sync/ms")
+# Shown on the progress bar, in this order, as (metric, label): the last value of each seen in the
+# stage, so held-out accuracy stays on the bar between evals.
+CONSOLE_KEYS = (("reward/mean", "reward"), ("accuracy", "train_acc"), ("eval/accuracy", "held_out"),
+                ("frac_reward_zero_std", "no_signal"), ("loss", "loss"), ("kl", "kl"),
+                ("sampler/tokens_per_s", "tok/s"), ("sync/ms", "sync_ms"))
 
 
 class LogWriteError(OSError):
@@ -109,6 +111,11 @@ class _TensorBoardWriter:
       self._events.flush()
       self._next_flush = time.monotonic() + self.flush_secs
 
+  def write_text(self, step: int, tag: str, text: str):
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.summary import text as text_summary
+    self._events.write_event(Event(wall_time=time.time(), step=int(step), summary=text_summary(tag, text)))
+
   def close(self):
     self._events.close()
 
@@ -142,6 +149,12 @@ class _WandbWriter:
 
   def write(self, step: int, record: dict[str, Any]):
     self._run.log({k: v for k, v in record.items() if k != "step" and _is_scalar(v)}, step=int(step))
+
+  def write_table(self, step: int, name: str, rows: list[dict[str, Any]]):
+    import wandb
+    columns = sorted({k for r in rows for k in r})
+    data = [[json.dumps(r[k]) if isinstance(r.get(k), (dict, list)) else r.get(k) for k in columns] for r in rows]
+    self._run.log({name: wandb.Table(columns=columns, data=data)}, step=int(step))
 
   def close(self):
     self._run.finish()
@@ -187,8 +200,10 @@ class MetricsLogger:
     if wandb:
       self._writers.append(_WandbWriter(workdir, project=wandb_project, config=config, resume=resume))
       self.outputs["wandb"] = self._writers[-1].path
+    self._completions = _JsonlWriter(os.path.join(workdir, "completions.jsonl"))
     self._progress_bar = progress_bar
     self._bar = None
+    self._shown: dict[str, float] = {}
 
   @property
   def elapsed_s(self) -> float:
@@ -198,6 +213,7 @@ class MetricsLogger:
     """Shows the progress bar of a stage (closing the one before); `write` advances it by a step and
     `info` lines print above it. Nothing is shown without `progress_bar`."""
     self.end_progress()
+    self._shown = {}
     if self._progress_bar:
       from tqdm.auto import tqdm
       self._bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
@@ -217,13 +233,28 @@ class MetricsLogger:
     record = {"step": int(step), "time_s": round(self.elapsed_s, 3)}
     record.update({k: _plain(v) for k, v in metrics.items()})
     self._each(lambda w: w.write(step, record))
-    shown = {k.split("/")[-1] if k != "eval/accuracy" else "eval_acc": record[k]
-             for k in CONSOLE_KEYS if _is_scalar(record.get(k))}
-    if self._bar is not None:
-      if advance:
-        self._bar.update(1)
-      self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=True)
+    if self._bar is not None and advance:
+      self._bar.update(1)
+    self.show(record)
     return record
+
+  def write_completions(self, step: int, rows: list[dict[str, Any]], markdown: str):
+    """Appends sampled completions (`rl.completions_log`) to WORKDIR/completions.jsonl, and shows them
+    as a text summary (`markdown`) in TensorBoard and a table in W&B when those are on."""
+    try:
+      for row in rows:
+        self._completions.write(step, row)
+    except OSError as e:
+      raise _write_error([(self._completions.path, "completions log", e)]) from e
+    self._each(lambda w: w.write_text(step, "completions", markdown) if hasattr(w, "write_text") else None)
+    self._each(lambda w: w.write_table(step, "completions", rows) if hasattr(w, "write_table") else None)
+
+  def show(self, metrics: Mapping[str, Any]):
+    """Puts the CONSOLE_KEYS among `metrics` on the progress bar (kept until the stage ends)."""
+    self._shown.update({k: metrics[k] for k, _ in CONSOLE_KEYS if _is_scalar(metrics.get(k))})
+    if self._bar is not None:
+      self._bar.set_postfix({label: f"{self._shown[k]:.3g}" for k, label in CONSOLE_KEYS if k in self._shown},
+                            refresh=True)
 
   def _each(self, call: Callable[[Any], None], *, closing: bool = False):
     """`call(writer)` for every live writer; the ones that fail are dropped, not retried each step."""
@@ -250,6 +281,7 @@ class MetricsLogger:
   def close(self):
     """Flushes and closes every log (also after a failure); raises LogWriteError if one failed now."""
     self.end_progress()
+    self._completions.close()
     self._each(lambda w: w.close(), closing=True)
 
 

@@ -70,6 +70,7 @@ class RolloutGroup:
   columns: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. {"answer": "42"}
   prompt_text: str | None = None
   rewards: np.ndarray | None = None  # float32 [G], filled by the reward stage
+  term_rewards: dict[str, np.ndarray] | None = None  # each reward term's own float32 [G] (NaN: skipped), too
   # Filled by the reward stage too (`learner/group_advantages.py`): the rewards after shaping (DAPO's
   # overlong penalty), one advantage per completion, and per-token advantages where configured.
   shaped_rewards: np.ndarray | None = None  # float32 [G]

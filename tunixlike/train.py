@@ -52,25 +52,30 @@ def device_count_error(raw) -> str | None:
   return None
 
 
-def parse(argv: list[str]) -> tuple[config_lib.Config, str | None]:
+def parse(argv: list[str], prog: str = PROG) -> tuple[config_lib.Config, str | None]:
   """Parses flags into a validated Config; exits with status 2 and one clear line on bad input."""
-  cfg = cli.parse_config(PROG, argv, _CONFIG, first_check=device_count_error)
+  cfg = cli.parse_config(prog, argv, _CONFIG, first_check=device_count_error)
   if cfg is None:
-    cli.fail(PROG, "--config is required (e.g. --config configs/addition_grpo.py)")
+    cli.fail(prog, "--config is required (e.g. --config configs/addition_grpo.py)")
   return cfg, _WORKDIR.value
 
 
-def main(argv: list[str] | None = None):
+def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=lambda cfg: None):
+  """`prog` and `module` name another command built on this one (`tunixlike.sft`); `check(cfg)`
+  returns its complaint about a valid config, or None."""
   argv = list(sys.argv if argv is None else argv)
   if cli.wants_help(argv):
-    print(cli.usage(sys.modules[__name__]))
+    print(cli.usage(module or sys.modules[__name__]))
     return
-  cfg, workdir = parse(argv)
+  cfg, workdir = parse(argv, prog)
+  complaint = check(cfg)
+  if complaint:
+    cli.fail(prog, complaint)
   if _CHECK_ONLY.value:
     print("config OK")
     return
   if workdir is None:
-    cli.fail(PROG, "--workdir is required")
+    cli.fail(prog, "--workdir is required")
   from tunixlike import checkpoint, mesh
   from tunixlike.rl import trainer  # heavy imports only once the config is known to be good
   # Orbax's async writes leave failed asyncio tasks behind when a save fails (a full disk): their
@@ -82,13 +87,13 @@ def main(argv: list[str] | None = None):
   from tunixlike.rl.collapse import PolicyCollapse
   from tunixlike.rl.runtime import NonFiniteLoss
   try:
-    trainer.run(cfg, workdir, on_second_interrupt=interrupted)
+    trainer.run(cfg, workdir, on_second_interrupt=lambda: interrupted(prog))
   except (NonFiniteLoss, PolicyCollapse, LogWriteError, checkpoint.CheckpointWriteError) as e:
-    cli.fail(PROG, str(e), status=1)  # the run stopped itself, and says why
+    cli.fail(prog, str(e), status=1)  # the run stopped itself, and says why
   except (mesh.MeshError, checkpoint.CheckpointError, config_lib.ConfigError, trainer.SetupError) as e:
-    cli.fail(PROG, str(e))
+    cli.fail(prog, str(e))
   except KeyboardInterrupt:  # Ctrl-C before the run's own handler was installed
-    interrupted()
+    interrupted(prog)
 
 
 def _without_closed_loops(unraisable, default=sys.unraisablehook):
@@ -98,9 +103,9 @@ def _without_closed_loops(unraisable, default=sys.unraisablehook):
     default(unraisable)
 
 
-def interrupted():
+def interrupted(prog: str = PROG):
   """A second Ctrl-C: stop waiting for the current step, exit 130 at once (`cli.exit_now`)."""
-  cli.exit_now(PROG, "interrupted (a second Ctrl-C); the last checkpoint is kept", 130)
+  cli.exit_now(prog, "interrupted (a second Ctrl-C); the last checkpoint is kept", 130)
 
 
 if __name__ == "__main__":

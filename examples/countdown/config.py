@@ -20,7 +20,10 @@ def get_config(arg: str | None = None):
   c.data.max_prompt_length = 24  # prompts are at most 13 tokens with <bos>; longer ones are filtered and counted
   c.sampler.max_prefill_length = 32  # the power-of-two bucket above data.max_prompt_length
   c.sampler.max_new_tokens = 16  # a solution has at most 7 characters; room for a wrong longer try
-  c.warm_start.max_steps = 0  # the supervised warm start is for the built-in synthetic tasks only
+  c.data.answer_field = "solution"  # the supervised warm start learns these (one solution per problem)
+  c.warm_start.max_steps = 1000  # stops at warm_start.target_accuracy long before (about 200 steps)
+  c.warm_start.target_accuracy = 0.15  # RL learns from there; supervised training alone levels off near 20%
+  c.warm_start.eval_every = 25
   c.rewards = [
       dict(fn="./rewards.py:correct", weight=1.0),  # first = the evals' 0/1 accuracy
       dict(fn="./rewards.py:well_formed", weight=0.1),  # small shaping: any valid expression beats junk
@@ -29,6 +32,8 @@ def get_config(arg: str | None = None):
   c.rl.num_steps = 300  # the budget of configs/addition_grpo.py
   c.eval.every_steps = 100  # a held-out curve, not just two points
   if variant.size == "tiny":  # the end-to-end test: a couple of steps only (the default model is already tiny)
+    c.warm_start.max_steps = 4
+    c.warm_start.eval_every = 2
     c.rl.num_steps = 3
     c.rl.prompts_per_step = 8
     c.data.num_eval_examples = 16

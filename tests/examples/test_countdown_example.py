@@ -23,3 +23,8 @@ def test_countdown_example_trains_a_few_steps_through_the_cli(tmp_path):
     assert 0.0 <= r["rewards/correct"] <= 1.0
   evals = [r for r in records if "eval/accuracy" in r]
   assert len(evals) == 2 and evals[0]["eval/num_prompts"] == 16
+  # The supervised warm start on the solution column ran first, its held-out loss falling.
+  warm = [r for r in records if "warm_start/step" in r]
+  assert [r["warm_start/step"] for r in warm] == [0, 2, 4]
+  assert warm[-1]["warm_start/eval_loss"] < warm[0]["warm_start/eval_loss"]
+  assert [r["warm_start/steps"] for r in records if "warm_start/steps" in r] == [4]

@@ -27,6 +27,10 @@ def test_score_groups_fills_rewards_from_decoded_tokens():
   # lengths in tokens: "975"+eos = 4, "97" = 2, "1"+eos = 2, "10"+eos = 3
   np.testing.assert_allclose(groups[0].rewards, [1 - 1.0 + 0.5, 0 - 0.5 + 0.0])
   np.testing.assert_allclose(groups[1].rewards, [0 - 0.5 + 0.5, 1 - 0.75 + 0.5])
+  # Each term's own score per completion, before its weight (what completions.jsonl shows).
+  np.testing.assert_allclose(groups[0].term_rewards["exact_match"], [1, 0])
+  np.testing.assert_allclose(groups[1].term_rewards["length_penalty"], [-0.5, -0.75])
+  np.testing.assert_allclose(groups[1].term_rewards["stopped"], [1, 1])
   assert groups[0].rewards.dtype == np.float32
   assert metrics["rewards/exact_match"] == 0.5
   assert groups[1].reward_metrics == metrics

@@ -133,8 +133,14 @@ class PromptPipeline:
       where = where or f"{self.source.name}: record {record.get('id')!r}"
       raise ValueError(f"{where}: column {field!r} (data.messages_field) must be a non-empty list of "
                        f"{{role, content}} messages, got {str(messages)[:80]!r}")
+    messages = [dict(m) for m in messages]
+    while messages and messages[-1]["role"] == "assistant":  # the answer (the supervised stage's), not the prompt
+      messages.pop()
+    if not messages:
+      where = where or f"{self.source.name}: record {record.get('id')!r}"
+      raise ValueError(f"{where}: column {field!r} (data.messages_field) has only assistant turns: no prompt")
     system = self.config.system_prompt
-    messages = ([{"role": "system", "content": system}] if system else []) + [dict(m) for m in messages]
+    messages = ([{"role": "system", "content": system}] if system else []) + messages
     return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
   def _length_filter(self) -> np.ndarray:

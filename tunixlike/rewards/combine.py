@@ -10,6 +10,9 @@ import numpy as np
 from tunixlike.rewards import loader, registry
 from tunixlike.rewards.safe import SafeReward
 
+# Scores past float32's range saturate rather than turn into inf; algo.reward_clip then clips them (counted).
+_F32_MAX = float(np.finfo(np.float32).max)
+
 
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
@@ -82,22 +85,28 @@ class CombinedReward:
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns) -> tuple[np.ndarray,
                                                                                              dict[str, float]]:
+    total_n, _, metrics = self.score(prompts, completions, **columns)
+    return total_n, metrics
+
+  def score(self, prompts: Sequence[str], completions: Sequence[str], **columns
+            ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
+    """(weighted total [N], each term's own scores [N] by name, NaN where skipped, metrics)."""
     if len(prompts) != len(completions):
       raise ValueError(f"CombinedReward: {len(prompts)} prompts for {len(completions)} completions")
     total_n = np.zeros(len(completions), np.float64)  # float32 would overflow a sum of huge finite scores
+    terms: dict[str, np.ndarray] = {}
     metrics: dict[str, float] = {}
     for spec, fn in zip(self.specs, self.fns):
       scores, failed = fn(prompts, completions, **columns)
       scored_n = np.array([s is not None for s in scores], bool)
       scores_n = np.array([0.0 if s is None else s for s in scores], np.float64)
       total_n += spec.weight * scores_n
+      terms[spec.name] = np.where(scored_n, np.clip(scores_n, -_F32_MAX, _F32_MAX), np.nan).astype(np.float32)
       metrics[f"rewards/{spec.name}"] = float(scores_n[scored_n].mean()) if scored_n.any() else 0.0
       metrics[f"rewards/{spec.name}/failures"] = float(failed)
       metrics[f"rewards/{spec.name}/skipped"] = float((~scored_n).sum())
     metrics["rewards/total"] = float(total_n.mean()) if len(total_n) else 0.0
-    # Past float32's range saturates rather than turning into inf; algo.reward_clip then clips it (counted).
-    f32 = float(np.finfo(np.float32).max)
-    return np.clip(total_n, -f32, f32).astype(np.float32), metrics
+    return np.clip(total_n, -_F32_MAX, _F32_MAX).astype(np.float32), terms, metrics
 
 
 def _as_spec(spec) -> RewardSpec:

@@ -34,11 +34,12 @@ def score_groups(reward: CombinedReward, groups: Sequence[RolloutGroup], tokeniz
         if k not in g.columns:
           raise ValueError(f"group {g.prompt_id!r} lacks column {k!r} that other groups in the batch have")
         columns[k].append(g.columns[k])
-  rewards_n, metrics = reward(prompts, completions, **columns, completion_lengths=lengths, finish_reasons=finish,
-                              prompt_ids=prompt_ids)
+  rewards_n, terms, metrics = reward.score(prompts, completions, **columns, completion_lengths=lengths,
+                                           finish_reasons=finish, prompt_ids=prompt_ids)
   start = 0
   for g in groups:
     g.rewards = np.asarray(rewards_n[start : start + g.group_size], np.float32)
+    g.term_rewards = {name: scores[start : start + g.group_size] for name, scores in terms.items()}
     g.reward_metrics = dict(metrics)
     start += g.group_size
   return metrics

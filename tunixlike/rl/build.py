@@ -28,10 +28,11 @@ from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokeniz
 from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, value as value_lib
 from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.train_step import Learner
-from tunixlike.models import lora as lora_lib, transformer
+from tunixlike.models import hub, lora as lora_lib, transformer
 from tunixlike.rewards import loader, process as process_lib
 from tunixlike.rewards.envs import CalculatorEnv
 from tunixlike.rl import distill as distill_lib, evaluate as eval_lib, scoring, warm_start as warm_start_lib
+from tunixlike.rl import weight_sync
 from tunixlike.agents.driver import AgentConfig, AgentDriver
 from tunixlike.rl.collapse import CollapseConfig, CollapseDetector
 from tunixlike.rl.policy import Policy
@@ -51,7 +52,8 @@ def learner_config(cfg: Config) -> LearnerConfig:
   """The algo and optim sections with their run values."""
   # The behaviour logprobs are at the sampler's temperature; the learner's must match.
   algo = dataclasses.replace(cfg.algo, sampling_temperature=cfg.sampler.temperature or 1.0)
-  return LearnerConfig(algo=algo, optim=dataclasses.replace(cfg.optim, total_steps=cfg.rl.num_steps))
+  # rl.num_steps = 0 (the supervised stage only) still builds the learner whose state is saved.
+  return LearnerConfig(algo=algo, optim=dataclasses.replace(cfg.optim, total_steps=max(cfg.rl.num_steps, 1)))
 
 
 def sampler_config(cfg: Config, tok) -> SamplerConfig:
@@ -100,19 +102,29 @@ def build_task(cfg: Config, dataset=None, eval_dataset=None):
   With data.train (or `dataset` / `eval_dataset` given in memory: a list of dicts, a grain
   MapDataset, a RecordSource) the task is the user's dataset, with data.task's rewards as its default."""
   if cfg.model.hf_path:
-    tok = tokenizer_lib.load(cfg.model.hf_path)
+    tok = tokenizer_lib.load(hub.resolve(cfg.model.hf_path, cfg.model.revision))
   else:
     tok = char_tokenizer.build()
   d = cfg.data
-  if dataset is not None and cfg.warm_start.max_steps:
-    raise ValueError(f"warm_start.max_steps={cfg.warm_start.max_steps}: the supervised warm start learns a built-in "
-                     "task's generated answers: set it to 0 with a dataset")
-  if d.train is not None or dataset is not None:
+  own = d.train is not None or dataset is not None
+  if not own and d.task is None:
+    raise ValueError("data.task=None: needs a dataset instead: set data.train to a file, a glob or a directory "
+                     "(or pass dataset= to tunixlike.train)")
+  if own and cfg.warm_start.max_steps and d.answer_field is None and d.messages_field is None:
+    raise ValueError(f"warm_start.max_steps={cfg.warm_start.max_steps}: the supervised stage on your own data needs "
+                     "its answers: set data.answer_field to the column holding them, or data.messages_field to chat "
+                     "messages with assistant turns")
+  if own:
     preset = tasks.TASKS[d.task].default_rewards if d.task is not None else ()
-    return tok, tasks.DatasetTask(dataset if dataset is not None else d.train,
-                                  eval_dataset if eval_dataset is not None else d.eval,
-                                  prompt_field=d.prompt_field, holdout=d.num_eval_examples,
-                                  skip_bad_lines=d.skip_bad_lines, default_rewards=preset)
+    task = tasks.DatasetTask(dataset if dataset is not None else d.train,
+                             eval_dataset if eval_dataset is not None else d.eval,
+                             prompt_field=d.prompt_field, holdout=d.num_eval_examples,
+                             skip_bad_lines=d.skip_bad_lines, default_rewards=preset)
+    key, field = ("data.messages_field", d.messages_field) if d.messages_field else ("data.prompt_field", d.prompt_field)
+    if field not in task.columns():  # said plainly, before the prompt template would say it its own way
+      where = f"data.train={d.train!r}" if dataset is None else "the dataset given to tunixlike.train"
+      raise ValueError(f"{key}={field!r}: {where} has no such column; its columns are {list(task.columns())}")
+    return tok, task
   kwargs = {"digits": d.digits} if d.task == "addition" else {}
   if d.task == "gsm8k":
     kwargs = {} if d.path is None else {"path": d.path}
@@ -153,8 +165,9 @@ def agent_function(cfg: Config, agent=None):
 def build_model(cfg: Config, tok, mesh) -> nnx.Module:
   m = cfg.model
   if m.hf_path:
-    return transformer.with_attention(models.from_pretrained(m.hf_path, mesh=mesh, rules=mesh_lib.LEARNER_RULES,
-                                                             dtype=m.param_dtype), m.attention)
+    return transformer.with_attention(models.from_pretrained(hub.resolve(m.hf_path, m.revision), mesh=mesh,
+                                                             rules=mesh_lib.LEARNER_RULES, dtype=m.param_dtype),
+                                      m.attention)
   # The model section's sizes carry ModelConfig's own names; the vocabulary is the tokenizer's.
   sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(models.ModelConfig) if hasattr(m, f.name)}
   model_cfg = models.ModelConfig(vocab_size=tok.vocab_size, **sizes)
@@ -221,11 +234,11 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   model = build_model(cfg, tok, meshes.learner)
   critic = None
   if training and cfg.model.critic_path:  # loaded (and checked against the policy) before any training starts
-    critic = value_lib.load_critic(cfg.model.critic_path, model, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
+    critic = value_lib.load_critic(hub.resolve(cfg.model.critic_path, key="model.critic_path"), model, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
                                    dtype=cfg.model.param_dtype)
   teacher = None
   if training and cfg.model.teacher_path:  # frozen, on the learner submesh; it scores groups in the reward stage
-    teacher = distill_lib.Teacher.load(cfg.model.teacher_path, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
+    teacher = distill_lib.Teacher.load(hub.resolve(cfg.model.teacher_path, key="model.teacher_path"), mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
                                        dtype=cfg.model.param_dtype, vocab_size=model.cfg.vocab_size, pad_id=tok.pad_id)
   pipe_cfg = pipeline_config(cfg)
   train_pipe = pipeline.from_task(task, tok, split="train", config=pipe_cfg)
@@ -259,20 +272,37 @@ def pipeline_config(cfg: Config, **changes) -> pipeline.PipelineConfig:
                                  messages_field=d.messages_field, skip_bad_rows=d.skip_bad_lines, **changes)
 
 
-def warm_start(setup: Setup, say=print, should_stop=lambda: False, on_step=lambda step: None, optimizer=None,
-               start_step: int = 0) -> dict[str, float]:
-  """Supervised warm start of `setup.model` (synthetic tasks: the answers are known); an interrupted
-  one continues from `start_step` with its `optimizer`."""
-  cfg = setup.cfg
-  source = setup.task.source("train")
-  first = cfg.seed * 7919 + start_step * cfg.warm_start.batch_size
-  records = (source[i % len(source)] for i in itertools.count(first))
+def example_format(cfg: Config) -> warm_start_lib.ExampleFormat:
+  """Where the supervised stage finds a row's answer: data.answer_field (a built-in task's 'answer'),
+  else the assistant turns of data.messages_field."""
+  d = cfg.data
+  if d.answer_field is None and d.messages_field is not None:
+    return warm_start_lib.ExampleFormat(messages_field=d.messages_field, system_prompt=d.system_prompt)
+  return warm_start_lib.ExampleFormat(answer_field=d.answer_field or "answer")
+
+
+def warm_start(setup: Setup, say=print, should_stop=lambda: False, on_step=lambda step, metrics: None,
+               on_eval=lambda metrics: None, optimizer=None, start_step: int = 0) -> dict[str, float]:
+  """The supervised stage on `setup.model` (`warm_start_lib`); an interrupted one continues from
+  `start_step` with its `optimizer`. Every process trains on the same batches (a learner computation:
+  the batch is sharded over the learner mesh), drawn from the whole training set in a seeded order."""
+  cfg, tok = setup.cfg, setup.tok
+  pipe = pipeline.from_task(setup.task, tok, split="train",
+                            config=dataclasses.replace(pipeline_config(cfg), shard_index=0, shard_count=1))
+  records = (pipe.dataset[i] for i in itertools.count(start_step * cfg.warm_start.batch_size))
   held_out = setup.eval_records if setup.warm_start_records is None else setup.warm_start_records
-  return warm_start_lib.warm_start(setup.model, records, held_out, setup.tok, cfg.warm_start,
-                                   mesh=setup.meshes.learner,
-                                   length=cfg.data.max_prompt_length + cfg.sampler.max_new_tokens, log=say,
-                                   should_stop=should_stop, on_step=on_step, optimizer=optimizer,
-                                   start_step=start_step)
+  engine = make_engine(setup.model, eval_lib.eval_sampler_config(sampler_config(cfg, tok)), mesh=setup.meshes.sampler)
+  correctness = correctness_reward(setup)
+
+  def accuracy() -> float:  # greedy decoding scored by the first reward's verifier, as the RL evals
+    params, _ = weight_sync.sync(nnx.state(setup.model), engine.param_shardings, dtype=cfg.rl.sync_dtype)
+    return evaluate_params(setup, engine, params, correctness)["eval/accuracy"]
+
+  stage = warm_start_lib.SupervisedStage(setup.model, tok, cfg.warm_start, example_format(cfg),
+                                         length=cfg.data.max_prompt_length + cfg.sampler.max_new_tokens,
+                                         mesh=setup.meshes.learner, optimizer=optimizer, optim=cfg.optim)
+  return stage.run(records, held_out, accuracy, start_step=start_step, log=say, should_stop=should_stop,
+                   on_step=on_step, on_eval=on_eval)
 
 
 # ---- RL: the policy, the sampler, the reward stage ------------------------------------------------
@@ -353,13 +383,18 @@ def build_rl(setup: Setup, *, reward: rewards_lib.CombinedReward | None = None,
 
 
 def evaluate(setup: Setup, rl: RLStack) -> dict[str, Any]:
-  """Held-out accuracy; on several processes each evaluates its shard and the numbers are combined
-  (weighted by prompts), so every process reports the same result."""
+  """Held-out accuracy of the policy (see `evaluate_params`)."""
   policy = rl.policy
   params, _ = policy.sampler_weights()
   with setup.tracer.span("eval", cat="eval", version=policy.version):
-    out = eval_lib.evaluate(rl.eval_engine, params, requests_for(setup.eval_records), rl.correctness, setup.tok,
-                            version=policy.version)
+    return evaluate_params(setup, rl.eval_engine, params, rl.correctness, version=policy.version)
+
+
+def evaluate_params(setup: Setup, engine, params, correctness, *, version: int = 0) -> dict[str, Any]:
+  """Greedy completions of the held-out prompts scored by `correctness`; on several processes each
+  evaluates its shard and the numbers are combined (weighted by prompts), so every process reports
+  the same result."""
+  out = eval_lib.evaluate(engine, params, requests_for(setup.eval_records), correctness, setup.tok, version=version)
   if jax.process_count() == 1:
     return out
   keys = sorted(k for k in out if k != "eval/num_prompts")

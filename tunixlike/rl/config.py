@@ -34,7 +34,9 @@ class RuntimeConfig:
 
   SECTION: ClassVar[str] = "rl"
 
-  num_steps: int = setting(60, "learner steps (= policy versions) of RL", check=positive, resumable=True)
+  num_steps: int = setting(60, "learner steps (= policy versions) of RL: 60 keeps a first run short; the configs "
+                           "set their own (300 learns the built-in tasks); 0 = the supervised stage only",
+                           check=non_negative, resumable=True)
   prompts_per_step: int = setting(32, "groups per learner step (the run splits them over the hosts)", check=positive)
   max_staleness: int = setting(1, "0 = synchronous (the baseline every comparison uses)", check=non_negative)
   sync_mode: str = setting("soft_pause", "soft_pause (swap weights between decode steps) | drain (finish in-flight "
@@ -68,6 +70,8 @@ class RuntimeConfig:
                                       check=positive)
   episode_timeout_s: float = setting(300.0, "an agent episode longer than this is aborted (and counted)",
                                      check=positive)
+  no_signal_warn_steps: int = setting(10, "warn after this many steps in a row where every group's rewards were "
+                                      "equal (no gradient signal); 0 = never", check=non_negative, resumable=True)
   dynamic_sampling: bool = run_value(False, "algo.dynamic_sampling: drop groups whose rewards have no variance, "
                                      "refill")
 

@@ -37,14 +37,17 @@ def generate(engine: Engine, params, requests: Sequence[PromptRequest], *, versi
 
 
 def evaluate(engine: Engine, params, requests: Sequence[PromptRequest], reward, tokenizer, *,
-             version: int = 0) -> dict[str, Any]:
+             version: int = 0, examples: list | None = None) -> dict[str, Any]:
   """Accuracy (and pass@k when the engine samples k > 1 per prompt) on `requests`.
 
   `eval/reward_failures` counts completions the verifier failed on (raised or timed out): they
   score 0, so an accuracy next to many failures measures the verifier, not the policy.
+  `examples`: a list that gets one dict per completion (prompt, completion, score, finish reason).
   """
   groups = generate(engine, params, requests, version=version, detokenize=tokenizer.decode)
   metrics = score_groups(reward, groups, tokenizer=tokenizer)
+  if examples is not None:
+    examples.extend(example_rows(groups, tokenizer))
   correct_ng = np.stack([g.rewards for g in groups]) >= 0.5
   k = correct_ng.shape[1]
   out = {"eval/accuracy": float(correct_ng.mean()), "eval/num_prompts": len(groups),
@@ -53,3 +56,14 @@ def evaluate(engine: Engine, params, requests: Sequence[PromptRequest], reward, 
   if k > 1:
     out[f"eval/pass@{k}"] = float(correct_ng.any(axis=1).mean())
   return out
+
+
+def example_rows(groups: Sequence[RolloutGroup], tokenizer) -> list[dict[str, Any]]:
+  """One JSON-ready dict per scored completion: what a person reads to see what the model says."""
+  rows = []
+  for g in groups:
+    for i, c in enumerate(g.completions):
+      rows.append({"prompt_id": str(g.prompt_id), "prompt": g.prompt_text,
+                   "completion": c.text if c.text is not None else tokenizer.decode(c.token_ids),
+                   "score": float(g.rewards[i]), "finish_reason": c.finish_reason, "num_tokens": c.num_tokens})
+  return rows

@@ -109,4 +109,5 @@ def cut_logs(directory: str, step: int | None) -> float:
   below = -1 if step is None else step
   metrics_lib.truncate_jsonl(metrics_path, below, keep=lambda r: r["step"] == step and "loss" not in r)
   metrics_lib.truncate_jsonl(os.path.join(directory, "prompts.jsonl"), below)
+  metrics_lib.truncate_jsonl(os.path.join(directory, "completions.jsonl"), below)
   return metrics_lib.last_time_s(metrics_path)

@@ -168,6 +168,9 @@ class AsyncRuntime:
         rewards = np.concatenate([g.rewards for g in groups])
         metrics.update({
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+            # GRPO's advantages are 0 in a group whose rewards are all equal: no gradient from it.
+            "frac_reward_zero_std": float(np.mean([not _has_variance(g) for g in groups])),
+            "groups/all_zero_reward": int(sum(not np.any(g.rewards) for g in groups)),
             "staleness/min": int(lags.min()), "staleness/mean": float(lags.mean()),
             "staleness/max": int(lags.max()), "learner/step_s": train_s, "learner/wait_s": wait_s,
             "learner/busy_frac": self.learner_busy_s / wall,

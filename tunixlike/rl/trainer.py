@@ -33,10 +33,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from tunixlike import checkpoint as checkpoint_lib, distributed, metrics as metrics_lib, models
 from tunixlike import workdir as workdir_lib
+from tunixlike import config as config_lib
 from tunixlike.config import Config
 from tunixlike.data import tasks as tasks_lib
 from tunixlike.rl import build as build_lib, collapse as collapse_lib, resume as resume_lib
-from tunixlike.rl import warm_start as warm_start_lib
+from tunixlike.rl import completions_log, signal_guard, warm_start as warm_start_lib
 from tunixlike.rl import hooks as hooks_lib
 from tunixlike.rl.hooks import StepInfo
 from tunixlike.rl.preemption import Preemption
@@ -87,7 +88,12 @@ def _stages(r: _Run) -> dict[str, Any]:
     r.close()
     return {"preempted": True, "step": 0}
   if r.version >= r.cfg.rl.num_steps and r.version in r.evals:
-    r.say(f"the run in {r.workdir} is finished (step {r.version}); nothing to do")
+    if latest is not None:
+      r.say(f"the run in {r.workdir} is finished (step {r.version} of rl.num_steps={r.cfg.rl.num_steps}); nothing "
+            "to do (raise rl.num_steps to train on)")
+    elif not r.cfg.rl.num_steps:
+      r.say("rl.num_steps=0: the supervised stage only; its result is the checkpoint at step 0 (run again with "
+            "rl.num_steps > 0 and the same --workdir to go on with RL)")
     return _finish(r, r.evals[r.version])
   summary = _rl(r)
   if summary.get("preempted"):
@@ -119,20 +125,31 @@ def _start_fresh(r: _Run) -> bool:
 
 
 def _warm_start(r: _Run) -> bool:
-  """The supervised warm start, continued from WORKDIR/warm_start when an earlier one was stopped.
-  Returns False when it was stopped again (and saved there)."""
-  setup = r.setup
+  """The supervised stage, continued from WORKDIR/warm_start when an earlier one was stopped (or
+  crashed after a periodic save there). Returns False when it was stopped again (and saved there)."""
+  setup, ws = r.setup, r.cfg.warm_start
   paused = checkpoint_lib.Checkpointer(os.path.join(r.workdir, WARM_START_SUBDIR), keep=1)
   try:
-    optimizer = warm_start_lib.make_optimizer(setup.model, r.cfg.warm_start)
+    optimizer = warm_start_lib.make_optimizer(setup.model, ws.learning_rate, r.cfg.optim)
     start = _resume_warm_start(r, paused, optimizer)
-    r.logger.progress("warm start", total=r.cfg.warm_start.max_steps, initial=start)
-    summary = build_lib.warm_start(setup, say=r.say, should_stop=r.stop_requested, on_step=r.logger.progress_to,
+    save = lambda step: paused.save(step, _warm_start_state(setup.model, optimizer),
+                                    {"config": dataclasses.asdict(r.cfg)}, force=True)
+    every = r.cfg.checkpoint.every_steps
+
+    def on_step(step: int, metrics: dict):
+      r.logger.progress_to(step)
+      r.logger.show(metrics)
+      if every and step % every == 0 and step < ws.max_steps:
+        save(step)  # a crash loses at most checkpoint.every_steps steps
+
+    r.logger.progress("warm start", total=ws.max_steps, initial=start)
+    summary = build_lib.warm_start(setup, say=r.say, should_stop=r.stop_requested, on_step=on_step,
+                                   on_eval=lambda metrics: r.logger.write(0, metrics, advance=False),
                                    optimizer=optimizer, start_step=start)
     r.logger.progress_to(summary["warm_start/steps"])
     if summary["warm_start/interrupted"]:
       step = summary["warm_start/steps"]
-      paused.save(step, _warm_start_state(setup.model, optimizer), {"config": dataclasses.asdict(r.cfg)}, force=True)
+      save(step)
       r.say(f"stopped during the warm start at step {step}; saved it: the next run with this --workdir continues it")
       return False
   finally:
@@ -190,8 +207,9 @@ def _restore(r: _Run) -> bool:
     return True
   r.stream = PromptStream(r.setup.train_pipe, mine["position"], replay=mine["outstanding"])
   r.counters["groups_regenerated"] += r.stream.replayed
-  r.say(f"resumed from {where} at step {policy.version}; regenerating {r.stream.replayed} prompts that were in "
-        "flight")
+  if policy.version < r.cfg.rl.num_steps:  # a finished run says so in _stages, and regenerates nothing
+    r.say(f"resumed from {where} at step {policy.version}; regenerating {r.stream.replayed} prompts that were in "
+          "flight")
   return True
 
 
@@ -280,6 +298,39 @@ def checkpoint_meta(setup: build_lib.Setup, rl: build_lib.RLStack, stream: Promp
       **({"hf_path": cfg.model.hf_path} if cfg.model.hf_path else {})}))
 
 
+IN_MEMORY = "<in memory"  # how the saved config names an object given to tunixlike.train that no file holds
+
+
+def _import_path(obj) -> str:
+  """`module:qualname` of a function or class, or `<in memory: name>` when it cannot be imported."""
+  module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", type(obj).__name__)
+  if module in (None, "__main__") or "<locals>" in name or "<lambda>" in name:
+    return f"{IN_MEMORY}: {name}>"
+  return f"{module}:{name}"
+
+
+def _rows(data) -> str:
+  if isinstance(data, (str, os.PathLike)):
+    return os.fspath(data)
+  return f"{IN_MEMORY}: {len(data) if hasattr(data, '__len__') else 'an iterable of'} rows>"
+
+
+def as_trained(cfg: Config, setup: build_lib.Setup, user: dict) -> Config:
+  """`cfg` with the objects given to `tunixlike.train` in memory recorded by what they are, so the
+  checkpoint's saved config says what was trained on: rows as `<in memory: N rows>` (a path as
+  itself), functions and classes by import path (`<in memory: name>` when they have none)."""
+  data = {key: _rows(user[arg]) for key, arg in (("train", "dataset"), ("eval", "eval_dataset"))
+          if user.get(arg) is not None}
+  rl = {key: user[key] if isinstance(user[key], str) else _import_path(user[key]) for key in ("env", "agent")
+        if user.get(key) is not None}
+  changes: dict[str, Any] = {"data": data, "rl": rl}
+  if user.get("rewards") is not None:
+    changes["rewards"] = tuple({"fn": spec.fn if isinstance(spec.fn, str) else _import_path(spec.fn),
+                                "weight": float(spec.weight), "kwargs": dict(spec.kwargs), "name": spec.name}
+                               for spec in setup.reward.specs)
+  return config_lib.replace(cfg, **{k: v for k, v in changes.items() if v})
+
+
 # ---- one run's state, shared by its stages, and the loop's hooks ------------------------------------
 class _Run:
   """One run: its setup and RL stack, logs, checkpoints, prompt accounting, evals and hooks."""
@@ -296,6 +347,9 @@ class _Run:
     except (ValueError, OSError, models.CheckpointError) as e:
       raise SetupError(str(e)) from e
     self.data_fingerprints = resume_lib.data_fingerprints(self.setup.task)  # kept in every checkpoint
+    # What the checkpoints record (and a resume compares): the config as trained.
+    self.cfg = cfg = as_trained(cfg, self.setup, user)
+    self.setup = dataclasses.replace(self.setup, cfg=cfg)
     self.ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), keep=cfg.checkpoint.keep,
                                             save_every_steps=cfg.checkpoint.every_steps,
                                             save_every_seconds=cfg.checkpoint.every_seconds,
@@ -414,6 +468,10 @@ class _Run:
     for fn, every in self.user_hooks:  # before the metrics hook: what they add to info.metrics is logged
       runtime.hooks.add(fn, every=every)
     runtime.hooks.add(self.log_metrics)
+    if self.cfg.rl.no_signal_warn_steps:
+      runtime.hooks.add(signal_guard.NoSignalGuard(self.cfg.rl.no_signal_warn_steps, lambda m: self.say(m)))
+    if self.cfg.log.completions_every and self.pid == 0:
+      runtime.hooks.add(self.log_completions, every=self.cfg.log.completions_every)
     if self.cfg.rl.stop_on_collapse:
       runtime.hooks.add(collapse_lib.stop_on_collapse)  # logged, but neither evaluated nor saved
     if self.cfg.eval.every_steps:
@@ -436,6 +494,11 @@ class _Run:
 
   def log_metrics(self, info: StepInfo):
     self.logger.write(info.step, info.metrics)
+
+  def log_completions(self, info: StepInfo):
+    rows = completions_log.completion_rows(info.trained[:self.cfg.log.completions_groups], self.setup.tok,
+                                           step=info.step)
+    self.logger.write_completions(info.step, rows, completions_log.markdown(rows))
 
   def periodic_eval(self, info: StepInfo):
     if info.version < self.cfg.rl.num_steps:  # the last step's eval is the final one
