@@ -20,7 +20,7 @@ setup(
         "jaxlib>=0.10.2,<0.13",
         "flax>=0.12.8,<0.13",
         "optax>=0.2.8,<0.3",
-        "orbax-checkpoint>=0.12.8,<0.13",
+        "orbax-checkpoint>=0.12.4,<0.13",
         "grain>=0.2.18,<0.3",
         "ml-collections>=1.1.0",
         "numpy>=2.0",
