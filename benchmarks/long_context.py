@@ -1,0 +1,136 @@
+"""Long-context training: peak memory and step time of one learner step per row length, per attention kernel.
+
+  python benchmarks/long_context.py [--lengths 2048,4096,8192,16384,32768] [--reference-max 4096]
+      [--steps 2] [--out FILE] [--quick]
+
+Prints one JSON object (`tunixlike.metrics.print_report`; also written to --out). Each measurement
+runs in a fresh subprocess on one CPU device, so its peak resident memory (`ru_maxrss`) is its own:
+the real `Learner.train_step` (GRPO ppo_clip loss, token-level TIS, AdamW, chunked log-probs) on
+ONE row of T tokens (a 32-token prompt, the rest completion) of the 4M-parameter bench model
+(4 layers, hidden 256, 4 heads, 2 KV heads of 64, vocab 512, fp32, as in learner_step.py).
+`model.attention` is forced per run: `reference` (today's [B, H, T, T] attention, run up to
+--reference-max: 8K needs ~20 GB) and `blockwise` (attention.py's flash kernel) at every length.
+`step_s` is the best of --steps timed steps (one above 4K) after a first step that compiles
+(`first_step_s`).
+
+Targets (issue 41): blockwise peak memory 4K -> 32K grows <= 10x; 32K within 16 GB; blockwise step
+time at 2K <= 1.1x the reference's (`auto` runs the reference up to attention.REFERENCE_MAX_LEN on
+CPU, so the default is today's speed there). The machine may be shared: the load average is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+BENCH_MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
+                   num_kv_heads=2, head_dim=64, qkv_bias=True)
+PROMPT_LEN = 32
+
+
+def _parse(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--lengths", default="2048,4096,8192,16384,32768", help="row lengths T (comma-separated)")
+  p.add_argument("--reference-max", type=int, default=4096, help="longest T the reference attention runs at")
+  p.add_argument("--steps", type=int, default=3, help="timed steps per run up to 4K (the best is reported)")
+  p.add_argument("--out", default=None, help="also write the JSON object to this file")
+  p.add_argument("--quick", action="store_true", help="short rows (smoke test, not the figures)")
+  p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # impl:T, run in a child process
+  return p.parse_args(argv)
+
+
+def run_one(impl: str, t: int, steps: int) -> dict:
+  """One learner step on one row of T tokens with `impl` attention, in this (fresh) process."""
+  import jax
+  import numpy as np
+
+  from tunixlike import models
+  from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig
+
+  cfg = models.ModelConfig(**BENCH_MODEL, max_position_embeddings=max(t, 512), attention=impl)
+  model = models.Transformer(cfg, rngs=__import__("flax").nnx.Rngs(0))
+  lcfg = LearnerConfig(algo=AlgoConfig(loss="ppo_clip", is_mode="tis"), optim=OptimConfig(learning_rate=1e-5),
+                       logprob_chunk_size=128)
+  learner = Learner(model, lcfg)
+  rng = np.random.default_rng(0)
+  host = {
+      "tokens": rng.integers(1, cfg.vocab_size, size=(1, t)).astype(np.int32),
+      "loss_mask": np.zeros((1, t), np.float32),
+      "behaviour_logprobs": np.full((1, t), -np.log(cfg.vocab_size), np.float32),
+      "versions": np.zeros((1, t), np.int32),
+      "advantages": np.ones((1,), np.float32),
+  }
+  host["loss_mask"][:, PROMPT_LEN:] = 1.0
+  batch = learner.put_batch(host)
+  state = learner.state
+  t0 = time.perf_counter()
+  state, metrics = learner.train_step(state, batch, jax.random.key(0))
+  jax.block_until_ready(metrics)
+  first = time.perf_counter() - t0
+  times = []
+  for i in range(steps):
+    t0 = time.perf_counter()
+    state, metrics = learner.train_step(state, batch, jax.random.key(i + 1))
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - t0)
+  return {"attention": impl, "length": t, "step_s": min(times), "step_s_all": times, "first_step_s": first,
+          "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+          "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
+
+
+def _child(impl: str, t: int, steps: int) -> dict:
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  cmd = [sys.executable, __file__, "--one", f"{impl}:{t}", "--steps", str(steps)]
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+  if proc.returncode:
+    return {"attention": impl, "length": t, "error": proc.stderr.strip().splitlines()[-1:]}
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+  args = _parse(argv)
+  if args.one:
+    impl, t = args.one.split(":")
+    print(json.dumps(run_one(impl, int(t), args.steps)))
+    return
+  lengths = [256, 512] if args.quick else [int(x) for x in args.lengths.split(",")]
+  ref_max = 512 if args.quick else args.reference_max
+  steps = 1 if args.quick else args.steps
+  load_before = os.getloadavg()[0]
+  runs = []
+  for t in lengths:
+    for impl in ("reference", "blockwise"):
+      if impl == "reference" and t > ref_max:
+        continue
+      runs.append(_child(impl, t, steps if t <= 4096 else 1))  # a 32K step takes minutes here
+      print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+  by = {(r["attention"], r["length"]): r for r in runs if "error" not in r}
+  out = {"benchmark": "long_context", "quick": args.quick, "devices": 1, "model": BENCH_MODEL,
+         "loss": "ppo_clip + token TIS, one row", "runs": runs}
+  blk = {t: by[("blockwise", t)] for t in lengths if ("blockwise", t) in by}
+  if len(blk) >= 2:
+    lo, hi = min(blk), max(blk)
+    out[f"blockwise_memory_growth_{lo}_to_{hi}"] = blk[hi]["peak_rss_gb"] / blk[lo]["peak_rss_gb"]
+    if 4096 in blk and 32768 in blk:
+      out["memory_growth_4k_to_32k"] = blk[32768]["peak_rss_gb"] / blk[4096]["peak_rss_gb"]
+      out["memory_growth_target_met"] = out["memory_growth_4k_to_32k"] <= 10
+      out["peak_rss_gb_32k"] = blk[32768]["peak_rss_gb"]
+      out["fits_16gb_at_32k"] = blk[32768]["peak_rss_gb"] <= 16
+  for t in lengths:
+    if ("reference", t) in by and t in blk:
+      ref = by[("reference", t)]
+      out[f"blockwise_vs_reference_{t}"] = {"step_time_ratio": blk[t]["step_s"] / ref["step_s"],
+                                           "memory_ratio": blk[t]["peak_rss_gb"] / ref["peak_rss_gb"],
+                                           "loss_abs_diff": abs(blk[t]["loss"] - ref["loss"])}
+  out["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0], "cpu_count": os.cpu_count()}
+  from tunixlike.metrics import print_report
+  print_report(out, args.out)
+
+
+if __name__ == "__main__":
+  main()
