@@ -10,8 +10,10 @@ ONE row of T tokens (a 32-token prompt, the rest completion) of the 4M-parameter
 (4 layers, hidden 256, 4 heads, 2 KV heads of 64, vocab 512, fp32, as in learner_step.py).
 `model.attention` is forced per run: `reference` (today's [B, H, T, T] attention, run up to
 --reference-max: 8K needs ~20 GB) and `blockwise` (attention.py's flash kernel) at every length.
-`step_s` is the best of --steps timed steps (one above 4K) after a first step that compiles
-(`first_step_s`).
+`step_s` is the best of --steps timed steps (one above 4K; --steps 0: the first step, compilation
+included) after a first step that compiles (`first_step_s`). Rows longer than --run-max are compiled
+but not run (`compile_only`): `compiled_gb` is XLA's memory account of the step (arguments, outputs,
+temporaries) where running it would take too long on a shared machine.
 
 Targets (issue 41): blockwise peak memory 4K -> 32K grows <= 10x; 32K within 16 GB; blockwise step
 time at 2K <= 1.1x the reference's (`auto` runs the reference up to attention.REFERENCE_MAX_LEN on
@@ -40,11 +42,14 @@ def _parse(argv=None):
   p.add_argument("--steps", type=int, default=3, help="timed steps per run up to 4K (the best is reported)")
   p.add_argument("--out", default=None, help="also write the JSON object to this file")
   p.add_argument("--quick", action="store_true", help="short rows (smoke test, not the figures)")
+  p.add_argument("--run-max", type=int, default=None,
+                 help="longer rows are compiled, not run: XLA's memory account of the step instead of a measurement")
+  p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # impl:T, run in a child process
   return p.parse_args(argv)
 
 
-def run_one(impl: str, t: int, steps: int) -> dict:
+def run_one(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
   """One learner step on one row of T tokens with `impl` attention, in this (fresh) process."""
   import jax
   import numpy as np
@@ -68,11 +73,16 @@ def run_one(impl: str, t: int, steps: int) -> dict:
   host["loss_mask"][:, PROMPT_LEN:] = 1.0
   batch = learner.put_batch(host)
   state = learner.state
+  if compile_only:  # XLA's own account of the step's memory, without running it
+    mem = learner._step.lower(state, batch, jax.random.key(0)).compile().memory_analysis()
+    return {"attention": impl, "length": t, "compile_only": True,
+            "compiled_gb": {k: getattr(mem, f"{k}_size_in_bytes") / 2**30 for k in ("argument", "output", "temp")},
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
   t0 = time.perf_counter()
   state, metrics = learner.train_step(state, batch, jax.random.key(0))
   jax.block_until_ready(metrics)
   first = time.perf_counter() - t0
-  times = []
+  times = [first] if not steps else []  # --steps 0: the first step (compilation included) only
   for i in range(steps):
     t0 = time.perf_counter()
     state, metrics = learner.train_step(state, batch, jax.random.key(i + 1))
@@ -83,9 +93,10 @@ def run_one(impl: str, t: int, steps: int) -> dict:
           "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
 
 
-def _child(impl: str, t: int, steps: int) -> dict:
+def _child(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-  cmd = [sys.executable, __file__, "--one", f"{impl}:{t}", "--steps", str(steps)]
+  cmd = [sys.executable, __file__, "--one", f"{impl}:{t}", "--steps", str(steps)] + (
+      ["--compile-only"] if compile_only else [])
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
   if proc.returncode:
     return {"attention": impl, "length": t, "error": proc.stderr.strip().splitlines()[-1:]}
@@ -96,7 +107,7 @@ def main(argv=None):
   args = _parse(argv)
   if args.one:
     impl, t = args.one.split(":")
-    print(json.dumps(run_one(impl, int(t), args.steps)))
+    print(json.dumps(run_one(impl, int(t), args.steps, args.compile_only)))
     return
   lengths = [256, 512] if args.quick else [int(x) for x in args.lengths.split(",")]
   ref_max = 512 if args.quick else args.reference_max
@@ -107,9 +118,10 @@ def main(argv=None):
     for impl in ("reference", "blockwise"):
       if impl == "reference" and t > ref_max:
         continue
-      runs.append(_child(impl, t, steps if t <= 4096 else 1))  # a 32K step takes minutes here
+      compile_only = args.run_max is not None and t > args.run_max
+      runs.append(_child(impl, t, steps if t <= 4096 else 1, compile_only))  # a 32K step takes minutes here
       print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-  by = {(r["attention"], r["length"]): r for r in runs if "error" not in r}
+  by = {(r["attention"], r["length"]): r for r in runs if "error" not in r and not r.get("compile_only")}
   out = {"benchmark": "long_context", "quick": args.quick, "devices": 1, "model": BENCH_MODEL,
          "loss": "ppo_clip + token TIS, one row", "runs": runs}
   blk = {t: by[("blockwise", t)] for t in lengths if ("blockwise", t) in by}

@@ -133,8 +133,33 @@ def blockwise(q_bthd, k_btkd, v_btkd, segments_bt=None, prefix_bt=None, window=N
   q = jnp.einsum("bnqkgd->nbkgqd", pad(q_bthd).reshape(b, n, blk, kv, g, d)).reshape(n, b, kv, g * blk, d)
   k, v = (jnp.einsum("bnskd->nbksd", pad(x).reshape(b, n, blk, kv, d)) for x in (k_btkd, v_btkd))
   seg_n, pre_n = (jnp.moveaxis(x.reshape(b, n, blk), 1, 0) for x in (seg, pre))
-  o = _flash(q, k, v, seg_n, pre_n, _Static(blk, g, window, has_seg, 1 / math.sqrt(d)))
+  o = _flash(q, k, v, seg_n, pre_n, seg_n, jnp.int32(0), _Static(blk, g, window, has_seg, 1 / math.sqrt(d)))
   return jnp.einsum("nbkgqd->bnqkgd", o.reshape(n, b, kv, g, blk, d)).reshape(b, tp, h, d)[:, :t]
+
+
+def blockwise_chunk(q_bthd, k_btkd, v_btkd, q_offset, segments_q=None, prefix_q=None, segments_k=None,
+                    window=None, block: int = BLOCK):
+  """Blockwise attention of a chunk of queries, global positions [q_offset, q_offset + Tq), against
+  every key of the row (Tk): context parallelism's per-device part (`context_parallel.py`). Tq, Tk
+  and q_offset must be multiples of the block (q_offset may be traced)."""
+  b, tq, h, d = q_bthd.shape
+  tk, kv = k_btkd.shape[1], k_btkd.shape[2]
+  g = h // kv
+  blk = min(block, tq)
+  if tq % blk or tk % blk:
+    raise ValueError(f"blockwise_chunk: query length {tq} and key length {tk} must be multiples of the block {blk}")
+  nq, nk = tq // blk, tk // blk
+  has_seg = segments_q is not None
+  zeros = lambda t: jnp.zeros((b, t), jnp.int32)
+  seg_q = segments_q.astype(jnp.int32) if has_seg else zeros(tq)
+  pre_q = prefix_q.astype(jnp.int32) if prefix_q is not None else zeros(tq)
+  seg_k = segments_k.astype(jnp.int32) if has_seg else zeros(tk)
+  q = jnp.einsum("bnqkgd->nbkgqd", q_bthd.reshape(b, nq, blk, kv, g, d)).reshape(nq, b, kv, g * blk, d)
+  k, v = (jnp.einsum("bnskd->nbksd", x.reshape(b, nk, blk, kv, d)) for x in (k_btkd, v_btkd))
+  blocks = lambda x, n: jnp.moveaxis(x.reshape(b, n, blk), 1, 0)
+  o = _flash(q, k, v, blocks(seg_q, nq), blocks(pre_q, nq), blocks(seg_k, nk),
+             (jnp.asarray(q_offset) // blk).astype(jnp.int32), _Static(blk, g, window, has_seg, 1 / math.sqrt(d)))
+  return jnp.einsum("nbkgqd->bnqkgd", o.reshape(nq, b, kv, g, blk, d)).reshape(b, tq, h, d)
 
 
 class _Static(NamedTuple):
@@ -147,26 +172,26 @@ class _Static(NamedTuple):
   scale: float
 
 
-def _key_range(st: _Static, i):
-  """Key blocks [lo, i] that query block i may see (causal; the window drops blocks far behind)."""
-  lo = 0 if st.window is None else jnp.maximum(0, (i * st.block - st.window + 1) // st.block)
-  return lo, i + 1
+def _key_range(st: _Static, gi):
+  """Key blocks [lo, gi] that query block gi (global) may see (causal; the window drops blocks far behind)."""
+  lo = 0 if st.window is None else jnp.maximum(0, (gi * st.block - st.window + 1) // st.block)
+  return lo, gi + 1
 
 
-def _query_range(st: _Static, j, n: int):
-  """Query blocks [j, hi) that may see key block j."""
-  hi = n if st.window is None else jnp.minimum(n, ((j + 1) * st.block - 1 + st.window - 1) // st.block + 1)
-  return j, hi
+def _query_range(st: _Static, j, q_off, nq: int):
+  """Local query blocks [lo, hi) (global block = local + q_off) that may see key block j."""
+  hi = nq + q_off if st.window is None else jnp.minimum(
+      nq + q_off, ((j + 1) * st.block - 1 + st.window - 1) // st.block + 1)
+  return jnp.clip(j - q_off, 0, nq), jnp.clip(hi - q_off, 0, nq)
 
 
-def _block_mask(st: _Static, i, j, seg_n, pre_n):
-  """Query block i vs key block j: [G*blk, blk] bool, or [B, 1, G*blk, blk] with segments."""
+def _block_mask(st: _Static, i, j, q_off, seg_q, pre_q, seg_k):
+  """Local query block i (global i + q_off) vs key block j: [G*blk, blk] bool, or [B, 1, G*blk, blk]."""
   rows = jnp.arange(st.groups * st.block) % st.block  # the query of each row of a G*blk block
-  k_idx = j * st.block + jnp.arange(st.block)
+  q_idx, k_idx = (i + q_off) * st.block + rows, j * st.block + jnp.arange(st.block)
   if not st.has_seg:
-    return visible_mask(i * st.block + rows, k_idx, window=st.window)
-  return visible_mask(i * st.block + rows, k_idx, seg_n[i][:, rows], pre_n[i][:, rows], seg_n[j],
-                      st.window)[:, None]
+    return visible_mask(q_idx, k_idx, window=st.window)
+  return visible_mask(q_idx, k_idx, seg_q[i][:, rows], pre_q[i][:, rows], seg_k[j], st.window)[:, None]
 
 
 def _scores(st: _Static, q_i, k_j):
@@ -174,8 +199,8 @@ def _scores(st: _Static, q_i, k_j):
   return jnp.einsum("bkrd,bksd->bkrs", q_i, k_j, preferred_element_type=jnp.float32) * st.scale
 
 
-def _forward(q, k, v, seg_n, pre_n, st: _Static):
-  """-> (o like q, lse [N, B, Hkv, R] fp32)."""
+def _forward(q, k, v, seg_q, pre_q, seg_k, q_off, st: _Static):
+  """-> (o like q, lse [Nq, B, Hkv, R] fp32)."""
 
   def query_block(i):
     q_i = q[i]
@@ -183,7 +208,7 @@ def _forward(q, k, v, seg_n, pre_n, st: _Static):
     def key_block(j, carry):
       m, l, acc = carry
       s = _scores(st, q_i, k[j])
-      vis = _block_mask(st, i, j, seg_n, pre_n)
+      vis = _block_mask(st, i, j, q_off, seg_q, pre_q, seg_k)
       m_new = jnp.maximum(m, jnp.where(vis, s, _MASKED).max(-1))
       p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
       corr = jnp.exp(m - m_new)
@@ -192,28 +217,27 @@ def _forward(q, k, v, seg_n, pre_n, st: _Static):
 
     init = (jnp.full(q_i.shape[:-1], _MASKED, jnp.float32), jnp.zeros(q_i.shape[:-1], jnp.float32),
             jnp.zeros(q_i.shape, jnp.float32))
-    m, l, acc = jax.lax.fori_loop(*_key_range(st, i), key_block, init)
+    m, l, acc = jax.lax.fori_loop(*_key_range(st, i + q_off), key_block, init)
     l = jnp.maximum(l, 1e-30)  # never divide by 0 (every real query sees itself, so l > 0 there)
     return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
 
   return jax.lax.map(query_block, jnp.arange(q.shape[0]))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, seg_n, pre_n, st: _Static):
-  return _forward(q, k, v, seg_n, pre_n, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q, k, v, seg_q, pre_q, seg_k, q_off, st: _Static):
+  return _forward(q, k, v, seg_q, pre_q, seg_k, q_off, st)[0]
 
 
-def _flash_fwd(q, k, v, seg_n, pre_n, st: _Static):
-  o, lse = _forward(q, k, v, seg_n, pre_n, st)
-  return o, (q, k, v, seg_n, pre_n, o, lse)
+def _flash_fwd(q, k, v, seg_q, pre_q, seg_k, q_off, st: _Static):
+  o, lse = _forward(q, k, v, seg_q, pre_q, seg_k, q_off, st)
+  return o, (q, k, v, seg_q, pre_q, seg_k, q_off, o, lse)
 
 
 def _flash_bwd(st: _Static, res, do):
   """FlashAttention-2's backward: per key block j, the query blocks that see it, recomputing
   p = exp(s - lse); dK_j, dV_j accumulate in the inner loop, dQ in a carry of all blocks (fp32)."""
-  q, k, v, seg_n, pre_n, o, lse = res
-  n = q.shape[0]
+  q, k, v, seg_q, pre_q, seg_k, q_off, o, lse = res
   delta = jnp.einsum("nbkrd,nbkrd->nbkr", do.astype(jnp.float32), o.astype(jnp.float32))  # sum_d dO o
 
   def key_block(dq, j):
@@ -222,7 +246,7 @@ def _flash_bwd(st: _Static, res, do):
     def query_block(i, carry):
       dk, dv, dq = carry
       q_i, do_i = q[i], do[i]
-      vis = _block_mask(st, i, j, seg_n, pre_n)
+      vis = _block_mask(st, i, j, q_off, seg_q, pre_q, seg_k)
       p = jnp.where(vis, jnp.exp(_scores(st, q_i, k_j) - lse[i][..., None]), 0.0)  # [B, Hkv, R, blk]
       dv = dv + jnp.einsum("bkrs,bkrd->bksd", p.astype(do.dtype), do_i, preferred_element_type=jnp.float32)
       dp = jnp.einsum("bkrd,bksd->bkrs", do_i, v_j, preferred_element_type=jnp.float32)
@@ -232,11 +256,11 @@ def _flash_bwd(st: _Static, res, do):
       return dk, dv, dq.at[i].add(dq_i)
 
     zeros = jnp.zeros(k_j.shape, jnp.float32)
-    dk, dv, dq = jax.lax.fori_loop(*_query_range(st, j, n), query_block, (zeros, zeros, dq))
+    dk, dv, dq = jax.lax.fori_loop(*_query_range(st, j, q_off, q.shape[0]), query_block, (zeros, zeros, dq))
     return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
 
-  dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(n))
-  return dq.astype(q.dtype), dk, dv, None, None
+  dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(k.shape[0]))
+  return dq.astype(q.dtype), dk, dv, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
