@@ -109,8 +109,8 @@ def main(argv=None):
     impl, t = args.one.split(":")
     print(json.dumps(run_one(impl, int(t), args.steps, args.compile_only)))
     return
-  lengths = [256, 512] if args.quick else [int(x) for x in args.lengths.split(",")]
-  ref_max = 512 if args.quick else args.reference_max
+  lengths = [128, 256] if args.quick else [int(x) for x in args.lengths.split(",")]
+  ref_max = 128 if args.quick else args.reference_max
   steps = 1 if args.quick else args.steps
   load_before = os.getloadavg()[0]
   runs = []

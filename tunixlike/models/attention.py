@@ -39,10 +39,10 @@ from tunixlike.models.config import ATTENTION_IMPLEMENTATIONS
 
 IMPLEMENTATIONS = ATTENTION_IMPLEMENTATIONS  # `ModelConfig.attention`, `model.attention`
 # On CPU the reference is as fast up to here (and the main job's rows, tens of tokens, keep today's
-# program); from 512 tokens on the blockwise kernel is faster (2K: 0.27 s vs 2.7 s for one layer's
-# forward and backward, docs/benchmarks.md#long-context-training) and its memory grows linearly.
+# program); beyond it the blockwise kernel is faster (a learner step at 2K: 0.65x the reference's
+# time, docs/benchmarks.md#long-context-training) and its memory grows linearly.
 REFERENCE_MAX_LEN = 256
-BLOCK = 256  # key / query block of the blockwise kernel: the fastest of 128 / 256 / 512 on CPU at 4K-16K
+BLOCK = 256  # key / query block of the blockwise kernel ([G*256, 256] fp32 scores per KV head at a time)
 _MASKED = -1e30
 
 
