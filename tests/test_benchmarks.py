@@ -216,3 +216,15 @@ def test_multi_agent_benchmark(tmp_path):
                                                      rel=1e-2)
   assert r["episode_async_vs_group_async"] == pytest.approx(
       modes["group"]["s_per_episode"] / modes["episode"]["s_per_episode"], rel=1e-2)
+
+
+@pytest.mark.slow
+def test_long_context_benchmark(tmp_path):
+  r = run_benchmark("long_context", tmp_path, "--run-max", "128")
+  runs = {(x["attention"], x["length"]): x for x in r["runs"]}
+  assert set(runs) == {("reference", 128), ("blockwise", 128), ("blockwise", 256)}
+  for key in (("reference", 128), ("blockwise", 128)):
+    assert_positive(runs[key], "step_s", "peak_rss_gb")
+  assert runs[("blockwise", 256)]["compile_only"] and runs[("blockwise", 256)]["compiled_gb"]["temp"] > 0
+  # the same step: both kernels give the same loss
+  assert r["blockwise_vs_reference_128"]["loss_abs_diff"] < 1e-5

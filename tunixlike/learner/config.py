@@ -151,6 +151,11 @@ class OptimConfig:
       False, "one learner row per GRPO group, its prompt once and then its answers, each answer attending the "
       "prompt and itself (learner/prompt_rows.py): the same loss and gradients as a row per answer, without "
       "repeating the prompt in every row or padding every answer to the longest", check=_bool)
+  pack_tokens: int = setting(
+      0, "with share_prompts, N > 0: several whole groups per learner row, up to N tokens a row, each attending "
+      "its own prompt (learner/prompt_rows.py#pack): rows filled instead of padded to the longest group, the "
+      "same loss and gradients; the step then has as many rows as the groups need (rounded up to "
+      "micro_batches * learner devices). 0 = one group per row", check=non_negative)
   total_steps: int = run_value(0, "rl.num_steps: where cosine reaches 0 (0 = not set yet)", check=non_negative)
 
   def __post_init__(self):
@@ -159,6 +164,8 @@ class OptimConfig:
             f"needs optim.micro_batches >= 2 to group rows into (got {self.micro_batches})")
     require(not (self.share_prompts and self.group_by_length), "optim.share_prompts", True,
             "and optim.group_by_length trim rows differently: set one of them")
+    require(not self.pack_tokens or self.share_prompts, "optim.pack_tokens", self.pack_tokens,
+            "packs shared-prompt rows: it needs optim.share_prompts=True")
     require(self.schedule != "cosine" or not self.total_steps or self.total_steps > self.warmup_steps,
             "rl.num_steps", self.total_steps,
             f"the cosine schedule needs more than optim.warmup_steps={self.warmup_steps}")

@@ -230,7 +230,7 @@ class Learner:
       h_btd, aux = model.hidden_states(tokens_bt, routing_btlk=routing_btlk, return_aux=True)
     else:
       h_btd, aux = model.hidden_states(tokens_bt, layout["positions"], segments_bt=layout["segments"],
-                                       routing_btlk=routing_btlk, return_aux=True)
+                                       prefix_bt=layout["prefix"], routing_btlk=routing_btlk, return_aux=True)
       h_btd = jnp.take_along_axis(h_btd, _next(layout["predictor"])[..., None], axis=1)
     next_mask = None if mask_btw is None else _next_rows(mask_btw)
     logp, ent = logprobs_lib.chunked_token_logprobs(h_btd, _next(tokens_bt), model.unembed,

@@ -21,8 +21,9 @@ whatever the input dtype. The kernels (`IMPLEMENTATIONS`, config key `model.atte
               bf16 / fp16 only; masks it cannot express (a shared prefix) go to blockwise.
   pallas_tpu  Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), TPU;
               masks it cannot express (a shared prefix) go to blockwise.
-  auto        the fastest one that is correct here (`choose`): on CPU the reference for short rows
-              (faster there, and its T^2 memory is small), blockwise beyond `REFERENCE_MAX_LEN`.
+  auto        the fastest one that is correct here (`choose`): cuDNN on GPU, splash on TPU where
+              they take the mask; otherwise the reference for short rows (`REFERENCE_MAX_LEN`, as
+              fast there) and blockwise beyond.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ import jax.numpy as jnp
 from tunixlike.models.config import ATTENTION_IMPLEMENTATIONS
 
 IMPLEMENTATIONS = ATTENTION_IMPLEMENTATIONS  # `ModelConfig.attention`, `model.attention`
-# On CPU the reference is faster up to here (benchmarks/long_context.py: 2K equal within noise) and
-# its [B, H, T, T] fp32 scores of one 2K row of 4 heads are 64 MiB per layer.
-REFERENCE_MAX_LEN = 2048
-BLOCK = 512  # key / query block of the blockwise kernel: big matmuls on CPU, [512, 512] fp32 = 1 MiB
+# On CPU the reference is as fast up to here (and the main job's rows, tens of tokens, keep today's
+# program); beyond it the blockwise kernel is faster (a learner step at 2K: 0.65x the reference's
+# time, docs/benchmarks.md#long-context-training) and its memory grows linearly.
+REFERENCE_MAX_LEN = 256
+BLOCK = 256  # key / query block of the blockwise kernel ([G*256, 256] fp32 scores per KV head at a time)
 _MASKED = -1e30
 
 
@@ -118,101 +120,125 @@ def blockwise(q_bthd, k_btkd, v_btkd, segments_bt=None, prefix_bt=None, window=N
   (the padded keys come after every real query, so causality hides them)."""
   b, t, h, d = q_bthd.shape
   kv = k_btkd.shape[2]
+  g = h // kv
   blk = min(block, max(8, -(-t // 8) * 8))  # a short row is one block
   tp = -(-t // blk) * blk
+  n = tp // blk
   pad = lambda x, fill=0: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
   has_seg = segments_bt is not None
   seg = pad(segments_bt.astype(jnp.int32), -1) if has_seg else jnp.zeros((b, tp), jnp.int32)
-  pre = (pad(prefix_bt.astype(jnp.int32), -1) if prefix_bt is not None else jnp.zeros((b, tp), jnp.int32))
-  n = tp // blk
-  # Blocks first ([N, B, blk, ...]): the loops index the leading axis.
-  to_blocks = lambda x: jnp.moveaxis(pad(x).reshape(b, n, blk, *x.shape[2:]), 1, 0)
-  q = to_blocks(q_bthd.reshape(b, t, kv, h // kv, d))
+  pre = pad(prefix_bt.astype(jnp.int32), -1) if prefix_bt is not None else jnp.zeros((b, tp), jnp.int32)
+  # Blocks first, each a batched matmul operand: q [N, B, Hkv, G*blk, D] (rows g-major), k / v
+  # [N, B, Hkv, blk, D]; the G query heads of a KV head share its keys in one matmul.
+  q = jnp.einsum("bnqkgd->nbkgqd", pad(q_bthd).reshape(b, n, blk, kv, g, d)).reshape(n, b, kv, g * blk, d)
+  k, v = (jnp.einsum("bnskd->nbksd", pad(x).reshape(b, n, blk, kv, d)) for x in (k_btkd, v_btkd))
   seg_n, pre_n = (jnp.moveaxis(x.reshape(b, n, blk), 1, 0) for x in (seg, pre))
-  o = _flash(q, to_blocks(k_btkd), to_blocks(v_btkd), seg_n, pre_n, _Static(blk, window, has_seg, 1 / math.sqrt(d)))
-  return jnp.moveaxis(o, 0, 1).reshape(b, tp, h, d)[:, :t]
+  o = _flash(q, k, v, seg_n, pre_n, seg_n, jnp.int32(0), _Static(blk, g, window, has_seg, 1 / math.sqrt(d)))
+  return jnp.einsum("nbkgqd->bnqkgd", o.reshape(n, b, kv, g, blk, d)).reshape(b, tp, h, d)[:, :t]
+
+
+def blockwise_chunk(q_bthd, k_btkd, v_btkd, q_offset, segments_q=None, prefix_q=None, segments_k=None,
+                    window=None, block: int = BLOCK):
+  """Blockwise attention of a chunk of queries, global positions [q_offset, q_offset + Tq), against
+  every key of the row (Tk): context parallelism's per-device part (`context_parallel.py`). Tq, Tk
+  and q_offset must be multiples of the block (q_offset may be traced)."""
+  b, tq, h, d = q_bthd.shape
+  tk, kv = k_btkd.shape[1], k_btkd.shape[2]
+  g = h // kv
+  blk = min(block, tq)
+  if tq % blk or tk % blk:
+    raise ValueError(f"blockwise_chunk: query length {tq} and key length {tk} must be multiples of the block {blk}")
+  nq, nk = tq // blk, tk // blk
+  has_seg = segments_q is not None
+  zeros = lambda t: jnp.zeros((b, t), jnp.int32)
+  seg_q = segments_q.astype(jnp.int32) if has_seg else zeros(tq)
+  pre_q = prefix_q.astype(jnp.int32) if prefix_q is not None else zeros(tq)
+  seg_k = segments_k.astype(jnp.int32) if has_seg else zeros(tk)
+  q = jnp.einsum("bnqkgd->nbkgqd", q_bthd.reshape(b, nq, blk, kv, g, d)).reshape(nq, b, kv, g * blk, d)
+  k, v = (jnp.einsum("bnskd->nbksd", x.reshape(b, nk, blk, kv, d)) for x in (k_btkd, v_btkd))
+  blocks = lambda x, n: jnp.moveaxis(x.reshape(b, n, blk), 1, 0)
+  o = _flash(q, k, v, blocks(seg_q, nq), blocks(pre_q, nq), blocks(seg_k, nk),
+             (jnp.asarray(q_offset) // blk).astype(jnp.int32), _Static(blk, g, window, has_seg, 1 / math.sqrt(d)))
+  return jnp.einsum("nbkgqd->bnqkgd", o.reshape(nq, b, kv, g, blk, d)).reshape(b, tq, h, d)
 
 
 class _Static(NamedTuple):
   """The kernel's static arguments."""
 
   block: int
+  groups: int  # query heads per KV head
   window: int | None
   has_seg: bool
   scale: float
 
 
-def _key_range(st: _Static, i):
-  """Key blocks [lo, i] that query block i may see (causal; the window drops blocks far behind)."""
-  lo = 0 if st.window is None else jnp.maximum(0, (i * st.block - st.window + 1) // st.block)
-  return lo, i + 1
+def _key_range(st: _Static, gi):
+  """Key blocks [lo, gi] that query block gi (global) may see (causal; the window drops blocks far behind)."""
+  lo = 0 if st.window is None else jnp.maximum(0, (gi * st.block - st.window + 1) // st.block)
+  return lo, gi + 1
 
 
-def _query_range(st: _Static, j, n: int):
-  """Query blocks [j, hi) that may see key block j."""
-  hi = n if st.window is None else jnp.minimum(n, ((j + 1) * st.block - 1 + st.window - 1) // st.block + 1)
-  return j, hi
+def _query_range(st: _Static, j, q_off, nq: int):
+  """Local query blocks [lo, hi) (global block = local + q_off) that may see key block j."""
+  hi = nq + q_off if st.window is None else jnp.minimum(
+      nq + q_off, ((j + 1) * st.block - 1 + st.window - 1) // st.block + 1)
+  return jnp.clip(j - q_off, 0, nq), jnp.clip(hi - q_off, 0, nq)
 
 
-def _block_mask(st: _Static, i, j, seg_n, pre_n):
-  """[B, 1, 1, blk, blk] bool (or [blk, blk] without segments): query block i vs key block j."""
-  idx = jnp.arange(st.block)
+def _block_mask(st: _Static, i, j, q_off, seg_q, pre_q, seg_k):
+  """Local query block i (global i + q_off) vs key block j: [G*blk, blk] bool, or [B, 1, G*blk, blk]."""
+  rows = jnp.arange(st.groups * st.block) % st.block  # the query of each row of a G*blk block
+  q_idx, k_idx = (i + q_off) * st.block + rows, j * st.block + jnp.arange(st.block)
   if not st.has_seg:
-    return visible_mask(i * st.block + idx, j * st.block + idx, window=st.window)
-  return visible_mask(i * st.block + idx, j * st.block + idx, seg_n[i], pre_n[i], seg_n[j],
-                      st.window)[:, None, None]
+    return visible_mask(q_idx, k_idx, window=st.window)
+  return visible_mask(q_idx, k_idx, seg_q[i][:, rows], pre_q[i][:, rows], seg_k[j], st.window)[:, None]
 
 
 def _scores(st: _Static, q_i, k_j):
-  """[B, blk, Hkv, G, D] x [B, blk, Hkv, D] -> fp32 scores [B, Hkv, G, blk, blk]."""
-  return jnp.einsum("bqkgd,bskd->bkgqs", q_i, k_j, preferred_element_type=jnp.float32) * st.scale
+  """[B, Hkv, R, D] x [B, Hkv, blk, D] -> fp32 scores [B, Hkv, R, blk] (R = G*blk query rows)."""
+  return jnp.einsum("bkrd,bksd->bkrs", q_i, k_j, preferred_element_type=jnp.float32) * st.scale
 
 
-def _forward(q, k, v, seg_n, pre_n, st: _Static):
-  """-> (o [N, B, blk, Hkv, G, D] in q's dtype, lse [N, B, Hkv, G, blk] fp32)."""
-  n = q.shape[0]
+def _forward(q, k, v, seg_q, pre_q, seg_k, q_off, st: _Static):
+  """-> (o like q, lse [Nq, B, Hkv, R] fp32)."""
 
   def query_block(i):
     q_i = q[i]
-    b, blk, kv, g, d = q_i.shape
 
     def key_block(j, carry):
       m, l, acc = carry
       s = _scores(st, q_i, k[j])
-      vis = _block_mask(st, i, j, seg_n, pre_n)
+      vis = _block_mask(st, i, j, q_off, seg_q, pre_q, seg_k)
       m_new = jnp.maximum(m, jnp.where(vis, s, _MASKED).max(-1))
       p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
       corr = jnp.exp(m - m_new)
-      pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v[j], preferred_element_type=jnp.float32)
+      pv = jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), v[j], preferred_element_type=jnp.float32)
       return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
-    init = (jnp.full((b, kv, g, blk), _MASKED, jnp.float32), jnp.zeros((b, kv, g, blk), jnp.float32),
-            jnp.zeros((b, kv, g, blk, d), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(*_key_range(st, i), key_block, init)
-    l = jnp.maximum(l, 1e-30)  # padded queries of a padded row see nothing real; never divide by 0
-    o = jnp.einsum("bkgqd->bqkgd", acc / l[..., None]).astype(q.dtype)
-    return o, m + jnp.log(l)
+    init = (jnp.full(q_i.shape[:-1], _MASKED, jnp.float32), jnp.zeros(q_i.shape[:-1], jnp.float32),
+            jnp.zeros(q_i.shape, jnp.float32))
+    m, l, acc = jax.lax.fori_loop(*_key_range(st, i + q_off), key_block, init)
+    l = jnp.maximum(l, 1e-30)  # never divide by 0 (every real query sees itself, so l > 0 there)
+    return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
 
-  return jax.lax.map(query_block, jnp.arange(n))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, seg_n, pre_n, st: _Static):
-  return _forward(q, k, v, seg_n, pre_n, st)[0]
+  return jax.lax.map(query_block, jnp.arange(q.shape[0]))
 
 
-def _flash_fwd(q, k, v, seg_n, pre_n, st: _Static):
-  o, lse = _forward(q, k, v, seg_n, pre_n, st)
-  return o, (q, k, v, seg_n, pre_n, o, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q, k, v, seg_q, pre_q, seg_k, q_off, st: _Static):
+  return _forward(q, k, v, seg_q, pre_q, seg_k, q_off, st)[0]
+
+
+def _flash_fwd(q, k, v, seg_q, pre_q, seg_k, q_off, st: _Static):
+  o, lse = _forward(q, k, v, seg_q, pre_q, seg_k, q_off, st)
+  return o, (q, k, v, seg_q, pre_q, seg_k, q_off, o, lse)
 
 
 def _flash_bwd(st: _Static, res, do):
   """FlashAttention-2's backward: per key block j, the query blocks that see it, recomputing
   p = exp(s - lse); dK_j, dV_j accumulate in the inner loop, dQ in a carry of all blocks (fp32)."""
-  q, k, v, seg_n, pre_n, o, lse = res
-  n = q.shape[0]
-  # delta_t = sum_d dO_t o_t: the softmax's backward term, [N, B, Hkv, G, blk]
-  delta = jnp.einsum("nbqkgd,nbqkgd->nbkgq", do.astype(jnp.float32), o.astype(jnp.float32))
+  q, k, v, seg_q, pre_q, seg_k, q_off, o, lse = res
+  delta = jnp.einsum("nbkrd,nbkrd->nbkr", do.astype(jnp.float32), o.astype(jnp.float32))  # sum_d dO o
 
   def key_block(dq, j):
     k_j, v_j = k[j], v[j]
@@ -220,21 +246,21 @@ def _flash_bwd(st: _Static, res, do):
     def query_block(i, carry):
       dk, dv, dq = carry
       q_i, do_i = q[i], do[i]
-      vis = _block_mask(st, i, j, seg_n, pre_n)
-      p = jnp.where(vis, jnp.exp(_scores(st, q_i, k_j) - lse[i][..., None]), 0.0)  # [B, Hkv, G, blk, blk]
-      dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do.dtype), do_i, preferred_element_type=jnp.float32)
-      dp = jnp.einsum("bqkgd,bskd->bkgqs", do_i, v_j, preferred_element_type=jnp.float32)
+      vis = _block_mask(st, i, j, q_off, seg_q, pre_q, seg_k)
+      p = jnp.where(vis, jnp.exp(_scores(st, q_i, k_j) - lse[i][..., None]), 0.0)  # [B, Hkv, R, blk]
+      dv = dv + jnp.einsum("bkrs,bkrd->bksd", p.astype(do.dtype), do_i, preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bkrd,bksd->bkrs", do_i, v_j, preferred_element_type=jnp.float32)
       ds = p * (dp - delta[i][..., None]) * st.scale
-      dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q.dtype), q_i, preferred_element_type=jnp.float32)
-      dq_i = jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k.dtype), k_j, preferred_element_type=jnp.float32)
+      dk = dk + jnp.einsum("bkrs,bkrd->bksd", ds.astype(q.dtype), q_i, preferred_element_type=jnp.float32)
+      dq_i = jnp.einsum("bkrs,bksd->bkrd", ds.astype(k.dtype), k_j, preferred_element_type=jnp.float32)
       return dk, dv, dq.at[i].add(dq_i)
 
     zeros = jnp.zeros(k_j.shape, jnp.float32)
-    dk, dv, dq = jax.lax.fori_loop(*_query_range(st, j, n), query_block, (zeros, zeros, dq))
+    dk, dv, dq = jax.lax.fori_loop(*_query_range(st, j, q_off, q.shape[0]), query_block, (zeros, zeros, dq))
     return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
 
-  dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(n))
-  return dq.astype(q.dtype), dk, dv, None, None
+  dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(k.shape[0]))
+  return dq.astype(q.dtype), dk, dv, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

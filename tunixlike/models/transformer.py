@@ -208,8 +208,8 @@ class Block(nnx.Module):
       return x + out, (experts, logits)
     return x + self.mlp(h), None
 
-  def __call__(self, x, cos, sin, forced=None, segments=None):
-    a, k, v = self.attn(self.input_layernorm(x), cos, sin, segments)
+  def __call__(self, x, cos, sin, forced=None, segments=None, prefix=None):
+    a, k, v = self.attn(self.input_layernorm(x), cos, sin, segments, prefix)
     x, routed = self._mlp(x + a, forced)
     return x, k, v, routed
 
@@ -256,7 +256,8 @@ class Transformer(nnx.Module):
 
   # ------------------------------------------------------------------ full sequence
 
-  def _run_layers(self, tokens_bt, positions_bt, routing_btlk=None, what="forward", segments_bt=None):
+  def _run_layers(self, tokens_bt, positions_bt, routing_btlk=None, what="forward", segments_bt=None,
+                  prefix_bt=None):
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     cos, sin = rope_cos_sin(positions_bt, self.cfg)
@@ -264,24 +265,25 @@ class Transformer(nnx.Module):
     kvs, routed = [], []
     for layer, forced in zip(self.layers, _forced(routing_btlk, self.cfg, tokens_bt.shape, what)):
       if self.cfg.remat:
-        x, k, v, r = nnx.remat(lambda blk, x_, c_, s_, f_, g_: blk(x_, c_, s_, f_, g_))(layer, x, cos, sin, forced,
-                                                                                       segments_bt)
+        x, k, v, r = nnx.remat(lambda blk, x_, c_, s_, f_, g_, p_: blk(x_, c_, s_, f_, g_, p_))(
+            layer, x, cos, sin, forced, segments_bt, prefix_bt)
       else:
-        x, k, v, r = layer(x, cos, sin, forced, segments_bt)
+        x, k, v, r = layer(x, cos, sin, forced, segments_bt, prefix_bt)
       kvs.append((k, v))
       routed.append(r)
     return self.norm(x), kvs, _stack_routing(routed, tokens_bt.shape, self.cfg)
 
-  def hidden_states(self, tokens_bt, positions_bt=None, *, segments_bt=None, routing_btlk=None,
+  def hidden_states(self, tokens_bt, positions_bt=None, *, segments_bt=None, prefix_bt=None, routing_btlk=None,
                     return_aux: bool = False):
     """[B,T] int -> [B,T,E] after the final norm (before unembedding).
 
-    segments_bt: int [B,T], several sequences in a row that share its first segment (0), as
-    `Attention` masks them (with their own positions_bt). routing_btlk: int [B,T,L,k] experts to
+    segments_bt: int [B,T], several sequences in a row that share its first segment (0), or with
+    prefix_bt (int [B,T]) the segment each token sees besides its own (several groups packed in a
+    row, each with its prompt), as `Attention` masks them (with their own positions_bt). routing_btlk: int [B,T,L,k] experts to
     force in every MoE layer (Keep Routing; rows whose first entry is negative use the router).
     return_aux=True returns (h, MoeAux) instead of h.
     """
-    h, _, aux = self._run_layers(tokens_bt, positions_bt, routing_btlk, "hidden_states", segments_bt)
+    h, _, aux = self._run_layers(tokens_bt, positions_bt, routing_btlk, "hidden_states", segments_bt, prefix_bt)
     return (h, aux) if return_aux else h
 
   def unembed(self, h_btd):

@@ -44,7 +44,7 @@ class Policy:
     longest = cfg.sampler.max_prefill_length + cfg.sampler.max_new_tokens
     if cfg.optim.share_prompts:
       self.num_rows = cfg.rl.prompts_per_step // self.num_processes
-      self.seq_buckets = prompt_rows.row_buckets(longest * cfg.algo.group_size)
+      self.seq_buckets = prompt_rows.row_buckets(cfg.optim.pack_tokens or longest * cfg.algo.group_size)
     else:
       self.num_rows = cfg.rl.prompts_per_step * cfg.algo.group_size // self.num_processes
       self.seq_buckets = tuple(sorted({min(b, longest) for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
@@ -92,14 +92,30 @@ class Policy:
     share = self.cfg.optim.share_prompts
     if self.cfg.optim.group_by_length:  # micro-batches are trimmed in the step: one T, one compilation
       buckets = buckets[-1:]
+    elif self.num_processes > 1 and self.cfg.optim.pack_tokens:  # the same T on every process
+      buckets = buckets[-1:]
     elif self.num_processes > 1:  # every process's share must have the same length T: the longest bucket
       lengths = ([prompt_rows.row_length(g) for g in groups] if share else
                  [len(g.prompt_token_ids) + c.num_tokens for g in groups for c in g.completions])
       buckets = (distributed.max_over_processes(pick_bucket(max(lengths, default=1), self.seq_buckets)),)
+    if share and self.cfg.optim.pack_tokens:
+      return self._packed_rows(groups, buckets)
     if share:
       return prompt_rows.assemble(groups, num_rows=self.num_rows, seq_buckets=buckets, pad_id=self.pad_id)
     return assemble_batch(groups, num_rows=self.num_rows, seq_buckets=buckets, pad_id=self.pad_id,
                           sampling_mask=self.cfg.algo.keep_sampling_mask, routing=self.cfg.sampler.record_routing)
+
+  def _packed_rows(self, groups: list[RolloutGroup], buckets) -> dict:
+    """optim.pack_tokens: the groups packed into as few rows as hold them, the row count rounded up to
+    a multiple of micro_batches * this process's learner devices (the same on every process)."""
+    rows = prompt_rows.pack(groups, self.cfg.optim.pack_tokens)
+    mesh = self.learner.mesh
+    devices = 1 if mesh is None else mesh.shape[self.learner.cfg.batch_axis] // self.num_processes
+    unit = self.cfg.optim.micro_batches * devices
+    n = -(-max(len(rows), 1) // unit) * unit
+    if self.num_processes > 1:
+      n = distributed.max_over_processes(n)
+    return prompt_rows.assemble(groups, num_rows=n, seq_buckets=buckets, pad_id=self.pad_id, rows=rows)
 
   def train_batch(self, batch: dict) -> dict[str, float]:
     """One optimizer step on an `assemble`d batch."""

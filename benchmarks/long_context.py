@@ -1,0 +1,147 @@
+"""Long-context training: peak memory and step time of one learner step per row length, per attention kernel.
+
+  python benchmarks/long_context.py [--lengths 2048,4096,8192,16384,32768] [--reference-max 4096]
+      [--steps 2] [--out FILE] [--quick]
+
+Prints one JSON object (`harness.report`; also written to --out). Each measurement
+runs in a fresh subprocess on one CPU device, so its peak resident memory (`ru_maxrss`) is its own:
+the real `Learner.train_step` (GRPO ppo_clip loss, token-level TIS, AdamW, chunked log-probs) on
+ONE row of T tokens (a 32-token prompt, the rest completion) of the 4M-parameter bench model
+(4 layers, hidden 256, 4 heads, 2 KV heads of 64, vocab 512, fp32, as in learner_step.py).
+`model.attention` is forced per run: `reference` (today's [B, H, T, T] attention, run up to
+--reference-max: 8K needs ~20 GB) and `blockwise` (attention.py's flash kernel) at every length.
+`step_s` is the best of --steps timed steps (one above 4K; --steps 0: the first step, compilation
+included) after a first step that compiles (`first_step_s`). Rows longer than --run-max are compiled
+but not run (`compile_only`): `compiled_gb` is XLA's memory account of the step (arguments, outputs,
+temporaries) where running it would take too long on a shared machine.
+
+Targets (issue 41): blockwise peak memory 4K -> 32K grows <= 10x; 32K within 16 GB; blockwise step
+time at 2K <= 1.1x the reference's (`auto` runs the reference up to attention.REFERENCE_MAX_LEN on
+CPU, so the default is today's speed there). The machine may be shared: the load average is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import harness  # benchmarks/harness.py: the shared flags, devices and JSON report
+
+BENCH_MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
+                   num_kv_heads=2, head_dim=64, qkv_bias=True)
+PROMPT_LEN = 32
+
+
+def _flags(p):
+  p.add_argument("--lengths", default="2048,4096,8192,16384,32768", help="row lengths T (comma-separated)")
+  p.add_argument("--reference-max", type=int, default=4096, help="longest T the reference attention runs at")
+  p.add_argument("--steps", type=int, default=3, help="timed steps per run up to 4K (the best is reported)")
+  p.add_argument("--run-max", type=int, default=None,
+                 help="longer rows are compiled, not run: XLA's memory account of the step instead of a measurement")
+  p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # impl:T, run in a child process
+
+
+def _parse(argv=None):
+  return harness.parse(__doc__, _flags, argv, quick="short rows")
+
+
+def run_one(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
+  """One learner step on one row of T tokens with `impl` attention, in this (fresh) process."""
+  import jax
+  import numpy as np
+
+  from tunixlike import models
+  from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig
+
+  cfg = models.ModelConfig(**BENCH_MODEL, max_position_embeddings=max(t, 512), attention=impl)
+  model = models.Transformer(cfg, rngs=__import__("flax").nnx.Rngs(0))
+  lcfg = LearnerConfig(algo=AlgoConfig(loss="ppo_clip", is_mode="tis"), optim=OptimConfig(learning_rate=1e-5),
+                       logprob_chunk_size=128)
+  learner = Learner(model, lcfg)
+  rng = np.random.default_rng(0)
+  host = {
+      "tokens": rng.integers(1, cfg.vocab_size, size=(1, t)).astype(np.int32),
+      "loss_mask": np.zeros((1, t), np.float32),
+      "behaviour_logprobs": np.full((1, t), -np.log(cfg.vocab_size), np.float32),
+      "versions": np.zeros((1, t), np.int32),
+      "advantages": np.ones((1,), np.float32),
+  }
+  host["loss_mask"][:, PROMPT_LEN:] = 1.0
+  batch = learner.put_batch(host)
+  state = learner.state
+  if compile_only:  # XLA's own account of the step's memory, without running it
+    mem = learner._step.lower(state, batch, jax.random.key(0)).compile().memory_analysis()
+    return {"attention": impl, "length": t, "compile_only": True,
+            "compiled_gb": {k: getattr(mem, f"{k}_size_in_bytes") / 2**30 for k in ("argument", "output", "temp")},
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+  t0 = time.perf_counter()
+  state, metrics = learner.train_step(state, batch, jax.random.key(0))
+  jax.block_until_ready(metrics)
+  first = time.perf_counter() - t0
+  times = [first] if not steps else []  # --steps 0: the first step (compilation included) only
+  for i in range(steps):
+    t0 = time.perf_counter()
+    state, metrics = learner.train_step(state, batch, jax.random.key(i + 1))
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - t0)
+  return {"attention": impl, "length": t, "step_s": min(times), "step_s_all": times, "first_step_s": first,
+          "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+          "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
+
+
+def _child(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
+  env = {**os.environ, "XLA_FLAGS": harness.xla_flags(1)}
+  cmd = [sys.executable, __file__, "--one", f"{impl}:{t}", "--steps", str(steps)] + (
+      ["--compile-only"] if compile_only else [])
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+  if proc.returncode:
+    return {"attention": impl, "length": t, "error": proc.stderr.strip().splitlines()[-1:]}
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+  args = _parse(argv)
+  if args.one:
+    impl, t = args.one.split(":")
+    print(json.dumps(run_one(impl, int(t), args.steps, args.compile_only)))
+    return
+  lengths = [128, 256] if args.quick else [int(x) for x in args.lengths.split(",")]
+  ref_max = 128 if args.quick else args.reference_max
+  steps = 1 if args.quick else args.steps
+  runs = []
+  for t in lengths:
+    for impl in ("reference", "blockwise"):
+      if impl == "reference" and t > ref_max:
+        continue
+      compile_only = args.run_max is not None and t > args.run_max
+      runs.append(_child(impl, t, steps if t <= 4096 else 1, compile_only))  # a 32K step takes minutes here
+      print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+  by = {(r["attention"], r["length"]): r for r in runs if "error" not in r and not r.get("compile_only")}
+  out = {"benchmark": "long_context", "devices": 1, "model": BENCH_MODEL,
+         "loss": "ppo_clip + token TIS, one row", "runs": runs}
+  blk = {t: by[("blockwise", t)] for t in lengths if ("blockwise", t) in by}
+  if len(blk) >= 2:
+    lo, hi = min(blk), max(blk)
+    out[f"blockwise_memory_growth_{lo}_to_{hi}"] = blk[hi]["peak_rss_gb"] / blk[lo]["peak_rss_gb"]
+    if 4096 in blk and 32768 in blk:
+      out["memory_growth_4k_to_32k"] = blk[32768]["peak_rss_gb"] / blk[4096]["peak_rss_gb"]
+      out["memory_growth_target_met"] = out["memory_growth_4k_to_32k"] <= 10
+      out["peak_rss_gb_32k"] = blk[32768]["peak_rss_gb"]
+      out["fits_16gb_at_32k"] = blk[32768]["peak_rss_gb"] <= 16
+  for t in lengths:
+    if ("reference", t) in by and t in blk:
+      ref = by[("reference", t)]
+      out[f"blockwise_vs_reference_{t}"] = {"step_time_ratio": blk[t]["step_s"] / ref["step_s"],
+                                           "memory_ratio": blk[t]["peak_rss_gb"] / ref["peak_rss_gb"],
+                                           "loss_abs_diff": abs(blk[t]["loss"] - ref["loss"])}
+  harness.report(out, args)
+
+
+if __name__ == "__main__":
+  main()
