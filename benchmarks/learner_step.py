@@ -22,9 +22,9 @@ average is reported: figures taken under load are noisy.
 
 from __future__ import annotations
 
-import time
 
 import harness
+import learner_timing
 
 
 def _flags(p):
@@ -74,27 +74,9 @@ def bench_model(name: str, sizes: dict, mesh: Mesh, batch: int, seq: int, steps:
                        optim=OptimConfig(learning_rate=1e-5, micro_batches=ARGS.micro_batches),
                        logprob_chunk_size=128)
   learner = Learner(model, lcfg, mesh=mesh, rules=LEARNER_RULES)
-  rng = np.random.default_rng(ARGS.seed)
-  host = {
-      "tokens": rng.integers(1, cfg.vocab_size, size=(batch, seq)).astype(np.int32),
-      "loss_mask": np.zeros((batch, seq), np.float32),
-      "behaviour_logprobs": np.full((batch, seq), -np.log(cfg.vocab_size), np.float32),
-      "versions": np.zeros((batch, seq), np.int32),
-      "advantages": rng.normal(size=batch).astype(np.float32),
-  }
-  host["loss_mask"][:, PROMPT_LEN:] = 1.0
-  placed = learner.put_batch(host)
-  state = learner.state
-  t0 = time.perf_counter()
-  state, metrics = learner.train_step(state, placed, jax.random.key(0))
-  jax.block_until_ready(metrics)
-  compile_s = time.perf_counter() - t0
-  times = []
-  for i in range(steps):
-    t0 = time.perf_counter()
-    state, metrics = learner.train_step(state, placed, jax.random.key(i))
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - t0)
+  placed = learner.put_batch(learner_timing.synthetic_batch(np.random.default_rng(ARGS.seed), cfg.vocab_size,
+                                                            batch, seq, PROMPT_LEN))
+  _, compile_s, times, metrics = learner_timing.timed_steps(learner, placed, steps)
   step_s = min(times)
   fpt, n_matmul = flops_per_token(cfg, seq)
   tokens = batch * seq

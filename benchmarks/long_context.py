@@ -28,9 +28,9 @@ import os
 import resource
 import subprocess
 import sys
-import time
 
 import harness  # benchmarks/harness.py: the shared flags, devices and JSON report
+import learner_timing
 
 BENCH_MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
                    num_kv_heads=2, head_dim=64, qkv_bias=True)
@@ -64,32 +64,15 @@ def run_one(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
   lcfg = LearnerConfig(algo=AlgoConfig(loss="ppo_clip", is_mode="tis"), optim=OptimConfig(learning_rate=1e-5),
                        logprob_chunk_size=128)
   learner = Learner(model, lcfg)
-  rng = np.random.default_rng(0)
-  host = {
-      "tokens": rng.integers(1, cfg.vocab_size, size=(1, t)).astype(np.int32),
-      "loss_mask": np.zeros((1, t), np.float32),
-      "behaviour_logprobs": np.full((1, t), -np.log(cfg.vocab_size), np.float32),
-      "versions": np.zeros((1, t), np.int32),
-      "advantages": np.ones((1,), np.float32),
-  }
-  host["loss_mask"][:, PROMPT_LEN:] = 1.0
-  batch = learner.put_batch(host)
+  batch = learner.put_batch(learner_timing.synthetic_batch(np.random.default_rng(0), cfg.vocab_size, 1, t, PROMPT_LEN))
   state = learner.state
   if compile_only:  # XLA's own account of the step's memory, without running it
     mem = learner._step.lower(state, batch, jax.random.key(0)).compile().memory_analysis()
     return {"attention": impl, "length": t, "compile_only": True,
             "compiled_gb": {k: getattr(mem, f"{k}_size_in_bytes") / 2**30 for k in ("argument", "output", "temp")},
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-  t0 = time.perf_counter()
-  state, metrics = learner.train_step(state, batch, jax.random.key(0))
-  jax.block_until_ready(metrics)
-  first = time.perf_counter() - t0
-  times = [first] if not steps else []  # --steps 0: the first step (compilation included) only
-  for i in range(steps):
-    t0 = time.perf_counter()
-    state, metrics = learner.train_step(state, batch, jax.random.key(i + 1))
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - t0)
+  _, first, times, metrics = learner_timing.timed_steps(learner, batch, steps)
+  times = times or [first]  # --steps 0: the first step (compilation included) only
   return {"attention": impl, "length": t, "step_s": min(times), "step_s_all": times, "first_step_s": first,
           "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
           "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}

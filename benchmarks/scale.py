@@ -43,6 +43,7 @@ import threading
 import time
 
 import harness  # benchmarks/harness.py: the shared flags, devices and JSON report
+import learner_timing
 
 SIZES = {
     "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, intermediate_size=4864,
@@ -198,27 +199,10 @@ def decode_run(engine, params, prompts, new_tokens: int) -> tuple[float, float]:
 
 
 def learner_figures(learner, cfg, a, peak) -> dict:
-  rng = np.random.default_rng(0)
   b, t = a.train_batch, a.train_seq
-  prompt = min(64, t // 2)
-  host = {"tokens": rng.integers(1, cfg.vocab_size, size=(b, t)).astype(np.int32),
-          "loss_mask": np.zeros((b, t), np.float32),
-          "behaviour_logprobs": np.full((b, t), -np.log(cfg.vocab_size), np.float32),
-          "versions": np.zeros((b, t), np.int32),
-          "advantages": rng.normal(size=b).astype(np.float32)}
-  host["loss_mask"][:, prompt:] = 1.0
-  batch = learner.put_batch(host)
-  state = learner.state
-  t0 = time.perf_counter()
-  state, metrics = learner.train_step(state, batch, jax.random.key(0))
-  jax.block_until_ready(metrics)
-  first = time.perf_counter() - t0
-  times = []
-  for i in range(a.steps):
-    t0 = time.perf_counter()
-    state, metrics = learner.train_step(state, batch, jax.random.key(i + 1))
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - t0)
+  batch = learner.put_batch(learner_timing.synthetic_batch(np.random.default_rng(a.seed), cfg.vocab_size, b, t,
+                                                           prompt_len=min(64, t // 2)))
+  state, first, times, metrics = learner_timing.timed_steps(learner, batch, a.steps)
   learner.state = state
   step_s = min(times) if times else first
   model_flops = flops.train_flops_per_token(cfg, t) * b * t / step_s

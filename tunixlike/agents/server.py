@@ -249,7 +249,7 @@ class AgentServer:
     metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
     episode_id = request.headers.get(EPISODE_HEADER) or metadata.get("episode_id") or body.get("user")
     if not isinstance(episode_id, str) or not episode_id:
-      raise RequestError(400, f"no episode id: send the header X-Episode-Id (or metadata.episode_id, or user) with "
+      raise RequestError(400, "no episode id: send the header X-Episode-Id (or metadata.episode_id, or user) with "
                          "the id the agent function was given", "missing_episode_id")
     if body.get("n", 1) != 1:
       raise RequestError(400, f"n={body.get('n')!r}: one choice per request (a GRPO group is G episodes)")

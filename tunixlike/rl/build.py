@@ -43,6 +43,7 @@ from tunixlike.rl.runtime import AsyncRuntime
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.sampler.driver import RolloutDriver
 from tunixlike.sampler import make_engine
+from tunixlike.sampler.engine import Engine
 from tunixlike.sampler.episodes import EpisodeConfig, EpisodeDriver
 from tunixlike.sampler.process_steps import ProcessRewardRecorder
 
