@@ -232,6 +232,7 @@ def sampler_figures(meshes, learner, a, sync: dict, decode: dict, report) -> Non
         del synced
       sync.update(ms=float(np.median(times[1:])), ms_all=[round(x, 2) for x in times], first_ms=times[0],
                   target_ms=50.0)
+      report()
     params, _ = weight_sync.sync(source, engine.param_shardings)
     sync["bytes_delivered"] = nbytes(params)
     prompts = [rng.integers(0, vocab, size=a.prompt_len).astype(np.int32) for _ in range(batch)]
