@@ -100,9 +100,9 @@ def test_staleness_bound_holds_and_weights_reach_the_sampler(tmp_path, layout):
 @pytest.mark.slow
 def test_an_error_in_the_reward_thread_surfaces_with_its_original_type():
   def before(setup, rl):
-    rl.scorer.reward = None  # scoring now raises TypeError inside the reward pool
+    rl.scorer.reward = None  # scoring now raises AttributeError ('NoneType' ... 'score') in the reward pool
 
-  with pytest.raises(TypeError):
+  with pytest.raises(AttributeError, match="score"):
     run_steps(tiny_config(max_staleness=1), threaded=True, before=before)
 
 
