@@ -100,7 +100,7 @@ def test_student_reverse_kl_to_a_fixed_teacher_falls_through_the_async_runtime(t
   tok, _ = build.build_task(probe)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
   teacher = build.build_model(dataclasses.replace(probe, seed=7), tok, mesh)
-  teacher.norm.weight.value = teacher.norm.weight.value * 4.0
+  teacher.norm.weight[...] = teacher.norm.weight[...] * 4.0
   models.save_pretrained(teacher, tmp_path / "teacher")
 
   steps = 30

@@ -196,7 +196,9 @@ def check_fits(model_cfg: models.ModelConfig, mesh) -> None:
   leaves = jax.tree.leaves(abstract)
   n_params, n_bytes = sum(x.size for x in leaves), sum(x.size * x.dtype.itemsize for x in leaves)
   devices = mesh.devices.flatten()
-  limit, what = memory_per_device(devices[0])
+  # Several processes: only this process's devices can report their memory.
+  mine = [d for d in devices if d.process_index == jax.process_index()] or jax.local_devices()
+  limit, what = memory_per_device(mine[0])
   if limit is None:
     return
   need = n_bytes if devices[0].platform == "cpu" else n_bytes / len(devices)  # sharded over the learner devices
