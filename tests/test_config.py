@@ -62,6 +62,8 @@ _KNOWN_DIFFERENT = "issue 42 (finding 1): a library config re-declares this defa
     ("agents.driver.AgentConfig", "workers", "rl.agent_workers"),
     ("agents.driver.AgentConfig", "episode_timeout_s", "rl.episode_timeout_s"),
     ("agents.driver.AgentConfig", "port", "rl.agent_port"),
+    ("agents.driver.AgentConfig", "host", "rl.agent_host"),
+    ("agents.driver.AgentConfig", "max_body_bytes", "rl.agent_max_body_bytes"),
     ("sampler.episodes.EpisodeConfig", "max_turns", "rl.env_max_turns"),
     ("sampler.episodes.EpisodeConfig", "step_timeout_s", "rl.env_step_timeout_s"),
     ("models.lora.LoRAConfig", "alpha", "lora.alpha"), ("models.lora.LoRAConfig", "targets", "lora.targets"),
