@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 import openai  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from tunixlike import models  # noqa: E402
+from tunixlike import config as config_lib, models  # noqa: E402
 from tunixlike.agents.driver import AgentConfig, AgentDriver  # noqa: E402
 from tunixlike.data import char_tokenizer  # noqa: E402
 from tunixlike.sampler import Engine, PromptRequest, SamplerConfig  # noqa: E402
@@ -119,7 +119,8 @@ def main():
 
   def endpoint(sink):
     return AgentDriver(engine, params, source=iter(requests), sink=sink, agent=_agent(tokens), tokenizer=tok,
-                       agent_config=AgentConfig(max_turns=1, workers=ARGS.agents, episode_timeout_s=600))
+                       agent_config=AgentConfig.from_config(config_lib.Config(), max_turns=1, workers=ARGS.agents,
+                                                            episode_timeout_s=600))
 
   runs = {"inprocess": [], "endpoint": []}
   for name, make in (("inprocess", inprocess), ("endpoint", endpoint)):

@@ -54,7 +54,7 @@ from jax.sharding import Mesh  # noqa: E402
 from tunixlike import mesh as mesh_lib, models  # noqa: E402
 from tunixlike.learner import batch as batch_lib, offload as offload_lib  # noqa: E402
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig  # noqa: E402
-from tunixlike.learner.ppo import PPOConfig, PPOLearner  # noqa: E402
+from tunixlike.learner.ppo import PPOLearner  # noqa: E402
 from tunixlike.learner.value import PolicyWithCritic  # noqa: E402
 from tunixlike.rollout import Completion, RolloutGroup  # noqa: E402
 
@@ -90,9 +90,9 @@ def host_batch(vocab: int) -> dict:
 def make_learner(mesh) -> PPOLearner:
   policy = models.create_sharded(models.ModelConfig(**POLICY), mesh, mesh_lib.LEARNER_RULES, seed=ARGS.seed)
   critic = models.create_sharded(models.ModelConfig(**CRITIC), mesh, mesh_lib.LEARNER_RULES, seed=ARGS.seed + 1)
-  cfg = LearnerConfig(algo=AlgoConfig(), optim=OptimConfig(learning_rate=1e-4, weight_decay=0.01), logprob_chunk_size=64)
-  return PPOLearner(PolicyWithCritic.create(policy, critic), cfg, PPOConfig(kl_reward_coef=0.05), mesh=mesh,
-                    rules=mesh_lib.LEARNER_RULES)
+  cfg = LearnerConfig(algo=AlgoConfig(kl_reward_coef=0.05), optim=OptimConfig(learning_rate=1e-4, weight_decay=0.01),
+                      logprob_chunk_size=64)
+  return PPOLearner(PolicyWithCritic.create(policy, critic), cfg, mesh=mesh, rules=mesh_lib.LEARNER_RULES)
 
 
 def where_bytes(state) -> dict[str, int]:

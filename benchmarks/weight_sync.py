@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 
-from tunixlike import mesh as mesh_lib, models  # noqa: E402
+from tunixlike import config as config_lib, mesh as mesh_lib, models  # noqa: E402
 from tunixlike.models import lora as lora_lib  # noqa: E402
 from tunixlike.rl import weight_sync  # noqa: E402
 
@@ -63,6 +63,7 @@ QUICK = dict(vocab_size=256, hidden_size=128, num_layers=2, num_heads=4, num_kv_
 LARGE = dict(vocab_size=256, hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=8, head_dim=64,
              intermediate_size=4096)
 LORA_RANK = 8
+LORA = lora_lib.LoRAConfig.from_config(config_lib.Config(), rank=LORA_RANK)  # the run's alpha and targets
 
 
 def model_config(sizes) -> models.ModelConfig:
@@ -174,7 +175,7 @@ def bench_layout(sampler_tensor: int, sizes, repeats: int, warmup: int) -> dict:
   full = times["library_sync"]["median_ms"]
 
   # LoRA-only: rank-8 adapters on every projection, synced to their sampler shardings.
-  lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=LORA_RANK), seed=ARGS.seed, mesh=meshes.learner,
+  lora_lib.apply_lora(model, LORA, seed=ARGS.seed, mesh=meshes.learner,
                       rules=mesh_lib.LEARNER_RULES)
   adapters = lora_lib.adapter_params(model)
   lora_targets = models.state_shardings(adapters, meshes.sampler, mesh_lib.SAMPLER_RULES)
@@ -208,7 +209,7 @@ def lora_vs_full(sizes, repeats: int, warmup: int) -> dict:
   full = timed(lambda t: weight_sync.sync(t, targets)[0], Fresh(params), repeats, warmup)["median_ms"]
   model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
   del params
-  lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=LORA_RANK), seed=ARGS.seed, mesh=meshes.learner,
+  lora_lib.apply_lora(model, LORA, seed=ARGS.seed, mesh=meshes.learner,
                       rules=mesh_lib.LEARNER_RULES)
   adapters = lora_lib.adapter_params(model)
   lora_targets = models.state_shardings(adapters, meshes.sampler, mesh_lib.SAMPLER_RULES)

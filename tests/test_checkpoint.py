@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from tunixlike import config as config_lib
 from tunixlike import checkpoint as ckpt_lib
 from tunixlike import mesh as mesh_lib
 from tunixlike import models
@@ -21,6 +22,7 @@ from tunixlike.learner.train_step import Learner
 from tunixlike.models import lora
 from tunixlike.rollout import Completion, RolloutGroup
 
+RUN = config_lib.Config()  # the lora section at its defaults
 TINY = models.tiny_config(vocab_size=128, hidden_size=32, intermediate_size=64, head_dim=8)
 
 
@@ -32,8 +34,8 @@ def mesh4():
 def make_learner(mesh, *, seed=0, cfg=TINY, lora_rank=0, lora_seed=0, kl_coef=0.1):
   model = models.create_sharded(cfg, mesh, mesh_lib.LEARNER_RULES, seed=seed)
   if lora_rank:
-    model = lora.apply_lora(model, lora.LoRAConfig(rank=lora_rank, alpha=8.0), seed=lora_seed, mesh=mesh,
-                            rules=mesh_lib.LEARNER_RULES)
+    model = lora.apply_lora(model, lora.LoRAConfig.from_config(RUN, rank=lora_rank, alpha=8.0), seed=lora_seed,
+                            mesh=mesh, rules=mesh_lib.LEARNER_RULES)
   lcfg = LearnerConfig(algo=AlgoConfig(kl_coef=kl_coef), optim=OptimConfig(learning_rate=1e-2),
                        logprob_chunk_size=8)
   return Learner(model, lcfg, mesh=mesh, rules=mesh_lib.LEARNER_RULES)

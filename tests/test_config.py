@@ -36,48 +36,101 @@ def test_every_key_is_a_field_with_a_why_and_run_values_are_not_keys():
     config_lib.from_config_dict({"sampler": {"eos_ids": (1,)}})
 
 
-def _library_default(cls_path: str, field: str):
-  module, name = cls_path.rsplit(".", 1)
-  cls = getattr(importlib.import_module(f"tunixlike.{module}"), name)
-  return {f.name: f.default for f in dataclasses.fields(cls)}[field]
+def _library_configs():
+  """Every `*Config` dataclass of the package that is not a section of the run's config tree."""
+  import pkgutil
+
+  import tunixlike
+  sections, stack = set(), [config_lib.Config]
+  while stack:
+    cls = stack.pop()
+    sections.add(cls)
+    stack += [type(f.default) for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.default)]
+  found = {}
+  for info in pkgutil.walk_packages(tunixlike.__path__, "tunixlike."):
+    if info.name in ("tunixlike.train", "tunixlike.sft", "tunixlike.eval", "tunixlike.export"):
+      continue  # flag-defining entry points; they declare no config classes
+    for obj in vars(importlib.import_module(info.name)).values():
+      if (isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__name__.endswith("Config")
+          and obj.__module__ == info.name and obj not in sections):
+        found[f"{obj.__module__}.{obj.__name__}"] = obj
+  return found
 
 
-_KNOWN_DIFFERENT = "issue 42 (finding 1): a library config re-declares this default and disagrees with the run's"
+def _copied_defaults(classes) -> list[str]:
+  """What breaks "each setting defined once" in these library configs: a field that is a config key
+  (`settings.tree_key`) has no default of its own and names a real key; a field with a default that is
+  named like a key must be one, unless that key takes its default from it (`settings.library_setting`)."""
+  tree = dict(settings.keys(config_lib.Config))
+  names = {key.rpartition(".")[2]: key for key in tree}
+  problems = []
+  for path, cls in classes.items():
+    for f in dataclasses.fields(cls):
+      key = f.metadata.get("tree_key")
+      has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+      if key is not None:
+        if key not in tree:
+          problems.append(f"{path}.{f.name}: tree_key({key!r}) is no config key")
+        elif has_default:
+          problems.append(f"{path}.{f.name}: has a default of its own besides {key}'s")
+      elif has_default and f.name in names and tree[names[f.name]].metadata.get("default_of") != (cls, f.name):
+        problems.append(f"{path}.{f.name}={f.default!r}: a copy of the config's {names[f.name]}="
+                        f"{tree[names[f.name]].default!r}; make it a tree_key")
+  return problems
 
 
-# A library config class used through the Python API, the field, and the run config's key it mirrors.
-@pytest.mark.parametrize("cls_path, field, key", [
-    ("learner.ppo.PPOConfig", "gamma", "algo.gamma"), ("learner.ppo.PPOConfig", "gae_lambda", "algo.gae_lambda"),
-    ("learner.ppo.PPOConfig", "vf_coef", "algo.vf_coef"), ("learner.ppo.PPOConfig", "vf_clip", "algo.vf_clip"),
-    ("learner.ppo.PPOConfig", "kl_reward_coef", "algo.kl_reward_coef"),
-    ("learner.ppo.PPOConfig", "whiten_advantages", "algo.whiten_advantages"),
-    ("rl.collapse.CollapseConfig", "entropy_frac", "rl.collapse_entropy_frac"),
-    pytest.param("rl.collapse.CollapseConfig", "spike_factor", "rl.collapse_spike_factor",
-                 marks=pytest.mark.xfail(strict=True, reason=_KNOWN_DIFFERENT)),
-    ("rewards.process.StepConfig", "delimiter", "algo.step_delimiter"),
-    ("rewards.process.StepConfig", "every_tokens", "algo.step_every_tokens"),
-    ("rewards.process.StepConfig", "timeout_s", "rl.reward_timeout_s"),
-    ("rewards.process.StepConfig", "workers", "rl.reward_workers"),
-    ("agents.driver.AgentConfig", "max_turns", "rl.env_max_turns"),
-    ("agents.driver.AgentConfig", "workers", "rl.agent_workers"),
-    ("agents.driver.AgentConfig", "episode_timeout_s", "rl.episode_timeout_s"),
-    ("agents.driver.AgentConfig", "port", "rl.agent_port"),
-    ("agents.driver.AgentConfig", "host", "rl.agent_host"),
-    ("agents.driver.AgentConfig", "max_body_bytes", "rl.agent_max_body_bytes"),
-    ("sampler.episodes.EpisodeConfig", "max_turns", "rl.env_max_turns"),
-    ("sampler.episodes.EpisodeConfig", "step_timeout_s", "rl.env_step_timeout_s"),
-    ("models.lora.LoRAConfig", "alpha", "lora.alpha"), ("models.lora.LoRAConfig", "targets", "lora.targets"),
-    ("data.pipeline.PipelineConfig", "seed", "data.shuffle_seed"),
-    ("data.pipeline.PipelineConfig", "system_prompt", "data.system_prompt"),
-    ("data.pipeline.PipelineConfig", "messages_field", "data.messages_field"),
-    pytest.param("data.pipeline.PipelineConfig", "max_prompt_tokens", "data.max_prompt_length",
-                 marks=pytest.mark.xfail(strict=True, reason=_KNOWN_DIFFERENT)),
-] + [("models.config.ModelConfig", f, f"model.{f}") for f in (
-    "rope_theta", "rms_norm_eps", "qkv_bias", "qk_norm", "tie_embeddings", "param_dtype", "dtype", "remat")])
-def test_library_defaults_are_the_run_defaults(cls_path, field, key):
-  """Library users (the Python API) get the same defaults as CLI users."""
-  section, name = key.split(".")
-  assert _library_default(cls_path, field) == getattr(getattr(config_lib.Config(), section), name)
+def test_no_library_config_declares_a_default_of_the_tree():
+  classes = _library_configs()
+  assert {"ModelConfig", "LoRAConfig", "AgentConfig", "EpisodeConfig", "CollapseConfig", "StepConfig",
+          "PipelineConfig", "AdvantageConfig"} <= {path.rpartition(".")[2] for path in classes}
+  problems = _copied_defaults(classes)
+  assert not problems, "\n".join(problems)
+
+
+def test_a_copied_default_or_a_key_that_does_not_exist_is_found():
+  @dataclasses.dataclass(frozen=True)
+  class CopyConfig(settings.FromConfig):
+    spike_factor: float = settings.tree_key("rl.spike_factor")  # no such key
+    num_steps: int = 60  # rl.num_steps's default, written a second time
+    prompts_per_step: int = dataclasses.field(default=32, metadata={"tree_key": "rl.prompts_per_step"})
+    window: int = 20  # not a key: may have its own default
+
+  problems = _copied_defaults({"CopyConfig": CopyConfig})
+  assert [p.split(":")[0].split("=")[0] for p in problems] == [
+      "CopyConfig.spike_factor", "CopyConfig.num_steps", "CopyConfig.prompts_per_step"], problems
+
+
+@pytest.mark.parametrize("path", sorted(_library_configs()))
+def test_library_configs_built_from_the_defaults_are_the_cli_defaults(path):
+  """Library users (the Python API) get the same defaults as CLI users: `from_config(Config())`."""
+  cls = _library_configs()[path]
+  keys = {f.name: f.metadata["tree_key"] for f in dataclasses.fields(cls) if "tree_key" in f.metadata}
+  if not keys:
+    pytest.skip("reads no config key")
+  required = {f.name: 1 for f in dataclasses.fields(cls) if "tree_key" not in f.metadata
+              and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+  run = config_lib.replace(config_lib.Config(), lora=dict(rank=4))  # LoRAConfig needs adapters
+  built = cls.from_config(run, **required)
+  for name, key in keys.items():
+    section, _, leaf = key.rpartition(".")
+    assert getattr(built, name) == getattr(getattr(run, section), leaf), (name, key)
+
+
+def test_the_library_collapse_guard_and_pipeline_are_the_clis():
+  """The two defaults that once disagreed (a spike guard off, prompts never filtered)."""
+  from tunixlike.data.pipeline import PipelineConfig
+  from tunixlike.rl.collapse import CollapseConfig
+  run = config_lib.Config()
+  assert CollapseConfig.from_config(run, vocab_size=83).spike_factor == run.rl.collapse_spike_factor == 1000.0
+  assert PipelineConfig.from_config(run).max_prompt_tokens == run.data.max_prompt_length == 64
+
+
+def test_model_keys_take_their_defaults_from_the_model_description():
+  from tunixlike.models.config import ModelConfig
+  model = config_lib.Config().model
+  for f in dataclasses.fields(ModelConfig):
+    if hasattr(model, f.name) and f.default is not dataclasses.MISSING:
+      assert getattr(model, f.name) == f.default, f.name
 
 
 def test_parse_arg_reads_several_keys_and_names_bad_ones():
@@ -178,3 +231,59 @@ def test_docs_config_reference_is_current():
   out = subprocess.run([sys.executable, "scripts/config_reference.py", "--check", "docs/config.md"], cwd=root,
                        capture_output=True, text=True, timeout=60)
   assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ---- rules that read several sections: each checked in one place, for files and in-memory inputs alike --
+def test_a_group_must_fit_the_decode_slots_checked_by_the_sampler_section():
+  message = r"sampler.max_concurrent_decodes: 4 decode slots \(per process\) are fewer than algo.group_size=8"
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.replace(config_lib.Config(), sampler=dict(max_concurrent_decodes=4))
+  with pytest.raises(config_lib.ConfigError, match=message):  # the same check, on one process's share
+    SamplerConfig(max_concurrent_decodes=4, group_size=8)
+
+
+def test_the_cosine_warm_up_is_checked_by_the_optim_section():
+  from tunixlike.learner import optimizer
+  from tunixlike.learner.config import OptimConfig
+  from tunixlike.rl import build
+  message = r"optim.warmup_steps=10: cosine decays to 0 at rl.num_steps=10: must be less"
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.replace(config_lib.Config(), optim=dict(schedule="cosine", warmup_steps=10), rl=dict(num_steps=10))
+  with pytest.raises(config_lib.ConfigError, match=message):
+    OptimConfig(schedule="cosine", warmup_steps=10, total_steps=10)
+  # The supervised stage alone (rl.num_steps=0) still builds a learner: its never-used schedule is valid.
+  sft = config_lib.replace(config_lib.Config(), optim=dict(schedule="cosine", warmup_steps=10), rl=dict(num_steps=0))
+  optimizer.make_schedule(build.learner_config(sft).optim)
+
+
+class _Env:
+  pass
+
+
+def _agent(base_url, api_key, episode_id, row):
+  return None
+
+
+@pytest.mark.parametrize("cfg_changes, inputs, message", [
+    ({}, dict(env=_Env, agent=_agent), r"rl.agent='<in memory>:_agent': and rl.env='<in memory>:_Env' are both set"),
+    ({"rl": {"env": "calculator"}}, dict(agent=_agent), r"rl.agent='<in memory>:_agent': and rl.env='calculator'"),
+    ({"warm_start": {"max_steps": 5}}, dict(dataset=[{"prompt": "1+1="}]),
+     r"warm_start.max_steps=5: the supervised stage on your own data needs its answers"),
+    ({"sampler": {"record_sampling_mask": True}}, dict(agent=_agent),
+     r"sampler.record_sampling_mask=True: is not supported with rl.agent"),
+])
+def test_inputs_given_in_memory_go_through_the_configs_checks(cfg_changes, inputs, message):
+  """`tunixlike.train(dataset=..., env=..., agent=...)`: `build.with_inputs` puts them in place of
+  data.train / rl.env / rl.agent, so the config's one check of each rule sees them."""
+  from tunixlike.rl import build
+  cfg = config_lib.replace(config_lib.Config(), **cfg_changes)
+  with pytest.raises(config_lib.ConfigError, match=message):
+    build.with_inputs(cfg, **inputs)
+  with pytest.raises(config_lib.ConfigError, match=message):  # build checks them before anything is built
+    build.build(cfg, **inputs)
+
+
+def test_inputs_given_in_memory_that_the_config_allows_pass():
+  from tunixlike.rl import build
+  cfg = build.with_inputs(config_lib.Config(), dataset=[{"prompt": "1+1=", "answer": "2"}], agent=_agent)
+  assert cfg.data.train == "<in memory>:list" and cfg.rl.agent == "<in memory>:_agent"

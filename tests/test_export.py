@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from tunixlike import config as config_lib
 from tunixlike import checkpoint as ckpt_lib
 from tunixlike import export as export_lib
 from tunixlike import mesh as mesh_lib
@@ -24,13 +25,15 @@ from tunixlike.learner.value import PolicyWithValue
 from tunixlike.models import hf, lora
 from tunixlike.models.testing import write_random_hf_checkpoint
 
+RUN = config_lib.Config()  # the lora section at its defaults
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 # init_std large enough that logits are O(1): a wrong or missing weight shows at atol 1e-4.
 TINY = models.tiny_config(vocab_size=128, hidden_size=32, intermediate_size=64, head_dim=8, init_std=0.3,
                           eos_token_ids=(2,))
-LORA = lora.LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
+LORA = lora.LoRAConfig.from_config(RUN, rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

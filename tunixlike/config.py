@@ -23,13 +23,14 @@ import ml_collections
 from ml_collections.config_dict import placeholder
 
 from tunixlike import mesh as mesh_lib
+from tunixlike.data.tasks import TASKS
 from tunixlike.distributed import DistributedConfig
-from tunixlike.learner.config import PPO_LOSSES, AlgoConfig, OptimConfig
-from tunixlike.models.config import ATTENTION_IMPLEMENTATIONS
+from tunixlike.learner.config import OFFLOAD_COMPONENTS, PPO_LOSSES, AlgoConfig, OptimConfig
+from tunixlike.models.config import ATTENTION_IMPLEMENTATIONS, ModelConfig
 from tunixlike.rl.config import RuntimeConfig
 from tunixlike.sampler.config import SamplerConfig
-from tunixlike.settings import (DTYPES, ConfigError, check_fields, in_range, is_key, non_negative, one_of, optional,
-                                positive, require, setting)
+from tunixlike.settings import (DTYPES, ConfigError, check_fields, in_range, is_key, library_setting, non_negative,
+                                one_of, optional, positive, require, setting)
 
 __all__ = ["Config", "ConfigError", "check_paths", "default_config_dict", "from_config_dict", "from_saved", "load",
            "parse_arg", "replace"]
@@ -63,17 +64,21 @@ class ModelSection:
   num_kv_heads: int = setting(2, "GQA: key/value heads (must divide num_heads)", check=positive)
   head_dim: int = setting(16, "per-head width", check=positive)
   intermediate_size: int = setting(256, "SwiGLU width (4x hidden)", check=positive)
-  rope_theta: float = setting(10000.0, "RoPE base; short sequences need no more", check=positive)
-  rms_norm_eps: float = setting(1e-6, "as in Qwen2 / Llama 3", check=positive)
-  qkv_bias: bool = setting(False, "Qwen2-style biases on q/k/v projections")
-  qk_norm: bool = setting(False, "Qwen3-style RMSNorm on queries and keys")
-  tie_embeddings: bool = setting(True, "share input embedding and output projection (fewer params)")
-  param_dtype: str = setting("float32", "master weights", check=one_of(*DTYPES))
-  dtype: str = setting("float32", "compute dtype ('bfloat16' on TPU/GPU)", check=one_of(*DTYPES))
-  remat: bool = setting(False, "recompute activations in the backward pass to save memory")
-  attention: str = setting("auto", "attention kernel of training and prefill (docs/learner.md#attention-kernels): "
-                           "auto = the fastest correct one on this backend | reference | blockwise | cudnn | "
-                           "pallas_tpu", check=one_of(*ATTENTION_IMPLEMENTATIONS))
+  # Architecture and precision: their defaults are ModelConfig's, the description of every model.
+  rope_theta: float = library_setting(ModelConfig, "rope_theta", "RoPE base; short sequences need no more",
+                                      check=positive)
+  rms_norm_eps: float = library_setting(ModelConfig, "rms_norm_eps", "as in Qwen2 / Llama 3", check=positive)
+  qkv_bias: bool = library_setting(ModelConfig, "qkv_bias", "Qwen2-style biases on q/k/v projections")
+  qk_norm: bool = library_setting(ModelConfig, "qk_norm", "Qwen3-style RMSNorm on queries and keys")
+  tie_embeddings: bool = library_setting(ModelConfig, "tie_embeddings",
+                                         "share input embedding and output projection (fewer params)")
+  param_dtype: str = library_setting(ModelConfig, "param_dtype", "master weights", check=one_of(*DTYPES))
+  dtype: str = library_setting(ModelConfig, "dtype", "compute dtype ('bfloat16' on TPU/GPU)", check=one_of(*DTYPES))
+  remat: bool = library_setting(ModelConfig, "remat", "recompute activations in the backward pass to save memory")
+  attention: str = library_setting(ModelConfig, "attention", "attention kernel of training and prefill "
+                                   "(docs/learner.md#attention-kernels): auto = the fastest correct one on this "
+                                   "backend | reference | blockwise | cudnn | pallas_tpu",
+                                   check=one_of(*ATTENTION_IMPLEMENTATIONS))
 
   def __post_init__(self):
     check_fields(self)
@@ -121,9 +126,6 @@ class MeshSection:
     """How a side's device count is written in the config, for error messages."""
     own = f"mesh.{side}_devices"
     return own if self.layout == "split" else "mesh.sampler_devices + mesh.learner_devices (mesh.layout='colocated')"
-
-
-TASKS = ("addition", "reverse", "gsm8k")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,9 +183,6 @@ def _reward_terms(v) -> str | None:
     if not isinstance(term.get("kwargs", {}), Mapping):
       return f"item {i}: kwargs must be a dict"
   return None
-
-
-OFFLOAD_COMPONENTS = ("reference", "optimizer", "critic")
 
 
 def _offloadable(v) -> str | None:
@@ -347,8 +346,9 @@ class Config:
                                                 and self.algo.estimator != "ppo"),
             "sampler.record_routing", True, "is supported for single-turn GRPO-family runs only (not rl.env or "
             "rl.agent episodes, whose environment tokens the decode loop never routes, nor algo.estimator='ppo')")
-    require(self.sampler.max_concurrent_decodes >= self.algo.group_size, "sampler.max_concurrent_decodes",
-            self.sampler.max_concurrent_decodes, f"must be >= algo.group_size={self.algo.group_size}")
+    # Sections whose run values come from other sections, checked by their own rules with those values.
+    dataclasses.replace(self.sampler, group_size=self.algo.group_size)  # a group fits the decode slots
+    dataclasses.replace(self.optim, total_steps=self.rl.num_steps)  # the cosine warm-up ends before the last step
     m = self.mesh
     replicas = m.sampler_size // m.sampler_tensor
     require(self.sampler.max_concurrent_decodes % replicas == 0, "sampler.max_concurrent_decodes",
@@ -373,9 +373,6 @@ class Config:
             f"({m.sizes_named('learner')} / mesh.learner_tensor = {fsdp}); the warm start shards its batch over them")
     require(self.sampler.max_prefill_length >= self.data.max_prompt_length, "data.max_prompt_length",
             self.data.max_prompt_length, f"must be <= sampler.max_prefill_length={self.sampler.max_prefill_length}")
-    require(self.optim.schedule != "cosine" or self.rl.num_steps == 0 or self.rl.num_steps > self.optim.warmup_steps,
-            "optim.warmup_steps",
-            self.optim.warmup_steps, f"cosine decays to 0 at rl.num_steps={self.rl.num_steps}: must be less")
 
   def _check_shared_prompts(self):
     """optim.share_prompts carries per-token advantages and counts sequences per segment: what needs

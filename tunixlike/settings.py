@@ -29,9 +29,45 @@ def setting(default: Any, why: str, *, check: Check | None = None, resumable: bo
   return dataclasses.field(default=default, metadata={"help": why, "check": check, "resumable": resumable})
 
 
+def library_setting(cls, name: str, why: str, *, check: Check | None = None) -> Any:
+  """A config key whose default is the field `name` of the library class `cls`, written there once:
+  for a class that describes more than a run's keys (`ModelConfig`: every model, from a Hugging Face
+  config.json too) and that a config section can import without loading the engine."""
+  default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
+  return dataclasses.field(default=default, metadata={"help": why, "check": check, "resumable": False,
+                                                      "default_of": (cls, name)})
+
+
 def run_value(default: Any, why: str, *, check: Check | None = None) -> Any:
   """Filled in by the run (`dataclasses.replace`) from the tokenizer or another key; not a config key."""
   return dataclasses.field(default=default, metadata={"help": why, "check": check, "run_value": True})
+
+
+def tree_key(key: str) -> Any:
+  """A library config's field that is the config key `key` (e.g. 'rl.collapse_spike_factor'): it has no
+  default of its own; `from_config(cfg)` reads it from the run's config, so a library user gets the
+  default and the check a CLI user gets."""
+  return dataclasses.field(metadata={"tree_key": key})
+
+
+class FromConfig:
+  """A library config (frozen dataclass) whose `tree_key` fields are keys of the run's config tree."""
+
+  @classmethod
+  def from_config(cls, cfg, **values):
+    """`cls` with each `tree_key` field read from `cfg` (the run's `Config`, or the section holding the
+    keys, e.g. `cfg.rl`) and the other fields from `values` (or their own defaults). A key in `values`
+    replaces the config's value (a test's or a benchmark's own setting)."""
+    for f in dataclasses.fields(cls):
+      key = f.metadata.get("tree_key")
+      if key is None or f.name in values:
+        continue
+      *path, name = key.split(".")
+      holder = cfg
+      if path and getattr(cfg, "SECTION", None) != path[0]:
+        holder = getattr(cfg, path[0])
+      values[f.name] = getattr(holder, name)
+    return cls(**values)
 
 
 def require(ok: bool, key: str, value: Any, why: str):

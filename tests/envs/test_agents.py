@@ -13,10 +13,12 @@ import numpy as np
 import openai
 import pytest
 
+from tunixlike import config as config_lib
 from tunixlike.agents.driver import AgentConfig, AgentDriver
 from tunixlike.sampler import PromptRequest
 from tunixlike.sampler.driver import _KEY_BLOCK, _sample_keys
 
+RUN = config_lib.Config()  # the agent keys (rl.*) at their defaults
 G = 2
 
 
@@ -35,7 +37,7 @@ def _run(engine, tokenizer, agent, *, n=1, params=None, **ac):
 
   driver = AgentDriver(engine, engine.load_params() if params is None else params, source=iter(_requests(tokenizer, n)),
                        sink=out.append, agent=run_episode, tokenizer=tokenizer,
-                       agent_config=AgentConfig(**{"max_turns": 3, "workers": 8, **ac}))
+                       agent_config=AgentConfig.from_config(RUN, **{"max_turns": 3, "workers": 8, **ac}))
   holder["driver"] = driver
   try:
     driver.run(max_wall_s=120)
@@ -363,7 +365,8 @@ def test_another_process_cannot_post_rewards_or_turns_with_or_without_the_key(ma
 
   out = []
   driver = AgentDriver(engine, engine.load_params(), source=iter(_requests(tokenizer, 1)), sink=out.append,
-                       agent=agent, tokenizer=tokenizer, agent_config=AgentConfig(max_turns=3, workers=8))
+                       agent=agent, tokenizer=tokenizer,
+                       agent_config=AgentConfig.from_config(RUN, max_turns=3, workers=8))
   holder["driver"] = driver
   try:
     driver.run(max_wall_s=300)

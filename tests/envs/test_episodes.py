@@ -9,9 +9,12 @@ import pytest
 from flax import nnx
 
 from scripted_env import ScriptedEnv
+from tunixlike import config as config_lib
 from tunixlike.rewards.envs import CalculatorEnv
 from tunixlike.sampler import PromptRequest
 from tunixlike.sampler.episodes import EpisodeConfig, EpisodeDriver
+
+RUN = config_lib.Config()  # rl.env_* at their defaults
 
 
 def _requests(tokenizer, specs):
@@ -31,7 +34,7 @@ def _driver(engine, tokenizer, requests, params=None, **ec):
       engine, params if params is not None else engine.load_params(), source=iter(requests), sink=out.append,
       make_env=lambda: ScriptedEnv(probe=lambda: holder["d"].stats.generate_calls),
       tokenize=lambda t: tokenizer.encode(t, add_special_tokens=False), detokenize=tokenizer.decode,
-      episode_config=EpisodeConfig(**{"max_turn_tokens": 6, "max_turns": 3, **ec}))
+      episode_config=EpisodeConfig.from_config(RUN, **{"max_turn_tokens": 6, "max_turns": 3, **ec}))
   holder["d"] = driver
   return driver, out
 
@@ -168,7 +171,8 @@ def test_calculator_env_with_the_real_model_and_length_limits(make_engine, token
   driver = EpisodeDriver(engine, engine.load_params(), source=iter(requests), sink=out.append,
                          make_env=lambda: CalculatorEnv(latency_s=0.05),
                          tokenize=lambda t: tokenizer.encode(t, add_special_tokens=False),
-                         detokenize=tokenizer.decode, episode_config=EpisodeConfig(max_episode_tokens=5))
+                         detokenize=tokenizer.decode,
+                         episode_config=EpisodeConfig.from_config(RUN, max_episode_tokens=5))
   driver.run(max_wall_s=60)
   assert len(out) == 4 and driver.stats.env_errors == driver.stats.env_timeouts == 0
   for g in out:
@@ -184,4 +188,4 @@ def test_calculator_env_with_the_real_model_and_length_limits(make_engine, token
 ])
 def test_bad_episode_config(kw, fragment):
   with pytest.raises(ValueError, match=fragment):
-    EpisodeConfig(**kw)
+    EpisodeConfig.from_config(RUN, **kw)

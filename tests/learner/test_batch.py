@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from tunixlike import config as config_lib
 from tunixlike.learner import batch as batch_lib
 from tunixlike.rollout import Completion, RolloutGroup
 
@@ -70,7 +71,9 @@ def test_advantages_set_by_the_reward_stage_are_the_ones_the_batch_holds():
   """The reward stage (`group_advantages.set_advantages`, on the reward workers) and a batch of
   unscored groups give the same numbers; a batch takes a scored group's advantages as they are."""
   from tunixlike.learner import group_advantages
-  cfg = group_advantages.AdvantageConfig("dr_grpo", overlong_max_length=8, overlong_buffer=4)
+  run = config_lib.replace(config_lib.Config(), algo=dict(advantage="dr_grpo", overlong_buffer=4),
+                           sampler=dict(max_new_tokens=8))
+  cfg = group_advantages.AdvantageConfig.from_config(run)
   scored = _groups()
   for g in scored:
     group_advantages.set_advantages(g, cfg)

@@ -10,12 +10,12 @@ import pytest
 from tunixlike import checkpoint as checkpoint_lib, models
 from tunixlike.learner import offload as offload_lib
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
-from tunixlike.learner.ppo import PPOConfig, PPOLearner
+from tunixlike.learner.ppo import PPOLearner
 from tunixlike.learner.value import PolicyWithCritic, PolicyWithValue, load_critic
 
 
-def _cfg():
-  return LearnerConfig(algo=AlgoConfig(), optim=OptimConfig(learning_rate=3e-3, micro_batches=2), logprob_chunk_size=8)
+def _cfg(**algo):
+  return LearnerConfig(algo=AlgoConfig(**algo), optim=OptimConfig(learning_rate=3e-3, micro_batches=2), logprob_chunk_size=8)
 
 
 def _kinds(tree):
@@ -55,7 +55,7 @@ def test_load_critic_errors_name_the_key_path_and_tensor(tmp_path, tiny_model, c
 def test_separate_critic_trains_without_touching_the_policy_trunk_values(tiny_model, host_batch, critic_dir):
   policy = tiny_model()
   both = PolicyWithCritic.create(policy, load_critic(critic_dir, policy))
-  learner = PPOLearner(both, _cfg(), PPOConfig(vf_coef=1.0))
+  learner = PPOLearner(both, _cfg(vf_coef=1.0))
   state = learner.state
   assert set(state.params) == {"policy", "critic", "value_head"}
   assert state.params["value_head"]["proj"]["kernel"].get_value().shape == (16, 1)  # sized from the critic
@@ -78,7 +78,7 @@ def test_separate_critic_trains_without_touching_the_policy_trunk_values(tiny_mo
 def test_offloaded_critic_step_equals_plain_step(tiny_model, host_batch, critic_dir):
   def make():
     policy = tiny_model()
-    return PPOLearner(PolicyWithCritic.create(policy, load_critic(critic_dir, policy)), _cfg(), PPOConfig())
+    return PPOLearner(PolicyWithCritic.create(policy, load_critic(critic_dir, policy)), _cfg())
   plain, other = make(), make()
   off = offload_lib.HostOffload(other, ("critic", "optimizer"))
   s_plain, s_off = plain.state, off.offload(other.state)
@@ -99,7 +99,7 @@ def test_offloaded_critic_step_equals_plain_step(tiny_model, host_batch, critic_
 
 @pytest.mark.slow
 def test_offloaded_learner_keeps_state_on_host_and_checkpoints_round_trip(tiny_model, host_batch, tmp_path):
-  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(), PPOConfig(kl_reward_coef=0.05))
+  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(kl_reward_coef=0.05))
   wrapped = offload_lib.OffloadedLearner(learner, ("reference", "optimizer"))
   assert learner.state is None  # no device copy left behind
   assert _kinds(wrapped.state.opt_state) == {"pinned_host"} and _kinds(wrapped.state.ref_params) == {"pinned_host"}

@@ -8,8 +8,8 @@ from tunixlike.learner.train_step import Learner
 from tunixlike.mesh import LEARNER_RULES
 
 
-def _cfg(kl_coef=0.1):
-  return LearnerConfig(algo=AlgoConfig(kl_coef=kl_coef), optim=OptimConfig(learning_rate=1e-3, micro_batches=2),
+def _cfg(kl_coef=0.1, **algo):
+  return LearnerConfig(algo=AlgoConfig(kl_coef=kl_coef, **algo), optim=OptimConfig(learning_rate=1e-3, micro_batches=2),
                        logprob_chunk_size=8)
 
 
@@ -73,11 +73,11 @@ def test_memory_helpers():
 
 @pytest.mark.slow
 def test_offloaded_ppo_step_equals_plain_step(tiny_model, host_batch):
-  from tunixlike.learner.ppo import PPOConfig, PPOLearner
+  from tunixlike.learner.ppo import PPOLearner
   from tunixlike.learner.value import PolicyWithValue
-  ppo = PPOConfig(kl_reward_coef=0.1)  # prepare reads the (offloaded) reference
-  plain = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(kl_coef=0.0), ppo)
-  other = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(kl_coef=0.0), ppo)
+  ppo = _cfg(kl_coef=0.0, kl_reward_coef=0.1)  # prepare reads the (offloaded) reference
+  plain = PPOLearner(PolicyWithValue.create(tiny_model()), ppo)
+  other = PPOLearner(PolicyWithValue.create(tiny_model()), ppo)
   off = offload_lib.HostOffload(other, ("optimizer", "reference"))
   s_plain, s_off = plain.state, off.offload(other.state)
   for seed in range(2):

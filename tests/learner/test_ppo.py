@@ -6,7 +6,7 @@ from flax import nnx
 
 from jit_traces import count_traces
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
-from tunixlike.learner.ppo import PPOConfig, PPOLearner
+from tunixlike.learner.ppo import PPOLearner
 from tunixlike.learner.value import PolicyWithValue, ValueHead
 from tunixlike.mesh import LEARNER_RULES
 
@@ -33,15 +33,13 @@ def test_value_head_shapes_and_axes(tiny_model):
     ValueHead(0, rngs=nnx.Rngs(0))
 
 
-def test_ppo_config_rejects_bad_values(tiny_model):
-  with pytest.raises(ValueError, match="algo.gamma"):
-    PPOConfig(gamma=1.2)
-  with pytest.raises(ValueError, match="algo.gae_lambda"):
-    PPOConfig(gae_lambda=-0.5)
-  with pytest.raises(ValueError, match="algo.vf_clip"):
-    PPOConfig(vf_clip=0.0)
-  with pytest.raises(ValueError, match="PPOConfig.kl_reward_estimator"):
-    PPOConfig(kl_reward_estimator="k9")
+def test_ppo_settings_are_the_algo_sections_and_bad_values_are_refused(tiny_model):
+  with pytest.raises(ValueError, match="algo.gamma=1.2"):
+    AlgoConfig(gamma=1.2)
+  with pytest.raises(ValueError, match="algo.gae_lambda=-0.5"):
+    AlgoConfig(gae_lambda=-0.5)
+  with pytest.raises(ValueError, match="algo.vf_clip=-0.1"):
+    AlgoConfig(vf_clip=-0.1)
   with pytest.raises(ValueError, match="algo.loss='gspo'"):
     PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(loss="gspo"))
   with pytest.raises(ValueError, match="PolicyWithValue"):
@@ -49,8 +47,8 @@ def test_ppo_config_rejects_bad_values(tiny_model):
 
 
 def test_prepare_matches_gae_by_hand(tiny_model, host_batch):
-  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(micro=2),
-                       PPOConfig(gamma=0.9, gae_lambda=0.8, whiten_advantages=False))
+  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(micro=2, gamma=0.9, gae_lambda=0.8,
+                                                                          whiten_advantages=False))
   host = host_batch(8)
   batch, stats = learner.prepare(learner.state, learner.put_batch(host))
   model = learner.model(learner.state)
@@ -75,8 +73,8 @@ def test_prepare_matches_gae_by_hand(tiny_model, host_batch):
 
 @pytest.mark.slow
 def test_policy_and_value_train_together_without_recompiling(tiny_model, host_batch):
-  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(micro=2, lr=3e-3),
-                       PPOConfig(gamma=1.0, gae_lambda=1.0, kl_reward_coef=0.05))
+  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(micro=2, lr=3e-3, gamma=1.0, gae_lambda=1.0,
+                                                                          kl_reward_coef=0.05))
   state = learner.state
   head0 = _leaf(state.params, "value_head", "proj", "kernel")
   emb0 = _leaf(state.params, "policy", "embed_tokens", "embedding")
@@ -108,8 +106,8 @@ def test_policy_and_value_train_together_without_recompiling(tiny_model, host_ba
 def test_value_loss_falls_on_a_fixed_batch(tiny_model, host_batch):
   # gamma = lambda = 1: the value targets are Monte-Carlo returns, fixed whatever the critic says;
   # vf_coef large and lr high so that a handful of steps must reduce the critic's error.
-  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(lr=1e-2),
-                       PPOConfig(gamma=1.0, gae_lambda=1.0, vf_coef=1.0, vf_clip=None))
+  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(lr=1e-2, gamma=1.0, gae_lambda=1.0,
+                                                                          vf_coef=1.0, vf_clip=0.0))
   placed = learner.put_batch(host_batch(8, seed=3))
   state, vf = learner.state, []
   for i in range(12):

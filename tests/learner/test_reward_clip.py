@@ -3,11 +3,17 @@
 import numpy as np
 import pytest
 
+from tunixlike import config as config_lib
 from tunixlike.learner import group_advantages
 from tunixlike.learner.config import AlgoConfig
 from tunixlike.rewards import CombinedReward
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.settings import ConfigError
+
+
+def _advantages(**algo):
+  """The reward stage's settings of a run with these algo keys."""
+  return group_advantages.AdvantageConfig.from_config(config_lib.replace(config_lib.Config(), algo=algo))
 
 
 def _group(rewards):
@@ -22,9 +28,9 @@ def test_huge_finite_rewards_are_clipped_and_counted(estimator):
   # Unclipped, three of these overflow float32's sum: the group mean is inf and the advantages NaN.
   group = _group([3e38, 3e38, 3e38, 0.0])
   with np.errstate(over="ignore", invalid="ignore"):
-    unclipped = group_advantages.compute(group, group_advantages.AdvantageConfig(estimator, reward_clip=(-4e38, 4e38)))
+    unclipped = group_advantages.compute(group, _advantages(advantage=estimator, reward_clip=(-4e38, 4e38)))
   assert not np.isfinite(unclipped[1]).all()
-  group_advantages.set_advantages(group, group_advantages.AdvantageConfig(estimator, reward_clip=(-1e4, 1e4)))
+  group_advantages.set_advantages(group, _advantages(advantage=estimator))
   np.testing.assert_array_equal(group.rewards, [1e4, 1e4, 1e4, 0.0])
   assert group.reward_metrics["reward/clipped"] == 0.75
   assert np.isfinite(group.advantages).all() and group.advantages[3] < 0 < group.advantages[0]
@@ -36,14 +42,14 @@ def test_a_sum_of_rewards_past_float32_saturates_then_clips():
   total, metrics = reward(["p"] * 2, ["x", "y"])
   assert np.isfinite(total).all() and np.isfinite(metrics["rewards/total"])
   group = _group(total)
-  group_advantages.set_advantages(group, group_advantages.AdvantageConfig())
+  group_advantages.set_advantages(group, _advantages())
   np.testing.assert_array_equal(group.rewards, [1e4, 1e4])
   assert group.reward_metrics["reward/clipped"] == 1.0
 
 
 def test_in_range_rewards_are_untouched():
   group = _group([1.0, 0.0, -2.5])
-  group_advantages.set_advantages(group, group_advantages.AdvantageConfig())
+  group_advantages.set_advantages(group, _advantages())
   np.testing.assert_array_equal(group.rewards, [1.0, 0.0, -2.5])
   assert group.reward_metrics["reward/clipped"] == 0.0
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tunixlike import models, trace
+from tunixlike import config as config_lib, models, trace
 from tunixlike.data import char_tokenizer
 from tunixlike.learner import batch as batch_lib, token_advantages as tok_adv
 from tunixlike.learner.config import AlgoConfig, LearnerConfig
@@ -23,6 +23,7 @@ from tunixlike.sampler.process_steps import ProcessRewardRecorder
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 VOCAB = 64
+RUN = config_lib.Config()  # algo.step_* and rl.reward_* at their defaults
 
 
 def _completion(ids, logprobs=None):
@@ -34,15 +35,15 @@ def _completion(ids, logprobs=None):
 def test_step_boundaries_at_a_delimiter_and_every_n_tokens():
   tok = char_tokenizer.build()
   ids = tok.encode("12\n3\n\n45", add_special_tokens=False)
-  newline = process.StepConfig(delimiter="\n")
+  newline = process.StepConfig.from_config(RUN, delimiter="\n")
   ends = [t for t in range(len(ids)) if newline.is_boundary(ids[:t + 1], tok.decode)]
   assert ends == [2, 4, 5]  # each newline token ends a step
-  two_chars = process.StepConfig(delimiter="\n\n")  # a delimiter spanning two tokens ends at its second
+  two_chars = process.StepConfig.from_config(RUN, delimiter="\n\n")  # spanning two tokens: ends at the second
   assert [t for t in range(len(ids)) if two_chars.is_boundary(ids[:t + 1], tok.decode)] == [5]
-  every3 = process.StepConfig(delimiter="", every_tokens=3)
+  every3 = process.StepConfig.from_config(RUN, delimiter="", every_tokens=3)
   assert [t for t in range(9) if every3.is_boundary(list(range(t + 1)), None)] == [2, 5, 8]
-  with pytest.raises(ValueError, match="step boundaries"):
-    process.StepConfig(delimiter="", every_tokens=0)
+  with pytest.raises(ValueError, match="step boundaries"):  # checked where the keys are: the run's config
+    config_lib.replace(RUN, algo=dict(process_reward="answer_prefix", step_delimiter="", step_every_tokens=0))
 
 
 def test_process_supervised_advantages_match_the_hand_computation():
@@ -81,7 +82,8 @@ def test_a_failing_or_slow_prm_call_costs_only_its_own_step():
       stuck_finished.set()
     return float(len(prefix.token_ids))
 
-  scorer = process.ProcessRewardScorer(prm, name="lengths", steps=process.StepConfig(every_tokens=1, workers=2))
+  steps = process.StepConfig.from_config(RUN, every_tokens=1, workers=2)
+  scorer = process.ProcessRewardScorer(prm, name="lengths", steps=steps)
   c = _completion([11, 12, 13, 14, 15, 16])
   group = RolloutGroup("p", np.array([1], np.int32), [c])
   handles = [[(t, scorer.submit(process.Prefix(np.array([1]), c.token_ids[:t + 1], None))) for t in range(6)]]
@@ -126,7 +128,8 @@ def test_prm_calls_run_while_decoding_continues_and_land_at_their_step_ends(engi
 
   tracer = trace.Tracer(tmp_path / "trace.json")
   scorer = process.ProcessRewardScorer(prm, name="len", tracer=tracer,
-                                       steps=process.StepConfig(delimiter="", every_tokens=3, workers=2))
+                                       steps=process.StepConfig.from_config(RUN, delimiter="", every_tokens=3,
+                                                                            workers=2))
   rng = np.random.default_rng(0)
   requests = [PromptRequest(prompt_id=i, token_ids=rng.integers(1, VOCAB, size=4).astype(np.int32))
               for i in range(4)]

@@ -190,7 +190,7 @@ def test_a_collapsed_policy_is_flagged_and_stops_the_run():
   records = []
   vocab = rl.policy.model().cfg.vocab_size
   runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)),
-                               collapse=CollapseDetector(CollapseConfig(vocab_size=vocab)))
+                               collapse=CollapseDetector(CollapseConfig.from_config(cfg, vocab_size=vocab)))
   runtime.hooks.add(lambda info: records.append((info.step, info.metrics)))
   runtime.hooks.add(stop_on_collapse)
   with pytest.raises(PolicyCollapse, match=r"policy collapse at step 1: token entropy .* ln V"):

@@ -59,8 +59,9 @@ def test_rl_prompts_from_messages_leave_out_the_last_assistant_turn(tmp_path):
   from tunixlike.data import pipeline, sources
   tok = _chat_tokenizer()
   rows = [{"id": "a", "chat": [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]}]
-  pipe = pipeline.PromptPipeline(sources.ListSource(rows, "rows"), tok, pipeline.PipelineConfig(
-      messages_field="chat", shuffle=False, num_epochs=1))
+  pipe_cfg = pipeline.PipelineConfig.from_config(config_lib.Config(), messages_field="chat", shuffle=False,
+                                                 num_epochs=1)
+  pipe = pipeline.PromptPipeline(sources.ListSource(rows, "rows"), tok, pipe_cfg)
   assert next(iter(pipe))["prompt_text"] == "user: 1+2=\nassistant: "
 
 

@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tunixlike import config as config_lib
 from tunixlike import mesh as mesh_lib, models
 from tunixlike.models import lora as lora_lib
 from tunixlike.rl import weight_sync
 from tunixlike.sampler import Engine, SamplerConfig, params as params_lib
+
+RUN = config_lib.Config()  # the lora section at its defaults
 
 
 def _check(synced, source, targets):
@@ -23,7 +26,7 @@ def _model_with_adapters(sampler_tensor: int):
   """(meshes, a tiny LoRA model on the learner mesh, its adapters with every entry distinct)."""
   meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=sampler_tensor)
   model = models.create_sharded(models.tiny_config(), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
-  lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=4), seed=0, mesh=meshes.learner,
+  lora_lib.apply_lora(model, lora_lib.LoRAConfig.from_config(RUN, rank=4), seed=0, mesh=meshes.learner,
                       rules=mesh_lib.LEARNER_RULES)
   # Make B non-zero so a wrong slice of the packed buffer could not pass unnoticed.
   adapters = jax.tree.map(lambda x: x + np.arange(x.size, dtype=x.dtype).reshape(x.shape) / x.size,
@@ -69,7 +72,7 @@ def _greedy(engine, params, prompts):
 def test_lora_adapters_kept_packed_decode_like_unpacked():
   meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=2)
   model = models.create_sharded(models.tiny_config(), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
-  lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=4), seed=0, mesh=meshes.learner,
+  lora_lib.apply_lora(model, lora_lib.LoRAConfig.from_config(RUN, rank=4), seed=0, mesh=meshes.learner,
                       rules=mesh_lib.LEARNER_RULES)
   adapters = lora_lib.adapter_params(model)
   # Replicated on the learner, so packing for sync needs no gather.

@@ -46,6 +46,7 @@ from tunixlike.rewards.envs.runner import EnvRunner, EnvTimeout
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler.driver import DriverError, DriverStats, PromptRequest, RolloutDriver
 from tunixlike.sampler.engine import Engine
+from tunixlike.settings import FromConfig, tree_key
 
 _log = logging.getLogger(__name__)
 
@@ -53,14 +54,16 @@ _PREFIXES = 8  # prefills kept for reuse: the G episodes of a prompt usually ope
 
 
 @dataclasses.dataclass(frozen=True)
-class AgentConfig:
-  max_turns: int = 4  # requests (policy turns) per episode
-  workers: int = 64  # agent functions running at once = episodes in flight
-  episode_timeout_s: float = 300.0
-  port: int = 0  # 0 = any free port
-  host: str = "127.0.0.1"  # another address lets other hosts reach the server (warned about)
+class AgentConfig(FromConfig):
+  """`AgentConfig.from_config(cfg)`: the run's rl.* keys of agent episodes and their server."""
+
+  max_turns: int = tree_key("rl.env_max_turns")  # requests (policy turns) per episode
+  workers: int = tree_key("rl.agent_workers")  # agent functions running at once = episodes in flight
+  episode_timeout_s: float = tree_key("rl.episode_timeout_s")
+  port: int = tree_key("rl.agent_port")  # 0 = any free port
+  host: str = tree_key("rl.agent_host")  # another address lets other hosts reach the server (warned about)
+  max_body_bytes: int = tree_key("rl.agent_max_body_bytes")
   api_key: str | None = None  # None = a random key for this run only
-  max_body_bytes: int = 4 << 20
   failure_reward: float = 0.0  # reward of an episode without one when the agent gives rewards
 
 
@@ -133,13 +136,10 @@ class AgentDriver(RolloutDriver):
   """Runs G agent episodes per prompt, served by an OpenAI-compatible server; see the module docstring."""
 
   def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None], sink,
-               agent: Callable[..., Any], tokenizer, agent_config: AgentConfig = AgentConfig(), version: int = 0,
+               agent: Callable[..., Any], tokenizer, agent_config: AgentConfig, version: int = 0,
                may_start_group: Callable[[], bool] | None = None, tracer=None, model_name: str = "policy"):
     """`agent(base_url, api_key, episode_id, row)` runs one episode against `base_url` (its OpenAI
     base URL), sending `api_key` with every request."""
-    if engine.config.record_routing or engine.config.record_sampling_mask:
-      raise ValueError("sampler.record_routing and sampler.record_sampling_mask are not supported with rl.agent: "
-                       "agent turns are prefilled from the agent's history, not decoded in one sequence")
     if not callable(agent):
       raise TypeError(f"rl.agent must be a function run_episode(base_url, api_key, episode_id, row), got {agent!r}")
     super().__init__(engine, params, source=source, sink=sink, version=version, may_start_group=may_start_group,

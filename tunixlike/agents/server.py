@@ -124,8 +124,7 @@ class AgentServer:
   """Serves an `AgentDriver` on `host`:`port` (0 = a free port) from a daemon thread, to requests
   that carry `api_key` and bodies of at most `max_body_bytes`."""
 
-  def __init__(self, driver: EpisodeBackend, *, api_key: str, host: str = "127.0.0.1", port: int = 0,
-               max_body_bytes: int = 4 << 20):
+  def __init__(self, driver: EpisodeBackend, *, api_key: str, host: str, port: int, max_body_bytes: int):
     self.driver = driver
     self._authorization = f"Bearer {api_key}".encode()
     self.max_body_bytes = max_body_bytes

@@ -21,21 +21,25 @@ import numpy as np
 
 from tunixlike.data import sources, tasks
 from tunixlike.data.tokenizer import Tokenizer
+from tunixlike.settings import FromConfig, tree_key
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-  seed: int = 0
+class PipelineConfig(FromConfig):
+  """`PipelineConfig.from_config(cfg, shard_index=..., shard_count=...)`: the run's data keys plus this
+  pipeline's own settings."""
+
+  seed: int = tree_key("data.shuffle_seed")
+  system_prompt: str | None = tree_key("data.system_prompt")  # Only used with a chat template.
+  messages_field: str | None = tree_key("data.messages_field")  # Chat messages rendered with the chat template.
+  max_prompt_tokens: int | None = tree_key("data.max_prompt_length")  # Longer: dropped (counted) before shuffling.
+  skip_bad_rows: bool = tree_key("data.skip_bad_lines")  # A row whose prompt is not text: dropped (counted).
   shuffle: bool = True
   num_epochs: int | None = None  # None: repeat forever (the trainer decides when to stop).
   shard_index: int = 0  # Usually jax.process_index().
   shard_count: int = 1  # Usually jax.process_count().
   prompt_template: str | None = None  # str.format over the record's columns; None: the task's or "{prompt}".
-  system_prompt: str | None = None  # Only used with a chat template.
-  messages_field: str | None = None  # A column of chat messages to render with the chat template, instead.
   use_chat_template: bool = True  # Apply the tokenizer's chat template when it has one.
-  max_prompt_tokens: int | None = None  # Longer prompts are dropped (and counted) before shuffling.
-  skip_bad_rows: bool = False  # A row whose prompt columns are not text is dropped (counted), not an error.
   num_threads: int = 1  # grain read threads; tokenization is cheap, prompts are consumed slowly.
   prefetch_buffer_size: int = 16
 
@@ -70,7 +74,7 @@ class PromptPipeline:
   templates), `prompt_token_ids` (int32 [P]), `num_prompt_tokens` and `epoch`.
   """
 
-  def __init__(self, source: sources.RecordSource, tokenizer: Tokenizer, config: PipelineConfig = PipelineConfig(),
+  def __init__(self, source: sources.RecordSource, tokenizer: Tokenizer, config: PipelineConfig,
                *, default_template: str = "{prompt}"):
     self.source, self.tokenizer, self.config = source, tokenizer, config
     self.template = config.prompt_template or default_template
@@ -179,7 +183,7 @@ class PromptPipeline:
 
 
 def from_task(task, tokenizer: Tokenizer, *, split: str = "train", size: int | None = None,
-              config: PipelineConfig = PipelineConfig()) -> PromptPipeline:
+              config: PipelineConfig) -> PromptPipeline:
   """A pipeline over a built-in task (`tasks.get(name, ...)`); the task supplies the prompt template.
 
   The task's data seed is `config.seed`, so a seed fixes both the problems and their order.
@@ -189,14 +193,14 @@ def from_task(task, tokenizer: Tokenizer, *, split: str = "train", size: int | N
 
 
 def from_file(path: str, tokenizer: Tokenizer, *, format: str | None = None,
-              config: PipelineConfig = PipelineConfig()) -> PromptPipeline:
+              config: PipelineConfig) -> PromptPipeline:
   """A pipeline over a JSONL / Parquet / Arrow file or an HF `save_to_disk` directory."""
   return PromptPipeline(sources.open_source(path, format), tokenizer, config)
 
 
 def build(task: str | None = None, tokenizer: Tokenizer | None = None, *, path: str | None = None,
           split: str = "train", task_kwargs: dict[str, Any] | None = None, size: int | None = None,
-          config: PipelineConfig = PipelineConfig()) -> PromptPipeline:
+          config: PipelineConfig) -> PromptPipeline:
   """One entry point for configs: a built-in task by name, or a file when `task` is None."""
   if tokenizer is None:
     raise ValueError("build() needs a tokenizer")

@@ -12,6 +12,9 @@ from tunixlike.settings import (ConfigError, check_fields, in_range, non_negativ
 
 ESTIMATORS = ("grpo_family", "ppo")
 PPO_LOSSES = ("ppo_clip", "dapo")  # gspo's ratio is per sequence: it cannot take per-token advantages
+# learner.offload's components: name -> (TrainState field, first key inside it or None for the whole field)
+OFFLOAD_COMPONENTS = {"reference": ("ref_params", None), "optimizer": ("opt_state", None),
+                      "critic": ("params", "critic")}
 
 
 def _registered(lookup, value):
@@ -166,9 +169,10 @@ class OptimConfig:
             "and optim.group_by_length trim rows differently: set one of them")
     require(not self.pack_tokens or self.share_prompts, "optim.pack_tokens", self.pack_tokens,
             "packs shared-prompt rows: it needs optim.share_prompts=True")
+    # The one check of the cosine warm-up (the run's config runs it with total_steps = rl.num_steps).
     require(self.schedule != "cosine" or not self.total_steps or self.total_steps > self.warmup_steps,
-            "rl.num_steps", self.total_steps,
-            f"the cosine schedule needs more than optim.warmup_steps={self.warmup_steps}")
+            "optim.warmup_steps", self.warmup_steps,
+            f"cosine decays to 0 at rl.num_steps={self.total_steps}: must be less")
 
 
 @dataclasses.dataclass(frozen=True)

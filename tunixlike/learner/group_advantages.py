@@ -20,16 +20,20 @@ from tunixlike.learner import advantages as advantages_lib
 from tunixlike.learner import dapo
 from tunixlike.learner import token_advantages as token_adv_lib
 from tunixlike.rollout import RolloutGroup
+from tunixlike.settings import FromConfig, tree_key
 
 
 @dataclasses.dataclass(frozen=True)
-class AdvantageConfig:
-  estimator: str = "grpo"  # a name of `advantages.get_advantage_fn`
-  overlong_max_length: int = 0  # DAPO's soft overlong penalty, in completion tokens (buffer 0 = off)
-  overlong_buffer: int = 0
-  overlong_penalty: float = 1.0
+class AdvantageConfig(FromConfig):
+  """`AdvantageConfig.from_config(cfg, token=...)`: the run's algo keys of the reward stage."""
+
+  estimator: str = tree_key("algo.advantage")  # a name of `advantages.get_advantage_fn`
+  # DAPO's soft overlong penalty, in completion tokens (buffer 0 = off).
+  overlong_max_length: int = tree_key("sampler.max_new_tokens")
+  overlong_buffer: int = tree_key("algo.overlong_buffer")
+  overlong_penalty: float = tree_key("algo.overlong_penalty")
+  reward_clip: tuple[float, float] = tree_key("algo.reward_clip")  # finite: no reward can overflow the advantages
   token: token_adv_lib.TokenAdvantageConfig | None = None  # per-token terms (process rewards, distillation)
-  reward_clip: tuple[float, float] = (-1e4, 1e4)  # finite: no reward can make the advantages overflow
 
   def __post_init__(self):
     advantages_lib.get_advantage_fn(self.estimator)  # an unknown name fails here, not on the first group

@@ -30,11 +30,11 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from tunixlike.learner.config import OFFLOAD_COMPONENTS
 from tunixlike.learner.state import TrainState
 from tunixlike.learner.train_step import Learner
 
-# component -> (TrainState field, first key inside it or None for the whole field)
-COMPONENTS = {"reference": ("ref_params", None), "optimizer": ("opt_state", None), "critic": ("params", "critic")}
+COMPONENTS = OFFLOAD_COMPONENTS  # component -> (TrainState field, first key inside it or None for all of it)
 OFFLOADABLE = tuple(COMPONENTS)
 PINNED = "pinned_host"
 

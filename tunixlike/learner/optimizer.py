@@ -10,9 +10,9 @@ from tunixlike.learner.config import OptimConfig
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:
   """Linear warmup (0 -> lr over warmup_steps), then constant or cosine to 0 at total_steps."""
   if cfg.schedule == "cosine":
-    if cfg.total_steps <= cfg.warmup_steps:  # a run value the config leaves at 0 until the run sets it
-      raise ValueError(f"rl.num_steps={cfg.total_steps} (the schedule's total_steps): the cosine schedule needs "
-                       f"more than optim.warmup_steps={cfg.warmup_steps}")
+    if not cfg.total_steps:  # a run value (OptimConfig checks it against warmup_steps once it is set)
+      raise ValueError("rl.num_steps: the cosine schedule decays to 0 at the run's last step, but "
+                       "OptimConfig.total_steps was not set from it")
     return optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, cfg.total_steps)
   if cfg.warmup_steps:
     return optax.join_schedules(

@@ -17,15 +17,13 @@ per-token array (index t describes token t; 0 at t = 0).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tunixlike.learner import gae as gae_lib, kl as kl_lib, logprobs as logprobs_lib, losses
+from tunixlike.learner import gae as gae_lib, logprobs as logprobs_lib, losses
 from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.state import TrainState
 from tunixlike.learner.train_step import Learner, _next
@@ -35,29 +33,7 @@ ROW_KEYS = ("rewards",)  # [B] extra host columns the PPO step needs on device
 PREPARED_KEYS = ("old_values", "returns", "token_advantages")  # [B, T], written by `prepare`
 
 
-@dataclasses.dataclass(frozen=True)
-class PPOConfig:
-  """Critic settings (the policy loss, IS correction and optimizer stay in LearnerConfig)."""
-
-  gamma: float = 1.0  # no discount inside one completion: the reward comes at its end
-  gae_lambda: float = 0.95  # bias/variance trade-off of the advantage (1 = Monte Carlo)
-  vf_coef: float = 0.5  # weight of the value loss in the shared trunk's objective
-  vf_clip: float | None = 0.2  # trust region of the critic around the prepared values; None = off
-  kl_reward_coef: float = 0.0  # beta of the KL penalty folded into the rewards; 0 skips the reference
-  kl_reward_estimator: str = "k1"  # per-token KL estimate in the reward (k1 as in InstructGPT)
-  whiten_advantages: bool = True  # normalise GAE advantages over the batch's loss tokens
-
-  def __post_init__(self):
-    gae_lib.check_discounts(self.gamma, self.gae_lambda)
-    if not self.vf_coef >= 0:
-      raise ValueError(f"algo.vf_coef={self.vf_coef!r}: must be >= 0")
-    if self.vf_clip is not None and not self.vf_clip > 0:
-      raise ValueError(f"algo.vf_clip={self.vf_clip!r}: must be > 0 (or None for no clipping)")
-    if not self.kl_reward_coef >= 0:
-      raise ValueError(f"algo.kl_reward_coef={self.kl_reward_coef!r}: must be >= 0")
-    if self.kl_reward_estimator not in kl_lib.KL_ESTIMATORS:
-      raise ValueError(f"PPOConfig.kl_reward_estimator={self.kl_reward_estimator!r}: choose one of "
-                       f"{sorted(kl_lib.KL_ESTIMATORS)}")
+KL_REWARD_ESTIMATOR = "k1"  # the per-token KL estimate folded into the rewards (k1, as in InstructGPT)
 
 
 def _shift_right(x_bt):
@@ -66,20 +42,20 @@ def _shift_right(x_bt):
 
 
 class PPOLearner(Learner):
-  """A `Learner` for `PolicyWithValue`: the policy and its value head share one optimizer and step."""
+  """A `Learner` for `PolicyWithValue`: the policy and its value head share one optimizer and step.
+  The critic's settings are the algo section's PPO keys (`cfg.algo`: gamma, gae_lambda, vf_coef,
+  vf_clip, kl_reward_coef, whiten_advantages)."""
 
-  def __init__(self, model: PolicyWithValue, cfg: LearnerConfig, ppo: PPOConfig = PPOConfig(),
-               mesh: jax.sharding.Mesh | None = None, rules=()):
+  def __init__(self, model: PolicyWithValue, cfg: LearnerConfig, mesh: jax.sharding.Mesh | None = None, rules=()):
     if not isinstance(model, PolicyWithValue):
       raise ValueError(f"PPOLearner needs a value.PolicyWithValue model, got {type(model).__name__}")
     if cfg.algo.loss not in gae_lib.TOKEN_LEVEL_LOSSES:
       raise ValueError(f"algo.loss={cfg.algo.loss!r} cannot take per-token (GAE) advantages; choose one of "
                        f"{gae_lib.TOKEN_LEVEL_LOSSES}")
-    self.ppo = ppo
     super().__init__(model, cfg, mesh, rules)
     if self.lora:  # the head's nnx.Param would sit in `frozen` and never train
       raise ValueError("PPO with a value head on the trunk does not support LoRA yet (the value head would be frozen)")
-    if ppo.kl_reward_coef > 0 and self.state.ref_params is None:
+    if cfg.algo.kl_reward_coef > 0 and self.state.ref_params is None:
       # the reference for the reward's KL: a frozen copy of the initial weights, laid out like them
       ref = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.state_shardings.params)(self.state.params)
       self.state = self.state.replace(ref_params=ref)
@@ -118,7 +94,7 @@ class PPOLearner(Learner):
   # ------------------------------------------------------------------ prepare: critic + GAE
 
   def _prepare_fn(self, state: TrainState, batch):
-    p = self.ppo
+    p = self.cfg.algo
     model = nnx.merge(self.graphdef, state.params, state.frozen)
 
     def one(mb_tokens):  # [b, T] -> values [b, T] (and KL [b, T]) in "index t predicts t+1" alignment
@@ -139,7 +115,7 @@ class PPOLearner(Learner):
     n_tokens = jnp.maximum(mask.sum(), 1.0)
     if p.kl_reward_coef > 0:
       rewards, kl_bt = gae_lib.kl_penalized_rewards(rewards, flat(logp), flat(ref_logp), mask,
-                                                    kl_coef=p.kl_reward_coef, estimator=p.kl_reward_estimator)
+                                                    kl_coef=p.kl_reward_coef, estimator=KL_REWARD_ESTIMATOR)
       stats["kl_reward"] = kl_bt.sum() / n_tokens
     adv, returns = gae_lib.gae(rewards, flat(values), mask, gamma=p.gamma, gae_lambda=p.gae_lambda)
     stats["value_mean"] = (flat(values) * mask).sum() / n_tokens
@@ -161,7 +137,7 @@ class PPOLearner(Learner):
   # ------------------------------------------------------------------ the loss
 
   def _micro_loss(self, params, state: TrainState, mb, denom):
-    a, p = self.cfg.algo, self.ppo
+    a = self.cfg.algo
     mask = _next(mb["loss_mask"]).astype(jnp.float32)
     behav = _next(mb["behaviour_logprobs"]).astype(jnp.float32)
     model = nnx.merge(self.graphdef, params, state.frozen)
@@ -174,10 +150,10 @@ class PPOLearner(Learner):
     pg_bt, loss_stats = gae_lib.token_policy_loss(a.loss, logp, old, adv, mask, eps_low=a.eps_low_value,
                                                   eps_high=a.eps_high_value, is_weights_bt=is_w)
     vf_bt, vf_stats = gae_lib.value_loss(values, _next(mb["old_values"]), _next(mb["returns"]), mask,
-                                         clip_eps=p.vf_clip)
+                                         clip_eps=a.vf_clip or None)  # algo.vf_clip=0: off
     stats.update(clip_frac=loss_stats["clip_frac"], entropy=entropy, vf_loss=vf_bt,
                  vf_clip_frac=vf_stats["vf_clip_frac"], token_advantage_abs=jnp.abs(adv))
-    loss_bt = pg_bt + p.vf_coef * vf_bt
+    loss_bt = pg_bt + a.vf_coef * vf_bt
     tw = losses.token_weights(mask, a.resolved_aggregation, a.norm_length)
     sums = {"pg_loss": (pg_bt * tw).sum() / denom}
     if a.kl_coef > 0:

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Any
 
-_DTYPES = ("float32", "bfloat16", "float16")
+from tunixlike.settings import DTYPES
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 MOE_ARCHS = ("qwen3_moe", "mixtral")
@@ -44,6 +44,9 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+  """A decoder-only transformer. The defaults of rope_theta .. attention are also the run config's
+  (model.* keys take them from here: `settings.library_setting`)."""
+
   vocab_size: int
   hidden_size: int
   num_layers: int
@@ -88,8 +91,8 @@ class ModelConfig:
       if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ValueError(f"ModelConfig.{name}={value!r} must be a positive finite number")
     for name in ("param_dtype", "dtype"):
-      if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}, expected one of {_DTYPES}")
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}, expected one of {DTYPES}")
     if self.attention not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(f"ModelConfig.attention={self.attention!r}, expected one of {ATTENTION_IMPLEMENTATIONS}")
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):

@@ -22,24 +22,23 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tunixlike.models import sharding as sharding_lib
+from tunixlike.settings import FromConfig, tree_key
 
 
 @dataclasses.dataclass(frozen=True)
-class LoRAConfig:
-  rank: int
-  alpha: float = 16.0
+class LoRAConfig(FromConfig):
+  """`LoRAConfig.from_config(cfg)`: the run's lora section (`apply_lora` needs a rank > 0; the config
+  checks alpha and the targets)."""
+
+  rank: int = tree_key("lora.rank")
+  alpha: float = tree_key("lora.alpha")  # the adapter's scale is alpha / rank
   # Attribute names of the projections to adapt, as in Hugging Face / peft target_modules.
-  targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+  targets: tuple[str, ...] = tree_key("lora.targets")
 
   def __post_init__(self):
     if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
-      raise ValueError(f"lora.rank={self.rank!r} must be a positive int")
-    if not self.alpha > 0:
-      raise ValueError(f"lora.alpha={self.alpha!r} must be > 0")
-    targets = tuple(self.targets)
-    if not targets or not all(isinstance(t, str) and t for t in targets):
-      raise ValueError(f"lora.targets={self.targets!r} must be a non-empty sequence of module names")
-    object.__setattr__(self, "targets", targets)
+      raise ValueError(f"lora.rank={self.rank!r} must be a positive int (0: no adapters)")
+    object.__setattr__(self, "targets", tuple(self.targets))
 
   @property
   def scale(self) -> float:

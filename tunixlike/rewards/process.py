@@ -29,6 +29,7 @@ import numpy as np
 from tunixlike import trace as trace_lib
 from tunixlike.rewards.safe import as_score
 from tunixlike.rollout import RolloutGroup
+from tunixlike.settings import FromConfig, tree_key
 
 _log = logging.getLogger(__name__)
 
@@ -119,31 +120,19 @@ class TokenProbPRM:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepConfig:
-  """Where steps end and how long the reward stage waits for their scores.
+class StepConfig(FromConfig):
+  """Where steps end and how long the reward stage waits for their scores:
+  `StepConfig.from_config(cfg)` (the config checks the keys, and that some boundary is set).
 
   A token ends a step when the text it completes contains `delimiter` (e.g. "\\n"; "" = off) or
   when it is the N-th, 2N-th, ... token (`every_tokens` = N; 0 = off). The last token of a
   completion always ends its final step.
   """
 
-  delimiter: str = "\n"
-  every_tokens: int = 0
-  timeout_s: float = 10.0  # the group's deadline for its outstanding calls, from when it is collected
-  workers: int = 4
-
-  def __post_init__(self):
-    if not isinstance(self.delimiter, str):
-      raise ValueError(f"algo.step_delimiter={self.delimiter!r}: must be a string ('' = off)")
-    if not isinstance(self.every_tokens, int) or self.every_tokens < 0:
-      raise ValueError(f"algo.step_every_tokens={self.every_tokens!r}: must be an int >= 0 (0 = off)")
-    if not self.delimiter and not self.every_tokens:
-      raise ValueError("algo.step_delimiter='' and algo.step_every_tokens=0: a process reward needs step "
-                       "boundaries (set a delimiter or a token interval)")
-    if not self.timeout_s > 0:
-      raise ValueError(f"rl.reward_timeout_s={self.timeout_s!r}: must be > 0")
-    if not self.workers >= 1:
-      raise ValueError(f"rl.reward_workers={self.workers!r}: must be >= 1")
+  delimiter: str = tree_key("algo.step_delimiter")
+  every_tokens: int = tree_key("algo.step_every_tokens")
+  timeout_s: float = tree_key("rl.reward_timeout_s")  # a group's deadline for its calls, from its collection
+  workers: int = tree_key("rl.reward_workers")
 
   def is_boundary(self, tokens: Sequence[int], detokenize: Callable[[Sequence[int]], str] | None) -> bool:
     """Does the last of `tokens` end a step? (Each token decodes to >= 1 character, so the last
@@ -175,7 +164,7 @@ class ProcessRewardScorer:
   `collect(group)` (reward stage) waits for them and fills the group's step rewards.
   """
 
-  def __init__(self, fn: ProcessRewardFn, *, name: str, steps: StepConfig = StepConfig(),
+  def __init__(self, fn: ProcessRewardFn, *, name: str, steps: StepConfig,
                tracer: trace_lib.Tracer = trace_lib.NULL_TRACER):
     self.fn, self.name, self.steps, self.tracer = fn, name, steps, tracer
     self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from tunixlike import device_turns, distributed, mesh as mesh_lib, models, rewards as rewards_lib, trace as trace_lib
+from tunixlike import config as config_lib
 from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokenizer_lib
 from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, value as value_lib
@@ -30,7 +31,6 @@ from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.train_step import Learner
 from tunixlike.models import hub, lora as lora_lib, transformer
 from tunixlike.rewards import loader, process as process_lib
-from tunixlike.rewards.envs import CalculatorEnv
 from tunixlike.rl import distill as distill_lib, evaluate as eval_lib, scoring, warm_start as warm_start_lib
 from tunixlike.rl import weight_sync
 from tunixlike.agents.driver import AgentConfig, AgentDriver
@@ -38,7 +38,7 @@ from tunixlike.rl.collapse import CollapseConfig, CollapseDetector
 from tunixlike.rl.policy import Policy
 from tunixlike.rl import prompts as prompts_lib
 from tunixlike.rl.prompts import PromptStream, requests_for
-from tunixlike.rl.config import AGENT_API_KEY_ENV
+from tunixlike.rl.config import AGENT_API_KEY_ENV, BUILT_IN_ENVS
 from tunixlike.rl.runtime import AsyncRuntime
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.sampler.driver import RolloutDriver
@@ -53,12 +53,15 @@ def learner_config(cfg: Config) -> LearnerConfig:
   """The algo and optim sections with their run values."""
   # The behaviour logprobs are at the sampler's temperature; the learner's must match.
   algo = dataclasses.replace(cfg.algo, sampling_temperature=cfg.sampler.temperature or 1.0)
-  # rl.num_steps = 0 (the supervised stage only) still builds the learner whose state is saved.
-  return LearnerConfig(algo=algo, optim=dataclasses.replace(cfg.optim, total_steps=max(cfg.rl.num_steps, 1)))
+  # rl.num_steps = 0 (the supervised stage only) still builds the learner whose state is saved; its
+  # schedule is never stepped, but must be one (a cosine's last step after its warm-up).
+  total = cfg.rl.num_steps or cfg.optim.warmup_steps + 1
+  return LearnerConfig(algo=algo, optim=dataclasses.replace(cfg.optim, total_steps=total))
 
 
 def sampler_config(cfg: Config, tok) -> SamplerConfig:
-  """This process's sampler: the decode slots of sampler.max_concurrent_decodes are split over the hosts."""
+  """This process's sampler: the decode slots of sampler.max_concurrent_decodes are split over the hosts
+  (its checks see this process's share: a group must fit in it)."""
   slots = cfg.sampler.max_concurrent_decodes // jax.process_count()
   return dataclasses.replace(cfg.sampler, max_concurrent_decodes=slots, eos_ids=tuple(tok.stop_ids),
                              group_size=cfg.algo.group_size, seed=cfg.seed)
@@ -68,13 +71,10 @@ def check_process_split(cfg: Config, n: int):
   """Keys that are totals over all hosts must split evenly across the `n` processes."""
   if n == 1:
     return
-  if cfg.rl.prompts_per_step % n:
-    raise ValueError(f"rl.prompts_per_step={cfg.rl.prompts_per_step} must be divisible by the {n} processes "
-                     "(each host samples its share of every batch)")
-  slots = cfg.sampler.max_concurrent_decodes // n
-  if cfg.sampler.max_concurrent_decodes % n or slots < cfg.algo.group_size:
-    raise ValueError(f"sampler.max_concurrent_decodes={cfg.sampler.max_concurrent_decodes} must split over the "
-                     f"{n} processes into at least algo.group_size={cfg.algo.group_size} slots each")
+  for key, total in (("rl.prompts_per_step", cfg.rl.prompts_per_step),
+                     ("sampler.max_concurrent_decodes", cfg.sampler.max_concurrent_decodes)):
+    if total % n:
+      raise ValueError(f"{key}={total} must be divisible by the {n} processes (each host takes its share)")
 
 
 # ---- before training: meshes, data, model ----------------------------------------------------------
@@ -98,6 +98,18 @@ class Setup:
   teacher: distill_lib.Teacher | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
 
 
+def with_inputs(cfg: Config, *, dataset=None, eval_dataset=None, env=None, agent=None) -> Config:
+  """`cfg` with the inputs given in memory (`tunixlike.train(dataset=..., env=..., agent=...)`) standing
+  in for the keys they replace (data.train, data.eval, rl.env, rl.agent), so that they go through the
+  config's own checks (e.g. an agent and an env at once, a warm start on data without answers)."""
+  def named(obj) -> str:
+    return obj if isinstance(obj, str) else f"<in memory>:{getattr(obj, '__qualname__', type(obj).__name__)}"
+
+  data = {key: named(value) for key, value in (("train", dataset), ("eval", eval_dataset)) if value is not None}
+  rl = {key: named(value) for key, value in (("env", env), ("agent", agent)) if value is not None}
+  return config_lib.replace(cfg, **{k: v for k, v in (("data", data), ("rl", rl)) if v})
+
+
 def build_task(cfg: Config, dataset=None, eval_dataset=None):
   """(tokenizer, task): a character tokenizer for built-in tasks, the model's own for HF models.
   With data.train (or `dataset` / `eval_dataset` given in memory: a list of dicts, a grain
@@ -111,10 +123,6 @@ def build_task(cfg: Config, dataset=None, eval_dataset=None):
   if not own and d.task is None:
     raise ValueError("data.task=None: needs a dataset instead: set data.train to a file, a glob or a directory "
                      "(or pass dataset= to tunixlike.train)")
-  if own and cfg.warm_start.max_steps and d.answer_field is None and d.messages_field is None:
-    raise ValueError(f"warm_start.max_steps={cfg.warm_start.max_steps}: the supervised stage on your own data needs "
-                     "its answers: set data.answer_field to the column holding them, or data.messages_field to chat "
-                     "messages with assistant turns")
   if own:
     preset = tasks.TASKS[d.task].default_rewards if d.task is not None else ()
     task = tasks.DatasetTask(dataset if dataset is not None else d.train,
@@ -146,7 +154,7 @@ def env_factory(cfg: Config, env=None):
   spec = env if env is not None else cfg.rl.env
   if spec is None:
     return None
-  cls = loader.load(spec, key="rl.env", registry={"calculator": CalculatorEnv})
+  cls = loader.load(BUILT_IN_ENVS.get(spec, spec) if isinstance(spec, str) else spec, key="rl.env")
   if not callable(cls):
     raise loader.LoadError(f"rl.env={spec!r}: {cls!r} is not a class or factory of Env")
   return cls
@@ -215,9 +223,11 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   `training=False`: only what sampling a checkpoint needs (no critic, no teacher). `dataset`,
   `eval_dataset`, `rewards`, `env` and `agent` are in-memory objects that replace data.train, data.eval,
   rewards, rl.env and rl.agent (see `tunixlike.train`). User code is loaded and checked before the model is built."""
+  with_inputs(cfg, dataset=dataset, eval_dataset=eval_dataset, env=env, agent=agent)  # the config's checks
   distributed.initialize(cfg.distributed)
   check_process_split(cfg, jax.process_count())
   tok, task = build_task(cfg, dataset, eval_dataset)
+  sampler_config(cfg, tok)  # this process's share of the decode slots holds a group: checked before the model
   terms = reward_terms(cfg, task, rewards)
   # What a reward can name besides the rollout's fields (`PromptStream` passes every other column).
   columns = ([c for c in task.columns() if c not in prompts_lib.NOT_COLUMNS] if isinstance(task, tasks.DatasetTask)
@@ -230,8 +240,6 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
                       [str(r.get(field, "")) for r in rows])
   make_env = env_factory(cfg, env)
   agent = agent_function(cfg, agent)
-  if make_env is not None and agent is not None:
-    raise ValueError("rl.agent and rl.env are both given: an episode is run by one of them")
   meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices, cfg.mesh.sampler_tensor,
                                 cfg.mesh.learner_tensor, layout=cfg.mesh.layout)
   model = build_model(cfg, tok, meshes.learner)
@@ -269,10 +277,8 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
 
 def pipeline_config(cfg: Config, **changes) -> pipeline.PipelineConfig:
   """The prompt pipeline's settings from the data section (this process's shard of the data)."""
-  d = cfg.data
-  return pipeline.PipelineConfig(seed=d.shuffle_seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
-                                 max_prompt_tokens=d.max_prompt_length, system_prompt=d.system_prompt,
-                                 messages_field=d.messages_field, skip_bad_rows=d.skip_bad_lines, **changes)
+  return pipeline.PipelineConfig.from_config(cfg, **{"shard_index": jax.process_index(),
+                                                     "shard_count": jax.process_count(), **changes})
 
 
 def example_format(cfg: Config) -> warm_start_lib.ExampleFormat:
@@ -332,9 +338,7 @@ def build_learner(cfg: Config, model: nnx.Module, mesh, critic: nnx.Module | Non
     # critic's random values would otherwise be the advantage of every failed completion.
     both = (value_lib.PolicyWithValue.create(model, seed=cfg.seed, init_std=0.0) if critic is None
             else value_lib.PolicyWithCritic.create(model, critic, seed=cfg.seed, init_std=0.0))
-    ppo = ppo_lib.PPOConfig(gamma=a.gamma, gae_lambda=a.gae_lambda, vf_coef=a.vf_coef, vf_clip=a.vf_clip or None,
-                            kl_reward_coef=a.kl_reward_coef, whiten_advantages=a.whiten_advantages)
-    learner = ppo_lib.PPOLearner(both, learner_config(cfg), ppo, mesh=mesh, rules=rules)
+    learner = ppo_lib.PPOLearner(both, learner_config(cfg), mesh=mesh, rules=rules)
   else:
     learner = Learner(model, learner_config(cfg), mesh=mesh, rules=rules)
   if cfg.learner.offload:
@@ -347,8 +351,7 @@ def policy_model(setup: Setup) -> nnx.Module:
   cfg = setup.cfg
   if not cfg.lora.rank:
     return setup.model
-  return lora_lib.apply_lora(setup.model, lora_lib.LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha,
-                                                              targets=tuple(cfg.lora.targets)),
+  return lora_lib.apply_lora(setup.model, lora_lib.LoRAConfig.from_config(cfg),
                              seed=cfg.seed, mesh=setup.meshes.learner, rules=mesh_lib.LEARNER_RULES)
 
 
@@ -368,17 +371,14 @@ def build_rl(setup: Setup, *, reward: rewards_lib.CombinedReward | None = None,
   engine = make_engine(model, s_cfg, mesh=setup.meshes.sampler)
   eval_engine = make_engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
   policy = Policy(learner, engine, cfg, tok.pad_id, tracer=setup.tracer)
-  timeout_s = cfg.rl.reward_timeout_s
   correctness = correctness or correctness_reward(setup)
   reward = reward or setup.reward
   a, process = cfg.algo, None
   if a.process_reward is not None:  # PRM calls run on their own daemon threads while the sampler decodes
-    steps = process_lib.StepConfig(delimiter=a.step_delimiter, every_tokens=a.step_every_tokens,
-                                   timeout_s=timeout_s, workers=cfg.rl.reward_workers)
+    steps = process_lib.StepConfig.from_config(cfg)
     prm = (process_lib.get_process_reward(a.process_reward) if a.process_reward in process_lib.process_reward_names()
            else loader.load(a.process_reward, key="algo.process_reward"))
-    process = process_lib.ProcessRewardScorer(prm,
-                                              name=a.process_reward, steps=steps, tracer=setup.tracer)
+    process = process_lib.ProcessRewardScorer(prm, name=a.process_reward, steps=steps, tracer=setup.tracer)
   scorer = scoring.GroupScorer(reward, tokenizer=tok, advantages=scoring.advantage_config(cfg),
                                primary=reward.specs[0].name, process=process, teacher=setup.teacher,
                                tracer=setup.tracer)
@@ -410,9 +410,7 @@ def evaluate_params(setup: Setup, engine, params, correctness, *, version: int =
 
 
 def collapse_detector(cfg: Config, policy: Policy) -> CollapseDetector:
-  return CollapseDetector(CollapseConfig(vocab_size=policy.model().cfg.vocab_size,
-                                         entropy_frac=cfg.rl.collapse_entropy_frac,
-                                         spike_factor=cfg.rl.collapse_spike_factor))
+  return CollapseDetector(CollapseConfig.from_config(cfg, vocab_size=policy.model().cfg.vocab_size))
 
 
 def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: int | None = None,
@@ -435,11 +433,8 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
     if setup.agent is not None:  # the user's agent loop, served over HTTP on the same decode slots
       driver = AgentDriver(rl.engine, params, source=stream, sink=sink, version=policy.version,
                            may_start_group=may_start_group, tracer=tracer, agent=setup.agent, tokenizer=tok,
-                           agent_config=AgentConfig(max_turns=cfg.rl.env_max_turns, workers=cfg.rl.agent_workers,
-                                                    episode_timeout_s=cfg.rl.episode_timeout_s,
-                                                    port=cfg.rl.agent_port, host=cfg.rl.agent_host,
-                                                    api_key=os.environ.get(AGENT_API_KEY_ENV) or None,
-                                                    max_body_bytes=cfg.rl.agent_max_body_bytes))
+                           agent_config=AgentConfig.from_config(
+                               cfg, api_key=os.environ.get(AGENT_API_KEY_ENV) or None))
       say(f"agent server: {driver.base_url} (model {driver.model_name!r})")
       return driver
     if setup.make_env is None:
@@ -449,8 +444,7 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
     # Config refuses what episodes cannot record (process rewards, routing).
     return EpisodeDriver(rl.engine, params, make_env=setup.make_env,
                          tokenize=lambda text: tok.encode(text, add_special_tokens=False),
-                         episode_config=EpisodeConfig(max_turns=cfg.rl.env_max_turns,
-                                                      step_timeout_s=cfg.rl.env_step_timeout_s), **common)
+                         episode_config=EpisodeConfig.from_config(cfg), **common)
 
   r, n_proc = cfg.rl, policy.num_processes
   return AsyncRuntime(

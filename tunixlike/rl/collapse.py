@@ -18,16 +18,20 @@ import dataclasses
 import math
 from typing import Mapping
 
+from tunixlike.settings import FromConfig, tree_key
+
 
 class PolicyCollapse(FloatingPointError):
   """The policy collapsed (rl.stop_on_collapse); the message names the step and the signal."""
 
 
 @dataclasses.dataclass(frozen=True)
-class CollapseConfig:
+class CollapseConfig(FromConfig):
+  """`CollapseConfig.from_config(cfg, vocab_size=V)`: the run's rl.collapse_* keys."""
+
   vocab_size: int
-  entropy_frac: float = 0.01
-  spike_factor: float = 0.0  # 0 = gradient-norm spikes are not checked
+  entropy_frac: float = tree_key("rl.collapse_entropy_frac")
+  spike_factor: float = tree_key("rl.collapse_spike_factor")  # 0 = gradient-norm spikes are not checked
   window: int = 20
   min_history: int = 5
 

@@ -12,9 +12,13 @@ from tunixlike.settings import (DTYPES, check_fields, in_range, non_negative, on
                                 run_value, setting)
 
 
+BUILT_IN_ENVS = {"calculator": "tunixlike.rewards.envs:CalculatorEnv"}  # rl.env names -> the class's import path
+
+
 def _env_name(v) -> str | None:
-  ok = isinstance(v, str) and (v == "calculator" or ":" in v)
-  return None if ok else "must be 'calculator' or an import path 'package.module:MyEnv' / 'file.py:MyEnv'"
+  ok = isinstance(v, str) and (v in BUILT_IN_ENVS or ":" in v)
+  names = " or ".join(repr(n) for n in BUILT_IN_ENVS)
+  return None if ok else f"must be {names} or an import path 'package.module:MyEnv' / 'file.py:MyEnv'"
 
 
 def _import_path(v) -> str | None:
@@ -53,8 +57,9 @@ class RuntimeConfig:
                                          "policy)", check=in_range(0, 1, low_open=True, high_open=True), resumable=True)
   collapse_spike_factor: float = setting(1000.0, "also collapsed: grad norm this many times its recent median "
                                          "(0 = off)", check=non_negative, resumable=True)
-  env: str | None = setting(None, "multi-turn episodes that interleave decoding with tool calls: 'calculator' (built "
-                            "in), an Env class 'package.module:MyEnv' or 'file.py:MyEnv'; None = single-turn",
+  env: str | None = setting(None, "multi-turn episodes that interleave decoding with tool calls: "
+                            + " | ".join(f"'{n}'" for n in BUILT_IN_ENVS) + " (built in), an Env class "
+                            "'package.module:MyEnv' or 'file.py:MyEnv'; None = single-turn",
                             check=optional(_env_name))
   env_max_turns: int = setting(4, "policy turns per episode (rl.env steps, or rl.agent requests)", check=positive)
   env_step_timeout_s: float = setting(30.0, "a tool slower than this costs its episode, not the run", check=positive)

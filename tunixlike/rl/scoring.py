@@ -25,8 +25,7 @@ def advantage_config(cfg) -> group_advantages.AdvantageConfig:
   distill_coef = 1.0 if a.advantage == "distill" else 0.0
   token = (token_adv_lib.TokenAdvantageConfig(process_coef=process_coef, distill_coef=distill_coef)
            if process_coef or distill_coef else None)
-  return group_advantages.AdvantageConfig(a.advantage, cfg.sampler.max_new_tokens, a.overlong_buffer,
-                                          a.overlong_penalty, token, tuple(a.reward_clip))
+  return group_advantages.AdvantageConfig.from_config(cfg, token=token)
 
 
 class GroupScorer:

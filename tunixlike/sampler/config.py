@@ -82,10 +82,12 @@ class SamplerConfig:
 
   def __post_init__(self):
     check_fields(self)
+    # The one check of a group against the decode slots: the run's config runs it with algo.group_size,
+    # and the run with this process's share of the slots (`build.sampler_config`).
     if self.group_size > self.max_concurrent_decodes:
-      raise ConfigError(f"algo.group_size={self.group_size} is larger than "
-                        f"sampler.max_concurrent_decodes={self.max_concurrent_decodes}: the G samples "
-                        "of one prompt could never all be decoding")
+      raise ConfigError(f"sampler.max_concurrent_decodes: {self.max_concurrent_decodes} decode slots (per process) "
+                        f"are fewer than algo.group_size={self.group_size}: the G samples of one prompt could "
+                        "never all be decoding")
     if self.kv_layout == "paged" and self.prefill_chunk % self.kv_block_size:
       raise ConfigError(f"sampler.kv_block_size={self.kv_block_size} does not divide "
                         f"sampler.prefill_chunk={self.prefill_chunk}")

@@ -47,13 +47,17 @@ from tunixlike.rewards.envs.runner import EnvRunner, EnvTimeout
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler.driver import DriverStats, PromptRequest, RolloutDriver
 from tunixlike.sampler.engine import Engine, ParkedKV, Prefix
+from tunixlike.settings import FromConfig, tree_key
 
 _log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class EpisodeConfig:
-  max_turns: int = 4  # policy turns per episode
+class EpisodeConfig(FromConfig):
+  """`EpisodeConfig.from_config(cfg)`: the run's rl.env_* keys plus the episodes' own settings."""
+
+  max_turns: int = tree_key("rl.env_max_turns")  # policy turns per episode
+  step_timeout_s: float = tree_key("rl.env_step_timeout_s")  # per reset / step call, from when a worker starts it
   # Tokens per policy turn (None = sampler.max_new_tokens, which also caps it).
   max_turn_tokens: int | None = None
   # Completion tokens per episode, policy and environment together (None = only the prefill limit:
@@ -61,7 +65,6 @@ class EpisodeConfig:
   max_episode_tokens: int | None = None
   # Strings that end a policy turn (besides EOS and sampler.stop_strings): the end of an action.
   action_stop_strings: tuple[str, ...] = (tool_calls.CALL_CLOSE,)
-  step_timeout_s: float = 30.0  # per reset / step call, from when a worker starts it
   env_workers: int = 8  # threads running env calls (a timed-out call's thread is replaced)
   failure_reward: float = 0.0  # reward of an episode whose env raised, timed out or misbehaved
   reward_aggregation: str = "sum"  # episode reward from step rewards: sum, last or mean
@@ -154,7 +157,7 @@ class EpisodeDriver(RolloutDriver):
 
   def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None], sink,
                make_env: Callable[[], Any], tokenize: Callable[[str], Sequence[int]],
-               detokenize: Callable[[Sequence[int]], str], episode_config: EpisodeConfig = EpisodeConfig(),
+               detokenize: Callable[[Sequence[int]], str], episode_config: EpisodeConfig,
                version: int = 0, may_start_group: Callable[[], bool] | None = None, tracer=None):
     """`make_env()` builds one Env per episode. `tokenize(text)` must add no special tokens (it
     encodes observations appended mid-conversation); `detokenize(ids)` gives a turn's text."""
