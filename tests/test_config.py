@@ -287,3 +287,19 @@ def test_inputs_given_in_memory_that_the_config_allows_pass():
   from tunixlike.rl import build
   cfg = build.with_inputs(config_lib.Config(), dataset=[{"prompt": "1+1=", "answer": "2"}], agent=_agent)
   assert cfg.data.train == "<in memory>:list" and cfg.rl.agent == "<in memory>:_agent"
+
+
+def test_choice_lists_are_their_registries():
+  """data.task, learner.offload and rl.env's built-in names are checked against the registries the run uses."""
+  from tunixlike.data import tasks
+  from tunixlike.learner import offload
+  from tunixlike.rewards.envs import CalculatorEnv
+  from tunixlike.rl import build
+  from tunixlike.rl.config import BUILT_IN_ENVS
+  assert config_lib.TASKS is tasks.TASKS and offload.COMPONENTS is config_lib.OFFLOAD_COMPONENTS
+  for name in tasks.TASKS:
+    config_lib.replace(config_lib.Config(), data=dict(task=name))
+  for name in BUILT_IN_ENVS:
+    assert build.env_factory(config_lib.replace(config_lib.Config(), rl=dict(env=name))) is CalculatorEnv
+  with pytest.raises(config_lib.ConfigError, match="rl.env='chess': must be 'calculator' or an import path"):
+    config_lib.replace(config_lib.Config(), rl=dict(env="chess"))
