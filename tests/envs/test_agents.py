@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tunixlike.agents.driver import AgentConfig, AgentDriver
+from tunixlike.data.tokenizer import Tokenizer
 from tunixlike.sampler import PromptRequest
 from tunixlike.sampler.driver import _KEY_BLOCK, _sample_keys
 
@@ -202,6 +203,29 @@ def test_special_tokens_sampled_mid_answer_are_returned_so_the_history_extends_i
   assert driver.stats.history_edits == 0 and driver.stats.requests == 2 * 4 * G
   assert all(len(ep.recording.chains) == 1 for ep in episodes.values())
   assert all(g.reward_metrics["agent/history_edits"] == 0.0 for g in groups)
+
+
+def test_an_episode_whose_conversation_shares_no_first_token_with_its_group_is_counted_not_trained(make_engine,
+                                                                                                  tokenizer):
+  # A chat template without a leading BOS: conversations that open differently share no first token.
+  templated = Tokenizer(tokenizer.hf, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>", unk_token="<unk>",
+                        chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+  engine = make_engine(group_size=G)
+
+  def agent(base_url, api_key, episode_id, row):
+    question = "2+2=" if episode_id.endswith("-0") else "9+9="  # the second episode asks something else
+    _client(base_url, api_key, episode_id).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": question}], max_tokens=4)
+    return 1.0
+
+  driver, groups, episodes = _run(engine, templated, agent)
+  (group,) = groups
+  assert group.reward_metrics["agent/prompt_mismatch"] == 0.5  # a mean over the group's 2 episodes
+  assert templated.decode(group.prompt_token_ids) == "2+2="  # the first episode's prompt is the group's
+  kept, dropped = group.completions
+  assert kept.loss_mask.sum() > 0
+  assert dropped.finish_reason == "aborted" and len(dropped.token_ids) == 0  # not trained
+  assert driver.stats.history_edits == 0
 
 
 def test_bad_requests_get_clear_4xx_answers_and_the_run_goes_on(make_engine, tokenizer, capfd, caplog):
