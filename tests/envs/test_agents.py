@@ -15,6 +15,7 @@ import pytest
 
 from tunixlike import config as config_lib
 from tunixlike.agents.driver import AgentConfig, AgentDriver
+from tunixlike.data.tokenizer import Tokenizer
 from tunixlike.sampler import PromptRequest
 from tunixlike.sampler.driver import _KEY_BLOCK, _sample_keys
 
@@ -91,6 +92,11 @@ def _turns(chain):
   return out
 
 
+def _content(tokenizer, tokens):
+  """What the server returns for a turn's tokens: all of them written out, but a final EOS."""
+  return tokenizer.decode(tokens[:-1] if tokens[-1:] == [2] else tokens, skip_special_tokens=False)
+
+
 def _two_turn_agent(stream, log):
   """Logs each turn's text (and logprobs) under (prompt id, episode index in its group, ...)."""
   def agent(base_url, api_key, episode_id, row):
@@ -129,7 +135,7 @@ def test_recorded_turns_equal_a_direct_engine_decode_and_the_group_is_the_chain(
       assert tokens == want_tokens
       np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-5)
       np.testing.assert_allclose(log[(0, i, number)], logprobs, atol=1e-6)  # what the client was told
-      assert log[(0, i, "text", number)] == tokenizer.decode(tokens)
+      assert log[(0, i, "text", number)] == _content(tokenizer, tokens)
     # The group trains on the episode's last chain: the shared prompt, then everything after it.
     chain = ep.recording.chains[-1]
     assert list(group.prompt_token_ids) + list(completion.token_ids) == chain.ids
@@ -182,6 +188,46 @@ def test_an_agent_that_edits_its_history_splits_its_episode_and_is_counted(make_
     assert tokenizer.decode(ep.recording.chains[1].prompt_ids).startswith("3+3=")
     # Trained: the second chain only, its prompt (after the shared part) masked out.
     assert list(groups[0].prompt_token_ids) + list(completion.token_ids) == ep.recording.chains[1].ids
+
+
+def test_special_tokens_sampled_mid_answer_are_returned_so_the_history_extends_its_chain(make_engine, tokenizer):
+  """The random model samples <pad> / <bos> / <unk> mid-answer: the content carries them written out, the
+  agent sends the content back, and its next request extends the chain instead of splitting it."""
+  engine = make_engine(group_size=G)
+  log = {}
+  driver, groups, episodes = _run(engine, tokenizer, _two_turn_agent(False, log), n=4)
+  sampled = [t for ep in episodes.values() for chain in ep.recording.chains for _, t, _ in _turns(chain)]
+  specials = {0, 1, 3}  # the char tokenizer's <pad>, <bos>, <unk>: not EOS (2)
+  mid = [t for t in sampled if specials & set(t[:-1])]
+  assert mid, "the seed no longer samples a special token mid-answer: pick another"
+  texts = {k: v for k, v in log.items() if "text" in k}
+  assert any(name in text for text in texts.values() for name in ("<pad>", "<bos>", "<unk>"))
+  assert driver.stats.history_edits == 0 and driver.stats.requests == 2 * 4 * G
+  assert all(len(ep.recording.chains) == 1 for ep in episodes.values())
+  assert all(g.reward_metrics["agent/history_edits"] == 0.0 for g in groups)
+
+
+def test_an_episode_whose_conversation_shares_no_first_token_with_its_group_is_counted_not_trained(make_engine,
+                                                                                                  tokenizer):
+  # A chat template without a leading BOS: conversations that open differently share no first token.
+  templated = Tokenizer(tokenizer.hf, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>", unk_token="<unk>",
+                        chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+  engine = make_engine(group_size=G)
+
+  def agent(base_url, api_key, episode_id, row):
+    question = "2+2=" if episode_id.endswith("-0") else "9+9="  # the second episode asks something else
+    _client(base_url, api_key, episode_id).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": question}], max_tokens=4)
+    return 1.0
+
+  driver, groups, episodes = _run(engine, templated, agent)
+  (group,) = groups
+  assert group.reward_metrics["agent/prompt_mismatch"] == 0.5  # a mean over the group's 2 episodes
+  assert templated.decode(group.prompt_token_ids) == "2+2="  # the first episode's prompt is the group's
+  kept, dropped = group.completions
+  assert kept.loss_mask.sum() > 0
+  assert dropped.finish_reason == "aborted" and len(dropped.token_ids) == 0  # not trained
+  assert driver.stats.history_edits == 0
 
 
 def test_bad_requests_get_clear_4xx_answers_and_the_run_goes_on(make_engine, tokenizer, capfd, caplog):

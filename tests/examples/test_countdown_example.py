@@ -22,7 +22,10 @@ def test_countdown_example_trains_a_few_steps_through_the_cli(tmp_path):
     assert r["rewards/correct/failures"] == 0 and r["rewards/well_formed/failures"] == 0
     assert 0.0 <= r["rewards/correct"] <= 1.0
   evals = [r for r in records if "eval/accuracy" in r]
-  assert len(evals) == 2 and evals[0]["eval/num_prompts"] == 16
+  assert [r["step"] for r in evals] == [0, 2, 3] and evals[0]["eval/num_prompts"] == 16
+  # Every eval, the one mid-run too, is a line on the console, not only a record in metrics.jsonl.
+  for r in evals:
+    assert f"eval at step {r['step']}: accuracy {r['eval/accuracy']:.3f} on 16 held-out prompts" in out.stdout
   # The supervised warm start on the solution column ran first, its held-out loss falling.
   warm = [r for r in records if "warm_start/step" in r]
   assert [r["warm_start/step"] for r in warm] == [0, 2, 4]

@@ -364,7 +364,7 @@ class AgentDriver(RolloutDriver):
   def _stop_reason(self, info: Turn, token: int, eos: set[int]) -> str | None:
     if token in eos:
       return "eos"
-    if info.stops and any(s in self.tokenizer.decode(info.tokens) for s in info.stops):
+    if info.stops and any(s in self._content(info) for s in info.stops):
       return "stop"
     if len(info.tokens) >= info.max_new:
       return "length"
@@ -376,9 +376,17 @@ class AgentDriver(RolloutDriver):
       if turn is not None and turn.stream:
         self._stream(turn, final=False)
 
+  def _content(self, turn: Turn) -> str:
+    """The answer's text as the API returns it: every sampled token written out, special tokens too,
+    so an agent that keeps it in its history extends its chain (dropping a special token the model
+    sampled mid-answer would split the episode); only a final EOS is left out, which the chat
+    template puts back after the assistant message."""
+    tokens = turn.tokens[:-1] if turn.tokens and turn.tokens[-1] in self.config.eos_ids else turn.tokens
+    return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
   def _stream(self, turn: Turn, final: bool) -> str:
     """Sends the new part of `turn`'s content; held back: what a stop string might still cut."""
-    text = self.tokenizer.decode(turn.tokens)
+    text = self._content(turn)
     if final:
       cut = [text.find(s) for s in turn.stops if s in text]
       safe = text[:min(cut)] if cut else text
@@ -402,7 +410,7 @@ class AgentDriver(RolloutDriver):
                                   self.tokenizer.decode(turn.tokens, skip_special_tokens=False))
       ep.turn = None
       ep.finish_reason = reason
-    turn.post(("done", TurnResult(text=text, full_text=self.tokenizer.decode(turn.tokens),
+    turn.post(("done", TurnResult(text=text, full_text=self._content(turn),
                                   finish_reason="length" if reason == "length" else "stop",
                                   prompt_tokens=len(turn.prompt_ids), token_ids=list(turn.tokens),
                                   logprobs=list(turn.logprobs))))

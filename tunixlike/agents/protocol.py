@@ -17,7 +17,7 @@ class RequestError(Exception):
 
 @dataclasses.dataclass
 class TurnResult:
-  text: str  # content returned: special tokens skipped, cut before a stop string
+  text: str  # content returned: the sampled tokens but a final EOS, special ones written out; cut before a stop
   full_text: str  # the same, not cut (include_stop_str_in_output)
   finish_reason: str  # OpenAI's: "stop" (EOS or a stop string) or "length"
   prompt_tokens: int
