@@ -25,10 +25,12 @@ def get_config(arg: str | None = None):
   c.sampler.max_prefill_length = 48
   c.sampler.max_new_tokens = COMPLETION
   c.sampler.kv_layout = "paged"  # blocks as the sequences grow, not a 16K window per slot up front
+  c.sampler.steps_per_call = 16  # fewer host round-trips per long completion
   c.sampler.max_concurrent_decodes = 8  # 2 per sampler replica: a group (and the next step's, rl.max_staleness = 1)
   c.algo.group_size = 2
   c.rl.prompts_per_step = 1
   c.rl.num_steps = 3
+  c.rl.wait_timeout_s = 3600.0  # a group of two 16K-token completions decodes for many minutes on a CPU
   c.optim.share_prompts = True  # the group's prompt once, then both answers: one row of ~32.8K tokens
   c.optim.pack_tokens = 2 * COMPLETION + 48  # whole groups per row (one here)
   c.optim.context_parallel = True  # the row's tokens split over the 4 learner devices

@@ -7,10 +7,12 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
+import tunixlike
 from tunixlike import mesh as mesh_lib, models
 from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig, prompt_rows
 from tunixlike.learner.batch import assemble_batch
 from tunixlike.rollout import Completion, RolloutGroup
+from tunixlike.settings import ConfigError
 
 CFG = models.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8, max_position_embeddings=256)
@@ -72,3 +74,11 @@ def test_rows_split_along_tokens_train_as_on_one_device(layout):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
   for k in metrics_1:
     assert float(metrics_n[k]) == pytest.approx(float(metrics_1[k]), rel=1e-4, abs=1e-6), k
+
+
+def test_rows_need_not_divide_over_the_devices_when_their_tokens_are_split():
+  """configs/long_context_grpo.py: one row (one group) per step on 4 learner devices."""
+  cfg = tunixlike.load_config("configs/long_context_grpo.py")
+  assert cfg.optim.context_parallel and cfg.rl.prompts_per_step == 1 and cfg.mesh.learner_devices == 4
+  with pytest.raises(ConfigError, match="rl.prompts_per_step=1: .* must be divisible by optim.micro_batches"):
+    tunixlike.load_config("configs/long_context_grpo.py", {"optim.context_parallel": False})
