@@ -1,7 +1,7 @@
 """Long-context training: peak memory and step time of one learner step per row length, per attention kernel.
 
   python benchmarks/long_context.py [--lengths 2048,4096,8192,16384,32768] [--reference-max 4096]
-      [--steps 2] [--out FILE] [--quick]
+      [--cp-lengths 65536] [--cp-devices 4] [--steps 2] [--run-max T] [--out FILE] [--quick]
 
 Prints one JSON object (`harness.report`; also written to --out). Each measurement
 runs in a fresh subprocess on one CPU device, so its peak resident memory (`ru_maxrss`) is its own:
@@ -10,10 +10,13 @@ ONE row of T tokens (a 32-token prompt, the rest completion) of the 4M-parameter
 (4 layers, hidden 256, 4 heads, 2 KV heads of 64, vocab 512, fp32, as in learner_step.py).
 `model.attention` is forced per run: `reference` (today's [B, H, T, T] attention, run up to
 --reference-max: 8K needs ~20 GB) and `blockwise` (attention.py's flash kernel) at every length.
-`step_s` is the best of --steps timed steps (one above 4K; --steps 0: the first step, compilation
-included) after a first step that compiles (`first_step_s`). Rows longer than --run-max are compiled
+`--cp-lengths`: the same step with `optim.context_parallel` on --cp-devices CPU devices, the row's
+tokens split over them (`models/context_parallel.py`; attention `context_parallel_N`).
+`step_s` is the best of --steps timed steps (at most one above 4K; --steps 0: the first step,
+compilation included) after a first step that compiles (`first_step_s`). Rows longer than --run-max are compiled
 but not run (`compile_only`): `compiled_gb` is XLA's memory account of the step (arguments, outputs,
-temporaries) where running it would take too long on a shared machine.
+temporaries, per device; `compiled_gb_all_devices` sums them over the devices) where running it
+would take too long on a shared machine.
 
 Targets (issue 41): blockwise peak memory 4K -> 32K grows <= 10x; 32K within 16 GB; blockwise step
 time at 2K <= 1.1x the reference's (`auto` runs the reference up to attention.REFERENCE_MAX_LEN on
@@ -40,6 +43,8 @@ PROMPT_LEN = 32
 def _flags(p):
   p.add_argument("--lengths", default="2048,4096,8192,16384,32768", help="row lengths T (comma-separated)")
   p.add_argument("--reference-max", type=int, default=4096, help="longest T the reference attention runs at")
+  p.add_argument("--cp-lengths", default="", help="row lengths run with context parallelism (comma-separated)")
+  p.add_argument("--cp-devices", type=int, default=4, help="devices a --cp-lengths row is split over")
   p.add_argument("--steps", type=int, default=3, help="timed steps per run up to 4K (the best is reported)")
   p.add_argument("--run-max", type=int, default=None,
                  help="longer rows are compiled, not run: XLA's memory account of the step instead of a measurement")
@@ -52,24 +57,32 @@ def _parse(argv=None):
 
 
 def run_one(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
-  """One learner step on one row of T tokens with `impl` attention, in this (fresh) process."""
+  """One learner step on one row of T tokens with `impl` attention (`context_parallel_N`: blockwise
+  with the row split over N devices), in this (fresh) process."""
   import jax
   import numpy as np
+  from jax.sharding import Mesh
 
-  from tunixlike import models
+  from tunixlike import mesh as mesh_lib, models
   from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig
 
-  cfg = models.ModelConfig(**BENCH_MODEL, max_position_embeddings=max(t, 512), attention=impl)
-  model = models.Transformer(cfg, rngs=__import__("flax").nnx.Rngs(0))
-  lcfg = LearnerConfig(algo=AlgoConfig(loss="ppo_clip", is_mode="tis"), optim=OptimConfig(learning_rate=1e-5),
-                       logprob_chunk_size=128)
-  learner = Learner(model, lcfg)
+  devices = int(impl.rsplit("_", 1)[1]) if impl.startswith("context_parallel_") else 1
+  cfg = models.ModelConfig(**BENCH_MODEL, max_position_embeddings=max(t, 512),
+                           attention="blockwise" if devices > 1 else impl)
+  lcfg = LearnerConfig(algo=AlgoConfig(loss="ppo_clip", is_mode="tis"),
+                       optim=OptimConfig(learning_rate=1e-5, context_parallel=devices > 1), logprob_chunk_size=128)
+  if devices > 1:
+    mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices, 1), mesh_lib.LEARNER_AXES)
+    learner = Learner(models.create_sharded(cfg, mesh, mesh_lib.LEARNER_RULES), lcfg, mesh, mesh_lib.LEARNER_RULES)
+  else:
+    learner = Learner(models.Transformer(cfg, rngs=__import__("flax").nnx.Rngs(0)), lcfg)
   batch = learner.put_batch(learner_timing.synthetic_batch(np.random.default_rng(0), cfg.vocab_size, 1, t, PROMPT_LEN))
   state = learner.state
   if compile_only:  # XLA's own account of the step's memory, without running it
     mem = learner._step.lower(state, batch, jax.random.key(0)).compile().memory_analysis()
-    return {"attention": impl, "length": t, "compile_only": True,
-            "compiled_gb": {k: getattr(mem, f"{k}_size_in_bytes") / 2**30 for k in ("argument", "output", "temp")},
+    per_device = {k: getattr(mem, f"{k}_size_in_bytes") / 2**30 for k in ("argument", "output", "temp")}
+    return {"attention": impl, "length": t, "compile_only": True, "devices": devices, "compiled_gb": per_device,
+            "compiled_gb_all_devices": sum(per_device.values()) * devices,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
   _, first, times, metrics = learner_timing.timed_steps(learner, batch, steps)
   times = times or [first]  # --steps 0: the first step (compilation included) only
@@ -78,8 +91,8 @@ def run_one(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
           "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
 
 
-def _child(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
-  env = {**os.environ, "XLA_FLAGS": harness.xla_flags(1)}
+def _child(impl: str, t: int, steps: int, compile_only: bool = False, devices: int = 1) -> dict:
+  env = {**os.environ, "XLA_FLAGS": harness.xla_flags(devices)}
   cmd = [sys.executable, __file__, "--one", f"{impl}:{t}", "--steps", str(steps)] + (
       ["--compile-only"] if compile_only else [])
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -94,7 +107,8 @@ def main(argv=None):
     impl, t = args.one.split(":")
     print(json.dumps(run_one(impl, int(t), args.steps, args.compile_only)))
     return
-  lengths = [128, 256] if args.quick else [int(x) for x in args.lengths.split(",")]
+  lengths = [128, 256] if args.quick else [int(x) for x in args.lengths.split(",") if x]
+  cp_lengths = [128] if args.quick else [int(x) for x in args.cp_lengths.split(",") if x]
   ref_max = 128 if args.quick else args.reference_max
   steps = 1 if args.quick else args.steps
   runs = []
@@ -103,10 +117,15 @@ def main(argv=None):
       if impl == "reference" and t > ref_max:
         continue
       compile_only = args.run_max is not None and t > args.run_max
-      runs.append(_child(impl, t, steps if t <= 4096 else 1, compile_only))  # a 32K step takes minutes here
+      runs.append(_child(impl, t, steps if t <= 4096 else min(steps, 1), compile_only))  # a 32K step takes minutes here
       print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+  n = args.cp_devices
+  for t in cp_lengths:
+    compile_only = args.run_max is not None and t > args.run_max
+    runs.append(_child(f"context_parallel_{n}", t, steps if t <= 4096 else min(steps, 1), compile_only, n))
+    print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
   by = {(r["attention"], r["length"]): r for r in runs if "error" not in r and not r.get("compile_only")}
-  out = {"benchmark": "long_context", "devices": 1, "model": BENCH_MODEL,
+  out = {"benchmark": "long_context", "devices": 1, "context_parallel_devices": n, "model": BENCH_MODEL,
          "loss": "ppo_clip + token TIS, one row", "runs": runs}
   blk = {t: by[("blockwise", t)] for t in lengths if ("blockwise", t) in by}
   if len(blk) >= 2:
@@ -117,6 +136,13 @@ def main(argv=None):
       out["memory_growth_target_met"] = out["memory_growth_4k_to_32k"] <= 10
       out["peak_rss_gb_32k"] = blk[32768]["peak_rss_gb"]
       out["fits_16gb_at_32k"] = blk[32768]["peak_rss_gb"] <= 16
+  for t in cp_lengths:  # issue 41's target: a 64K-token row over 4 devices within 24 GB
+    r = by.get((f"context_parallel_{n}", t))
+    if r is not None:
+      out[f"context_parallel_{n}_{t}"] = {"peak_rss_gb": r["peak_rss_gb"], "within_24gb": r["peak_rss_gb"] <= 24,
+                                          "step_s": r["step_s"]}
+      if ("blockwise", t) in by:  # the same step on one device: the same loss
+        out[f"context_parallel_{n}_{t}"]["loss_abs_diff"] = abs(r["loss"] - by[("blockwise", t)]["loss"])
   for t in lengths:
     if ("reference", t) in by and t in blk:
       ref = by[("reference", t)]

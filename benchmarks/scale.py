@@ -1,6 +1,6 @@
 """A realistic model size: load, compile, memory, sampler, learner and sync of a Qwen2.5-shaped checkpoint.
 
-  python benchmarks/scale.py [--size 0.5b|1.5b|50m|tiny] [--layout split|colocated] [--dtype bfloat16]
+  python benchmarks/scale.py [--size 0.5b|1.5b|50m|long|tiny] [--layout split|colocated] [--dtype bfloat16]
       [--batches 64,256] [--prompt-len 64] [--new-tokens 128] [--train-batch 8] [--train-seq 512]
       [--hf-generate] [--out FILE] [--quick]
 
@@ -26,7 +26,7 @@ Then, as a run does with `model.hf_path`:
 Layouts: `split` (default on CPU: 8 devices, 4 sampler replicas + 4 learner FSDP) or `colocated`
 (both sides on every device: one GPU). Sizes: 0.5b = Qwen2.5-0.5B's shape (hidden 896, 24 layers,
 14 heads, 2 KV heads, ffn 4864, vocab 151936, tied); 1.5b = Qwen2.5-1.5B's; 50m = a 47M Qwen2-shaped
-model (the CI size); tiny = a smoke test.
+model (the CI size); long = the 16K-completion run of configs/long_context_grpo.py; tiny = a smoke test.
 """
 
 from __future__ import annotations
@@ -52,6 +52,11 @@ SIZES = {
                  intermediate_size=8960, vocab_size=151936, rope_theta=1e6, max_position_embeddings=32768),
     "50m": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=2048,
                 vocab_size=32768, rope_theta=1e6, max_position_embeddings=4096),
+    # configs/long_context_grpo.py: a Qwen2-shaped model small enough for 16K-token completions on CPU, whose
+    # 65,536-row embedding (a 1,024-token tokenizer, as Qwen2.5's table outgrows its tokenizer) makes a random
+    # model's stop token rare (1 in 65,536 per token): its completions run to the length limit.
+    "long": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                 vocab_size=65536, rope_theta=1e6, max_position_embeddings=32768),
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                  vocab_size=2048, rope_theta=1e4, max_position_embeddings=512),
 }

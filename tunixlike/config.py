@@ -359,9 +359,10 @@ class Config:
                   if self.optim.share_prompts else
                   (self.rl.prompts_per_step * self.algo.group_size, "prompts_per_step * algo.group_size"))
     fsdp = m.learner_size // m.learner_tensor
-    require(rows % (self.optim.micro_batches * fsdp) == 0, "rl.prompts_per_step", self.rl.prompts_per_step,
+    row_devices = 1 if self.optim.context_parallel else fsdp  # context parallelism splits tokens, not rows
+    require(rows % (self.optim.micro_batches * row_devices) == 0, "rl.prompts_per_step", self.rl.prompts_per_step,
             f"{what} = {rows} must be divisible by optim.micro_batches * "
-            f"learner fsdp devices = {self.optim.micro_batches} * {fsdp}"
+            f"learner fsdp devices = {self.optim.micro_batches} * {row_devices}"
             + ("" if m.layout == "split" else " (mesh.layout='colocated': the learner uses every device)"))
     d = self.data
     require(not self.warm_start.max_steps or d.train is None or d.answer_field is not None

@@ -159,6 +159,11 @@ class OptimConfig:
       "its own prompt (learner/prompt_rows.py#pack): rows filled instead of padded to the longest group, the "
       "same loss and gradients; the step then has as many rows as the groups need (rounded up to "
       "micro_batches * learner devices). 0 = one group per row", check=non_negative)
+  context_parallel: bool = setting(
+      False, "split each row along its tokens over the learner's fsdp devices instead of splitting the rows "
+      "(models/context_parallel.py): a row longer than one device's activations hold trains, with the same loss "
+      "and gradients; attention all-gathers the row's keys and values and runs the blockwise kernel per device",
+      check=_bool)
   total_steps: int = run_value(0, "rl.num_steps: where cosine reaches 0 (0 = not set yet)", check=non_negative)
 
   def __post_init__(self):

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from tunixlike.learner import sampling_mask as sampling_mask_lib
+from tunixlike.models import sharding as sharding_lib
 
 
 def token_logprobs_from_logits(logits_btv, targets_bt):
@@ -52,7 +53,7 @@ def chunked_token_logprobs(hidden_btd, targets_bt, unembed: Callable[[jax.Array]
   """(logp_bt, entropy_bt or None) for next-token targets, unembedding C positions at a time.
 
   hidden_btd: [B, T, D] final hidden states; targets_bt: [B, T] token predicted at each position;
-  unembed: [B, C, D] -> [B, C, V]. The entropy is for reporting and carries no gradient.
+  unembed: [..., D] -> [..., V]. The entropy is for reporting and carries no gradient.
   temperature: the sampler's (logits / T). mask_btw: uint8 [B, T, ceil(V/8)] packed kept set of the
   target at each position (aligned with targets_bt; all-zero rows keep everything), unpacked one
   chunk at a time so at most [B, C, V] of it exists.
@@ -62,6 +63,7 @@ def chunked_token_logprobs(hidden_btd, targets_bt, unembed: Callable[[jax.Array]
   b, t, _ = hidden_btd.shape
   c = _chunk_size(t, chunk_size)
   n = t // c
+  p = _token_splits(n)
 
   @jax.checkpoint
   def one_chunk(h_bcd, y_bc, m_bcw):
@@ -74,13 +76,25 @@ def chunked_token_logprobs(hidden_btd, targets_bt, unembed: Callable[[jax.Array]
     logp, ent = one_chunk(hidden_btd, targets_bt, mask_btw)
     return logp, (ent if with_entropy else None)
 
-  def body(carry, i):
-    h = jax.lax.dynamic_slice_in_dim(hidden_btd, i * c, c, axis=1)
-    y = jax.lax.dynamic_slice_in_dim(targets_bt, i * c, c, axis=1)
-    m = None if mask_btw is None else jax.lax.dynamic_slice_in_dim(mask_btw, i * c, c, axis=1)
-    return carry, one_chunk(h, y, m)
+  # [B, P, N/P, C, ...]: with a row's tokens split over P devices (context parallelism) step i takes
+  # the i-th chunk of every device's part at once, so each device unembeds its own tokens.
+  split = lambda x: sharding_lib.constrain(x.reshape(b, p, n // p, c, *x.shape[2:]),
+                                           ("batch", "length") + (None,) * x.ndim)
+  h, y = split(hidden_btd), split(targets_bt)
+  m = None if mask_btw is None else split(mask_btw)
 
-  _, (logp_nbc, ent_nbc) = jax.lax.scan(body, None, jnp.arange(n))
-  logp = jnp.moveaxis(logp_nbc, 0, 1).reshape(b, t)
-  ent = jnp.moveaxis(ent_nbc, 0, 1).reshape(b, t)
+  def body(carry, i):
+    return carry, one_chunk(h[:, :, i], y[:, :, i], None if m is None else m[:, :, i])
+
+  _, (logp_nbpc, ent_nbpc) = jax.lax.scan(body, None, jnp.arange(n // p))
+  logp = jnp.moveaxis(logp_nbpc, 0, 2).reshape(b, t)
+  ent = jnp.moveaxis(ent_nbpc, 0, 2).reshape(b, t)
   return logp, (ent if with_entropy else None)
+
+
+def _token_splits(n_chunks: int) -> int:
+  """How many devices a row's tokens are split over (activation rule 'length', context parallelism)
+  when the chunks divide among them; else 1."""
+  split = sharding_lib.activation_axis("length")
+  p = 1 if split is None else split[0].shape[split[1]]
+  return p if n_chunks % p == 0 else 1

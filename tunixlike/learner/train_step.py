@@ -33,6 +33,7 @@ from tunixlike.learner import prompt_rows
 from tunixlike.learner import routing as routing_lib
 from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.state import TrainState
+from tunixlike.models import context_parallel
 from tunixlike.models import lora as lora_lib
 from tunixlike.models import sharding as sharding_lib
 
@@ -89,6 +90,10 @@ class Learner:
     self.cfg = cfg
     self.mesh = mesh
     self.rules = tuple(rules)
+    # optim.context_parallel: each row's tokens split over the batch axis (activation rule 'length')
+    self.context_parallel = cfg.optim.context_parallel and mesh is not None
+    if self.context_parallel:
+      self.rules = context_parallel.sequence_rules(self.rules, cfg.batch_axis)
     self.lora = lora_lib.has_lora(model)
     self.trainable = nnx.LoRAParam if self.lora else nnx.Param
     self.graphdef, params, frozen = nnx.split(model, self.trainable, ...)
@@ -170,7 +175,10 @@ class Learner:
     if b % m:
       raise ValueError(f"batch of {b} rows does not divide into optim.micro_batches={m}")
     n_proc = 1 if self.mesh is None else len({d.process_index for d in self.mesh.devices.flat})
-    n_dev = 1 if self.mesh is None else self.mesh.shape[self.cfg.batch_axis] // n_proc
+    if self.context_parallel and n_proc > 1:
+      raise ValueError("optim.context_parallel runs on a learner mesh within one process (this one spans "
+                       f"{n_proc}): each process would hold part of every row")
+    n_dev = 1 if self.mesh is None or self.context_parallel else self.mesh.shape[self.cfg.batch_axis] // n_proc
     if (b // m) % n_dev:
       where = f"the {n_dev} devices of learner mesh axis {self.cfg.batch_axis!r}" + (
           " on this process" if n_proc > 1 else "")
@@ -184,7 +192,7 @@ class Learner:
       if self.mesh is None:
         out[k] = jnp.asarray(v)
       else:
-        sharding = NamedSharding(self.mesh, P(None, self.cfg.batch_axis, *([None] * (v.ndim - 2))))
+        sharding = NamedSharding(self.mesh, self._batch_spec(k, v.shape))
         if n_proc > 1:
           global_shape = (m, v.shape[1] * n_proc) + v.shape[2:]
           out[k] = jax.make_array_from_process_local_data(sharding, v, global_shape)
@@ -193,6 +201,17 @@ class Learner:
     if self.cfg.optim.group_by_length:
       out["length_branch"] = self._length_branches(batch["loss_mask"], m, n_proc)
     return out
+
+  def _batch_spec(self, key: str, shape) -> P:
+    """Where a [M, b, ...] batch leaf lives: rows split over the batch axis, or with
+    optim.context_parallel the tokens of per-token leaves (whole blocks of them) and the rest replicated."""
+    axis = self.cfg.batch_axis
+    if not self.context_parallel:
+      return P(None, axis, *([None] * (len(shape) - 2)))
+    per_token = key in TOKEN_KEYS or key in PACKED_TOKEN_KEYS
+    if per_token and shape[2] % self.mesh.shape[axis] == 0:
+      return P(None, None, axis, *([None] * (len(shape) - 3)))
+    return P()
 
   def sort_by_length(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """With optim.group_by_length, `batch` with its rows sorted by length (every per-row column

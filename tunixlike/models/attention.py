@@ -16,7 +16,8 @@ whatever the input dtype. The kernels (`IMPLEMENTATIONS`, config key `model.atte
   blockwise   flash attention in pure JAX (`jax.custom_vjp`): an online softmax over key blocks,
               only [block, block] scores at a time; the backward pass recomputes them from the
               saved log-sum-exp (FlashAttention-2, arXiv 2307.08691). Memory ~ T * block. Blocks
-              wholly above the diagonal (or outside the window) are skipped. Any backend.
+              wholly above the diagonal (or outside the window) are skipped, and so are blocks the
+              segments hide from every query (packed groups, a shared prompt's other answers). Any backend.
   cudnn       cuDNN flash attention (`jax.nn.dot_product_attention(implementation='cudnn')`), GPU,
               bf16 / fp16 only; masks it cannot express (a shared prefix) go to blockwise.
   pallas_tpu  Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), TPU;
@@ -194,6 +195,14 @@ def _block_mask(st: _Static, i, j, q_off, seg_q, pre_q, seg_k):
   return visible_mask(q_idx, k_idx, seg_q[i][:, rows], pre_q[i][:, rows], seg_k[j], st.window)[:, None]
 
 
+def _unless_hidden(st: _Static, vis, update, carry):
+  """update(carry), or carry itself when segments hide the whole block from every query: a packed
+  row's groups, or a shared prompt's later answers, never compute each other's blocks."""
+  if not st.has_seg:  # causality and the window are already in the loop bounds
+    return update(carry)
+  return jax.lax.cond(vis.any(), update, lambda c: c, carry)
+
+
 def _scores(st: _Static, q_i, k_j):
   """[B, Hkv, R, D] x [B, Hkv, blk, D] -> fp32 scores [B, Hkv, R, blk] (R = G*blk query rows)."""
   return jnp.einsum("bkrd,bksd->bkrs", q_i, k_j, preferred_element_type=jnp.float32) * st.scale
@@ -206,14 +215,18 @@ def _forward(q, k, v, seg_q, pre_q, seg_k, q_off, st: _Static):
     q_i = q[i]
 
     def key_block(j, carry):
-      m, l, acc = carry
-      s = _scores(st, q_i, k[j])
       vis = _block_mask(st, i, j, q_off, seg_q, pre_q, seg_k)
-      m_new = jnp.maximum(m, jnp.where(vis, s, _MASKED).max(-1))
-      p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
-      corr = jnp.exp(m - m_new)
-      pv = jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), v[j], preferred_element_type=jnp.float32)
-      return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+      def update(carry):
+        m, l, acc = carry
+        s = _scores(st, q_i, k[j])
+        m_new = jnp.maximum(m, jnp.where(vis, s, _MASKED).max(-1))
+        p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        pv = jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), v[j], preferred_element_type=jnp.float32)
+        return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+      return _unless_hidden(st, vis, update, carry)
 
     init = (jnp.full(q_i.shape[:-1], _MASKED, jnp.float32), jnp.zeros(q_i.shape[:-1], jnp.float32),
             jnp.zeros(q_i.shape, jnp.float32))
@@ -244,16 +257,20 @@ def _flash_bwd(st: _Static, res, do):
     k_j, v_j = k[j], v[j]
 
     def query_block(i, carry):
-      dk, dv, dq = carry
-      q_i, do_i = q[i], do[i]
       vis = _block_mask(st, i, j, q_off, seg_q, pre_q, seg_k)
-      p = jnp.where(vis, jnp.exp(_scores(st, q_i, k_j) - lse[i][..., None]), 0.0)  # [B, Hkv, R, blk]
-      dv = dv + jnp.einsum("bkrs,bkrd->bksd", p.astype(do.dtype), do_i, preferred_element_type=jnp.float32)
-      dp = jnp.einsum("bkrd,bksd->bkrs", do_i, v_j, preferred_element_type=jnp.float32)
-      ds = p * (dp - delta[i][..., None]) * st.scale
-      dk = dk + jnp.einsum("bkrs,bkrd->bksd", ds.astype(q.dtype), q_i, preferred_element_type=jnp.float32)
-      dq_i = jnp.einsum("bkrs,bksd->bkrd", ds.astype(k.dtype), k_j, preferred_element_type=jnp.float32)
-      return dk, dv, dq.at[i].add(dq_i)
+
+      def update(carry):
+        dk, dv, dq = carry
+        q_i, do_i = q[i], do[i]
+        p = jnp.where(vis, jnp.exp(_scores(st, q_i, k_j) - lse[i][..., None]), 0.0)  # [B, Hkv, R, blk]
+        dv = dv + jnp.einsum("bkrs,bkrd->bksd", p.astype(do.dtype), do_i, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bkrd,bksd->bkrs", do_i, v_j, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[i][..., None]) * st.scale
+        dk = dk + jnp.einsum("bkrs,bkrd->bksd", ds.astype(q.dtype), q_i, preferred_element_type=jnp.float32)
+        dq_i = jnp.einsum("bkrs,bksd->bkrd", ds.astype(k.dtype), k_j, preferred_element_type=jnp.float32)
+        return dk, dv, dq.at[i].add(dq_i)
+
+      return _unless_hidden(st, vis, update, carry)
 
     zeros = jnp.zeros(k_j.shape, jnp.float32)
     dk, dv, dq = jax.lax.fori_loop(*_query_range(st, j, q_off, q.shape[0]), query_block, (zeros, zeros, dq))

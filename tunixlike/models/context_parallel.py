@@ -19,22 +19,30 @@ from jax.sharding import Mesh, PartitionSpec as P
 from tunixlike.models import attention
 
 
+def sequence_rules(rules, axis: str) -> tuple:
+  """Activation rules that split a row's tokens (logical 'length') over mesh axis `axis` instead of
+  splitting the rows ('batch') over it: the learner's rules with `optim.context_parallel`."""
+  return tuple((name, None if name == "batch" else target) for name, target in rules
+               if name != "length") + (("length", axis),)
+
+
 def attend(q_bthd, k_btkd, v_btkd, mesh: Mesh, axis: str, *, segments_bt=None, prefix_bt=None,
            window: int | None = None, block: int = attention.BLOCK):
   """Causal attention (attention.py's function) with T sharded over mesh axis `axis`.
 
-  q [B, T, H, D], k / v [B, T, Hkv, D], segments / prefix [B, T]: T a multiple of N * block (the
-  batch's row bucket). Returns [B, T, H, D], sharded like q.
+  q [B, T, H, D], k / v [B, T, Hkv, D], segments / prefix [B, T]. Returns [B, T, H, D], sharded like
+  q. A row that does not split into N chunks of whole blocks is padded at its end (the padded keys
+  come after every real query, so causality hides them; the padded queries are cut off).
   """
   n = mesh.shape[axis]
   t = q_bthd.shape[1]
-  blk = min(block, t // n)
-  if t % (n * blk):
-    raise ValueError(f"context parallelism: a row of {t} tokens does not split into {n} chunks of whole "
-                     f"{blk}-token blocks over mesh axis {axis!r}")
+  blk = min(block, -(-t // (8 * n)) * 8)  # a short row: one block of at least 8 tokens per device
+  tp = -(-t // (n * blk)) * n * blk
   has_seg = segments_bt is not None
-  seg = segments_bt if has_seg else jnp.zeros(q_bthd.shape[:2], jnp.int32)
-  pre = prefix_bt if prefix_bt is not None else jnp.zeros(q_bthd.shape[:2], jnp.int32)
+  pad = lambda x, fill=0: x if tp == t else jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2),
+                                                    constant_values=fill)
+  seg = pad(segments_bt.astype(jnp.int32), -1) if has_seg else jnp.zeros((q_bthd.shape[0], tp), jnp.int32)
+  pre = pad(prefix_bt.astype(jnp.int32), -1) if prefix_bt is not None else jnp.zeros_like(seg)
   seq = P(None, axis)
 
   def local(q, k, v, seg, pre):
@@ -43,5 +51,6 @@ def attend(q_bthd, k_btkd, v_btkd, mesh: Mesh, axis: str, *, segments_bt=None, p
     return attention.blockwise_chunk(q, gather(k), gather(v), offset, seg if has_seg else None,
                                      pre if has_seg else None, gather(seg) if has_seg else None, window, blk)
 
-  return jax.shard_map(local, mesh=mesh, in_specs=(seq,) * 5, out_specs=seq, check_vma=False)(
-      q_bthd, k_btkd, v_btkd, seg, pre)
+  o = jax.shard_map(local, mesh=mesh, in_specs=(seq,) * 5, out_specs=seq, check_vma=False)(
+      pad(q_bthd), pad(k_btkd), pad(v_btkd), seg, pre)
+  return o[:, :t]

@@ -110,6 +110,20 @@ def traced_under_rules(fn, mesh: jax.sharding.Mesh | None, rules: Rules):
   return wrapper
 
 
+def activation_axis(logical: str) -> tuple[jax.sharding.Mesh, str] | None:
+  """(mesh, mesh axis) that the active `activation_rules` split logical activation axis `logical`
+  over (more than one device), else None: e.g. 'length', a row's tokens split over devices
+  (context parallelism: the attention then runs `context_parallel.attend` over that axis)."""
+  active = _ACTIVATION_RULES.get()
+  if active is None:
+    return None
+  mesh, rules = active
+  axis = dict(rules).get(logical)
+  if axis is None or _axis_size(mesh, axis) == 1:
+    return None
+  return mesh, axis
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   """`x` constrained to `logical_axes` under the active `activation_rules`; `x` itself outside them.
   A dimension its mesh axis does not divide is replicated (strict=False)."""

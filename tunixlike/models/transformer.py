@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tunixlike.models import attention as attention_lib
+from tunixlike.models import context_parallel
 from tunixlike.models import sharding as sharding_lib
 from tunixlike.models.config import ModelConfig
 from tunixlike.models import paged_cache
@@ -111,12 +112,18 @@ class Attention(nnx.Module):
 
     segments_bt (int [B,T], optional): a token sees only the earlier tokens of its own segment and of
     segment prefix_bt (default 0: a shared prompt); without it every token sees every earlier one.
-    The kernel is cfg.attention's (`attention.py`: reference, blockwise flash, cuDNN, splash).
+    The kernel is cfg.attention's (`attention.py`: reference, blockwise flash, cuDNN, splash); with
+    the row's tokens split over devices (activation rule 'length', the learner's
+    `optim.context_parallel`) the blockwise kernel per device (`context_parallel.py`).
     """
     cfg = self.cfg
     b, t = x_btd.shape[:2]
     q, k, v = self._qkv(x_btd, cos, sin)
-    o = attention_lib.attend(q, k, v, segments_bt=segments_bt, prefix_bt=prefix_bt, impl=cfg.attention)
+    split = sharding_lib.activation_axis("length")
+    if split is None:
+      o = attention_lib.attend(q, k, v, segments_bt=segments_bt, prefix_bt=prefix_bt, impl=cfg.attention)
+    else:
+      o = context_parallel.attend(q, k, v, *split, segments_bt=segments_bt, prefix_bt=prefix_bt)
     return self.o_proj(o.reshape(b, t, cfg.num_heads * cfg.head_dim)), k, v
 
   def decode(self, x_bd, cos_bd, sin_bd, positions_b, k_cache, v_cache, attend_len: int | None,
@@ -261,7 +268,7 @@ class Transformer(nnx.Module):
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     cos, sin = rope_cos_sin(positions_bt, self.cfg)
-    x = sharding_lib.constrain(self.embed_tokens(tokens_bt), ("batch", None, None))
+    x = sharding_lib.constrain(self.embed_tokens(tokens_bt), ("batch", "length", None))
     kvs, routed = [], []
     for layer, forced in zip(self.layers, _forced(routing_btlk, self.cfg, tokens_bt.shape, what)):
       if self.cfg.remat:

@@ -110,7 +110,8 @@ class Policy:
     a multiple of micro_batches * this process's learner devices (the same on every process)."""
     rows = prompt_rows.pack(groups, self.cfg.optim.pack_tokens)
     mesh = self.learner.mesh
-    devices = 1 if mesh is None else mesh.shape[self.learner.cfg.batch_axis] // self.num_processes
+    devices = 1 if mesh is None or self.learner.context_parallel else (
+        mesh.shape[self.learner.cfg.batch_axis] // self.num_processes)
     unit = self.cfg.optim.micro_batches * devices
     n = -(-max(len(rows), 1) // unit) * unit
     if self.num_processes > 1:
