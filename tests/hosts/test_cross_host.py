@@ -1,0 +1,70 @@
+"""Cross-host weight transfer between whole sampler hosts and whole learner hosts: real processes
+on 127.0.0.1 (CPU, 4 virtual devices each), each running tests/hosts/cross_host_worker.py."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "tests", "hosts", "cross_host_worker.py")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_processes(argv: list[str], n: int, tmp_path, timeout_s: float = 180) -> list[tuple[int, str]]:
+  """Starts `n` processes of `argv` as one multi-controller job; returns (exit code, output) of each.
+  All are killed when one fails or the time runs out."""
+  port = _free_port()
+  procs, logs = [], [open(tmp_path / f"process_{i}.log", "w+") for i in range(n)]
+  try:
+    for i in range(n):
+      env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(i),
+             "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+      procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=logs[i], stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    while None in [p.poll() for p in procs]:  # a list: every process polled
+      if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
+        time.sleep(2)  # let the others report their error too
+        break
+      time.sleep(0.5)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait(timeout=30)
+  outs = []
+  for f in logs:
+    f.seek(0)
+    outs.append(f.read())
+    f.close()
+  return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def _lines(out: str, tag: str) -> list[str]:
+  return [l[len(tag) + 1:] for l in out.splitlines() if l.startswith(tag + " ")]
+
+
+@pytest.mark.multihost
+def test_one_device_put_delivers_the_learner_hosts_weights_to_a_sampler_host(tmp_path):
+  # 2 learner hosts (processes 0, 1: one FSDP mesh over 8 devices) + 1 sampler host (process 2).
+  results = run_processes([sys.executable, WORKER, "1"], 3, tmp_path)
+  for i, (rc, out) in enumerate(results):
+    assert rc == 0 and "DONE" in out, f"process {i} failed (exit {rc}):\n{out[-4000:]}"
+  layout = _lines(results[0][1], "LAYOUT")
+  assert [l.split(", devices")[0] for l in layout] == ["host 0: learner", "host 1: learner", "host 2: sampler"]
+  assert layout[0].endswith("learner mesh {'fsdp': 8, 'tensor': 1} over hosts [0, 1]")
+  assert layout[2].endswith("mesh {'replica': 2, 'tensor': 2}, weights from host 0")
+  # The sampler host got exact values, on its own devices, each with the version that was sent.
+  assert _lines(results[2][1], "GOT") == ["full 1", "lora 2", "bf16 3"]
+  # Nobody acknowledged version 4: host 0 (the sender) names the sampler host it waited for.
+  assert _lines(results[0][1], "TIMEOUT") == ["weight sync v4 bucket 1/1: host 2 did not answer within 3 s"]
+  assert _lines(results[1][1], "TIMEOUT") == []  # host 1 sends to nobody
