@@ -1,6 +1,7 @@
 """Cross-host weight transfer between whole sampler hosts and whole learner hosts: real processes
 on 127.0.0.1 (CPU, 4 virtual devices each), each running tests/hosts/cross_host_worker.py."""
 
+import json
 import os
 import socket
 import subprocess
@@ -68,3 +69,28 @@ def test_one_device_put_delivers_the_learner_hosts_weights_to_a_sampler_host(tmp
   # Nobody acknowledged version 4: host 0 (the sender) names the sampler host it waited for.
   assert _lines(results[0][1], "TIMEOUT") == ["weight sync v4 bucket 1/1: host 2 did not answer within 3 s"]
   assert _lines(results[1][1], "TIMEOUT") == []  # host 1 sends to nobody
+
+
+@pytest.mark.multihost
+def test_rollouts_reach_the_learner_hosts_within_their_staleness_bound(tmp_path):
+  # Processes 0, 1 are learner hosts, 2, 3 sampler hosts; only the key-value store joins them.
+  worker = os.path.join(ROOT, "tests", "hosts", "rollouts_worker.py")
+  results = run_processes([sys.executable, worker], 4, tmp_path, timeout_s=120)
+  for i, (rc, out) in enumerate(results):
+    assert rc == 0 and "DONE" in out, f"process {i} failed (exit {rc}):\n{out[-4000:]}"
+  trained = []
+  for learner in (0, 1):
+    batches = [l.split(" ", 1) for l in _lines(results[learner][1], "BATCH")]
+    assert [int(v) for v, _ in batches] == list(range(6))
+    for version, groups in batches:
+      groups = json.loads(groups)
+      assert len(groups) == 2
+      # Admission kept every group within the bound: started at most max_staleness=1 versions ago.
+      assert all(int(version) - 1 <= admitted <= int(version) for _, admitted in groups), (version, groups)
+      trained += [pid for pid, _ in groups]
+    counts = json.loads(_lines(results[learner][1], "COUNTS")[0])
+    assert counts == {"trained": 12, "dropped_stale": 0, "dropped_filtered": 0}
+  sent = [pid for s in (2, 3) for pid in json.loads(_lines(results[s][1], "SENT")[0])]
+  assert len(set(trained)) == len(trained) == 24  # nothing trained twice
+  assert set(trained) <= set(sent)
+  assert {pid.split("/")[0] for pid in trained} == {"2", "3"}  # both sampler hosts contributed
