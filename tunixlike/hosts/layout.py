@@ -5,9 +5,10 @@ trains, logs and checkpoints; a sampler host that dies does not take the coordin
 learner mesh ('fsdp', 'tensor') spans every device of the learner hosts; each sampler host has its
 own sampler mesh ('replica', 'tensor') over its own devices, and computes only there, so no global
 computation ever includes a sampler host. Weights reach sampler host j by one cross-host
-`jax.device_put` from learner host `senders[j]` (round robin), staged there on a mesh of the same
-shape: cross-process device_put needs the same device count and shard shapes on both sides
-(JAX docs/multi_process.md), so every host must have the same number of devices.
+`jax.device_put` from learner host `senders[j]` (round robin) of one replica: from a (1, tensor)
+mesh there (`staging`) to one on j (`landing`), since cross-process device_put needs the same device
+count and shard shapes on both sides (JAX docs/multi_process.md); sampler host j then copies it to
+its other replicas locally. Every host must have the same number of devices.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class HostLayout:
   sampler_hosts: tuple[int, ...]
   learner: Mesh  # every learner host's devices
   samplers: dict  # sampler process -> its sampler mesh (its own devices)
-  staging: dict  # sampler process -> a mesh of the same shape on the learner host that sends to it
+  staging: dict  # sampler process -> a (1, tensor) mesh on the learner host that sends to it
+  landing: dict  # sampler process -> its first replica's devices as a (1, tensor) mesh
   senders: dict  # sampler process -> learner process that sends it the weights
 
   def role(self, process: int | None = None) -> str:
@@ -44,12 +46,13 @@ class HostLayout:
 
   def meshes(self) -> mesh_lib.Meshes:
     """This process's view as `mesh.Meshes`: its own sampler mesh on a sampler host; on a learner
-    host the staging mesh of its first receiver (the sampler's mesh shape on its own devices)."""
+    host a mesh of the sampler's shape over its own devices (its shardings' layout only)."""
     me = jax.process_index()
     if self.role(me) == SAMPLER:
       return mesh_lib.Meshes(sampler=self.samplers[me], learner=self.learner)
-    mine = self.receivers(me) or list(self.sampler_hosts)
-    return mesh_lib.Meshes(sampler=self.staging[mine[0]], learner=self.learner)
+    shape = next(iter(self.samplers.values())).devices.shape
+    own = [d for d in self.learner.devices.flat if d.process_index == me]
+    return mesh_lib.Meshes(sampler=Mesh(np.array(own).reshape(shape), mesh_lib.SAMPLER_AXES), learner=self.learner)
 
   def describe(self) -> list[str]:
     """One start-up line per host: its role and its devices."""
@@ -94,10 +97,14 @@ def make_host_layout(sampler_hosts: int, sampler_tensor: int = 1, learner_tensor
   def sampler_mesh(p):
     return Mesh(np.array(by_process[p]).reshape(s_shape), mesh_lib.SAMPLER_AXES)
 
+  def one_replica(p):
+    return Mesh(np.array(by_process[p][:sampler_tensor]).reshape(1, sampler_tensor), mesh_lib.SAMPLER_AXES)
+
   learner_devices = [d for p in learners for d in by_process[p]]
   learner = Mesh(np.array(learner_devices).reshape(len(learner_devices) // learner_tensor, learner_tensor),
                  mesh_lib.LEARNER_AXES)
   senders = {s: learners[i % len(learners)] for i, s in enumerate(samplers)}
   return HostLayout(learner_hosts=learners, sampler_hosts=samplers, learner=learner,
                     samplers={s: sampler_mesh(s) for s in samplers},
-                    staging={s: sampler_mesh(senders[s]) for s in samplers}, senders=senders)
+                    staging={s: one_replica(senders[s]) for s in samplers},
+                    landing={s: one_replica(s) for s in samplers}, senders=senders)

@@ -5,10 +5,11 @@ JAX moves an array between device sets of different processes through its DCN tr
 shardings are the same HLO sharding: the same device count and shard shapes. So the learner hosts
 first all-gather each bucket within the learner mesh (a collective of the learner hosts only; the
 cast to the sampler's dtype happens in the same program), the learner host that serves a sampler
-host stages its copy on its own devices in the sampler's layout (`HostLayout.staging`), and one
-`jax.device_put` of the bucket lands on that sampler host's devices. The receiver acknowledges
-through the coordination service's key-value store; only then does the sender free the bucket, so
-the extra memory is about one bucket. The version is one more array of the first bucket: it travels
+host stages one replica of it on its own devices in the sampler's layout (`HostLayout.staging`),
+and one `jax.device_put` of the bucket lands on that sampler host's first replica
+(`HostLayout.landing`): each byte crosses once, and the sampler host copies it to its other
+replicas locally. The receiver acknowledges through the coordination service's key-value store;
+only then does the sender free the bucket, so the extra memory is about one bucket. The version is one more array of the first bucket: it travels
 with the weights. Many small arrays (LoRA adapters) are packed into one buffer first.
 
 Sender and receiver call `send_across_hosts` for the same version; other hosts do not take part.
@@ -149,7 +150,7 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
     puts = []
     for s in receivers:
       shardings = [NamedSharding(layout.staging[s], spec) for _, _, spec, _ in bucket]
-      targets = [NamedSharding(layout.samplers[s], spec) for _, _, spec, _ in bucket]
+      targets = [NamedSharding(layout.landing[s], spec) for _, _, spec, _ in bucket]
       if sampler:
         staged = [jax.make_array_from_single_device_arrays(shape, sh, [], dtype=d)
                   for (shape, d, _, _), sh in zip(bucket, shardings)]
@@ -159,7 +160,7 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
         vs = NamedSharding(layout.staging[s], PartitionSpec())
         staged.append(jax.make_array_from_single_device_arrays((), vs, [], dtype=np.int32) if sampler
                       else jax.device_put(np.asarray(version, np.int32), vs))
-        targets.append(NamedSharding(layout.samplers[s], PartitionSpec()))
+        targets.append(NamedSharding(layout.landing[s], PartitionSpec()))
       puts.append((s, staged, jax.device_put(staged, targets)))
     what = f"weight sync v{version} bucket {b + 1}/{len(groups)}"
     for s, staged, out in puts:
@@ -169,10 +170,12 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
         kv.put(key, b"ok")
         if b == 0:
           arrived_version = int(np.asarray(out.pop().addressable_shards[0].data))
-        for (_, _, _, idx), k in zip(bucket, group):
-          received[k] = out.pop(0)
+        fan_out = [NamedSharding(layout.samplers[s], spec) for _, _, spec, _ in bucket]
+        for k, x in zip(group, jax.device_put(out, fan_out), strict=True):  # to every replica, locally
+          received[k] = x
       else:  # the bucket stays alive until the sampler host has it
         kv.get(key, timeout_s=timeout_s, host=s, what=what)
+        kv.delete(key)
     del gathered, puts
   if not sampler:
     return None, version
