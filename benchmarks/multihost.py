@@ -65,8 +65,7 @@ def worker(args):
   from tunixlike import distributed, mesh as mesh_lib
   from tunixlike.hosts import kv, layout as layout_lib, transfer
   me = int(os.environ["JAX_PROCESS_ID"])
-  transfer.enable(os.environ["JAX_COORDINATOR_ADDRESS"], me, timeout_s=120)
-  assert distributed.initialize()
+  assert distributed.initialize(distributed.DistributedConfig(timeout_s=120), cross_host_transfers=True)
   import jax
   from jax.sharding import NamedSharding, PartitionSpec as P
   client = kv.client()

@@ -35,10 +35,8 @@ def lora_like():
 def main(sampler_hosts: int):
   from tunixlike import distributed
   from tunixlike.hosts import kv, layout as layout_lib, transfer
-  addr = os.environ["JAX_COORDINATOR_ADDRESS"]
   me = int(os.environ["JAX_PROCESS_ID"])
-  transfer.enable(addr, me, timeout_s=20)
-  assert distributed.initialize()
+  assert distributed.initialize(distributed.DistributedConfig(timeout_s=20), cross_host_transfers=True)
   import jax
   from jax.sharding import NamedSharding, PartitionSpec as P
 

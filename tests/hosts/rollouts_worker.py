@@ -1,4 +1,5 @@
-"""One process of tests/hosts/test_cross_host.py's rollout test: 2 learner hosts, 2 sampler hosts.
+"""One process of tests/hosts/test_cross_host.py's rollout test. argv: learner hosts (the first
+processes; the rest are sampler hosts).
 
 Learner hosts train nothing: each takes NUM_STEPS batches from its own `RolloutQueue` (fed by a
 `LearnerInbox`) and bumps its version; the sampler version is the slowest learner's (in a run, the
@@ -10,8 +11,8 @@ send them. Prints:
 """
 
 import json
-import os
 import random
+import sys
 import threading
 
 import numpy as np
@@ -32,7 +33,9 @@ def main():
   from tunixlike.hosts import kv, rollouts
   assert distributed.initialize()
   import jax
-  me, learners, samplers = jax.process_index(), [0, 1], [2, 3]
+  n_learners = int(sys.argv[1])
+  me = jax.process_index()
+  learners, samplers = list(range(n_learners)), list(range(n_learners, jax.process_count()))
   client = kv.client()
   if me in learners:
     from tunixlike.rl.queue import RolloutQueue

@@ -75,7 +75,7 @@ def test_one_device_put_delivers_the_learner_hosts_weights_to_a_sampler_host(tmp
 def test_rollouts_reach_the_learner_hosts_within_their_staleness_bound(tmp_path):
   # Processes 0, 1 are learner hosts, 2, 3 sampler hosts; only the key-value store joins them.
   worker = os.path.join(ROOT, "tests", "hosts", "rollouts_worker.py")
-  results = run_processes([sys.executable, worker], 4, tmp_path, timeout_s=120)
+  results = run_processes([sys.executable, worker, "2"], 4, tmp_path, timeout_s=120)
   for i, (rc, out) in enumerate(results):
     assert rc == 0 and "DONE" in out, f"process {i} failed (exit {rc}):\n{out[-4000:]}"
   trained = []
