@@ -8,9 +8,12 @@ send them. Prints:
   BATCH <version> <json [[prompt_id, admitted_version], ...]>    learner hosts
   COUNTS <json>                                                 learner hosts, at the end
   SENT <json [prompt_id, ...]>                                  sampler hosts
+  TIMEOUT <message>   a learner host that stopped waiting for a silent sampler host (argv[2]: the
+                      sampler hosts hang after that many groups)
 """
 
 import json
+import os
 import random
 import sys
 import threading
@@ -34,16 +37,24 @@ def main():
   assert distributed.initialize()
   import jax
   n_learners = int(sys.argv[1])
+  hang_after = int(sys.argv[2]) if len(sys.argv) > 2 else None  # a sampler host that hangs after this many groups
   me = jax.process_index()
   learners, samplers = list(range(n_learners)), list(range(n_learners, jax.process_count()))
   client = kv.client()
   if me in learners:
     from tunixlike.rl.queue import RolloutQueue
     queue = RolloutQueue(BATCH, STALENESS)
-    inbox = rollouts.LearnerInbox(queue, me).start()
+    inbox = rollouts.LearnerInbox(queue, me, sampler_hosts=samplers, silence_timeout_s=5).start()
     for version in range(NUM_STEPS):
-      batch = queue.get_batch(version, timeout_s=60)
-      inbox.check()
+      try:
+        batch = queue.get_batch(version, timeout_s=60)
+      except Exception as e:
+        try:
+          inbox.check()  # the inbox's error names the host; the queue's only says it stopped
+        except kv.HostTimeout as named:
+          print(f"TIMEOUT {named}", flush=True)
+          os._exit(3)  # at once: jax.distributed's shutdown would wait for the hung host
+        raise e
       print(f"BATCH {version} " + json.dumps([[g.prompt_id, g.admitted_version] for g in batch]), flush=True)
       client.key_value_set(f"test/version/{me}", str(version + 1), allow_overwrite=True)
     inbox.close()
@@ -64,6 +75,9 @@ def main():
         k += 1
       elif running or rng.random() < 0.5:
         threading.Event().wait(0.002)
+      if hang_after is not None and k >= hang_after:
+        print("HANG", flush=True)
+        threading.Event().wait()  # stuck: no heartbeat, nothing sent
       if running and rng.random() < 0.6:  # out of order: any running group may finish next
         g = running.pop(rng.randrange(len(running)))
         adm.send(g)

@@ -94,3 +94,16 @@ def test_rollouts_reach_the_learner_hosts_within_their_staleness_bound(tmp_path)
   assert len(set(trained)) == len(trained) == 24  # nothing trained twice
   assert set(trained) <= set(sent)
   assert {pid.split("/")[0] for pid in trained} == {"2", "3"}  # both sampler hosts contributed
+
+
+@pytest.mark.multihost
+def test_a_hung_sampler_host_stops_the_learner_host_naming_it(tmp_path):
+  # Process 0 learns, process 1 samples 6 groups and then hangs (no heartbeat, nothing sent).
+  worker = os.path.join(ROOT, "tests", "hosts", "rollouts_worker.py")
+  (learner_rc, learner_out), (_, sampler_out) = run_processes([sys.executable, worker, "1", "6"], 2, tmp_path,
+                                                              timeout_s=120)
+  assert "HANG" in sampler_out
+  assert learner_rc == 3, learner_out[-3000:]
+  assert _lines(learner_out, "TIMEOUT") == [
+      "sampler host 1 sent nothing for more than 5 s (silence_timeout_s): it died or hangs"]
+  assert len(_lines(learner_out, "BATCH")) >= 1  # it trained on what arrived before

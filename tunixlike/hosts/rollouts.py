@@ -10,6 +10,10 @@ admissions of all sampler hosts together never exceed what the learner's own que
 written (the learner counts it as running and waits for it as for a local one); when it is scored,
 the group itself (`wire.encode`) goes to the learner host it was admitted for. The learner host's
 inbox thread moves both into its queue. The learner publishes `stop` at the end of the run.
+
+A sampler host that dies or hangs stops sending its heartbeat (written while it admits work, at
+most once a second); the learner host's inbox then fails within `silence_timeout_s`, naming the
+host (`check()`, which the learner's loop calls between steps).
 """
 
 from __future__ import annotations
@@ -30,11 +34,21 @@ def _state_key(learner: int) -> str:
   return f"{PREFIX}/state/{learner}"
 
 
+def _alive_key(sampler: int) -> str:
+  return f"{PREFIX}/alive/{sampler}"
+
+
+HEARTBEAT_S = 1.0
+
+
 class LearnerInbox:
   """Learner host side: sampler hosts' admissions and groups into `queue`; the admission state out."""
 
-  def __init__(self, queue: RolloutQueue, learner: int, *, poll_s: float = 0.005):
+  def __init__(self, queue: RolloutQueue, learner: int, *, sampler_hosts=(), silence_timeout_s: float = 60.0,
+               poll_s: float = 0.005):
     self.queue, self.learner, self.poll_s = queue, learner, poll_s
+    self.silence_timeout_s = silence_timeout_s
+    self._heard: dict[int, tuple[bytes | None, float]] = {h: (None, time.monotonic()) for h in sampler_hosts}
     self.first_ticket = queue.admitted  # a resumed run: the groups before it are trained or dropped
     self.received = 0
     self._stop = threading.Event()
@@ -67,7 +81,21 @@ class LearnerInbox:
       n += 1
     self.received += n
     self.publish()
+    self._check_heartbeats(client)
     return n
+
+  def _check_heartbeats(self, client) -> None:
+    now = time.monotonic()
+    for host, (beat, since) in self._heard.items():
+      try:
+        current = client.key_value_try_get_bytes(_alive_key(host))
+      except Exception:  # noqa: BLE001 - NOT_FOUND: no heartbeat yet
+        current = None
+      if current != beat:
+        self._heard[host] = (current, now)
+      elif now - since > self.silence_timeout_s:
+        raise kv.HostTimeout(f"sampler host {host} sent nothing for more than {self.silence_timeout_s:g} s "
+                             "(silence_timeout_s): it died or hangs")
 
   def _loop(self):
     while not self._stop.is_set():
@@ -104,6 +132,15 @@ class RemoteAdmission:
     self._seq = 0
     self.stopped = False
     self._lock = threading.Lock()
+    self._beats, self._last_beat = 0, 0.0
+
+  def heartbeat(self) -> None:
+    """Tells the learner hosts this host is alive (`try_admit` calls it; at most once a second)."""
+    now = time.monotonic()
+    if now - self._last_beat >= HEARTBEAT_S:
+      self._beats += 1
+      kv.client().key_value_set_bytes(_alive_key(self.host), str(self._beats).encode(), allow_overwrite=True)
+      self._last_beat = now
 
   def _state(self, learner: int) -> dict:
     return json.loads(kv.get(_state_key(learner), timeout_s=self.timeout_s, host=learner,
@@ -111,6 +148,7 @@ class RemoteAdmission:
 
   def try_admit(self, version: int) -> bool:
     """Admits one group at sampler weights `version` for the next learner host that allows it."""
+    self.heartbeat()
     with self._lock:
       for k in range(len(self.learners)):
         learner = self.learners[(self._next + k) % len(self.learners)]
