@@ -2,7 +2,8 @@
 
 argv: sampler_hosts. Reads JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID. The learner
 hosts run a jitted step over their FSDP mesh (the sampler hosts take no part), then send its result
-to every sampler host: the full tree in small buckets, a LoRA-like tree (packed), a bf16 cast; then a
+to every sampler host: the full tree in small buckets, a LoRA-like tree (packed; the sampler host
+asks for it 2 s after the learner hosts sent it), a bf16 cast; then a
 sampler host waits for a version nobody sends and a learner host for an acknowledgement nobody
 gives. Prints lines the test reads:
   LAYOUT <line>     the start-up lines (one per host)
@@ -12,6 +13,7 @@ gives. Prints lines the test reads:
 
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -70,6 +72,8 @@ def main(sampler_hosts: int):
   out, v = transfer.send_across_hosts(full, specs, layout=layout, version=1, bucket_bytes=4096, timeout_s=30)
   if sampler:
     check(out, v, want, "full")
+  if sampler:  # a sampler host picks a sync up late (after a decode step): the sender waits for it
+    time.sleep(2)
   out, v = transfer.send_across_hosts(lora, lora_specs, layout=layout, version=2, timeout_s=30)
   if sampler:
     check(out, v, lora_like(), "lora")
