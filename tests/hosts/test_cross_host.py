@@ -1,5 +1,6 @@
-"""Cross-host weight transfer between whole sampler hosts and whole learner hosts: real processes
-on 127.0.0.1 (CPU, 4 virtual devices each), each running tests/hosts/cross_host_worker.py."""
+"""Whole sampler hosts and whole learner hosts: real processes on 127.0.0.1 (CPU, 4 virtual devices
+each) as one multi-controller job. Weights by cross-host device_put (tests/hosts/cross_host_worker.py);
+rollouts and admission through the key-value store, and a hung sampler host (rollouts_worker.py)."""
 
 import json
 import os
