@@ -10,7 +10,10 @@ three phases in turn, each timed on the receiving process (median of --repeats a
   * `per_host`: the per-host split of today (2 sampler + 2 learner devices per process, one learner
     mesh over both): `rl.weight_sync.sync`, which all-gathers and copies locally on each host;
   * `socket`: the bytes the by-host sync delivers to one replica, sent once over a TCP socket on
-    127.0.0.1 between the same two processes (the floor of a host-to-host copy here).
+    127.0.0.1 between the same two processes (the floor of a host-to-host copy here);
+  * `raw_device_put`: the same bytes as one array, one cross-host `jax.device_put` from one device
+    of process 0 to one of process 1: JAX's transfer alone, without the sync's gather, staging,
+    acknowledgements and fan-out.
 Full weights are synthetic float32 matrices of about --mb MB (a transformer's shapes: [d, 4d] and
 [4d, d] per layer); LoRA-only is rank-8 A and B matrices for each of them (packed into one buffer).
 bytes/s counts one copy of the weights per sync (each side also fans it out to 4 replicas).
@@ -140,8 +143,28 @@ def worker(args):
         c.recv(1)
     client.wait_at_barrier(f"bench/socket/{r}/end", 60_000)
   result["socket_full_s"] = statistics.median(times[1:]) if me == 1 else None
+  # raw: the same bytes as one array by one cross-host device_put, one device to one device (no
+  # gather, staging, acknowledgement or fan-out: what JAX's transfer itself costs)
+  one = [NamedSharding(jax.sharding.Mesh(np.array([d for d in jax.devices() if d.process_index == p][:1]), ("x",)), P())
+         for p in (0, 1)]
+  n = len(payload) // 4
+  raw = []
+  for r in range(args.repeats + 1):
+    if me == 0:
+      x = jax.device_put(np.full((n,), r, np.float32), one[0]).block_until_ready()
+    else:
+      x = jax.make_array_from_single_device_arrays((n,), one[0], [], dtype=np.float32)
+    client.wait_at_barrier(f"bench/raw/{r}", 60_000)
+    t = time.perf_counter()
+    y = jax.device_put(x, one[1])
+    if me == 1:
+      y.block_until_ready()
+      raw.append(time.perf_counter() - t)
+    client.wait_at_barrier(f"bench/raw/{r}/end", 60_000)  # the source stays alive until it arrived
   if me == 1:
     result["socket_full_bytes_per_s"] = len(payload) / result["socket_full_s"]
+    result["raw_device_put_full_s"] = statistics.median(raw[1:])
+    result["raw_device_put_full_bytes_per_s"] = len(payload) / result["raw_device_put_full_s"]
     print("RESULT " + json.dumps(result), flush=True)
   client.wait_at_barrier("bench/end", 60_000)
 
@@ -168,6 +191,7 @@ def main():
     raise SystemExit("benchmark workers failed:\n" + "\n".join(o[-3000:] for o in outs))
   r = json.loads(lines[0][len("RESULT "):])
   r["by_host_vs_socket_bandwidth"] = r["by_host_full_bytes_per_s"] / r["socket_full_bytes_per_s"]
+  r["raw_device_put_vs_socket_bandwidth"] = r["raw_device_put_full_bytes_per_s"] / r["socket_full_bytes_per_s"]
   r["by_host_vs_per_host_full_time"] = r["by_host_full_s"] / r["per_host_full_s"]
   r["by_host_full_vs_lora_time"] = r["by_host_full_s"] / r["by_host_lora_s"]
   r.update(mb=args.mb, repeats=args.repeats, processes=2, devices_per_process=4)

@@ -21,7 +21,7 @@ def test_multihost_benchmark_compares_the_three_paths(tmp_path):
   r = json.loads(proc.stdout)
   assert r == json.loads(out.read_text()) and r["quick"] is True
   for key in ("by_host_full_s", "per_host_full_s", "by_host_lora_s", "per_host_lora_s", "socket_full_s",
-              "by_host_full_bytes_per_s", "socket_full_bytes_per_s"):
+              "by_host_full_bytes_per_s", "socket_full_bytes_per_s", "raw_device_put_full_s"):
     assert math.isfinite(r[key]) and r[key] > 0, key
   assert r["by_host_vs_socket_bandwidth"] == pytest.approx(r["by_host_full_bytes_per_s"] / r["socket_full_bytes_per_s"])
   assert r["by_host_full_vs_lora_time"] == pytest.approx(r["by_host_full_s"] / r["by_host_lora_s"])
