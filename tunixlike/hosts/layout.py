@@ -44,16 +44,6 @@ class HostLayout:
     process = jax.process_index() if process is None else process
     return [s for s in self.sampler_hosts if self.senders[s] == process]
 
-  def meshes(self) -> mesh_lib.Meshes:
-    """This process's view as `mesh.Meshes`: its own sampler mesh on a sampler host; on a learner
-    host a mesh of the sampler's shape over its own devices (its shardings' layout only)."""
-    me = jax.process_index()
-    if self.role(me) == SAMPLER:
-      return mesh_lib.Meshes(sampler=self.samplers[me], learner=self.learner)
-    shape = next(iter(self.samplers.values())).devices.shape
-    own = [d for d in self.learner.devices.flat if d.process_index == me]
-    return mesh_lib.Meshes(sampler=Mesh(np.array(own).reshape(shape), mesh_lib.SAMPLER_AXES), learner=self.learner)
-
   def describe(self) -> list[str]:
     """One start-up line per host: its role and its devices."""
     lines = []
