@@ -56,27 +56,29 @@ def _lines(out: str, tag: str) -> list[str]:
 
 
 @pytest.mark.multihost
-@pytest.mark.parametrize("sampler_hosts", [1, 2])
-def test_one_device_put_delivers_the_learner_hosts_weights_to_each_sampler_host(tmp_path, sampler_hosts):
-  # 2 learner hosts (processes 0, 1: one FSDP mesh over 8 devices) + 1 or 2 sampler hosts, each
-  # served by its own learner host (round robin).
-  n = 2 + sampler_hosts
+@pytest.mark.parametrize("learner_hosts,sampler_hosts", [(2, 2), (1, 3)])
+def test_one_device_put_delivers_the_learner_hosts_weights_to_each_sampler_host(tmp_path, learner_hosts,
+                                                                                sampler_hosts):
+  # The first processes are learner hosts (one FSDP mesh over all their devices), the others sampler
+  # hosts, each served by a learner host (round robin; with one learner host it sends to all three).
+  n = learner_hosts + sampler_hosts
   results = run_processes([sys.executable, WORKER, str(sampler_hosts)], n, tmp_path)
   for i, (rc, out) in enumerate(results):
     assert rc == 0 and "DONE" in out, f"process {i} failed (exit {rc}):\n{out[-4000:]}"
   layout = _lines(results[0][1], "LAYOUT")
-  assert [l.split(", devices")[0] for l in layout] == (["host 0: learner", "host 1: learner"]
-                                                       + [f"host {s}: sampler" for s in range(2, n)])
-  assert layout[0].endswith("learner mesh {'fsdp': 8, 'tensor': 1} over hosts [0, 1]")
-  for s in range(2, n):
-    assert layout[s].endswith(f"mesh {{'replica': 2, 'tensor': 2}}, weights from host {s - 2}")
+  assert [l.split(", devices")[0] for l in layout] == [
+      f"host {p}: {'learner' if p < learner_hosts else 'sampler'}" for p in range(n)]
+  assert layout[0].endswith(f"learner mesh {{'fsdp': {4 * learner_hosts}, 'tensor': 1}} "
+                            f"over hosts {list(range(learner_hosts))}")
+  senders = {s: (s - learner_hosts) % learner_hosts for s in range(learner_hosts, n)}
+  for s, sender in senders.items():
+    assert layout[s].endswith(f"mesh {{'replica': 2, 'tensor': 2}}, weights from host {sender}")
     # Each sampler host got exact values, on its own devices, each with the version that was sent.
     assert _lines(results[s][1], "GOT") == ["full 1", "lora 2", "bf16 3"]
-  # Nobody acknowledged version 4: each sending learner host names the sampler host it waited for.
-  for learner in (0, 1):
-    want = ([f"weight sync v4 bucket 1/1: host {learner + 2} did not answer within 3 s"]
-            if learner + 2 < n else [])
-    assert _lines(results[learner][1], "TIMEOUT") == want
+  # Nobody acknowledged version 4: each sending learner host names the (first) sampler host it waited for.
+  for learner in range(learner_hosts):
+    first = min(s for s, sender in senders.items() if sender == learner)
+    assert _lines(results[learner][1], "TIMEOUT") == [f"weight sync v4 bucket 1/1: host {first} did not answer within 3 s"]
 
 
 @pytest.mark.multihost

@@ -12,7 +12,8 @@ replicas locally. The receiver acknowledges through the coordination service's k
 only then does the sender free the bucket, so the extra memory is about one bucket. The version is one more array of the first bucket: it travels
 with the weights. Many small arrays (LoRA adapters) are packed into one buffer first.
 
-Sender and receiver call `send_across_hosts` for the same version; other hosts do not take part.
+Every process of the layout calls `send_across_hosts` for each version, in the same order (JAX
+pairs the two ends of each cross-host transfer by the order the processes issue them).
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
                       tag: str = "weights") -> tuple[Any, int]:
   """Moves `tree` from the learner hosts to every sampler host in the sampler's layout.
 
-  On learner hosts `tree` holds the learner's arrays (global over the learner mesh; every learner
-  host calls this at the same point, the gather is their collective); on a sampler host it is the
+  Every process calls it for each version in the same order. On learner hosts `tree` holds the
+  learner's arrays (global over the learner mesh; the gather is their collective); on a sampler host it is the
   same structure of `jax.ShapeDtypeStruct`s (`jax.eval_shape`). `specs`: the sampler's
   PartitionSpec of every leaf (mesh.SAMPLER_RULES). Returns (on a sampler host the tree on its own
   devices, else None; the version that arrived with it). Raises `kv.HostTimeout` naming the host
@@ -148,20 +149,26 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
       outs = 1 if packed else len(xs)
       gathered = _gatherer((replicated,) * outs, dtype_name, packed)(xs)
     puts = []
-    for s in receivers:
+    # Every process issues every sampler host's transfer, in the same order: JAX pairs the two ends
+    # of a cross-host transfer by the order each process issues them (one learner host sending to
+    # two sampler hosts hangs otherwise); where a process holds neither end the call does nothing.
+    for s in layout.sampler_hosts:
+      sends = me == layout.senders[s]
       shardings = [NamedSharding(layout.staging[s], spec) for _, _, spec, _ in bucket]
       targets = [NamedSharding(layout.landing[s], spec) for _, _, spec, _ in bucket]
-      if sampler:
+      if sends:
+        staged = [jax.device_put(g.addressable_shards[0].data, sh) for g, sh in zip(gathered, shardings)]
+      else:
         staged = [jax.make_array_from_single_device_arrays(shape, sh, [], dtype=d)
                   for (shape, d, _, _), sh in zip(bucket, shardings)]
-      else:
-        staged = [jax.device_put(g.addressable_shards[0].data, sh) for g, sh in zip(gathered, shardings)]
       if b == 0:  # the version rides in the first bucket
         vs = NamedSharding(layout.staging[s], PartitionSpec())
-        staged.append(jax.make_array_from_single_device_arrays((), vs, [], dtype=np.int32) if sampler
-                      else jax.device_put(np.asarray(version, np.int32), vs))
+        staged.append(jax.device_put(np.asarray(version, np.int32), vs) if sends
+                      else jax.make_array_from_single_device_arrays((), vs, [], dtype=np.int32))
         targets.append(NamedSharding(layout.landing[s], PartitionSpec()))
-      puts.append((s, staged, jax.device_put(staged, targets)))
+      out = jax.device_put(staged, targets)
+      if s in receivers:
+        puts.append((s, staged, out))
     what = f"weight sync v{version} bucket {b + 1}/{len(groups)}"
     for s, staged, out in puts:
       key = f"tunixlike/{tag}/{version}/{b}/{s}"
