@@ -130,7 +130,8 @@ class RemoteAdmission:
     self._reserved: dict[int, collections.deque] = collections.defaultdict(collections.deque)
     self._next = 0
     self._seq = 0
-    self.stopped = False
+    self.stopped = False  # every learner host has ended its run
+    self._finished: set[int] = set()
     self._lock = threading.Lock()
     self._beats, self._last_beat = 0, 0.0
 
@@ -153,9 +154,10 @@ class RemoteAdmission:
       for k in range(len(self.learners)):
         learner = self.learners[(self._next + k) % len(self.learners)]
         state = self._state(learner)
-        if state["stop"]:
-          self.stopped = True
-          return False
+        if state["stop"]:  # that learner host's run is over; the others may still need groups
+          self._finished.add(learner)
+          self.stopped = len(self._finished) == len(self.learners)
+          continue
         if learner not in self._tickets:  # this host's first ticket of that learner's run
           first = state["first"]
           self._tickets[learner] = first + (self.index - first) % self.num_samplers
