@@ -67,11 +67,13 @@ def resolve(cfg: DistributedConfig) -> DistributedConfig:
       process_id=cfg.process_id if cfg.process_id is not None else _env_int(ENV_PROCESS_ID))
 
 
-def initialize(cfg: DistributedConfig = DistributedConfig()) -> bool:
+def initialize(cfg: DistributedConfig = DistributedConfig(), *, cross_host_transfers: bool = False) -> bool:
   """Starts multi-controller JAX when configured; returns True if this is a multi-process run.
 
   Must run before anything touches a JAX backend (`jax.devices()`, any array). A no-op for a
   single process and when already initialized (tests, notebooks, a second `run`).
+  `cross_host_transfers`: also start JAX's transfer server, for `jax.device_put` between the device
+  sets of different processes (whole sampler hosts and learner hosts: `tunixlike.hosts`).
   """
   if jax.distributed.is_initialized():
     return jax.process_count() > 1
@@ -83,9 +85,15 @@ def initialize(cfg: DistributedConfig = DistributedConfig()) -> bool:
       raise ValueError(f"distributed.num_processes={cfg.num_processes} also needs {' and '.join(missing)}")
     if not 0 <= cfg.process_id < cfg.num_processes:
       raise ValueError(f"distributed.process_id={cfg.process_id}: must be in [0, {cfg.num_processes})")
+    if cross_host_transfers:
+      from tunixlike.hosts import transfer
+      transfer.enable(cfg.coordinator_address, cfg.process_id, timeout_s=cfg.timeout_s)
     jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes,
                                process_id=cfg.process_id, initialization_timeout=cfg.timeout_s)
   elif cfg.auto_detect:
+    if cross_host_transfers:
+      raise ValueError("distributed.auto_detect with whole sampler hosts: set distributed.coordinator_address, "
+                       "num_processes and process_id (the transfer server's address derives from them)")
     jax.distributed.initialize(initialization_timeout=cfg.timeout_s)
   else:
     return False

@@ -108,6 +108,20 @@ class RolloutQueue:
         return True
       return False
 
+  def admitted_elsewhere(self, sampler_version: int) -> None:
+    """A sampler on another host admitted a group by this queue's rule (`admissions_freed`): count
+    it as running, so that the learner waits for it as for a local one."""
+    with self._cond:
+      self.admitted += 1
+      self._running[self._running_key(sampler_version)] += 1
+
+  def admissions_freed(self) -> int:
+    """Admissions given back so far (drops, trained groups not consumed by a step). The rule above
+    is `admitted < (max_staleness + v + 1) * batch_groups + admissions_freed()`: a sampler on
+    another host applies it with this number alone (`hosts.rollouts`)."""
+    with self._cond:
+      return self.dropped_stale + self.dropped_filtered + self.trained - self._consumed
+
   def put(self, group: RolloutGroup):
     """A finished (and scored) group enters the queue. Never blocks: admission bounded it."""
     with self._cond:

@@ -1,0 +1,119 @@
+"""Whole sampler hosts and whole learner hosts: real processes on 127.0.0.1 (CPU, 4 virtual devices
+each) as one multi-controller job. Weights by cross-host device_put (tests/hosts/cross_host_worker.py);
+rollouts and admission through the key-value store, and a hung sampler host (rollouts_worker.py)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "tests", "hosts", "cross_host_worker.py")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_processes(argv: list[str], n: int, tmp_path, timeout_s: float = 180) -> list[tuple[int, str]]:
+  """Starts `n` processes of `argv` as one multi-controller job; returns (exit code, output) of each.
+  All are killed when one fails or the time runs out."""
+  port = _free_port()
+  procs, logs = [], [open(tmp_path / f"process_{i}.log", "w+") for i in range(n)]
+  try:
+    for i in range(n):
+      env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(i),
+             "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+      procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=logs[i], stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    while None in [p.poll() for p in procs]:  # a list: every process polled
+      if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
+        time.sleep(2)  # let the others report their error too
+        break
+      time.sleep(0.5)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait(timeout=30)
+  outs = []
+  for f in logs:
+    f.seek(0)
+    outs.append(f.read())
+    f.close()
+  return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def _lines(out: str, tag: str) -> list[str]:
+  return [l[len(tag) + 1:] for l in out.splitlines() if l.startswith(tag + " ")]
+
+
+@pytest.mark.multihost
+@pytest.mark.parametrize("learner_hosts,sampler_hosts", [(2, 2), (1, 3)])
+def test_one_device_put_delivers_the_learner_hosts_weights_to_each_sampler_host(tmp_path, learner_hosts,
+                                                                                sampler_hosts):
+  # The first processes are learner hosts (one FSDP mesh over all their devices), the others sampler
+  # hosts, each served by a learner host (round robin; with one learner host it sends to all three).
+  n = learner_hosts + sampler_hosts
+  results = run_processes([sys.executable, WORKER, str(sampler_hosts)], n, tmp_path)
+  for i, (rc, out) in enumerate(results):
+    assert rc == 0 and "DONE" in out, f"process {i} failed (exit {rc}):\n{out[-4000:]}"
+  layout = _lines(results[0][1], "LAYOUT")
+  assert [l.split(", devices")[0] for l in layout] == [
+      f"host {p}: {'learner' if p < learner_hosts else 'sampler'}" for p in range(n)]
+  assert layout[0].endswith(f"learner mesh {{'fsdp': {4 * learner_hosts}, 'tensor': 1}} "
+                            f"over hosts {list(range(learner_hosts))}")
+  senders = {s: (s - learner_hosts) % learner_hosts for s in range(learner_hosts, n)}
+  for s, sender in senders.items():
+    assert layout[s].endswith(f"mesh {{'replica': 2, 'tensor': 2}}, weights from host {sender}")
+    # Each sampler host got exact values, on its own devices, each with the version that was sent.
+    assert _lines(results[s][1], "GOT") == ["full 1", "lora 2", "bf16 3"]
+  # Nobody acknowledged version 4: each sending learner host names the (first) sampler host it waited for.
+  for learner in range(learner_hosts):
+    first = min(s for s, sender in senders.items() if sender == learner)
+    assert _lines(results[learner][1], "TIMEOUT") == [f"weight sync v4 bucket 1/1: host {first} did not answer within 3 s"]
+
+
+@pytest.mark.multihost
+def test_rollouts_reach_the_learner_hosts_within_their_staleness_bound(tmp_path):
+  # Processes 0, 1 are learner hosts, 2, 3 sampler hosts; only the key-value store joins them.
+  worker = os.path.join(ROOT, "tests", "hosts", "rollouts_worker.py")
+  results = run_processes([sys.executable, worker, "2"], 4, tmp_path, timeout_s=120)
+  for i, (rc, out) in enumerate(results):
+    assert rc == 0 and "DONE" in out, f"process {i} failed (exit {rc}):\n{out[-4000:]}"
+  trained = []
+  for learner in (0, 1):
+    batches = [l.split(" ", 1) for l in _lines(results[learner][1], "BATCH")]
+    assert [int(v) for v, _ in batches] == list(range(6))
+    for version, groups in batches:
+      groups = json.loads(groups)
+      assert len(groups) == 2
+      # Admission kept every group within the bound: started at most max_staleness=1 versions ago.
+      assert all(int(version) - 1 <= admitted <= int(version) for _, admitted in groups), (version, groups)
+      trained += [pid for pid, _ in groups]
+    counts = json.loads(_lines(results[learner][1], "COUNTS")[0])
+    assert counts == {"trained": 12, "dropped_stale": 0, "dropped_filtered": 0}
+  sent = [pid for s in (2, 3) for pid in json.loads(_lines(results[s][1], "SENT")[0])]
+  assert len(set(trained)) == len(trained) == 24  # nothing trained twice
+  assert set(trained) <= set(sent)
+  assert {pid.split("/")[0] for pid in trained} == {"2", "3"}  # both sampler hosts contributed
+
+
+@pytest.mark.multihost
+def test_a_hung_sampler_host_stops_the_learner_host_naming_it(tmp_path):
+  # Process 0 learns, process 1 samples 6 groups and then hangs (no heartbeat, nothing sent).
+  worker = os.path.join(ROOT, "tests", "hosts", "rollouts_worker.py")
+  (learner_rc, learner_out), (_, sampler_out) = run_processes([sys.executable, worker, "1", "6"], 2, tmp_path,
+                                                              timeout_s=120)
+  assert "HANG" in sampler_out
+  assert learner_rc == 3, learner_out[-3000:]
+  assert _lines(learner_out, "TIMEOUT") == [
+      "sampler host 1 sent nothing for more than 5 s (silence_timeout_s): it died or hangs"]
+  assert len(_lines(learner_out, "BATCH")) >= 1  # it trained on what arrived before

@@ -1,0 +1,14 @@
+"""The by-host layout's checks on one process (its meshes are tested on several: test_cross_host.py)."""
+
+import pytest
+
+from tunixlike import mesh as mesh_lib
+from tunixlike.hosts import layout
+
+
+def test_one_process_cannot_be_split_into_whole_hosts():
+  with pytest.raises(mesh_lib.MeshError, match=r"mesh.sampler_hosts=1 must be >= 1 and leave a learner host "
+                                               r"among the 1 processes"):
+    layout.make_host_layout(1)
+  with pytest.raises(mesh_lib.MeshError, match="mesh.sampler_hosts=0"):
+    layout.make_host_layout(0)

@@ -1,0 +1,28 @@
+"""Smoke test of benchmarks/multihost.py: 2 processes, --quick, one sane JSON object."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.multihost
+def test_multihost_benchmark_compares_the_three_paths(tmp_path):
+  out = tmp_path / "multihost.json"
+  proc = subprocess.run([sys.executable, os.path.join("benchmarks", "multihost.py"), "--quick", "--out", str(out)],
+                        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+  r = json.loads(proc.stdout)
+  assert r == json.loads(out.read_text()) and r["quick"] is True
+  for key in ("by_host_full_s", "per_host_full_s", "by_host_lora_s", "per_host_lora_s", "socket_full_s",
+              "by_host_full_bytes_per_s", "socket_full_bytes_per_s", "raw_device_put_full_s"):
+    assert math.isfinite(r[key]) and r[key] > 0, key
+  assert r["by_host_vs_socket_bandwidth"] == pytest.approx(r["by_host_full_bytes_per_s"] / r["socket_full_bytes_per_s"])
+  assert r["by_host_full_vs_lora_time"] == pytest.approx(r["by_host_full_s"] / r["by_host_lora_s"])
+  assert r["lora_bytes"] < r["full_bytes"] == 4 * 2**20

@@ -1,0 +1,7 @@
+"""Whole hosts for the sampler, whole hosts for the learner (mesh.sampler_hosts > 0).
+
+`layout` decides which processes decode and which train and builds their meshes; `transfer` moves
+the learner's weights to the sampler hosts by cross-host `jax.device_put`; `kv` is the small
+messages (acknowledgements, rollouts' metadata) through the `jax.distributed` coordination
+service's key-value store. Nothing here opens a socket of its own.
+"""

@@ -1,0 +1,184 @@
+"""Rollouts from the sampler hosts to the learner hosts, with the learner's admission control.
+
+Each learner host keeps its own `RolloutQueue` (its share of every batch: prompts_per_step / L
+groups) with the staleness rule, and publishes through the coordination service's key-value store
+the one number the rule needs from it, `admissions_freed()`. A sampler host applies the same rule
+remotely: ticket t of learner host l (sampler host i of S owns the tickets t = i, i + S, ...) may
+start at sampler version v only while t < (max_staleness + v + 1) * batch_groups + freed_l, so the
+admissions of all sampler hosts together never exceed what the learner's own queue would admit
+(a slow sampler host can only leave some unused). Before a group starts, its start version is
+written (the learner counts it as running and waits for it as for a local one); when it is scored,
+the group itself (`wire.encode`) goes to the learner host it was admitted for. The learner host's
+inbox thread moves both into its queue. The learner publishes `stop` at the end of the run.
+
+A sampler host that dies or hangs stops sending its heartbeat (written while it admits work, at
+most once a second); the learner host's inbox then fails within `silence_timeout_s`, naming the
+host (`check()`, which the learner's loop calls between steps).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+
+from tunixlike.hosts import kv, wire
+from tunixlike.rl.queue import RolloutQueue
+from tunixlike.rollout import RolloutGroup
+
+PREFIX = "tunixlike/rollouts"
+
+
+def _state_key(learner: int) -> str:
+  return f"{PREFIX}/state/{learner}"
+
+
+def _alive_key(sampler: int) -> str:
+  return f"{PREFIX}/alive/{sampler}"
+
+
+HEARTBEAT_S = 1.0
+
+
+class LearnerInbox:
+  """Learner host side: sampler hosts' admissions and groups into `queue`; the admission state out."""
+
+  def __init__(self, queue: RolloutQueue, learner: int, *, sampler_hosts=(), silence_timeout_s: float = 60.0,
+               poll_s: float = 0.005):
+    self.queue, self.learner, self.poll_s = queue, learner, poll_s
+    self.silence_timeout_s = silence_timeout_s
+    self._heard: dict[int, tuple[bytes | None, float]] = {h: (None, time.monotonic()) for h in sampler_hosts}
+    self.first_ticket = queue.admitted  # a resumed run: the groups before it are trained or dropped
+    self.received = 0
+    self._stop = threading.Event()
+    self._errors: list[BaseException] = []
+    self._published = None
+    self._thread = threading.Thread(target=self._loop, daemon=True, name=f"inbox-{learner}")
+
+  def start(self) -> "LearnerInbox":
+    self.publish()
+    self._thread.start()
+    return self
+
+  def publish(self, *, stop: bool = False) -> None:
+    state = {"freed": self.queue.admissions_freed(), "first": self.first_ticket, "stop": stop}
+    if state != self._published:
+      kv.client().key_value_set_bytes(_state_key(self.learner), json.dumps(state).encode(), allow_overwrite=True)
+      self._published = state
+
+  def poll(self) -> int:
+    """Moves what has arrived into the queue; returns the number of groups."""
+    client = kv.client()
+    for key, value in client.key_value_dir_get_bytes(f"{PREFIX}/started/{self.learner}/"):
+      self.queue.admitted_elsewhere(int(value))
+      client.key_value_delete(key)
+    n = 0
+    for key, value in client.key_value_dir_get_bytes(f"{PREFIX}/groups/{self.learner}/"):
+      group = wire.decode(value)
+      client.key_value_delete(key)
+      self.queue.put(group)
+      n += 1
+    self.received += n
+    self.publish()
+    self._check_heartbeats(client)
+    return n
+
+  def _check_heartbeats(self, client) -> None:
+    now = time.monotonic()
+    for host, (beat, since) in self._heard.items():
+      try:
+        current = client.key_value_try_get_bytes(_alive_key(host))
+      except Exception:  # noqa: BLE001 - NOT_FOUND: no heartbeat yet
+        current = None
+      if current != beat:
+        self._heard[host] = (current, now)
+      elif now - since > self.silence_timeout_s:
+        raise kv.HostTimeout(f"sampler host {host} sent nothing for more than {self.silence_timeout_s:g} s "
+                             "(silence_timeout_s): it died or hangs")
+
+  def _loop(self):
+    while not self._stop.is_set():
+      try:
+        if not self.poll():
+          time.sleep(self.poll_s)
+      except BaseException as e:  # noqa: BLE001 - surfaced by check()
+        self._errors.append(e)
+        self.queue.stop_event.set()
+        return
+
+  def check(self) -> None:
+    if self._errors:
+      raise self._errors[0]
+
+  def close(self) -> None:
+    """Tells the sampler hosts the run is over and stops the thread."""
+    self._stop.set()
+    self._thread.join(timeout=10)
+    self.publish(stop=True)
+
+
+class RemoteAdmission:
+  """Sampler host side: `try_admit(version)` by the learner hosts' rule, `send(group)` to the learner
+  host it was admitted for. `index` / `num_samplers`: this host among the sampler hosts."""
+
+  def __init__(self, index: int, num_samplers: int, learner_hosts, *, batch_groups: int, max_staleness: int,
+               host: int, timeout_s: float = 60.0):
+    self.index, self.num_samplers, self.learners = index, num_samplers, list(learner_hosts)
+    self.batch_groups, self.max_staleness, self.host, self.timeout_s = batch_groups, max_staleness, host, timeout_s
+    self._tickets: dict[int, int] = {}
+    self._reserved: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+    self._next = 0
+    self._seq = 0
+    self.stopped = False  # every learner host has ended its run
+    self._finished: set[int] = set()
+    self._lock = threading.Lock()
+    self._beats, self._last_beat = 0, 0.0
+
+  def heartbeat(self) -> None:
+    """Tells the learner hosts this host is alive (`try_admit` calls it; at most once a second)."""
+    now = time.monotonic()
+    if now - self._last_beat >= HEARTBEAT_S:
+      self._beats += 1
+      kv.client().key_value_set_bytes(_alive_key(self.host), str(self._beats).encode(), allow_overwrite=True)
+      self._last_beat = now
+
+  def _state(self, learner: int) -> dict:
+    return json.loads(kv.get(_state_key(learner), timeout_s=self.timeout_s, host=learner,
+                             what=f"sampler host {self.host}: the learner's admission state"))
+
+  def try_admit(self, version: int) -> bool:
+    """Admits one group at sampler weights `version` for the next learner host that allows it."""
+    self.heartbeat()
+    with self._lock:
+      for k in range(len(self.learners)):
+        learner = self.learners[(self._next + k) % len(self.learners)]
+        state = self._state(learner)
+        if state["stop"]:  # that learner host's run is over; the others may still need groups
+          self._finished.add(learner)
+          self.stopped = len(self._finished) == len(self.learners)
+          continue
+        if learner not in self._tickets:  # this host's first ticket of that learner's run
+          first = state["first"]
+          self._tickets[learner] = first + (self.index - first) % self.num_samplers
+        ticket = self._tickets[learner]
+        if ticket < (self.max_staleness + version + 1) * self.batch_groups + state["freed"]:
+          self._tickets[learner] += self.num_samplers
+          self._reserved[version].append(learner)
+          kv.put(f"{PREFIX}/started/{learner}/{self.host}/{self._seq}", str(version).encode())
+          self._seq += 1
+          self._next = (self._next + k + 1) % len(self.learners)
+          return True
+      return False
+
+  def send(self, group: RolloutGroup) -> int:
+    """The scored group to the learner host it was admitted for; returns that host."""
+    with self._lock:
+      reserved = self._reserved[group.admitted_version]
+      if not reserved:
+        raise RuntimeError(f"group {group.prompt_id!r} was not admitted at version {group.admitted_version}")
+      learner = reserved.popleft()
+      key = f"{PREFIX}/groups/{learner}/{self.host}/{self._seq}"
+      self._seq += 1
+    kv.put(key, wire.encode(group))
+    return learner
