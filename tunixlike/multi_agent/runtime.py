@@ -108,8 +108,9 @@ class MultiAgentRuntime:
       out = policy.train(groups)
       if out.get("skipped"):
         self.queue.step_skipped(len(episodes), [name])
-      params, sync_ms = policy.sampler_weights()
-      self.coordinator.update_params(name, params, policy.version)
+      synced = policy.sync_weights()
+      self.coordinator.update_params(name, synced.params, synced.version)
+      sync_ms = synced.ms
       rewards = np.concatenate([g.rewards for g in groups])
       lags = [version - int(c.policy_versions.min()) for g in groups for c in g.completions if c.num_tokens]
       metrics.update({f"{name}/loss": float(out.get("loss", 0.0)), f"{name}/reward": float(rewards.mean()),

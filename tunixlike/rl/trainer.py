@@ -42,6 +42,7 @@ from tunixlike.rl import hooks as hooks_lib
 from tunixlike.rl.hooks import StepInfo
 from tunixlike.rl.preemption import Preemption
 from tunixlike.rl.prompts import PromptStream
+from tunixlike.rl.queue import RolloutQueue
 from tunixlike.rl.runtime import AsyncRuntime
 
 log = logging.getLogger("tunixlike")
@@ -114,7 +115,8 @@ def _start_fresh(r: _Run) -> bool:
   r.open_logs(None)
   if cfg.warm_start.max_steps and not _warm_start(r):
     return False
-  r.build_rl()
+  rl = r.build_rl()
+  r.queue = build_lib.make_queue(cfg, rl.policy)
   r.stream = PromptStream(r.setup.train_pipe)
   r.eval()
   r.save(force=True)  # the warm start and the first eval are never redone
@@ -190,7 +192,7 @@ def _restore(r: _Run) -> bool:
                                    json.loads(json.dumps(dataclasses.asdict(policy.model().cfg))))
   r.open_logs(policy.version)
   r.counters.update(meta["counters"])
-  r.queue_counts = meta.get("queue")
+  r.queue = build_lib.make_queue(r.cfg, policy, meta.get("queue"))  # its counters continue
   streams = meta.get("streams", [meta["stream"]])  # one per process (each reads its own data shard)
   if len(streams) != jax.process_count():
     raise SetupError(f"{where} was saved by {len(streams)} processes; resuming needs the same number, not "
@@ -220,7 +222,7 @@ def _rl(r: _Run) -> dict[str, Any]:
     return _stopped(r, {})
   r.runtime = build_lib.make_runtime(r.setup, rl, r.stream, num_steps=max(cfg.rl.num_steps - r.version, 0),
                                      collapse=build_lib.collapse_detector(cfg, rl.policy),
-                                     queue_counts=r.queue_counts, say=r.say)
+                                     queue=r.queue, say=r.say)
   r.add_hooks(r.runtime)
   r.logger.progress("rl", total=cfg.rl.num_steps, initial=r.version)
   try:
@@ -361,7 +363,7 @@ class _Run:
     self.counters = {"groups_trained": 0, "groups_dropped": 0, "groups_regenerated": 0}
     self.stream: PromptStream | None = None
     self.runtime: AsyncRuntime | None = None
-    self.queue_counts: dict | None = None
+    self.queue: RolloutQueue | None = None  # built with the RL stack; owns the admission counters
     self.evals: dict[int, float] = {}  # version -> held-out accuracy measured at it
 
   @property
@@ -457,9 +459,7 @@ class _Run:
                      metrics=None if acc is None else {"eval/accuracy": acc}, force=True)
 
   def meta(self) -> dict[str, Any]:
-    if self.runtime is not None:
-      self.queue_counts = self.runtime.queue.counts()
-    return checkpoint_meta(self.setup, self.rl, self.stream, self.counters, queue=self.queue_counts,
+    return checkpoint_meta(self.setup, self.rl, self.stream, self.counters, queue=self.queue.counts(),
                            data=self.data_fingerprints)
 
   # ---- the loop's hooks, in the order they run after every step ----
