@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -30,7 +30,7 @@ from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.train_step import Learner
 from tunixlike.models import hub, lora as lora_lib, transformer
 from tunixlike.rewards import loader, process as process_lib
-from tunixlike.rewards.envs import CalculatorEnv
+from tunixlike.rewards.envs import CalculatorEnv, Env
 from tunixlike.rl import distill as distill_lib, evaluate as eval_lib, scoring, warm_start as warm_start_lib
 from tunixlike.rl import weight_sync
 from tunixlike.agents.driver import AgentConfig, AgentDriver
@@ -80,21 +80,24 @@ def check_process_split(cfg: Config, n: int):
 
 
 # ---- before training: meshes, data, model ----------------------------------------------------------
+Task = tasks.SyntheticTask | tasks.Gsm8kTask | tasks.DatasetTask  # a built-in task or the user's dataset
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
   """The run's inputs, built once: nothing here changes afterwards except the weights of `model`."""
 
   cfg: Config
   meshes: mesh_lib.Meshes
-  tok: Any
-  task: Any
+  tok: tokenizer_lib.Tokenizer
+  task: Task
   model: nnx.Module  # the policy on the learner submesh (warm-started in place)
   train_pipe: pipeline.PromptPipeline
   eval_records: list  # this process's share of the held-out prompts
   tracer: trace_lib.Tracer
   reward: rewards_lib.CombinedReward | None = None  # the training reward; its first term is the evals' verifier
-  make_env: Any = None  # rl.env: builds one `Env` per episode (None: single-turn)
-  agent: Any = None  # rl.agent: run_episode(base_url, api_key, episode_id, row), served by the agent server
+  make_env: Callable[[], Env] | None = None  # rl.env: builds one `Env` per episode (None: single-turn)
+  agent: Callable[..., Any] | None = None  # rl.agent: run_episode(base_url, api_key, episode_id, row), behind the agent server
   warm_start_records: list | None = None  # held-out set of the warm start: the same on every process
   critic: nnx.Module | None = None  # PPO's separate critic trunk (model.critic_path), on the learner mesh
   teacher: distill_lib.Teacher | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
