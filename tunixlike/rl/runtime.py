@@ -26,7 +26,8 @@ from tunixlike import device_turns
 from tunixlike.rl.collapse import CollapseDetector
 from tunixlike.rl.config import RuntimeConfig
 from tunixlike.rl.hooks import Hooks, StepInfo
-from tunixlike.rl.queue import RolloutQueue, Stopped
+from tunixlike.rl import loop
+from tunixlike.rl.queue import RolloutQueue
 from tunixlike.rollout import RolloutGroup
 
 if TYPE_CHECKING:
@@ -117,101 +118,96 @@ class AsyncRuntime:
     self._stop_requested = True
     self.stopped_by_hook = finish
 
-  def _check(self):
+  # ---- the sampling side, as the loop drives it (rl/loop.py) -----------------------------------
+  def start_sampling(self) -> None:
+    self.driver.start()
+
+  def check(self) -> None:
     self.driver.check()
     self.rewards.check()
 
-  def _step_sampler_inline(self, deadline: float):
+  def sample_inline(self) -> None:
     """Sync mode without a sampler thread: decode in this thread until a batch is ready."""
+    deadline = time.monotonic() + self.cfg.wait_timeout_s
     while self.queue.depth() < self.cfg.prompts_per_step:
-      self._check()
+      self.check()
       if time.monotonic() > deadline:
         raise TimeoutError(f"sync mode: no full batch within rl.wait_timeout_s={self.cfg.wait_timeout_s}")
       if not self.driver.step():
         time.sleep(0.001)  # everything decoded; rewards still being scored
+
+  def stop_sampling(self) -> None:
+    self.stop_event.set()
+    self.driver.stop(timeout_s=self.cfg.wait_timeout_s)
+    self.rewards.close()
 
   # ---- the loop (main thread) -------------------------------------------------------------
   def run(self, *, threaded: bool = True) -> dict[str, float]:
     """`threaded=False` steps the sampler in this thread (needs max_staleness=0): the reference
     synchronous loop that the threaded runtime at staleness 0 must reproduce exactly."""
     cfg = self.cfg
-    if not threaded and cfg.max_staleness != 0:
-      raise ValueError("run(threaded=False) is the synchronous loop: it needs max_staleness=0")
     keep = _has_variance if cfg.dynamic_sampling else None
-    t_start = time.monotonic()
-    tokens_before = self.driver.stats.tokens_generated
-    busy_before = self.driver.stats.busy_time_s
-    nonfinite_in_a_row = 0
-    last: dict[str, float] = {}
-    if threaded:
-      self.driver.start()
-    try:
-      for _ in range(self.num_steps):
-        if self._stop_requested:
-          self.preempted = not self.stopped_by_hook
-          break
-        self._check()
-        t0 = time.monotonic()
-        if not threaded:
-          self._step_sampler_inline(t0 + cfg.wait_timeout_s)
-        groups = self.queue.get_batch(self.policy.version, cfg.wait_timeout_s, keep=keep)
-        self._check()
-        wait_s = time.monotonic() - t0
-        # Deterministic batch order (start order), whatever order the reward pool finished in.
-        groups.sort(key=lambda g: g.columns.get("stream_index", 0))
-        version = self.policy.version
-        batch = self.policy.assemble(groups)  # host work: the sampler may still use the devices
-        with self.turns.learner():
-          t1 = time.monotonic()  # after the turn's wait: that is the sampler's device time
-          metrics = self.policy.train_batch(batch)
-          train_s = time.monotonic() - t1
-          synced = self.policy.sync_weights()
-          self.driver.update_params(synced.params, synced.version, drain=cfg.sync_mode == "drain")
-        self.learner_busy_s += train_s
-        sync_ms = synced.ms
-        self.sync_ms.append(sync_ms)
-        if not math.isfinite(float(metrics.get("loss", 0.0))) or metrics.get("skipped", 0):
-          nonfinite_in_a_row += 1
-          self.queue.step_skipped(len(groups))  # the same version needs a new batch: admit one
-          if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
-            raise NonFiniteLoss(f"non-finite loss at step {version} ({nonfinite_in_a_row} in a row; "
-                                "rl.max_nonfinite_steps): lower optim.learning_rate or check the data")
-        else:
-          nonfinite_in_a_row = 0
-        collapsed = self._collapse.check(metrics) if self._collapse is not None else None
-        metrics["collapse"] = float(collapsed is not None)
-        wall = time.monotonic() - t_start
-        stats = self.driver.stats
-        lags = np.array([version - g.min_version for g in groups])
-        rewards = np.concatenate([g.rewards for g in groups])
-        metrics.update({
-            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-            # GRPO's advantages are 0 in a group whose rewards are all equal: no gradient from it.
-            "frac_reward_zero_std": float(np.mean([not _has_variance(g) for g in groups])),
-            "groups/all_zero_reward": int(sum(not np.any(g.rewards) for g in groups)),
-            "staleness/min": int(lags.min()), "staleness/mean": float(lags.mean()),
-            "staleness/max": int(lags.max()), "learner/step_s": train_s, "learner/wait_s": wait_s,
-            "learner/busy_frac": self.learner_busy_s / wall,
-            "sampler/busy_frac": (stats.busy_time_s - busy_before) / wall,
-            "sampler/tokens_per_s": (stats.tokens_generated - tokens_before) / wall,
-            "sampler/slot_occupancy": stats.slot_occupancy, "sampler/preemptions": stats.preemptions,
-            "sync/ms": sync_ms,
-            "nonfinite_in_a_row": nonfinite_in_a_row, **self.queue.stats(),
-        })
-        for name in sorted({k for g in groups for k in g.reward_metrics}):
-          values = [g.reward_metrics[name] for g in groups if name in g.reward_metrics]
-          metrics[name] = float(np.mean(values)) if "failures" not in name else float(np.sum(values))
-        dropped = self.queue.take_dropped()
-        self.hooks.run(StepInfo(version, self.policy.version, metrics, groups, dropped, collapse=collapsed,
-                                stop=lambda: self.request_stop(finish=True)))
-        last = metrics
-    except Stopped:
-      self._check()  # the original error of the thread that stopped the run
-      raise
-    finally:
-      self.stop_event.set()
-      self.driver.stop(timeout_s=cfg.wait_timeout_s)
-      self.rewards.close()
-    self._check()
-    wall = time.monotonic() - t_start
-    return {**last, "wall_s": wall, "preempted": self.preempted, "stopped_by_hook": self.stopped_by_hook}
+    self._t_start = time.monotonic()
+    self._tokens_before = self.driver.stats.tokens_generated
+    self._busy_before = self.driver.stats.busy_time_s
+    self._nonfinite_in_a_row = 0
+
+    def should_stop() -> bool:
+      if self._stop_requested:
+        self.preempted = not self.stopped_by_hook
+      return self._stop_requested
+
+    out = loop.run_steps(self.num_steps, self,
+                         lambda: self.queue.get_batch(self.policy.version, cfg.wait_timeout_s, keep=keep),
+                         self._train, threaded=threaded, max_staleness=cfg.max_staleness, should_stop=should_stop)
+    return {**out, "preempted": self.preempted, "stopped_by_hook": self.stopped_by_hook}
+
+  def _train(self, step: int, groups: list[RolloutGroup], wait_s: float) -> dict[str, float]:
+    """One learner step on a batch of groups, the weight sync, the step's metrics and its hooks."""
+    cfg = self.cfg
+    # Deterministic batch order (start order), whatever order the reward pool finished in.
+    groups.sort(key=lambda g: g.columns.get("stream_index", 0))
+    version = self.policy.version
+    batch = self.policy.assemble(groups)  # host work: the sampler may still use the devices
+    with self.turns.learner():
+      t1 = time.monotonic()  # after the turn's wait: that is the sampler's device time
+      metrics = self.policy.train_batch(batch)
+      train_s = time.monotonic() - t1
+      synced = self.policy.sync_weights()
+      self.driver.update_params(synced.params, synced.version, drain=cfg.sync_mode == "drain")
+    self.learner_busy_s += train_s
+    self.sync_ms.append(synced.ms)
+    if not math.isfinite(float(metrics.get("loss", 0.0))) or metrics.get("skipped", 0):
+      self._nonfinite_in_a_row += 1
+      self.queue.step_skipped(len(groups))  # the same version needs a new batch: admit one
+      if self._nonfinite_in_a_row >= cfg.max_nonfinite_steps:
+        raise NonFiniteLoss(f"non-finite loss at step {version} ({self._nonfinite_in_a_row} in a row; "
+                            "rl.max_nonfinite_steps): lower optim.learning_rate or check the data")
+    else:
+      self._nonfinite_in_a_row = 0
+    collapsed = self._collapse.check(metrics) if self._collapse is not None else None
+    metrics["collapse"] = float(collapsed is not None)
+    wall = time.monotonic() - self._t_start
+    stats = self.driver.stats
+    lags = np.array([version - g.min_version for g in groups])
+    rewards = np.concatenate([g.rewards for g in groups])
+    metrics.update({
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        # GRPO's advantages are 0 in a group whose rewards are all equal: no gradient from it.
+        "frac_reward_zero_std": float(np.mean([not _has_variance(g) for g in groups])),
+        "groups/all_zero_reward": int(sum(not np.any(g.rewards) for g in groups)),
+        "staleness/min": int(lags.min()), "staleness/mean": float(lags.mean()),
+        "staleness/max": int(lags.max()), "learner/step_s": train_s, "learner/wait_s": wait_s,
+        "learner/busy_frac": self.learner_busy_s / wall,
+        "sampler/busy_frac": (stats.busy_time_s - self._busy_before) / wall,
+        "sampler/tokens_per_s": (stats.tokens_generated - self._tokens_before) / wall,
+        "sampler/slot_occupancy": stats.slot_occupancy, "sampler/preemptions": stats.preemptions,
+        "sync/ms": synced.ms,
+        "nonfinite_in_a_row": self._nonfinite_in_a_row, **self.queue.stats(),
+    })
+    for name in sorted({k for g in groups for k in g.reward_metrics}):
+      values = [g.reward_metrics[name] for g in groups if name in g.reward_metrics]
+      metrics[name] = float(np.mean(values)) if "failures" not in name else float(np.sum(values))
+    self.hooks.run(StepInfo(version, self.policy.version, metrics, groups, self.queue.take_dropped(),
+                            collapse=collapsed, stop=lambda: self.request_stop(finish=True)))
+    return metrics
