@@ -422,3 +422,29 @@ class WeightSync:
     if self._shapes is None:  # the same every step: looked up once (flattening the state costs ms)
       self._shapes = tuple(x.shape for x in self.sampler_params.arrays(state))
     return self._shapes
+
+
+def for_learner(learner, targets: Any, *, dtype=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                across_hosts: HostTransfer | None = None, tracer=None) -> WeightSync:
+  """The weight sync of `learner`'s policy to `targets` (the sampler's shardings), its mode chosen here:
+
+  'lora' for a LoRA learner; 'packed' for a small model on one process whose sampler arrays are the
+  state's own and of one dtype after the cast (at most PACK_MAX_BYTES): one transfer per sync
+  instead of one per array (the learner's time per sync for the main job's model, idle machine:
+  4.5 ms per array, 1.4 ms split on the sampler by one program, 0.7 ms kept packed, 2026-11-26);
+  otherwise 'full'.
+  """
+  from tunixlike.learner.train_step import Learner
+  state, mesh = learner.state, learner.mesh
+  layout = StateLayout.match(state, learner.sampler_params(state))
+  sampler_params = layout or learner.sampler_params
+  common = dict(dtype=dtype, bucket_bytes=bucket_bytes, across_hosts=across_hosts, tracer=tracer)
+  if learner.lora:
+    return WeightSync(targets, sampler_params, mode="lora", **common)
+  one_process = mesh is not None and len({d.process_index for d in mesh.devices.flat}) == 1
+  if layout is not None and one_process and isinstance(learner, Learner):
+    arrays = jax.eval_shape(lambda s: cast_floats(layout.arrays(s), dtype), state)
+    if len({x.dtype for x in arrays}) == 1 and sum(x.size * x.dtype.itemsize for x in arrays) <= PACK_MAX_BYTES:
+      keep = all(s.is_fully_replicated for s in jax.tree.leaves(targets))
+      return WeightSync(targets, layout, mode="packed", learner_mesh=mesh, keep_packed=keep, **common)
+  return WeightSync(targets, sampler_params, mode="full", **common)
