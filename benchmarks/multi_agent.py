@@ -93,13 +93,13 @@ def run_mode(setup, mode: str, a) -> dict:
   # A paged KV cache: with continuous batching, a contiguous cache's window follows the longest live
   # turn, so every short turn decoding beside a long one pays for its length.
   sampler = dict(eos_ids=(), kv_layout="paged")
-  policies = ma_build.build_policies(setup, {PROPOSER: 1, SOLVER: 4}, batch_episodes=b,
+  policies, engines = ma_build.build_policies(setup, {PROPOSER: 1, SOLVER: 4}, batch_episodes=b,
                                      sampler={PROPOSER: sampler, SOLVER: sampler})
   options = dict(sync=dict(max_staleness=0, lockstep=True, max_episodes_in_flight=b),
                  group=dict(max_staleness=1, emit_groups_of=4),
                  episode=dict(max_staleness=1, max_episodes_in_flight=2 * b))[mode]
   lengths = turn_lengths(a.median_tokens, a.max_tokens)
-  runtime = ma_build.build_runtime(setup, policies, lambda: ProposeSolveEnv(digits=2, attempts=4, turn_tokens=lengths),
+  runtime = ma_build.build_runtime(setup, policies, engines, lambda: ProposeSolveEnv(digits=2, attempts=4, turn_tokens=lengths),
                                    batch_episodes=b, max_turns=2, **options)
   marks, rewards, busy, train_s = [], [], [], []
   drivers = runtime.coordinator.drivers.values()

@@ -17,7 +17,7 @@ Then, as a run does with `model.hf_path`:
     the best step of the rest; MFU = model FLOPs/s (`tunixlike.flops`) / the peak of a `--dtype`
     matmul measured in the same run on the learner's devices;
   * sync: `weight_sync.sync` of the learner's parameters to the sampler's shardings, as
-    `Policy.sampler_weights` does (median milliseconds, waited for);
+    `WeightSync.sync` does (median milliseconds, waited for);
   * sampler: the engine with the paged KV cache, static batches of `--batches` prompts of
     `--prompt-len` random tokens, exactly `--new-tokens` new tokens each (no stop token): the first
     run's seconds (compile included) and the decode tokens/s of the next;
@@ -229,7 +229,7 @@ def sampler_figures(meshes, learner, a, sync: dict, decode: dict, report) -> Non
     trained = learner.model(learner.state)  # the learner's current arrays (the loaded ones were donated)
     engine = Engine(trained, cfg, meshes.sampler)
     source = nnx.split(trained)[1]
-    if not sync:  # the runtime's full sync (Policy.sampler_weights without packing), waited for
+    if not sync:  # the runtime's full sync (WeightSync.sync in its full mode), waited for
       times = []
       for _ in range(a.syncs + 1):  # each copy dropped before the next (two would hold 2x the sampler's bytes)
         synced, ms = weight_sync.sync(source, engine.param_shardings)

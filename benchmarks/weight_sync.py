@@ -4,14 +4,14 @@
 
 Prints one JSON object (and writes it to --out). On 4 learner + 4 sampler devices it builds a model
 born sharded on the learner submesh (LEARNER_RULES, fsdp) and times `tunixlike.rl.weight_sync.sync`
-to the sampler shardings (SAMPLER_RULES), exactly as `Policy.sampler_weights` does, for two
+to the sampler shardings (SAMPLER_RULES), exactly as `WeightSync.sync` does, for two
 sampler layouts:
   * `replicated`: sampler_tensor=1, the default config: every one of the 4 decode replicas holds a
     whole copy, so a sync must deliver 4x the model's bytes;
   * `tensor`: sampler_tensor=4: one copy split over the 4 sampler devices (model bytes delivered).
 The floor is `np.copyto` of the same bytes into a preallocated buffer in the same run, both of the
 model's bytes and of the bytes the sync delivers. LoRA-only sync (rank 8, all projections) moves
-`adapter_params` only, as the runtime does (`Policy.sampler_weights`): packed into one
+`adapter_params` only, as the runtime does (`WeightSync.sync`): packed into one
 buffer on the learner, one transfer, kept packed on the sampler (`keep_packed=True`; the engine
 splits it inside its own programs); `lora_sync_unpacked_ms` adds the separate unpack. The runtime
 packs the adapters right behind the train step (`weight_sync.pack`, dispatched before the learner

@@ -165,3 +165,21 @@ def test_bf16_compute_with_fp32_master_weights_and_remat(tiny_model, host_batch)
   assert float(metrics["nonfinite"]) == 0.0 and np.isfinite(float(metrics["loss"]))
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.opt_state) if x.ndim)
+
+
+def test_step_with_output_returns_the_step_and_fn_of_its_new_state(tiny_model, host_batch):
+  """The fused step (weight sync's packing) is a second compiled step whose extra output is returned,
+  not left in an attribute: its state and metrics are `train_step`'s, its third output fn(new state)."""
+  batch = host_batch(8)
+  plain, fused = Learner(tiny_model(), _cfg(1)), Learner(tiny_model(), _cfg(1))
+  total = lambda state: sum(jnp.sum(x) for x in jax.tree.leaves(state.params))
+  step = fused.step_with_output(total, None)
+  s1, m1 = plain.train_step(plain.state, plain.put_batch(batch), jax.random.key(0))
+  s2, m2, out = step(fused.state, fused.put_batch(batch), jax.random.key(0))
+  np.testing.assert_allclose(float(out), float(total(s2)), rtol=1e-6)
+  np.testing.assert_allclose(float(m2["loss"]), float(m1["loss"]), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not hasattr(fused, "fused_output")
+  s3, m3 = fused.train_step(s2, fused.put_batch(batch), jax.random.key(0))  # the plain step is unchanged
+  assert set(m3) == set(m1)

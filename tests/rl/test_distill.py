@@ -79,7 +79,7 @@ def _config(teacher_path, num_steps, advantage="distill"):
 def _held_out_kl(setup, rl, teacher_model) -> float:
   """Exact mean reverse KL(student || teacher) over the vocabulary at every position of completions the
   current student samples for the held-out prompts (same sampling seed each time)."""
-  params, _ = rl.policy.sampler_weights()
+  params = rl.policy.sync_weights().params
   groups = []
   RolloutDriver(rl.engine, params, source=iter(requests_for(setup.eval_records)), sink=groups.append).run(120)
   rows = [(g.prompt_token_ids, c.token_ids) for g in groups for c in g.completions]

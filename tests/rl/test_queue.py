@@ -41,6 +41,7 @@ def test_version_rejection_drops_stale_groups_and_frees_admission():
   assert [g.prompt_id for g in batch] == ["new"]
   assert q.dropped_stale == 1
   assert q.admitted - q.dropped_stale == 1 and q.try_admit(0)  # the drop made room for a replacement
+  assert [g.prompt_id for g in q.take_dropped()] == ["old"] and q.take_dropped() == []  # reported once
 
 
 def test_filter_drops_zero_variance_groups():

@@ -81,9 +81,9 @@ def test_staleness_bound_holds_and_weights_reach_the_sampler(tmp_path, layout):
   assert rl.policy.version == 3
   # The synced copy equals the learner's latest weights, lives on the sampler devices, and differs
   # from the initial weights (a sync that silently sent stale weights would not).
-  rl.policy.sampler_weights()
+  rl.policy.sync_weights()
   # A small model travels as one buffer packed by the train step, kept packed on the sampler.
-  assert isinstance(rl.policy._sampler_params, params_lib.Packed)
+  assert isinstance(rl.policy.weight_sync.last.params, params_lib.Packed)
   synced = rl.policy.synced_params
   sampler_devices = set(setup.meshes.sampler.devices.flat)
   assert setup.meshes.colocated == (layout == "colocated")
@@ -143,10 +143,11 @@ def test_lora_run_with_sampler_warmup_compiles_nothing_and_syncs_prepacked_adapt
   assert not any(engine_counts(traces).values()) and rl.policy.version == 3, traces
   policy = rl.policy
   policy.train(batches[-1])  # one more step: its adapters are packed before the host waits for it
-  adapters, packed = policy._packed
-  assert adapters is policy.state.params and isinstance(packed, params_lib.Packed)
-  synced, _ = policy.sampler_weights()
-  assert policy._packed is None and isinstance(synced, params_lib.WithAdapters)
+  packed_for, packed = policy.weight_sync._pending
+  adapters = policy.state.params
+  assert policy.weight_sync.mode == "lora" and packed_for is policy.state and isinstance(packed, params_lib.Packed)
+  synced = policy.sync_weights().params
+  assert policy.weight_sync._pending is None and isinstance(synced, params_lib.WithAdapters)
   assert set(synced.adapters.flat.devices()) == set(setup.meshes.sampler.devices.flat)
   for a, b in zip(jax.tree.leaves(synced.adapters.unpack()), jax.tree.leaves(adapters)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -221,12 +222,13 @@ def test_full_sync_sends_the_train_steps_own_pack_and_warmup_covers_it():
   rl = build.build_rl(setup)
   runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)))  # the first sync packs by itself
   packed_apart = []
-  pack_now = rl.policy._pack_now
-  rl.policy._pack_now = lambda state: (packed_apart.append(1), pack_now(state))[1]  # counts, then packs
+  assert rl.policy.weight_sync.mode == "packed"
+  pack_now = rl.policy.weight_sync._pack_now
+  rl.policy.weight_sync._pack_now = lambda state: (packed_apart.append(1), pack_now(state))[1]  # counts, then packs
   with count_traces() as traces:
     runtime.run(threaded=True)
   assert not any(engine_counts(traces).values()) and rl.policy.version == 3, traces
-  assert not packed_apart and isinstance(rl.policy._sampler_params, params_lib.Packed)
+  assert not packed_apart and isinstance(rl.policy.weight_sync.last.params, params_lib.Packed)
   packed = rl.policy.synced_params
   for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(rl.policy.full_params())):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -238,9 +240,9 @@ def test_full_sync_unpacked_for_a_sampler_that_does_not_replicate_arrives_in_its
   over a tensor axis, so it is chosen here by hand): one program splits the pack into the engine's shardings."""
   setup = build.build(tiny_config(max_staleness=1))
   rl = build.build_rl(setup)
-  rl.policy._keep_packed = False
+  rl.policy.weight_sync.keep_packed = False
   build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)), num_steps=1).run(threaded=True)
-  synced, _ = rl.policy.sampler_weights()
+  synced = rl.policy.sync_weights().params
   assert not isinstance(synced, params_lib.Packed)
   for a, b, want in zip(jax.tree.leaves(synced), jax.tree.leaves(rl.policy.full_params()),
                         jax.tree.leaves(rl.engine.param_shardings)):
@@ -253,8 +255,8 @@ def test_step_packed_sync_applies_the_sync_dtype():
   setup = build.build(config_lib.replace(tiny_config(max_staleness=1), rl=dict(sync_dtype="bfloat16")))
   rl = build.build_rl(setup)
   build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)), num_steps=1).run(threaded=True)
-  rl.policy.sampler_weights()
-  assert isinstance(rl.policy._sampler_params, params_lib.Packed)
+  rl.policy.sync_weights()
+  assert isinstance(rl.policy.weight_sync.last.params, params_lib.Packed)
   for a, b in zip(jax.tree.leaves(rl.policy.synced_params), jax.tree.leaves(rl.policy.full_params())):
     assert a.dtype == (jax.numpy.bfloat16 if jax.numpy.issubdtype(b.dtype, jax.numpy.floating) else b.dtype)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(a.dtype)))

@@ -149,3 +149,75 @@ def test_split_sync_queued_copy_survives_donation():
   synced, _ = weight_sync.sync(full, targets, block=False)
   _donate_all(full)
   _check(synced, expected, targets)
+
+
+def _learner(meshes, lora_rank: int = 0):
+  from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
+  from tunixlike.learner.train_step import Learner
+  model = models.create_sharded(models.tiny_config(), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
+  if lora_rank:
+    lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=lora_rank), seed=0, mesh=meshes.learner,
+                        rules=mesh_lib.LEARNER_RULES)
+  cfg = LearnerConfig(algo=AlgoConfig(), optim=OptimConfig(learning_rate=1e-3), logprob_chunk_size=8)
+  return Learner(model, cfg, meshes.learner, mesh_lib.LEARNER_RULES), model
+
+
+def _moved(state):
+  """A state as a train step leaves it: every trained array changed (new buffers)."""
+  return state.replace(params=jax.tree.map(lambda x: x * 1.5 + 0.25, state.params))
+
+
+def _check_sampler_has(ws, state, targets, dtype=None):
+  want = jax.tree.leaves(ws.sampler_params(state))
+  for a, b, t in zip(jax.tree.leaves(ws.synced_params), want, jax.tree.leaves(targets)):
+    assert a.sharding.device_set == t.device_set
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(dtype or b.dtype)))
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_weight_sync_object_modes_deliver_the_state_with_its_version(dtype):
+  """`for_learner` picks the mode; each mode's sync lands the sampler's params of the state it is
+  given, with that version, and a packed result computed for an older state is never sent."""
+  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4)
+  learner, model = _learner(meshes)
+  targets = models.state_shardings(nnx.state(model), meshes.sampler, mesh_lib.SAMPLER_RULES)
+  ws = weight_sync.for_learner(learner, targets, dtype=dtype)
+  assert ws.mode == "packed" and isinstance(ws.sampler_params, weight_sync.StateLayout)
+  state = learner.state
+  first = ws.sync(state, 0)  # before any step: packed by a program of its own
+  assert first.version == 0 and isinstance(first.params, params_lib.Packed) and first.ms > 0
+  _check_sampler_has(ws, state, targets, dtype)
+  moved = _moved(state)
+  ws.after_step(moved, jax.jit(ws.step_output, out_shardings=ws.step_output_sharding)(moved))  # as the fused step
+  second = ws.sync(moved, 1)
+  assert second.version == 1 and ws.last is second
+  _check_sampler_has(ws, moved, targets, dtype)
+  ws.after_step(moved, jax.jit(ws.step_output, out_shardings=ws.step_output_sharding)(moved))
+  ws.sync(state, 0)  # e.g. restored since: the pending pack (of `moved`) is not what is sent
+  _check_sampler_has(ws, state, targets, dtype)
+  # The same learner's full mode (a model too large to pack), built from the same explicit arguments.
+  full = weight_sync.WeightSync(targets, ws.sampler_params, mode="full", dtype=dtype)
+  assert full.sync(moved, 7).version == 7
+  _check_sampler_has(full, moved, targets, dtype)
+  with pytest.raises(ValueError, match="mode 'packed' needs"):
+    weight_sync.WeightSync(targets, learner.sampler_params, mode="packed")
+
+
+def test_weight_sync_object_lora_sends_the_base_once_then_adapters_packed_behind_the_step():
+  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4)
+  learner, model = _learner(meshes, lora_rank=4)
+  targets = models.state_shardings(nnx.state(model), meshes.sampler, mesh_lib.SAMPLER_RULES)
+  ws = weight_sync.for_learner(learner, targets)
+  assert ws.mode == "lora"
+  state = learner.state
+  ws.after_step(state)  # nothing on the sampler yet: nothing to pack for
+  assert ws._pending is None
+  assert not isinstance(ws.sync(state, 0).params, params_lib.WithAdapters)  # the whole model first
+  moved = _moved(state)
+  ws.after_step(moved)
+  assert ws._pending[0] is moved and isinstance(ws._pending[1], params_lib.Packed)
+  synced = ws.sync(moved, 1)
+  assert synced.version == 1 and isinstance(synced.params, params_lib.WithAdapters) and ws._pending is None
+  _check_sampler_has(ws, moved, targets)
+  assert any(np.abs(np.asarray(a) - np.asarray(b)).max() > 0  # the adapters did change on the sampler
+             for a, b in zip(jax.tree.leaves(synced.params.adapters.unpack()), jax.tree.leaves(state.params)))

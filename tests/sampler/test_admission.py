@@ -148,7 +148,7 @@ def test_admission_refused_mid_batch_admits_the_rest_later(make_engine):
   requests = _requests(9)
   asked, allowed = [], [2]
 
-  def may_start():  # two groups now, later one per call
+  def may_start(version):  # two groups now, later one per call
     asked.append(1)
     ok = allowed[0] > 0
     allowed[0] -= ok

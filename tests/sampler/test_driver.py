@@ -159,7 +159,7 @@ def test_thread_admission_control_drain_swap_and_queue_sink(make_engine):
   allow = threading.Event()
   allow.set()
 
-  def may_start():
+  def may_start(version):
     ok = allow.is_set() and len(admitted) < 3
     if ok:
       admitted.append(1)

@@ -137,7 +137,7 @@ class AgentDriver(RolloutDriver):
 
   def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None], sink,
                agent: Callable[..., Any], tokenizer, agent_config: AgentConfig, version: int = 0,
-               may_start_group: Callable[[], bool] | None = None, tracer=None, model_name: str = "policy"):
+               may_start_group: Callable[[int], bool] | None = None, tracer=None, model_name: str = "policy"):
     """`agent(base_url, api_key, episode_id, row)` runs one episode against `base_url` (its OpenAI
     base URL), sending `api_key` with every request."""
     if not callable(agent):
@@ -295,7 +295,7 @@ class AgentDriver(RolloutDriver):
   def _start_groups(self) -> None:
     g = self.config.group_size
     while (not self._exhausted and self._live_episodes + g <= max(self.agent_config.workers, g)
-           and not self._admission_closed() and self._may_start()):
+           and not self._admission_closed() and self._may_start(self._version)):
       try:
         request = next(self._source)
       except StopIteration:

@@ -180,19 +180,15 @@ class PPOLearner(Learner):
                        "PPOLearner.prepare (or none of it)")
     return not present
 
-  def train_step(self, state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
-    """(state, batch, rng) -> (state, metrics); `state` is donated.
-
-    A batch without the prepared targets is prepared first from `state` (one update per batch,
-    the runtime's default); for several updates on one batch, `prepare` once and pass the result
-    each time. Metrics add vf_loss (token mean of the clipped 1/2 (V - R)^2), vf_clip_frac,
-    token_advantage_abs and, when prepared here, value_mean / return_mean (/ kl_reward).
-    """
-    stats = {}
+  def prepare_batch(self, state: TrainState, batch: dict[str, jax.Array]):
+    """The train step's batch: one without the prepared targets is prepared first from `state` (one
+    update per batch, the runtime's default); for several updates on one batch, `prepare` once and
+    pass the result each time. The step's metrics then add vf_loss (token mean of the clipped
+    1/2 (V - R)^2), vf_clip_frac, token_advantage_abs and, when prepared here, value_mean /
+    return_mean (/ kl_reward)."""
     if self.needs_prepare(batch):
-      batch, stats = self.prepare(state, batch)
-    state, metrics = super().train_step(state, batch, rng)
-    return state, {**metrics, **stats}
+      return self.prepare(state, batch)
+    return batch, {}
 
   def policy(self, state: TrainState) -> nnx.Module:
     """The policy alone (for weight sync to the sampler, eval and export)."""

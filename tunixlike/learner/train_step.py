@@ -106,7 +106,6 @@ class Learner:
     # The initial TrainState. `train_step` donates its input: carry on with the state it returns.
     self.state = self._init_state(params, frozen)
     self._step = self._jit(self._train_step, donate_argnums=(0,), out_shardings=(self.state_shardings, None))
-    self._fused = None  # fuse_into_step's function
     self._logprobs = self._jit(self._token_logprobs)
     self._grads = self._jit(lambda state, batch: self._accumulate(state, batch)[:2])
 
@@ -430,25 +429,42 @@ class Learner:
   def train_step(self, state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
     """(state, batch, rng) -> (state, metrics). `state` is donated: do not reuse it afterwards.
 
-    Metrics stay on device; `jax.device_get` them only when logging. With `fuse_into_step`,
-    `fused_output` then holds that function of the new state.
+    Metrics stay on device; `jax.device_get` them only when logging.
     """
-    if self._fused is None:
-      return self._step(state, batch, rng)
-    state, metrics, self.fused_output = self._step(state, batch, rng)
-    return state, metrics
+    batch, stats = self.prepare_batch(state, batch)
+    state, metrics = self._step(state, batch, rng)
+    return (state, {**metrics, **stats}) if stats else (state, metrics)
 
-  def fuse_into_step(self, fn, out_sharding) -> None:
-    """Compiles `fn(new_state)` into the train step, its result left in `fused_output` after every
-    step: work that must follow each step (weight sync's packing) without a dispatch of its own."""
-    self._fused = fn
-    self.fused_output = None
-
+  def step_with_output(self, fn, out_sharding):
+    """A second compiled train step that also returns `fn(new_state)`:
+    (state, batch, rng) -> (state, metrics, fn(new state)), `state` donated as in `train_step`. Work
+    that must follow every step (weight sync's packing) runs inside the step's program, without a
+    dispatch of its own; the learner and its `train_step` are unchanged."""
     def step_then_fn(state, batch, rng):
       state, metrics = self._train_step(state, batch, rng)
       return state, metrics, fn(state)
 
-    self._step = self._jit(step_then_fn, donate_argnums=(0,), out_shardings=(self.state_shardings, None, out_sharding))
+    compiled = self._jit(step_then_fn, donate_argnums=(0,), out_shardings=(self.state_shardings, None, out_sharding))
+
+    def step(state, batch, rng):
+      batch, stats = self.prepare_batch(state, batch)
+      state, metrics, out = compiled(state, batch, rng)
+      return state, ({**metrics, **stats} if stats else metrics), out
+
+    return step
+
+  def prepare_batch(self, state: TrainState, batch: dict[str, jax.Array]):
+    """(batch, host-side stats) as the step takes it: the batch itself here (PPO adds its targets)."""
+    del state
+    return batch, {}
+
+  def policy(self, state: TrainState) -> nnx.Module:
+    """The policy the sampler runs (for weight sync, eval and export): the model itself here."""
+    return self.model(state)
+
+  def sampler_params(self, state: TrainState):
+    """The sampler's params: the policy's whole nnx State over `state`'s arrays."""
+    return nnx.split(self.policy(state))[1]
 
   def loss_and_grads(self, state: TrainState, batch: dict[str, jax.Array]):
     """(loss, gradients w.r.t. the trainable params) of a placed batch, without an update."""

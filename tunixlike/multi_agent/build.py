@@ -7,52 +7,55 @@ import functools
 import itertools
 from typing import Any, Callable, Mapping
 
+import jax
 from flax import nnx
 
-from tunixlike import config as config_lib
 from tunixlike.multi_agent.coordinator import EpisodeCoordinator
 from tunixlike.multi_agent.runtime import MultiAgentRuntime
 from tunixlike.rl import build as build_lib, scoring
 from tunixlike.rl.policy import Policy
 from tunixlike.sampler import RolloutDriver, make_engine
+from tunixlike.sampler.engine import Engine
 
 
 def build_policies(setup: build_lib.Setup, group_sizes: Mapping[str, int], batch_episodes: int,
                    turns_per_episode: Mapping[str, int] | None = None,
-                   sampler: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Policy]:
-  """A policy per agent, each with its own copy of `setup.model` (as warm-started), learner state,
-  version counter and sampler engine whose groups are that agent's `group_sizes[name]` samples.
+                   sampler: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[dict[str, Policy], dict[str, Engine]]:
+  """(a policy per agent, its sampler engine): each with its own copy of `setup.model` (as
+  warm-started), learner state and version counter, and an engine whose groups are that agent's
+  `group_sizes[name]` samples.
   A learner batch holds `batch_episodes x turns_per_episode[name] (default 1) x group size` rows, a
   row per turn completion (`optim.share_prompts` does not apply: a batch's turns have many prompts).
   `sampler[name]`: SamplerConfig fields of that policy's engine (e.g. its stop strings)."""
-  policies = {}
+  cfg, policies, engines = setup.cfg, {}, {}
   for name, g in group_sizes.items():
     rows = batch_episodes * (turns_per_episode or {}).get(name, 1) * g
-    per_prompt = max(g, 2)  # the learner's rows = prompts_per_step x algo.group_size (>= 2 by its check)
-    cfg = config_lib.replace(setup.cfg, algo=dict(group_size=per_prompt), rl=dict(prompts_per_step=-(-rows // per_prompt)),
-                             optim=dict(share_prompts=False))
+    per_prompt = max(g, 2)  # rows in whole groups of at least 2, as a run's batch of algo.group_size >= 2
     model = nnx.clone(setup.model)
     learner = build_lib.build_learner(cfg, model, setup.meshes.learner)
     s_cfg = dataclasses.replace(build_lib.sampler_config(cfg, setup.tok), group_size=g, **(sampler or {}).get(name, {}))
-    engine = make_engine(model, s_cfg, mesh=setup.meshes.sampler)
-    policies[name] = Policy(learner, engine, cfg, setup.tok.pad_id, tracer=setup.tracer)
-  return policies
+    engines[name] = engine = make_engine(model, s_cfg, mesh=setup.meshes.sampler)
+    policies[name] = build_lib.build_policy(cfg, learner, engine, setup.tok.pad_id, tracer=setup.tracer,
+                                            rows=-(-rows // per_prompt) * per_prompt // jax.process_count(),
+                                            share_prompts=False)
+  return policies, engines
 
 
-def build_runtime(setup: build_lib.Setup, policies: dict[str, Policy], make_env: Callable[[], Any], *,
+def build_runtime(setup: build_lib.Setup, policies: dict[str, Policy], engines: dict[str, Engine],
+                  make_env: Callable[[], Any], *,
                   batch_episodes: int, max_staleness: int, max_turns: int = 8, max_episodes_in_flight: int | None = None,
                   records=None, **coordinator) -> MultiAgentRuntime:
-  """The run's episodes over `policies` (their current weights and versions); `records` feed
+  """The run's episodes over `policies` (their current weights and versions), sampled on `engines`; `records` feed
   `env.reset` (default: {"index": i} forever); `coordinator`: more EpisodeCoordinator options."""
   cfg, tok = setup.cfg, setup.tok
 
-  def make_driver(policy: Policy, source, sink) -> RolloutDriver:
-    params, _ = policy.sampler_weights()
-    return RolloutDriver(policy.engine, params, source=source, sink=sink, version=policy.version,
+  def make_driver(policy: Policy, engine, source, sink) -> RolloutDriver:
+    synced = policy.sync_weights()
+    return RolloutDriver(engine, synced.params, source=source, sink=sink, version=synced.version,
                          detokenize=tok.decode, tracer=setup.tracer)
 
   def make_coordinator(sink, may_start_episode):
-    drivers = {name: functools.partial(make_driver, policy) for name, policy in policies.items()}
+    drivers = {name: functools.partial(make_driver, policy, engines[name]) for name, policy in policies.items()}
     return EpisodeCoordinator(drivers, make_env=make_env,
                               records=records if records is not None else ({"index": i} for i in itertools.count()),
                               encode=tok.encode, detokenize=tok.decode, sink=sink, may_start_episode=may_start_episode,

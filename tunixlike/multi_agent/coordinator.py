@@ -12,7 +12,8 @@ async). Every token records the version of the policy that produced it; `update_
 swaps one policy's weights between two of its generate calls (soft pause), so a partial episode
 continues with the new weights and its earlier tokens keep their versions.
 
-Admission is per episode (`may_start_episode`, e.g. `EpisodeQueue.try_admit`); an episode leaves as
+Admission is per episode (`may_start_episode(versions)`, asked with every policy's sampler version,
+e.g. `EpisodeQueue.try_admit`); an episode leaves as
 an `Episode` with one `RolloutGroup` per turn taken (prompt, samples, env rewards), the unit the
 episode-level buffer admits, bounds and trains. An env that raises or times out ends only its own
 episode (finish "aborted", `failure_reward` for every sample); a turn too long for its policy's
@@ -119,7 +120,7 @@ class EpisodeCoordinator:
                make_env: Callable[[], Any], records: Iterable[dict[str, Any]],
                encode: Callable[[str], Sequence[int]], detokenize: Callable[[Sequence[int]], str],
                sink: Callable[[Episode], None], max_episodes_in_flight: int = 16,
-               may_start_episode: Callable[[], bool] = lambda: True, max_turns: int = 8,
+               may_start_episode: Callable[[dict[str, int]], bool] = lambda versions: True, max_turns: int = 8,
                failure_reward: float = 0.0, env_workers: int = 8, step_timeout_s: float = 30.0,
                idle_wait_s: float = 0.002, lockstep: bool = False, emit_groups_of: int = 1):
     """`make_driver[p](source, sink)` builds policy p's driver over that prompt source and group sink.
@@ -232,7 +233,7 @@ class EpisodeCoordinator:
 
   def _start_episodes(self) -> bool:
     started = False
-    while not self._exhausted and len(self._live) < self._max_in_flight and self._may_start():
+    while not self._exhausted and len(self._live) < self._max_in_flight and self._may_start(self.versions()):
       try:
         record = next(self._records)
       except StopIteration:

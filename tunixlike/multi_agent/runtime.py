@@ -25,6 +25,7 @@ import numpy as np
 from tunixlike.learner import group_advantages
 from tunixlike.multi_agent.buffer import EpisodeQueue
 from tunixlike.multi_agent.coordinator import Episode, EpisodeCoordinator
+from tunixlike.rl import loop
 from tunixlike.rl.policy import Policy
 from tunixlike.rollout import RolloutGroup
 
@@ -66,8 +67,7 @@ class MultiAgentRuntime:
     self.stop_event = threading.Event()
     self.queue = EpisodeQueue(tuple(policies), batch_episodes, max_staleness, self.stop_event,
                               start_versions={p: pol.version for p, pol in policies.items()})
-    self.coordinator = make_coordinator(sink=self.queue.put,
-                                        may_start_episode=lambda: self.queue.try_admit(self.coordinator.versions()))
+    self.coordinator = make_coordinator(sink=self.queue.put, may_start_episode=self.queue.try_admit)
     differ = set(self.coordinator.policies) ^ set(policies)
     if differ:
       raise ValueError(f"the coordinator's policies {self.coordinator.policies} and the learners' "
@@ -78,6 +78,7 @@ class MultiAgentRuntime:
     self.turn_tokens = {p: collections.deque(maxlen=4096) for p in policies}  # completion lengths per policy
     self.episode_tokens: collections.deque[int] = collections.deque(maxlen=4096)  # per trained episode
 
+  # ---- the sampling side, as the loop drives it (rl/loop.py) -----------------------------------
   def _coordinate(self) -> None:
     try:
       self.coordinator.run(max_wall_s=float("inf"))
@@ -85,9 +86,30 @@ class MultiAgentRuntime:
       self._error = e
       self.stop_event.set()
 
-  def _check(self) -> None:
+  def start_sampling(self) -> None:
+    self._thread = threading.Thread(target=self._coordinate, name="multi-agent-coordinator", daemon=True)
+    self._thread.start()
+
+  def check(self) -> None:
     if self._error is not None:
       raise RuntimeError(f"multi-agent sampling failed: {self._error!r}") from self._error
+
+  def sample_inline(self) -> None:
+    """Sync mode without a coordinator thread: run episodes in this thread until a batch is ready."""
+    deadline = time.monotonic() + self.wait_timeout_s
+    while self.queue.depth() < self.queue.batch_groups:
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"no batch of episodes within rl.wait_timeout_s={self.wait_timeout_s}")
+      if not self.coordinator.advance():
+        time.sleep(0.001)  # env calls still running
+
+  def stop_sampling(self) -> None:
+    self.stop_event.set()
+    self.coordinator.stop()
+    if self._thread is not None:
+      self._thread.join(self.wait_timeout_s)
+    else:
+      self.coordinator.close()
 
   def versions(self) -> dict[str, int]:
     return {p: pol.version for p, pol in self.policies.items()}
@@ -108,8 +130,9 @@ class MultiAgentRuntime:
       out = policy.train(groups)
       if out.get("skipped"):
         self.queue.step_skipped(len(episodes), [name])
-      params, sync_ms = policy.sampler_weights()
-      self.coordinator.update_params(name, params, policy.version)
+      synced = policy.sync_weights()
+      self.coordinator.update_params(name, synced.params, synced.version)
+      sync_ms = synced.ms
       rewards = np.concatenate([g.rewards for g in groups])
       lags = [version - int(c.policy_versions.min()) for g in groups for c in g.completions if c.num_tokens]
       metrics.update({f"{name}/loss": float(out.get("loss", 0.0)), f"{name}/reward": float(rewards.mean()),
@@ -126,41 +149,18 @@ class MultiAgentRuntime:
 
   def run(self, num_steps: int, on_step: Callable[[int, dict], None] = lambda step, m: None, *,
           threaded: bool = True) -> dict[str, float]:
-    """Trains `num_steps` batches; returns the last step's metrics with `wall_s` and `episodes_per_s`.
-    `threaded=False` (max_staleness 0) runs the episodes of each batch in this thread first: the
-    synchronous loop that the threaded runtime at staleness 0 must reproduce."""
-    if not threaded and self.queue.max_staleness != 0:
-      raise ValueError("run(threaded=False) is the synchronous loop: it needs max_staleness=0")
-    t0 = time.monotonic()
-    if threaded:
-      self._thread = threading.Thread(target=self._coordinate, name="multi-agent-coordinator", daemon=True)
-      self._thread.start()
-    last: dict[str, float] = {}
-    trained = 0
-    try:
-      for step in range(num_steps):
-        self._check()
-        if not threaded:
-          self._sample_inline(time.monotonic() + self.wait_timeout_s)
-        episodes = self.queue.get_batch(self.versions(), self.wait_timeout_s)
-        self._check()
-        last = self.train_batch(episodes)
-        trained += len(episodes)
-        on_step(step, last)
-    finally:
-      self.stop_event.set()
-      self.coordinator.stop()
-      if self._thread is not None:
-        self._thread.join(self.wait_timeout_s)
-      else:
-        self.coordinator.close()
-    self._check()
-    wall = time.monotonic() - t0
-    return {**last, "wall_s": wall, "episodes_per_s": trained / wall}
+    """Trains `num_steps` batches (the loop of `rl/loop.py`, as the single-policy runtime); returns
+    the last step's metrics with `wall_s` and `episodes_per_s`. `threaded=False` (max_staleness 0)
+    runs the episodes of each batch in this thread first: the synchronous loop that the threaded
+    runtime at staleness 0 must reproduce."""
+    trained = [0]
 
-  def _sample_inline(self, deadline: float) -> None:
-    while self.queue.depth() < self.queue.batch_groups:
-      if time.monotonic() > deadline:
-        raise TimeoutError(f"no batch of episodes within rl.wait_timeout_s={self.wait_timeout_s}")
-      if not self.coordinator.advance():
-        time.sleep(0.001)  # env calls still running
+    def train(step: int, episodes: list[Episode], wait_s: float) -> dict[str, float]:
+      metrics = self.train_batch(episodes)
+      trained[0] += len(episodes)
+      on_step(step, metrics)
+      return metrics
+
+    out = loop.run_steps(num_steps, self, lambda: self.queue.get_batch(self.versions(), self.wait_timeout_s), train,
+                         threaded=threaded, max_staleness=self.queue.max_staleness)
+    return {**out, "episodes_per_s": trained[0] / out["wall_s"]}

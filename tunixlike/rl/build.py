@@ -3,7 +3,7 @@
     setup = build(cfg)                 # meshes, tokenizer, task data, the model (before any training)
     warm_start(setup)                  # optional supervised warm start of setup.model
     rl = build_rl(setup)               # LoRA, the policy (learner), sampler engines, the reward stage
-    runtime = make_runtime(setup, rl, PromptStream(setup.train_pipe))
+    runtime = make_runtime(setup, rl, PromptStream(setup.train_pipe))   # queue -> rewards -> driver -> loop
     runtime.hooks.add(lambda info: print(info.step, info.metrics["reward/mean"]))
     runtime.run()
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -26,20 +26,23 @@ from tunixlike import device_turns, distributed, mesh as mesh_lib, models, rewar
 from tunixlike import config as config_lib
 from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokenizer_lib
-from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, value as value_lib
+from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, prompt_rows, value as value_lib
 from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.train_step import Learner
 from tunixlike.models import hub, lora as lora_lib, transformer
 from tunixlike.rewards import loader, process as process_lib
+from tunixlike.rewards.envs import Env
 from tunixlike.rl import distill as distill_lib, evaluate as eval_lib, scoring, warm_start as warm_start_lib
 from tunixlike.rl import weight_sync
 from tunixlike.agents.driver import AgentConfig, AgentDriver
 from tunixlike.rl.collapse import CollapseConfig, CollapseDetector
+from tunixlike.rl import policy as policy_lib
 from tunixlike.rl.policy import Policy
 from tunixlike.rl import prompts as prompts_lib
 from tunixlike.rl.prompts import PromptStream, requests_for
 from tunixlike.rl.config import AGENT_API_KEY_ENV, BUILT_IN_ENVS
-from tunixlike.rl.runtime import AsyncRuntime
+from tunixlike.rl.queue import RolloutQueue
+from tunixlike.rl.runtime import AsyncRuntime, RewardStage
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.sampler.driver import RolloutDriver
 from tunixlike.sampler import make_engine
@@ -78,21 +81,24 @@ def check_process_split(cfg: Config, n: int):
 
 
 # ---- before training: meshes, data, model ----------------------------------------------------------
+Task = tasks.SyntheticTask | tasks.Gsm8kTask | tasks.DatasetTask  # a built-in task or the user's dataset
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
   """The run's inputs, built once: nothing here changes afterwards except the weights of `model`."""
 
   cfg: Config
   meshes: mesh_lib.Meshes
-  tok: Any
-  task: Any
+  tok: tokenizer_lib.Tokenizer
+  task: Task
   model: nnx.Module  # the policy on the learner submesh (warm-started in place)
   train_pipe: pipeline.PromptPipeline
   eval_records: list  # this process's share of the held-out prompts
   tracer: trace_lib.Tracer
   reward: rewards_lib.CombinedReward | None = None  # the training reward; its first term is the evals' verifier
-  make_env: Any = None  # rl.env: builds one `Env` per episode (None: single-turn)
-  agent: Any = None  # rl.agent: run_episode(base_url, api_key, episode_id, row), served by the agent server
+  make_env: Callable[[], Env] | None = None  # rl.env: builds one `Env` per episode (None: single-turn)
+  agent: Callable[..., Any] | None = None  # rl.agent: run_episode(base_url, api_key, episode_id, row), behind the agent server
   warm_start_records: list | None = None  # held-out set of the warm start: the same on every process
   critic: nnx.Module | None = None  # PPO's separate critic trunk (model.critic_path), on the learner mesh
   teacher: distill_lib.Teacher | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
@@ -319,7 +325,7 @@ def warm_start(setup: Setup, say=print, should_stop=lambda: False, on_step=lambd
 class RLStack:
   """The objects the RL loop runs; each owns its own state (the policy owns the learner state)."""
 
-  policy: Policy
+  policy: Policy  # owns the learner state and its version; its `weight_sync` feeds `engine`
   engine: Engine  # the rollout sampler
   eval_engine: Engine  # greedy decoding of the held-out prompts, on the same devices
   scorer: scoring.GroupScorer  # the reward stage, run on the reward workers
@@ -355,6 +361,28 @@ def policy_model(setup: Setup) -> nnx.Module:
                              seed=cfg.seed, mesh=setup.meshes.learner, rules=mesh_lib.LEARNER_RULES)
 
 
+def policy_rows(cfg: Config, num_processes: int, share_prompts: bool) -> tuple[int, tuple[int, ...]]:
+  """(this process's rows of each learner batch, the sequence lengths they are padded to): a row per
+  completion, or with `share_prompts` a row per group (packed up to optim.pack_tokens a row)."""
+  longest = cfg.sampler.max_prefill_length + cfg.sampler.max_new_tokens
+  if share_prompts:
+    return (cfg.rl.prompts_per_step // num_processes,
+            prompt_rows.row_buckets(cfg.optim.pack_tokens or longest * cfg.algo.group_size))
+  return cfg.rl.prompts_per_step * cfg.algo.group_size // num_processes, policy_lib.length_buckets(longest)
+
+
+def build_policy(cfg: Config, learner, engine: Engine, pad_id: int, *, tracer=trace_lib.NULL_TRACER,
+                 rows: int | None = None, share_prompts: bool | None = None) -> Policy:
+  """The policy over `learner` with its weight sync to `engine`'s shardings (rl.sync_dtype). `rows`
+  and `share_prompts` replace the run's (`policy_rows`, optim.share_prompts)."""
+  sync = weight_sync.for_learner(learner, engine.param_shardings, dtype=cfg.rl.sync_dtype, tracer=tracer)
+  n_proc = 1 if learner.mesh is None else len({d.process_index for d in learner.mesh.devices.flat})
+  share = cfg.optim.share_prompts if share_prompts is None else share_prompts
+  run_rows, buckets = policy_rows(cfg, n_proc, share)
+  return Policy(learner, sync, rows=run_rows if rows is None else rows, seq_buckets=buckets, pad_id=pad_id,
+                seed=cfg.seed, share_prompts=share, routing=cfg.sampler.record_routing, tracer=tracer)
+
+
 def correctness_reward(setup: Setup) -> rewards_lib.CombinedReward:
   """The 0/1 verifier evals score with (the first reward term), not the shaped training reward."""
   return rewards_lib.CombinedReward(setup.reward.specs[:1], timeout_s=setup.cfg.rl.reward_timeout_s)
@@ -370,7 +398,7 @@ def build_rl(setup: Setup, *, reward: rewards_lib.CombinedReward | None = None,
   s_cfg = sampler_config(cfg, tok)
   engine = make_engine(model, s_cfg, mesh=setup.meshes.sampler)
   eval_engine = make_engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
-  policy = Policy(learner, engine, cfg, tok.pad_id, tracer=setup.tracer)
+  policy = build_policy(cfg, learner, engine, tok.pad_id, tracer=setup.tracer)
   correctness = correctness or correctness_reward(setup)
   reward = reward or setup.reward
   a, process = cfg.algo, None
@@ -387,10 +415,9 @@ def build_rl(setup: Setup, *, reward: rewards_lib.CombinedReward | None = None,
 
 def evaluate(setup: Setup, rl: RLStack) -> dict[str, Any]:
   """Held-out accuracy of the policy (see `evaluate_params`)."""
-  policy = rl.policy
-  params, _ = policy.sampler_weights()
-  with setup.tracer.span("eval", cat="eval", version=policy.version):
-    return evaluate_params(setup, rl.eval_engine, params, rl.correctness, version=policy.version)
+  synced = rl.policy.sync_weights()
+  with setup.tracer.span("eval", cat="eval", version=synced.version):
+    return evaluate_params(setup, rl.eval_engine, synced.params, rl.correctness, version=synced.version)
 
 
 def evaluate_params(setup: Setup, engine, params, correctness, *, version: int = 0) -> dict[str, Any]:
@@ -413,43 +440,57 @@ def collapse_detector(cfg: Config, policy: Policy) -> CollapseDetector:
   return CollapseDetector(CollapseConfig.from_config(cfg, vocab_size=policy.model().cfg.vocab_size))
 
 
+def make_queue(cfg: Config, policy: Policy, counts: dict | None = None) -> RolloutQueue:
+  """The rollout queue: this process's share of every batch, admission from the policy's version;
+  `counts` (a checkpoint's `queue.counts()`) continues its counters. Built before the driver and
+  the runtime, which it is handed to."""
+  return RolloutQueue(cfg.rl.prompts_per_step // policy.num_processes, cfg.rl.max_staleness,
+                      start_version=policy.version, counts=counts)
+
+
+def make_driver(setup: Setup, rl: RLStack, stream: PromptStream, queue: RolloutQueue, sink, synced, *,
+                turns=device_turns.NO_TURNS, say=print) -> RolloutDriver:
+  """The driver of this run's rollouts (single-turn, env episodes, or the user's agent behind its
+  server), from `synced` weights and version; its admission is `queue.try_admit`; not started."""
+  cfg, tok, tracer = setup.cfg, setup.tok, setup.tracer
+  common = dict(source=stream, sink=sink, version=synced.version, may_start_group=queue.try_admit, tracer=tracer)
+  if setup.agent is not None:  # the user's agent loop, served over HTTP on the same decode slots
+    driver = AgentDriver(rl.engine, synced.params, agent=setup.agent, tokenizer=tok,
+                         agent_config=AgentConfig.from_config(
+                             cfg, api_key=os.environ.get(AGENT_API_KEY_ENV) or None), **common)
+    say(f"agent server: {driver.base_url} (model {driver.model_name!r})")
+  elif setup.make_env is None:
+    # Process rewards: step prefixes go to the PRM threads while decoding goes on.
+    recorders = [] if rl.scorer.process is None else [ProcessRewardRecorder(rl.scorer.process, tok.decode)]
+    driver = RolloutDriver(rl.engine, synced.params, recorders=recorders, detokenize=tok.decode, **common)
+  else:  # Config refuses what episodes cannot record (process rewards, routing).
+    driver = EpisodeDriver(rl.engine, synced.params, make_env=setup.make_env, detokenize=tok.decode,
+                           tokenize=lambda text: tok.encode(text, add_special_tokens=False),
+                           episode_config=EpisodeConfig.from_config(cfg), **common)
+  driver.turns = turns
+  return driver
+
+
 def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: int | None = None,
-                 collapse: CollapseDetector | None = None, queue_counts: dict | None = None,
+                 collapse: CollapseDetector | None = None, queue: RolloutQueue | None = None,
                  say=print) -> AsyncRuntime:
-  """The async loop over `stream`'s prompts, with every decode program compiled first (sampler.warmup).
-  Add the run's periodic work with `runtime.hooks.add(fn, every=N)`."""
-  cfg, tok, tracer, policy = setup.cfg, setup.tok, setup.tracer, rl.policy
-  params, _ = policy.sampler_weights()
+  """The async loop over `stream`'s prompts, with every decode program compiled first (sampler.warmup):
+  the queue (`make_queue`, or `queue`), the reward stage, the driver, the runtime, each handed to the
+  next. Add the run's periodic work with `runtime.hooks.add(fn, every=N)`."""
+  cfg, tracer, policy = setup.cfg, setup.tracer, rl.policy
+  synced = policy.sync_weights()
   if cfg.sampler.warmup:  # every decode program compiled now, not in the middle of the run
     with tracer.span("sampler_warmup", cat="sampler"):
-      rl.engine.warmup(params)
+      rl.engine.warmup(synced.params)
       if policy.lora:  # later syncs hand over packed adapters (`WithAdapters`): their programs too
-        params, _ = policy.sampler_weights()
-        rl.engine.warmup(params)
-
-  def driver_factory(sink, may_start_group):
-    common = dict(source=stream, sink=sink, version=policy.version, may_start_group=may_start_group,
-                  detokenize=tok.decode, tracer=tracer)
-    if setup.agent is not None:  # the user's agent loop, served over HTTP on the same decode slots
-      driver = AgentDriver(rl.engine, params, source=stream, sink=sink, version=policy.version,
-                           may_start_group=may_start_group, tracer=tracer, agent=setup.agent, tokenizer=tok,
-                           agent_config=AgentConfig.from_config(
-                               cfg, api_key=os.environ.get(AGENT_API_KEY_ENV) or None))
-      say(f"agent server: {driver.base_url} (model {driver.model_name!r})")
-      return driver
-    if setup.make_env is None:
-      # Process rewards: step prefixes go to the PRM threads while decoding goes on.
-      recorders = [] if rl.scorer.process is None else [ProcessRewardRecorder(rl.scorer.process, tok.decode)]
-      return RolloutDriver(rl.engine, params, recorders=recorders, **common)
-    # Config refuses what episodes cannot record (process rewards, routing).
-    return EpisodeDriver(rl.engine, params, make_env=setup.make_env,
-                         tokenize=lambda text: tok.encode(text, add_special_tokens=False),
-                         episode_config=EpisodeConfig.from_config(cfg), **common)
-
-  r, n_proc = cfg.rl, policy.num_processes
-  return AsyncRuntime(
-      # Each process's queue admits its own share of every batch.
-      dataclasses.replace(r, prompts_per_step=r.prompts_per_step // n_proc,
-                          dynamic_sampling=cfg.algo.dynamic_sampling), num_steps=num_steps,
-      driver_factory=driver_factory, policy=policy, score=rl.scorer, collapse=collapse, queue_counts=queue_counts,
-      turns=device_turns.DeviceTurns(r.wait_timeout_s) if setup.meshes.colocated else None)
+        synced = policy.sync_weights()
+        rl.engine.warmup(synced.params)
+  queue = queue or make_queue(cfg, policy)
+  rewards = RewardStage(rl.scorer, queue, cfg.rl.reward_workers)
+  turns = device_turns.DeviceTurns(cfg.rl.wait_timeout_s) if setup.meshes.colocated else device_turns.NO_TURNS
+  driver = make_driver(setup, rl, stream, queue, rewards, synced, turns=turns, say=say)
+  # Each process's queue admits its own share of every batch.
+  run_cfg = dataclasses.replace(cfg.rl, prompts_per_step=cfg.rl.prompts_per_step // policy.num_processes,
+                                dynamic_sampling=cfg.algo.dynamic_sampling)
+  return AsyncRuntime(run_cfg, queue=queue, rewards=rewards, driver=driver, policy=policy, collapse=collapse,
+                      num_steps=num_steps, turns=turns)

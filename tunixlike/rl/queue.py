@@ -41,10 +41,11 @@ class Stopped(RuntimeError):
 class RolloutQueue:
 
   def __init__(self, batch_groups: int, max_staleness: int, stop_event: threading.Event | None = None,
-               on_drop: Callable[[RolloutGroup], None] = lambda group: None, start_version: int = 0,
+               on_drop: Callable[[RolloutGroup], None] | None = None, start_version: int = 0,
                counts: dict[str, int] | None = None):
     """`start_version`: the policy version the learner starts from (a resumed run's step).
-    `counts`: `counts()` of the run being resumed, so the queue's counters continue."""
+    `counts`: `counts()` of the run being resumed, so the queue's counters continue. Dropped groups
+    go to `on_drop`, by default kept until `take_dropped()`."""
     if batch_groups < 1:
       raise ValueError(f"batch_groups={batch_groups}: must be >= 1")
     if max_staleness < 0:
@@ -52,7 +53,8 @@ class RolloutQueue:
     self.batch_groups = batch_groups
     self.max_staleness = max_staleness
     self.stop_event = stop_event or threading.Event()
-    self._on_drop = on_drop  # dropped groups are counted and reported, never silently lost
+    self._dropped: list[RolloutGroup] = []
+    self._on_drop = on_drop or self._dropped.append  # dropped groups are counted and reported, never silently lost
     self._cond = threading.Condition()
     self._ready: list[RolloutGroup] = []
     self._running: collections.Counter[int] = collections.Counter()  # start version -> groups not yet put
@@ -182,6 +184,12 @@ class RolloutQueue:
     with self._cond:
       self._consumed -= groups
       self._cond.notify_all()
+
+  def take_dropped(self) -> list[RolloutGroup]:
+    """The groups dropped since the last call (with the default `on_drop`), oldest first."""
+    with self._cond:
+      out, self._dropped = self._dropped, []
+    return out
 
   def counts(self) -> dict[str, int]:
     """What a checkpoint keeps to continue the counters on resume."""

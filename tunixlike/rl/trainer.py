@@ -42,6 +42,7 @@ from tunixlike.rl import hooks as hooks_lib
 from tunixlike.rl.hooks import StepInfo
 from tunixlike.rl.preemption import Preemption
 from tunixlike.rl.prompts import PromptStream
+from tunixlike.rl.queue import RolloutQueue
 from tunixlike.rl.runtime import AsyncRuntime
 
 log = logging.getLogger("tunixlike")
@@ -84,7 +85,8 @@ def _stages(r: _Run) -> dict[str, Any]:
   latest = r.ckpt.latest_step()
   if latest is not None:
     r.check_resumable(_readable_meta(r.ckpt, latest), latest)  # before the slow part of a refused restart
-  if not (_start_fresh(r) if latest is None else _restore(r)):
+  data = _start_fresh(r) if latest is None else _restore(r)
+  if data is None:
     r.close()
     return {"preempted": True, "step": 0}
   if r.version >= r.cfg.rl.num_steps and r.version in r.evals:
@@ -95,33 +97,43 @@ def _stages(r: _Run) -> dict[str, Any]:
       r.say("rl.num_steps=0: the supervised stage only; its result is the checkpoint at step 0 (run again with "
             "rl.num_steps > 0 and the same --workdir to go on with RL)")
     return _finish(r, r.evals[r.version])
-  summary = _rl(r)
+  summary = _rl(r, data)
   if summary.get("preempted"):
     return summary
   try:
     acc_after = r.eval()
   finally:  # with the final eval as its metric, or without it if the eval failed
-    r.save(force=True)
+    r.save(data, force=True)
   r.ckpt.wait()
   return {**summary, **_finish(r, acc_after)}
 
 
 # ---- the stages ----------------------------------------------------------------------------------
-def _start_fresh(r: _Run) -> bool:
+@dataclasses.dataclass(frozen=True)
+class _Data:
+  """Where the run is in its data, saved with every checkpoint beside the policy state: the prompt
+  stream (its position and the prompts in flight, replayed on resume) and the rollout queue (its
+  admission counters). Built by `_start_fresh` or `_restore`, then handed to the RL loop."""
+
+  stream: PromptStream
+  queue: RolloutQueue
+
+
+def _start_fresh(r: _Run) -> _Data | None:
   """Warm start, build the RL stack, the first eval, and a checkpoint at step 0 that keeps both.
-  Returns False when a preemption stopped the warm start (nothing worth resuming yet)."""
+  Returns None when a preemption stopped the warm start (nothing worth resuming yet)."""
   cfg = r.cfg
   r.open_logs(None)
   if cfg.warm_start.max_steps and not _warm_start(r):
-    return False
-  r.build_rl()
-  r.stream = PromptStream(r.setup.train_pipe)
+    return None
+  rl = r.build_rl()
+  data = _Data(PromptStream(r.setup.train_pipe), build_lib.make_queue(cfg, rl.policy))
   r.eval()
-  r.save(force=True)  # the warm start and the first eval are never redone
+  r.save(data, force=True)  # the warm start and the first eval are never redone
   if cfg.warm_start.max_steps and r.pid == 0:
     r.ckpt.wait()
     epath.Path(r.workdir, WARM_START_SUBDIR).rmtree(missing_ok=True)  # the step-0 checkpoint holds it
-  return True
+  return data
 
 
 def _warm_start(r: _Run) -> bool:
@@ -181,50 +193,46 @@ def _resume_warm_start(r: _Run, paused: checkpoint_lib.Checkpointer, optimizer) 
   return step
 
 
-def _restore(r: _Run) -> bool:
-  """The newest readable checkpoint: policy state, logs cut back to it, data position, counters."""
+def _restore(r: _Run) -> _Data:
+  """The newest readable checkpoint: policy state, logs cut back to it, counters, evals, and the
+  data position it returns."""
   policy = r.build_rl().policy
   meta = policy.restore(r.ckpt)  # step=None: a damaged newest checkpoint falls back, with a warning
   where = r.ckpt.step_dir(policy.version)
   data_changed = r.check_resumable(meta, policy.version,
                                    json.loads(json.dumps(dataclasses.asdict(policy.model().cfg))))
   r.open_logs(policy.version)
-  r.counters.update(meta["counters"])
-  r.queue_counts = meta.get("queue")
+  r.restore_records(meta)
+  queue = build_lib.make_queue(r.cfg, policy, meta.get("queue"))  # its counters continue
   streams = meta.get("streams", [meta["stream"]])  # one per process (each reads its own data shard)
   if len(streams) != jax.process_count():
     raise SetupError(f"{where} was saved by {len(streams)} processes; resuming needs the same number, not "
                      f"{jax.process_count()}")
   mine = streams[r.pid]
-  for rec in metrics_lib.read_jsonl(r.logger.path):
-    if "eval/accuracy" in rec:
-      r.evals[rec["step"]] = rec["eval/accuracy"]
   if data_changed:  # data.allow_change: positions in the old data mean nothing in the new
-    r.stream = PromptStream(r.setup.train_pipe)
     r.say(f"resumed from {where} at step {policy.version} on changed data ({'; '.join(data_changed)}); "
           f"data.allow_change: the prompt stream starts again at the start of the new data, and the "
           f"{len(mine['outstanding'])} prompts in flight in the old data are not regenerated")
-    return True
-  r.stream = PromptStream(r.setup.train_pipe, mine["position"], replay=mine["outstanding"])
-  r.counters["groups_regenerated"] += r.stream.replayed
+    return _Data(PromptStream(r.setup.train_pipe), queue)
+  stream = PromptStream(r.setup.train_pipe, mine["position"], replay=mine["outstanding"])
+  r.counters["groups_regenerated"] += stream.replayed
   if policy.version < r.cfg.rl.num_steps:  # a finished run says so in _stages, and regenerates nothing
-    r.say(f"resumed from {where} at step {policy.version}; regenerating {r.stream.replayed} prompts that were in "
+    r.say(f"resumed from {where} at step {policy.version}; regenerating {stream.replayed} prompts that were in "
           "flight")
-  return True
+  return _Data(stream, queue)
 
 
-def _rl(r: _Run) -> dict[str, Any]:
+def _rl(r: _Run, data: _Data) -> dict[str, Any]:
   """The async RL loop from the current version to rl.num_steps (checkpointed when it is stopped)."""
   cfg, rl = r.cfg, r.rl
   if r.stop_requested():  # stopped during the first eval: the step-0 checkpoint has it
-    return _stopped(r, {})
-  r.runtime = build_lib.make_runtime(r.setup, rl, r.stream, num_steps=max(cfg.rl.num_steps - r.version, 0),
-                                     collapse=build_lib.collapse_detector(cfg, rl.policy),
-                                     queue_counts=r.queue_counts, say=r.say)
-  r.add_hooks(r.runtime)
+    return _stopped(r, data, {})
+  runtime = build_lib.make_runtime(r.setup, rl, data.stream, num_steps=max(cfg.rl.num_steps - r.version, 0),
+                                   collapse=build_lib.collapse_detector(cfg, rl.policy), queue=data.queue, say=r.say)
+  r.add_hooks(runtime, data)
   r.logger.progress("rl", total=cfg.rl.num_steps, initial=r.version)
   try:
-    summary = r.runtime.run()
+    summary = runtime.run()
   except collapse_lib.PolicyCollapse:
     best = r.ckpt.best_step()
     r.say("policy collapsed: the collapsed state is not saved; "
@@ -236,20 +244,20 @@ def _rl(r: _Run) -> dict[str, Any]:
     else:
       r.say("run failed: saving the last good learner state before re-raising")
       try:
-        r.save(force=True)
+        r.save(data, force=True)
         r.ckpt.wait()
       except Exception as e:  # e.g. the same full disk: report it, but re-raise the run's own error
         r.say(f"the checkpoint could not be saved either ({type(e).__name__}: {e})")
     raise
   finally:
     r.logger.end_progress()  # the final eval and the summary print below the finished bar
-  if r.runtime.preempted:
-    return _stopped(r, summary)
+  if runtime.preempted:
+    return _stopped(r, data, summary)
   return summary
 
 
-def _stopped(r: _Run, summary: dict) -> dict[str, Any]:
-  r.save(force=True)
+def _stopped(r: _Run, data: _Data, summary: dict) -> dict[str, Any]:
+  r.save(data, force=True)
   r.ckpt.wait()
   r.say(f"stopped at step {r.version}; checkpoint saved; run again with the same --workdir to resume")
   step = r.version
@@ -359,9 +367,6 @@ class _Run:
     self.logger: metrics_lib.MetricsLogger | None = None
     self.prompts_log = os.path.join(self.dir, "prompts.jsonl")
     self.counters = {"groups_trained": 0, "groups_dropped": 0, "groups_regenerated": 0}
-    self.stream: PromptStream | None = None
-    self.runtime: AsyncRuntime | None = None
-    self.queue_counts: dict | None = None
     self.evals: dict[int, float] = {}  # version -> held-out accuracy measured at it
 
   @property
@@ -448,23 +453,26 @@ class _Run:
     self.evals[version] = out["eval/accuracy"]
     return out["eval/accuracy"]
 
-  def save(self, force: bool = False):
+  def save(self, data: _Data, force: bool = False):
     """A checkpoint when forced or when orbax's save policy says so (every N steps or seconds)."""
     version = self.version
     if self.agreed(force or self.ckpt.should_save(version)):
       acc = self.evals.get(version)
-      self.ckpt.save(version, self.rl.policy.state, self.meta(),
-                     metrics=None if acc is None else {"eval/accuracy": acc}, force=True)
+      meta = checkpoint_meta(self.setup, self.rl, data.stream, self.counters, queue=data.queue.counts(),
+                             data=self.data_fingerprints)
+      self.ckpt.save(version, self.rl.policy.state, meta, metrics=None if acc is None else {"eval/accuracy": acc},
+                     force=True)
 
-  def meta(self) -> dict[str, Any]:
-    if self.runtime is not None:
-      self.queue_counts = self.runtime.queue.counts()
-    return checkpoint_meta(self.setup, self.rl, self.stream, self.counters, queue=self.queue_counts,
-                           data=self.data_fingerprints)
+  def restore_records(self, meta: dict) -> None:
+    """The counters of checkpoint `meta` and the held-out accuracies in the (cut back) metrics log."""
+    self.counters.update(meta["counters"])
+    for rec in metrics_lib.read_jsonl(self.logger.path):
+      if "eval/accuracy" in rec:
+        self.evals[rec["step"]] = rec["eval/accuracy"]
 
   # ---- the loop's hooks, in the order they run after every step ----
-  def add_hooks(self, runtime: AsyncRuntime):
-    runtime.hooks.add(self.account_prompts)
+  def add_hooks(self, runtime: AsyncRuntime, data: _Data):
+    runtime.hooks.add(lambda info: self.account_prompts(info, data.stream))
     for fn, every in self.user_hooks:  # before the metrics hook: what they add to info.metrics is logged
       runtime.hooks.add(fn, every=every)
     runtime.hooks.add(self.log_metrics)
@@ -476,12 +484,17 @@ class _Run:
       runtime.hooks.add(collapse_lib.stop_on_collapse)  # logged, but neither evaluated nor saved
     if self.cfg.eval.every_steps:
       runtime.hooks.add(self.periodic_eval, every=self.cfg.eval.every_steps)
-    runtime.hooks.add(self.periodic_save)  # after the eval: the checkpoint keeps the step's accuracy
-    runtime.hooks.add(self.check_preemption)
+    runtime.hooks.add(lambda info: self.periodic_save(info, data))  # after the eval: the checkpoint keeps its accuracy
 
-  def account_prompts(self, info: StepInfo):
+    def check_preemption(info: StepInfo):  # a signal seen by any process ends the loop after this step
+      if self.stop_requested():
+        runtime.request_stop()
+
+    runtime.hooks.add(check_preemption)
+
+  def account_prompts(self, info: StepInfo, stream: PromptStream):
     """Prompts trained or dropped leave the stream's outstanding set (what a resume replays)."""
-    self.stream.done(info.trained + info.dropped)
+    stream.done(info.trained + info.dropped)
     self.counters["groups_trained"] += len(info.trained)
     self.counters["groups_dropped"] += len(info.dropped)
     line = json.dumps({"step": info.step, "trained": [g.columns["stream_index"] for g in info.trained],
@@ -504,10 +517,6 @@ class _Run:
     if info.version < self.cfg.rl.num_steps:  # the last step's eval is the final one
       self.eval()  # the sampler keeps decoding meanwhile; only the learner waits
 
-  def periodic_save(self, info: StepInfo):
+  def periodic_save(self, info: StepInfo, data: _Data):
     if info.version < self.cfg.rl.num_steps:  # the last step's checkpoint is saved after the final eval
-      self.save(force=info.version in self.evals)  # every evaluated state is saved: it may be the best one
-
-  def check_preemption(self, info: StepInfo):
-    if self.stop_requested():
-      self.runtime.request_stop()
+      self.save(data, force=info.version in self.evals)  # every evaluated state is saved: it may be the best one

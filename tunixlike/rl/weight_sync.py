@@ -1,21 +1,31 @@
 """Weight sync from the learner submesh to the sampler submesh by `jax.device_put` resharding.
 
-One device_put over the whole pytree moves every array to its sampler sharding in a single call (the
-runtime batches the transfers: no per-parameter round-trips, the overhead FIELD.md warns about).
-An optional dtype cast (e.g. a bf16 sampler) happens on the learner devices first so that half the
-bytes cross. LoRA-only sync passes just the adapter pytree, packed into one buffer (many small
-arrays would each pay a fixed per-transfer cost); with `keep_packed` it stays one buffer on the
-sampler (`sampler.params.Packed`), and the engine splits it inside its own jitted programs, which
-saves the dispatch of a separate unpack program. `pack` lets the learner queue the packing right
-behind its train step, so that the sync itself is one transfer; a small model's whole params come
-packed by the train step itself (`Policy`, `Learner.fuse_into_step`). Every sync is timed.
+`WeightSync` is the object the runtime calls after every train step: built once per policy from
+explicit arguments (the sampler's shardings, where the sampler's params sit among the learner
+state's arrays, a mode, a dtype, a bucket size, a cross-host strategy), it returns the sampler's
+params with the version they are (`Synced`). Its three modes:
 
-Several processes (multi-controller JAX, no Pathways) refuse a device_put between different device
-sets across hosts. There the learner arrays span every host and each host's sampler mesh is local
-(`mesh.make_meshes`), so `sync` first all-gathers the learner arrays within the learner mesh, a
-bucket of at most `bucket_bytes` at a time to bound the extra memory, which leaves a full copy on
-each host's learner devices; then every host copies that to its own sampler devices: a local
-device_put that never leaves the host. Every process must call `sync` at the same point.
+- `full`: the whole model every sync, all its arrays in one `device_put` (no per-parameter
+  round-trips, the overhead FIELD.md warns about);
+- `lora`: the whole model once, then only the adapters (`state.params`), packed into one buffer right
+  behind the train step (`after_step`) and kept packed on the sampler (`sampler.params.WithAdapters`:
+  the engine splits it inside its own programs);
+- `packed`: a small model on one process: the train step itself packs the sampler's params into
+  one buffer replicated on the learner mesh (`step_output`, compiled into the step by the policy),
+  and a sync is one transfer of it.
+
+`sync` below is the function under all three (and what the warm start's and `tunixlike.eval`'s
+one-off syncs call): an optional dtype cast (e.g. a bf16 sampler) happens on the learner devices
+first so that half the bytes cross; small trees of many arrays are packed into one buffer; every
+sync is timed.
+
+Several processes (multi-controller JAX, no Pathways): when the learner's arrays span hosts, `sync`
+hands the tree to a cross-host strategy (`across_hosts`, a `HostTransfer`). The one built in,
+`gather_on_each_host`, all-gathers the learner arrays within the learner mesh, a bucket of at most
+`bucket_bytes` at a time to bound the extra memory, which leaves a full copy on each host's
+learner devices; then every host copies that to its own sampler devices (`mesh.make_meshes` keeps
+each host's sampler mesh local): a device_put that never leaves the host. Every process must call
+`sync` at the same point.
 """
 
 from __future__ import annotations
@@ -23,11 +33,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
 
+from tunixlike import trace as trace_lib
 from tunixlike.sampler import params as params_lib
 
 
@@ -54,7 +65,8 @@ def _spans_processes(leaves) -> bool:
 
 
 def sync(tree: Any, shardings: Any, *, dtype=None, block: bool = True,
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES, keep_packed: bool = False) -> tuple[Any, float]:
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, keep_packed: bool = False,
+         across_hosts: HostTransfer | None = None) -> tuple[Any, float]:
   """Returns (the tree on the sampler shardings, milliseconds taken).
 
   `block=True` waits for the copy, and the time measured is the transfer's. With `block=False` it
@@ -65,22 +77,23 @@ def sync(tree: Any, shardings: Any, *, dtype=None, block: bool = True,
   buffers to the next step. `bucket_bytes` bounds the all-gathered bytes held at once on several
   hosts (unused on one; there each bucket is waited for). With `keep_packed`, a tree that takes the
   packed path comes back as a `Packed` buffer replicated on the sampler mesh (`Packed.unpack()`
-  gives the tree; `Engine` accepts it alone or inside `WithAdapters`).
+  gives the tree; `Engine` accepts it alone or inside `WithAdapters`). `across_hosts` moves a tree
+  whose arrays span processes (default `gather_on_each_host`).
   """
   start = time.perf_counter()
   if isinstance(tree, params_lib.Packed):  # packed on the learner already (`pack`, cast included)
     out = _send_packed(tree, _flat_targets(tree.treedef, shardings), keep_packed)
   else:
-    out = _sync_tree(tree, shardings, dtype, bucket_bytes, keep_packed)
+    out = _sync_tree(tree, shardings, dtype, bucket_bytes, keep_packed, across_hosts or gather_on_each_host)
   if block:
     out = jax.block_until_ready(out)
   return out, (time.perf_counter() - start) * 1e3
 
 
-def _sync_tree(tree, shardings, dtype, bucket_bytes: int, keep_packed: bool) -> Any:
+def _sync_tree(tree, shardings, dtype, bucket_bytes: int, keep_packed: bool, across_hosts: HostTransfer) -> Any:
   leaves, treedef = jax.tree.flatten(tree)  # once: flattening an nnx State is slow next to a LoRA sync
   if _spans_processes(leaves):
-    return _sync_across_hosts(tree, shardings, dtype, bucket_bytes)
+    return across_hosts(tree, shardings, dtype=dtype, bucket_bytes=bucket_bytes)
   targets = _flat_targets(treedef, shardings)
   if _on_same_devices(leaves, targets):  # colocated: one program reshards every array where it is
     return jax.tree.unflatten(treedef, _resharder(tuple(targets), _dtype_name(dtype))(leaves))
@@ -215,7 +228,17 @@ def _gatherer(out_shardings: tuple, dtype: str | None):
   return jax.jit(lambda xs: cast_floats(list(xs), dtype), out_shardings=list(out_shardings))
 
 
-def _sync_across_hosts(tree: Any, shardings: Any, dtype, bucket_bytes: int) -> Any:
+class HostTransfer(Protocol):
+  """A cross-host strategy: `tree` (learner arrays spanning processes) on `shardings` (the sampler's),
+  floats cast to `dtype`, holding at most about `bucket_bytes` of extra memory at once. Called by
+  every process at the same point."""
+
+  def __call__(self, tree: Any, shardings: Any, *, dtype, bucket_bytes: int) -> Any: ...
+
+
+def gather_on_each_host(tree: Any, shardings: Any, *, dtype, bucket_bytes: int) -> Any:
+  """The per-host split layout's strategy: all-gather each bucket within the learner mesh, then
+  copy it from one of this host's learner devices to this host's sampler devices."""
   leaves, treedef = jax.tree.flatten(tree)
   targets = treedef.flatten_up_to(shardings)
   for x, t in zip(leaves, targets):
@@ -259,3 +282,169 @@ def replace_leaves(full: Any, part: Any) -> Any:
     return params_lib.WithAdapters(full, part)
   from flax import nnx
   return nnx.merge_state(full, part)
+
+
+# ---- the object the runtime calls ---------------------------------------------------------------
+MODES = ("full", "lora", "packed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Synced:
+  """The sampler's params (on its devices; the copy may still be in flight) and the policy version
+  they are: the version travels with the weights."""
+
+  params: Any
+  version: int
+  ms: float  # the caller's time in the sync (the copy itself is queued)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+  """Where the sampler's params sit among a TrainState's model arrays (`state.params`, then
+  `state.frozen`): their tree structure and each array's index. Matched once, it builds the sampler's
+  tree from a state without an nnx merge and split (milliseconds per sync on a small model)."""
+
+  treedef: Any
+  indices: tuple[int, ...]
+
+  @staticmethod
+  def leaves(state) -> list:
+    return jax.tree.leaves((state.params, state.frozen))
+
+  @classmethod
+  def match(cls, state, sampler_tree: Any) -> StateLayout | None:
+    """The layout of `sampler_tree` (built from `state`, e.g. `nnx.split(model)[1]`) in `state`; None
+    when its arrays are not the state's own (an offloaded learner's)."""
+    index = {id(x): i for i, x in enumerate(cls.leaves(state))}
+    full, treedef = jax.tree.flatten(sampler_tree)
+    if not all(id(x) in index for x in full):
+      return None
+    return cls(treedef, tuple(index[id(x)] for x in full))
+
+  def arrays(self, state) -> list:
+    xs = self.leaves(state)
+    return [xs[i] for i in self.indices]
+
+  def __call__(self, state) -> Any:
+    return jax.tree.unflatten(self.treedef, self.arrays(state))
+
+
+class WeightSync:
+  """The learner's weights to the sampler, one call per step: `sync(state, version) -> Synced`.
+
+  Built once per policy (see the module docstring for the modes):
+    targets: the sampler's param shardings (`Engine.param_shardings`);
+    sampler_params: state -> the sampler's param tree on the learner (a `StateLayout`, or any function);
+    mode: 'full', 'lora' (the adapters are `state.params`) or 'packed' (needs a `StateLayout`);
+    dtype: the sampler's float dtype (None: as trained), cast on the learner before the transfer;
+    bucket_bytes: bound on the extra bytes a cross-host strategy holds at once;
+    learner_mesh: where 'packed' leaves its buffer (replicated);
+    keep_packed: 'packed' only: the sampler takes the buffer as it is (its params replicated) and its
+      programs split it, rather than one program splitting it into the sampler's shardings;
+    across_hosts: the cross-host strategy (default `gather_on_each_host`).
+
+  The policy calls `after_step(state, step_output)` right after each train step (before it waits for
+  the step): 'lora' queues the adapters' packing behind the step there, 'packed' keeps the buffer the
+  step computed. Every process calls `sync` at the same point.
+  """
+
+  def __init__(self, targets: Any, sampler_params: Callable[[Any], Any], *, mode: str = "full", dtype=None,
+               bucket_bytes: int = DEFAULT_BUCKET_BYTES, learner_mesh=None, keep_packed: bool = False,
+               across_hosts: HostTransfer | None = None, tracer=None):
+    if mode not in MODES:
+      raise ValueError(f"weight sync mode {mode!r}: expected one of {MODES}")
+    if mode == "packed" and (not isinstance(sampler_params, StateLayout) or learner_mesh is None):
+      raise ValueError("weight sync mode 'packed' needs a StateLayout and the learner mesh")
+    buckets([], bucket_bytes)  # checks it
+    self.targets, self.sampler_params, self.mode, self.dtype = targets, sampler_params, mode, dtype
+    self.bucket_bytes, self.keep_packed = bucket_bytes, keep_packed
+    self.across_hosts = across_hosts or gather_on_each_host
+    self.tracer = tracer or trace_lib.NULL_TRACER
+    self.last: Synced | None = None  # what the sampler was last handed
+    self._pending = None  # (the state it was computed from, its packed weights): sent by the next sync
+    self._adapter_targets = None  # 'lora': the adapters' sampler shardings, looked up once
+    self._shapes = None  # 'packed': the shapes of the arrays in the buffer, looked up once
+    if mode == "packed":
+      self._replicated = jax.sharding.NamedSharding(learner_mesh, jax.sharding.PartitionSpec())
+      self._pack_now = jax.jit(self.step_output, out_shardings=self._replicated)  # before the first step, after a restore
+
+  # ---- 'packed': the buffer the train step computes -------------------------------------------
+  def step_output(self, state) -> jax.Array:
+    """The sampler's arrays of `state`, cast as the sync casts them, in one flat buffer (traceable:
+    'packed' compiles it into the train step, `step_output_sharding` on the learner mesh)."""
+    return jnp.concatenate([x.reshape(-1) for x in cast_floats(self.sampler_params.arrays(state), self.dtype)])
+
+  @property
+  def step_output_sharding(self):
+    return self._replicated
+
+  # ---- the calls -----------------------------------------------------------------------------------
+  def after_step(self, state, step_output=None) -> None:
+    """Right after the train step that produced `state` (`step_output`: what `step_output` computed in it)."""
+    if self.mode == "packed" and step_output is not None:
+      self._pending = (state, step_output)
+    elif self.mode == "lora" and self.last is not None:  # queued behind the step on the devices
+      self._pending = (state, pack(state.params, self._adapters_targets(state), dtype=self.dtype))
+
+  def sync(self, state, version: int) -> Synced:
+    """The sampler's params of `state` (policy `version`) on the sampler's devices; the copy is
+    queued, and the sampler's next call waits for it on its devices."""
+    start = time.perf_counter()
+    pending, self._pending = self._pending, None
+    pending = pending[1] if pending is not None and pending[0] is state else None  # not if restored since
+    with self.tracer.span("weight_sync", cat="sync", version=version, mode=self.mode):
+      if self.mode == "packed":
+        flat = self._pack_now(state) if pending is None else pending
+        packed = params_lib.Packed(flat, self.sampler_params.treedef, self._packed_shapes(state))
+        params, _ = sync(packed, self.targets, keep_packed=self.keep_packed, block=False)
+      elif self.mode == "full" or self.last is None:
+        params, _ = sync(self.sampler_params(state), self.targets, dtype=self.dtype, block=False,
+                         bucket_bytes=self.bucket_bytes, across_hosts=self.across_hosts)
+      else:  # 'lora': the adapters only, into the base the sampler already holds
+        adapters = state.params if pending is None else pending
+        synced, _ = sync(adapters, self._adapters_targets(state), dtype=self.dtype, keep_packed=True, block=False,
+                         bucket_bytes=self.bucket_bytes, across_hosts=self.across_hosts)
+        params = replace_leaves(self.last.params, synced)
+    self.last = Synced(params, version, (time.perf_counter() - start) * 1e3)
+    return self.last
+
+  @property
+  def synced_params(self) -> Any:
+    """The params last handed to the sampler as one plain tree (packed buffers unpacked), or None."""
+    return None if self.last is None else params_lib.materialize(self.last.params)
+
+  def _adapters_targets(self, state):
+    if self._adapter_targets is None:
+      self._adapter_targets = subtree_like(self.targets, state.params)
+    return self._adapter_targets
+
+  def _packed_shapes(self, state) -> tuple:
+    if self._shapes is None:  # the same every step: looked up once (flattening the state costs ms)
+      self._shapes = tuple(x.shape for x in self.sampler_params.arrays(state))
+    return self._shapes
+
+
+def for_learner(learner, targets: Any, *, dtype=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                across_hosts: HostTransfer | None = None, tracer=None) -> WeightSync:
+  """The weight sync of `learner`'s policy to `targets` (the sampler's shardings), its mode chosen here:
+
+  'lora' for a LoRA learner; 'packed' for a small model on one process whose sampler arrays are the
+  state's own and of one dtype after the cast (at most PACK_MAX_BYTES): one transfer per sync
+  instead of one per array (the learner's time per sync for the main job's model, idle machine:
+  4.5 ms per array, 1.4 ms split on the sampler by one program, 0.7 ms kept packed, 2026-11-26);
+  otherwise 'full'.
+  """
+  from tunixlike.learner.train_step import Learner
+  state, mesh = learner.state, learner.mesh
+  layout = StateLayout.match(state, learner.sampler_params(state))
+  sampler_params = layout or learner.sampler_params
+  common = dict(dtype=dtype, bucket_bytes=bucket_bytes, across_hosts=across_hosts, tracer=tracer)
+  if learner.lora:
+    return WeightSync(targets, sampler_params, mode="lora", **common)
+  one_process = mesh is not None and len({d.process_index for d in mesh.devices.flat}) == 1
+  if layout is not None and one_process and isinstance(learner, Learner):
+    arrays = jax.eval_shape(lambda s: cast_floats(layout.arrays(s), dtype), state)
+    if len({x.dtype for x in arrays}) == 1 and sum(x.size * x.dtype.itemsize for x in arrays) <= PACK_MAX_BYTES:
+      keep = all(s.is_fully_replicated for s in jax.tree.leaves(targets))
+      return WeightSync(targets, layout, mode="packed", learner_mesh=mesh, keep_packed=keep, **common)
+  return WeightSync(targets, sampler_params, mode="full", **common)

@@ -10,7 +10,8 @@ It runs in its own thread beside the learner (`start` / `stop`) and takes, from 
   * `update_params(params, version)`: soft pause, the swap happens between two generate calls;
     in-flight sequences keep their tokens and every token records the version that produced it;
     `drain=True` instead finishes in-flight sequences first, then swaps and resumes;
-  * `may_start_group()`: admission control (staleness bound), asked before each new group.
+  * `may_start_group(version)`: admission control (staleness bound), asked before each new group
+    with the version of the weights it would be sampled with (e.g. `RolloutQueue.try_admit`).
 Every wait is bounded; an error in the loop is kept and re-raised by `join` / `check`.
 
 Features that watch what is decoded compose as `recorders` (a `Recorder` each, called on the
@@ -149,7 +150,7 @@ class RolloutDriver:
 
   def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None],
                sink: Callable[[RolloutGroup], None] | Any, version: int = 0,
-               may_start_group: Callable[[], bool] | None = None,
+               may_start_group: Callable[[int], bool] | None = None,
                detokenize: Callable[[Sequence[int]], str] | None = None,
                static_batching: bool = False, tracer: trace_lib.Tracer = trace_lib.NULL_TRACER,
                recorders: Sequence[Recorder] = ()):
@@ -166,7 +167,7 @@ class RolloutDriver:
     self._params, self._version = params, int(version)
     self._source: Iterator = iter(source)
     self._sink = sink
-    self._may_start = may_start_group or (lambda: True)
+    self._may_start = may_start_group or (lambda version: True)
     self._detokenize = detokenize
     self._static = static_batching
     self._recorders = tuple(recorders)
@@ -506,7 +507,7 @@ class RolloutDriver:
 
   def _admit(self) -> _Group | None:
     """Starts the next group if admission allows and the source has one."""
-    if self._exhausted or self._admission_closed() or not self._may_start():
+    if self._exhausted or self._admission_closed() or not self._may_start(self._version):
       return None
     try:
       request = next(self._source)

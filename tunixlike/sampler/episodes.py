@@ -158,7 +158,7 @@ class EpisodeDriver(RolloutDriver):
   def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None], sink,
                make_env: Callable[[], Any], tokenize: Callable[[str], Sequence[int]],
                detokenize: Callable[[Sequence[int]], str], episode_config: EpisodeConfig,
-               version: int = 0, may_start_group: Callable[[], bool] | None = None, tracer=None):
+               version: int = 0, may_start_group: Callable[[int], bool] | None = None, tracer=None):
     """`make_env()` builds one Env per episode. `tokenize(text)` must add no special tokens (it
     encodes observations appended mid-conversation); `detokenize(ids)` gives a turn's text."""
     if not isinstance(episode_config, EpisodeConfig):
@@ -217,7 +217,7 @@ class EpisodeDriver(RolloutDriver):
     g = self.config.group_size
     while (len(self._ready) < sum(s is None for s in self._slots) and not self._exhausted
            and self._live_episodes + g <= self._max_in_flight and not self._admission_closed()
-           and self._may_start()):
+           and self._may_start(self._version)):
       try:
         request = next(self._source)
       except StopIteration:
