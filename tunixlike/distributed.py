@@ -86,8 +86,8 @@ def initialize(cfg: DistributedConfig = DistributedConfig(), *, cross_host_trans
     if not 0 <= cfg.process_id < cfg.num_processes:
       raise ValueError(f"distributed.process_id={cfg.process_id}: must be in [0, {cfg.num_processes})")
     if cross_host_transfers:
-      from tunixlike.hosts import transfer
-      transfer.enable(cfg.coordinator_address, cfg.process_id, timeout_s=cfg.timeout_s)
+      from tunixlike.hosts import transfer_server
+      transfer_server.enable(cfg.coordinator_address, cfg.process_id, timeout_s=cfg.timeout_s)
     jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes,
                                process_id=cfg.process_id, initialization_timeout=cfg.timeout_s)
   elif cfg.auto_detect:

@@ -19,7 +19,6 @@ pairs the two ends of each cross-host transfer by the order the processes issue 
 from __future__ import annotations
 
 import functools
-import socket
 import threading
 from typing import Any
 
@@ -29,33 +28,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tunixlike.hosts import kv
+from tunixlike.hosts.transfer_server import enable  # noqa: F401  (this module's entry point too)
 from tunixlike.hosts.layout import HostLayout, SAMPLER
 from tunixlike.rl import weight_sync
-
-SOCKET_FLAG = "jax_cross_host_transfer_socket_address"
-
-
-def local_address_towards(host: str) -> str:
-  """This machine's IP on the route to `host` (a UDP connect sends nothing)."""
-  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-    try:
-      s.connect((host, 9))
-      return s.getsockname()[0]
-    except OSError:
-      return socket.gethostbyname(socket.gethostname())
-
-
-def enable(coordinator_address: str, process_id: int, port: int | None = None, timeout_s: int = 60) -> str:
-  """Starts this process's transfer server with its backend: call before anything touches JAX's
-  devices. Listens on `port` + process_id (default: the coordinator's port + 1 + process_id), so
-  that several processes on one machine never collide. Returns the address."""
-  host, coordinator_port = coordinator_address.rsplit(":", 1)
-  base = int(coordinator_port) + 1 if port is None else port
-  address = f"{local_address_towards(host)}:{base + process_id}"
-  jax.config.update(SOCKET_FLAG, address)
-  jax.config.update("jax_cross_host_transfer_timeout_seconds", int(timeout_s))
-  return address
-
 
 def _wait_ready(arrays, *, timeout_s: float, host: int, what: str) -> None:
   """block_until_ready with a timeout that names the host the data comes from."""
