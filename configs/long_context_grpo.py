@@ -31,6 +31,7 @@ def get_config(arg: str | None = None):
   c.rl.prompts_per_step = 1
   c.rl.num_steps = 3
   c.rl.wait_timeout_s = 3600.0  # a group of two 16K-token completions decodes for many minutes on a CPU
+  c.eval.timeout_s = 4 * 3600.0  # so does the held-out greedy completion before and after RL
   c.optim.share_prompts = True  # the group's prompt once, then both answers: one row of ~32.8K tokens
   c.optim.pack_tokens = 2 * COMPLETION + 48  # whole groups per row (one here)
   c.optim.context_parallel = True  # the row's tokens split over the 4 learner devices

@@ -246,6 +246,9 @@ class EvalSection:
   RESUMABLE: ClassVar[bool] = True
 
   every_steps: int = setting(0, "0 = only before and after RL", check=non_negative)
+  timeout_s: float = setting(3600.0, "a held-out evaluation (every prompt's greedy completion, up to "
+                             "sampler.max_new_tokens each) that takes longer stops with an error naming this key: "
+                             "raise it for long completions on slow devices", check=positive)
 
   def __post_init__(self):
     check_fields(self)

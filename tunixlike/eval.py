@@ -150,7 +150,8 @@ def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -
   params, _ = weight_sync.sync(nnx.state(model), engine.param_shardings, dtype=cfg.rl.sync_dtype)
 
   examples: list = []
-  greedy = eval_lib.evaluate(engine, params, requests, correctness, setup.tok, version=version, examples=examples)
+  greedy = eval_lib.evaluate(engine, params, requests, correctness, setup.tok, version=version, examples=examples,
+                            timeout_s=cfg.eval.timeout_s)
   out: dict[str, Any] = {
       "checkpoint": ckpt.step_dir(step), "step": step, "policy_version": version, "split": split,
       "task": cfg.data.task, "num_prompts": greedy["eval/num_prompts"], "accuracy": greedy["eval/accuracy"],
@@ -158,7 +159,8 @@ def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -
   if samples > 1:
     engine = make_engine(model, eval_lib.eval_sampler_config(s_cfg, samples=samples, temperature=temperature),
                     mesh=setup.meshes.sampler)
-    sampled = eval_lib.evaluate(engine, params, requests, correctness, setup.tok, version=version)
+    sampled = eval_lib.evaluate(engine, params, requests, correctness, setup.tok, version=version,
+                                timeout_s=cfg.eval.timeout_s)
     out.update({"temperature": temperature, f"pass@{samples}": sampled[f"eval/pass@{samples}"],
                 "sampled_accuracy": sampled["eval/accuracy"],
                 "sampled_mean_completion_tokens": sampled["eval/mean_completion_tokens"]})

@@ -424,7 +424,8 @@ def evaluate_params(setup: Setup, engine, params, correctness, *, version: int =
   """Greedy completions of the held-out prompts scored by `correctness`; on several processes each
   evaluates its shard and the numbers are combined (weighted by prompts), so every process reports
   the same result."""
-  out = eval_lib.evaluate(engine, params, requests_for(setup.eval_records), correctness, setup.tok, version=version)
+  out = eval_lib.evaluate(engine, params, requests_for(setup.eval_records), correctness, setup.tok, version=version,
+                          timeout_s=setup.cfg.eval.timeout_s)
   if jax.process_count() == 1:
     return out
   keys = sorted(k for k in out if k != "eval/num_prompts")

@@ -15,7 +15,7 @@ import numpy as np
 from tunixlike.rewards.groups import score_groups
 from tunixlike.rollout import RolloutGroup
 from tunixlike.sampler.config import SamplerConfig
-from tunixlike.sampler.driver import PromptRequest, RolloutDriver
+from tunixlike.sampler.driver import DriverError, PromptRequest, RolloutDriver
 from tunixlike.sampler.engine import Engine
 
 
@@ -26,25 +26,32 @@ def eval_sampler_config(train: SamplerConfig, *, samples: int = 1, temperature: 
 
 
 def generate(engine: Engine, params, requests: Sequence[PromptRequest], *, version: int = 0,
-             detokenize: Callable | None = None, max_wall_s: float = 600.0) -> list[RolloutGroup]:
-  """Runs the driver synchronously over `requests`; returns groups in request order."""
+             detokenize: Callable | None = None, timeout_s: float | None = None) -> list[RolloutGroup]:
+  """Runs the driver synchronously over `requests`; returns groups in request order. Past
+  `timeout_s` (eval.timeout_s) it raises, naming the key."""
   groups: list[RolloutGroup] = []
   driver = RolloutDriver(engine, params, source=iter(requests), sink=groups.append, version=version,
                          detokenize=detokenize)
-  driver.run(max_wall_s=max_wall_s)
+  try:
+    driver.run(max_wall_s=timeout_s)
+  except DriverError as e:
+    if timeout_s is None or "max_wall_s" not in str(e):
+      raise
+    raise DriverError(f"eval.timeout_s={timeout_s:g}: the held-out evaluation of {len(requests)} prompts "
+                      f"did not finish ({len(groups)} done); raise eval.timeout_s for long completions") from None
   order = {r.prompt_id: i for i, r in enumerate(requests)}
   return sorted(groups, key=lambda g: order[g.prompt_id])
 
 
 def evaluate(engine: Engine, params, requests: Sequence[PromptRequest], reward, tokenizer, *,
-             version: int = 0, examples: list | None = None) -> dict[str, Any]:
+             version: int = 0, examples: list | None = None, timeout_s: float | None = None) -> dict[str, Any]:
   """Accuracy (and pass@k when the engine samples k > 1 per prompt) on `requests`.
 
   `eval/reward_failures` counts completions the verifier failed on (raised or timed out): they
   score 0, so an accuracy next to many failures measures the verifier, not the policy.
   `examples`: a list that gets one dict per completion (prompt, completion, score, finish reason).
   """
-  groups = generate(engine, params, requests, version=version, detokenize=tokenizer.decode)
+  groups = generate(engine, params, requests, version=version, detokenize=tokenizer.decode, timeout_s=timeout_s)
   metrics = score_groups(reward, groups, tokenizer=tokenizer)
   if examples is not None:
     examples.extend(example_rows(groups, tokenizer))
