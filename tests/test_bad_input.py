@@ -14,7 +14,7 @@ TINY = ["--config", "configs/addition_grpo.py:size=tiny", "--config.warm_start.m
 
 
 def train(*args):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ)
   return subprocess.run([sys.executable, "-m", "tunixlike.train", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
 
@@ -96,7 +96,7 @@ def test_a_full_disk_stops_the_run_with_one_clear_line(tmp_path):
                            capture_output=True).returncode == 0
   limit = None if mounted else (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20)))
   print("full disk by", "tmpfs" if mounted else "RLIMIT_FSIZE")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ)
   args = [a for a in TINY if "tensorboard" not in a] + ["--config.checkpoint.every_steps=2",
                                                          "--config.rl.num_steps=200"]
   try:

@@ -14,7 +14,7 @@ from tunixlike.data import char_tokenizer, tokenizer
 from tunixlike.models import testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 SHORT = ["--config.rl.num_steps=1", "--config.rl.prompts_per_step=4", "--config.data.num_eval_examples=8",
          "--config.log.progress_bar=false", "--config.log.tensorboard=false"]
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "

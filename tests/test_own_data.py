@@ -93,7 +93,7 @@ def test_cli_trains_on_a_user_dataset_file_and_reward_module_from_another_direct
         c.log.progress_bar = False
         return c
   '''))
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  env = {**os.environ}
   out = subprocess.run([sys.executable, "-m", "tunixlike.train", "--config", str(task / "config.py"),
                         "--workdir", str(tmp_path / "run")], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=600)
@@ -197,7 +197,7 @@ def test_held_out_split_is_carved_from_train_and_globs_concatenate(tmp_path):
 
 
 def test_cli_bad_reward_path_is_one_line_and_status_2(tmp_path):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  env = {**os.environ}
   data = tmp_path / "train.jsonl"
   data.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
   out = subprocess.run([sys.executable, "-m", "tunixlike.train", "--config", TINY,

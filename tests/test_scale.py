@@ -11,7 +11,7 @@ import pytest
 
 from test_benchmarks import ROOT, assert_positive
 
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_calculator_agent_example_trains_a_few_steps_through_the_cli(tmp_path):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  env = {**os.environ}
   out = subprocess.run([sys.executable, "-m", "tunixlike.train", "--config",
                         os.path.join(ROOT, "examples", "calculator_agent", "config.py:size=tiny"),
                         "--config.log.progress_bar=false", "--workdir", str(tmp_path / "run")],

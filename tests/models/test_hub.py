@@ -28,8 +28,7 @@ def hf_home(tmp_path_factory):
 
 
 def run(code_or_args, hf_home, *, module=False):
-  env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
   env.pop("HF_HUB_CACHE", None)
   args = ["-m", *code_or_args] if module else ["-c", textwrap.dedent(code_or_args)]
   return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
