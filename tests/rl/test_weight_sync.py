@@ -156,7 +156,7 @@ def _learner(meshes, lora_rank: int = 0):
   from tunixlike.learner.train_step import Learner
   model = models.create_sharded(models.tiny_config(), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
   if lora_rank:
-    lora_lib.apply_lora(model, lora_lib.LoRAConfig(rank=lora_rank), seed=0, mesh=meshes.learner,
+    lora_lib.apply_lora(model, lora_lib.LoRAConfig.from_config(RUN, rank=lora_rank), seed=0, mesh=meshes.learner,
                         rules=mesh_lib.LEARNER_RULES)
   cfg = LearnerConfig(algo=AlgoConfig(), optim=OptimConfig(learning_rate=1e-3), logprob_chunk_size=8)
   return Learner(model, cfg, meshes.learner, mesh_lib.LEARNER_RULES), model
