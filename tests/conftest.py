@@ -24,11 +24,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the default 1 s leaves half the time out
-# On CPU most of a test's time is LLVM optimising the code of programs that then run a few times:
-# without its optimisation passes (no change to what a program computes) the suite takes about half
-# the CPU time. Runs on an accelerator (the device check) keep the backend's defaults.
-if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402  (after XLA_FLAGS: the device count is read when JAX starts)
 import pytest  # noqa: E402
