@@ -15,7 +15,7 @@ import numpy as np
 from tunixlike.rewards.groups import score_groups
 from tunixlike.rollout import RolloutGroup
 from tunixlike.sampler.config import SamplerConfig
-from tunixlike.sampler.driver import DriverError, PromptRequest, RolloutDriver
+from tunixlike.sampler.driver import DriverError, DriverTimeout, PromptRequest, RolloutDriver
 from tunixlike.sampler.engine import Engine
 
 
@@ -34,9 +34,7 @@ def generate(engine: Engine, params, requests: Sequence[PromptRequest], *, versi
                          detokenize=detokenize)
   try:
     driver.run(max_wall_s=timeout_s)
-  except DriverError as e:
-    if timeout_s is None or "max_wall_s" not in str(e):
-      raise
+  except DriverTimeout:
     raise DriverError(f"eval.timeout_s={timeout_s:g}: the held-out evaluation of {len(requests)} prompts "
                       f"did not finish ({len(groups)} done); raise eval.timeout_s for long completions") from None
   order = {r.prompt_id: i for i, r in enumerate(requests)}

@@ -122,6 +122,10 @@ class DriverError(RuntimeError):
   pass
 
 
+class DriverTimeout(DriverError):
+  """`run(max_wall_s=...)` ran out of time."""
+
+
 # Groups whose noise keys are made by one device call. Fetching keys waits for the device queue
 # (prefills, generate calls) to drain, so it is done once per block of groups, not once per group.
 _KEY_BLOCK = 64
@@ -257,7 +261,7 @@ class RolloutDriver:
     t_end = None if max_wall_s is None else time.monotonic() + max_wall_s
     while not self._stop_event.is_set():
       if t_end is not None and time.monotonic() > t_end:
-        raise DriverError(f"rollout driver exceeded max_wall_s={max_wall_s}")
+        raise DriverTimeout(f"rollout driver exceeded max_wall_s={max_wall_s}")
       if self.step():
         continue
       if self._exhausted and self.is_idle and self._next_params is None:
