@@ -39,7 +39,8 @@ def test_every_key_is_a_field_with_a_why_and_run_values_are_not_keys():
 
 @functools.cache
 def _library_configs():
-  """Every `*Config` dataclass of the package that is not a section of the run's config tree."""
+  """Every dataclass of the package that is not a section of the run's config tree: the `*Config`s and
+  the other library inputs (`SamplingParams`, the tasks, `ExampleFormat`, ...)."""
   package = pathlib.Path(config_lib.__file__).parent
   sections, stack = set(), [config_lib.Config]
   while stack:
@@ -52,8 +53,7 @@ def _library_configs():
     if name in ("tunixlike.train", "tunixlike.sft", "tunixlike.eval", "tunixlike.export", "tunixlike.__main__"):
       continue  # the commands define absl flags on import; they declare no config classes
     for obj in vars(importlib.import_module(name)).values():
-      if (isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__name__.endswith("Config")
-          and obj.__module__ == name and obj not in sections):
+      if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == name and obj not in sections:
         found[f"{name}.{obj.__name__}"] = obj
   return found
 
@@ -61,7 +61,8 @@ def _library_configs():
 def _copied_defaults(classes) -> list[str]:
   """What breaks "each setting defined once" in these library configs: a field that is a config key
   (`settings.tree_key`) has no default of its own and names a real key; a field with a default that is
-  named like a key must be one, unless that key takes its default from it (`settings.library_setting`)."""
+  named like a key must be one, unless that key takes its default from it (`settings.library_setting`). A
+  default of None is "not given" (e.g. a request's own `max_new_tokens`), not a copy of a value."""
   tree = dict(settings.keys(config_lib.Config))
   names = {key.rpartition(".")[2]: key for key in tree}
   problems = []
@@ -69,6 +70,8 @@ def _copied_defaults(classes) -> list[str]:
     for f in dataclasses.fields(cls):
       key = f.metadata.get("tree_key")
       has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+      if key is None and f.default is None:
+        continue
       if key is not None:
         if key not in tree:
           problems.append(f"{path}.{f.name}: tree_key({key!r}) is no config key")
@@ -83,7 +86,8 @@ def _copied_defaults(classes) -> list[str]:
 def test_no_library_config_declares_a_default_of_the_tree():
   classes = _library_configs()
   assert {"ModelConfig", "LoRAConfig", "AgentConfig", "EpisodeConfig", "CollapseConfig", "StepConfig",
-          "PipelineConfig", "AdvantageConfig"} <= {path.rpartition(".")[2] for path in classes}
+          "PipelineConfig", "AdvantageConfig", "SamplingParams", "AdditionTask", "DatasetTask",
+          "ExampleFormat"} <= {path.rpartition(".")[2] for path in classes}
   problems = _copied_defaults(classes)
   assert not problems, "\n".join(problems)
 

@@ -23,7 +23,7 @@ import ml_collections
 from ml_collections.config_dict import placeholder
 
 from tunixlike import mesh as mesh_lib
-from tunixlike.data.tasks import TASKS
+from tunixlike.data.tasks import TASKS, AdditionTask, DatasetTask
 from tunixlike.distributed import DistributedConfig
 from tunixlike.learner.config import OFFLOAD_COMPONENTS, PPO_LOSSES, AlgoConfig, OptimConfig
 from tunixlike.models.config import ATTENTION_IMPLEMENTATIONS, ModelConfig
@@ -141,7 +141,7 @@ class DataSection:
                                     "Hugging Face save_to_disk directory")
   eval: str | None = setting(None, "held-out prompts, the same kinds; None: a seeded held-out split carved from "
                                    "data.train")
-  prompt_field: str = setting("prompt", "the column holding the prompt text (every column reaches the rewards)")
+  prompt_field: str = library_setting(DatasetTask, "prompt_field", "the column holding the prompt text (every column reaches the rewards)")
   messages_field: str | None = setting(None, "instead: a column of chat messages [{role, content}], rendered with "
                                              "the model's chat template (a last assistant turn is the supervised "
                                              "stage's answer, not part of the RL prompt)")
@@ -151,11 +151,11 @@ class DataSection:
   allow_change: bool = setting(False, "a resume may read changed data.train / data.eval (each checkpoint keeps their "
                                "fingerprint): the prompt stream starts again on the new data, warned; with data.train "
                                "changed, needs data.eval (a carved held-out split would change)", resumable=True)
-  skip_bad_lines: bool = setting(False, "JSONL lines that do not parse, and rows whose prompt is not text (null, a "
+  skip_bad_lines: bool = library_setting(DatasetTask, "skip_bad_lines", "JSONL lines that do not parse, and rows whose prompt is not text (null, a "
                                  "number), are skipped and counted instead of failing")
   path: str | None = setting(None, "gsm8k: a directory with train.jsonl and test.jsonl (None: the copy shipped with "
                                    "tunixlike)")
-  digits: int = setting(3, "addition: operand digits (difficulty)", check=positive)
+  digits: int = library_setting(AdditionTask, "digits", "addition: operand digits (difficulty)", check=positive)
   max_prompt_length: int = setting(64, "longer prompts are filtered out and counted", check=positive)
   shuffle_seed: int = setting(0, "order of the training prompts (reshuffled every epoch) and the carved eval split",
                               check=_seed)

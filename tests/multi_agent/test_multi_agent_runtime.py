@@ -27,7 +27,7 @@ def test_each_policy_trains_on_its_own_turns_within_its_staleness_bound_and_reac
   setup = setup_for_test()
   policies, engines = ma_build.build_policies(setup, {"a": 1, "b": 2}, batch_episodes=4, turns_per_episode={"a": 2})
   before = {p: jax.device_get(pol.full_params()) for p, pol in policies.items()}
-  runtime = ma_build.build_runtime(setup, policies, engines, Relay, batch_episodes=4, max_staleness=1)
+  runtime = ma_build.build_runtime(setup, policies, engines, Relay, batch_episodes=4, max_staleness=1, max_turns=8)
   steps = []
   out = runtime.run(3, on_step=lambda step, m: steps.append(m))
   assert len(steps) == 3 and out["episodes_per_s"] > 0
@@ -58,7 +58,7 @@ def test_at_staleness_zero_the_threaded_run_equals_the_synchronous_loop():
   for threaded in (False, True):
     setup = setup_for_test()
     policies, engines = ma_build.build_policies(setup, {"a": 1, "b": 2}, batch_episodes=4, turns_per_episode={"a": 2})
-    runtime = ma_build.build_runtime(setup, policies, engines, Relay, batch_episodes=4, max_staleness=0)
+    runtime = ma_build.build_runtime(setup, policies, engines, Relay, batch_episodes=4, max_staleness=0, max_turns=8)
     steps = []
     runtime.run(3, on_step=lambda step, m: steps.append(m), threaded=threaded)
     runs.append(steps)

@@ -137,21 +137,25 @@ GSM8K_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gsm8k")
 @dataclasses.dataclass(frozen=True)
 class Gsm8kTask:
   """GSM8K from `{path}/{split}.jsonl` (lines of {"question", "answer"}) as in openai/grade-school-math;
-  by default the copy shipped with the package."""
+  `path` None: the copy shipped with the package."""
 
-  path: str = GSM8K_DIR
+  path: str | None = None
   name: ClassVar[str] = "gsm8k"
   prompt_template: ClassVar[str] = GSM8K_TEMPLATE
   default_rewards: ClassVar[tuple[str, ...]] = ("gsm8k_accuracy", "answer_format")
 
   def __post_init__(self):
-    if not os.path.isdir(self.path):
+    if self.path is not None and not os.path.isdir(self.path):
       raise FileNotFoundError(f"Gsm8kTask.path={self.path!r} is not a directory with train.jsonl and test.jsonl")
+
+  @property
+  def directory(self) -> str:
+    return self.path or GSM8K_DIR
 
   def source(self, split: str = "train", *, size: int | None = None, seed: int = 0) -> sources.ListSource:
     """All problems of `split` (the first `size` if given); `seed` is unused (the file fixes the data)."""
     del seed
-    path = os.path.join(self.path, f"{split}.jsonl")
+    path = os.path.join(self.directory, f"{split}.jsonl")
     raw = sources.read_jsonl(path)
     records = []
     for i, r in enumerate(raw.records[:size]):

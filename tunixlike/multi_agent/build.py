@@ -43,7 +43,7 @@ def build_policies(setup: build_lib.Setup, group_sizes: Mapping[str, int], batch
 
 def build_runtime(setup: build_lib.Setup, policies: dict[str, Policy], engines: dict[str, Engine],
                   make_env: Callable[[], Any], *,
-                  batch_episodes: int, max_staleness: int, max_turns: int = 8, max_episodes_in_flight: int | None = None,
+                  batch_episodes: int, max_staleness: int, max_turns: int, max_episodes_in_flight: int | None = None,
                   records=None, **coordinator) -> MultiAgentRuntime:
   """The run's episodes over `policies` (their current weights and versions), sampled on `engines`; `records` feed
   `env.reset` (default: {"index": i} forever); `coordinator`: more EpisodeCoordinator options."""

@@ -142,7 +142,7 @@ def build_task(cfg: Config, dataset=None, eval_dataset=None):
     return tok, task
   kwargs = {"digits": d.digits} if d.task == "addition" else {}
   if d.task == "gsm8k":
-    kwargs = {} if d.path is None else {"path": d.path}
+    kwargs = {"path": d.path}
   return tok, tasks.get(d.task, **kwargs)
 
 

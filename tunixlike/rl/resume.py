@@ -67,7 +67,7 @@ def data_fingerprints(task) -> dict[str, dict]:
   if isinstance(task, tasks.DatasetTask):
     return {key: fingerprint_lib.fingerprint(source) for key, source in task.data().items()}
   if isinstance(task, tasks.Gsm8kTask):
-    paths = [os.path.join(task.path, f"{split}.jsonl") for split in ("train", "test")]
+    paths = [os.path.join(task.directory, f"{split}.jsonl") for split in ("train", "test")]
     return {"data.path": {"files": {p: fingerprint_lib.file_digest(p) for p in paths}}}
   return {}
 

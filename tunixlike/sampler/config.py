@@ -7,8 +7,8 @@ import math
 from typing import ClassVar
 
 from tunixlike.sampler.sampling import SamplingParams
-from tunixlike.settings import (DTYPES, ConfigError, an_int, check_fields, in_range, one_of, optional,
-                                positive_int, run_value, setting)
+from tunixlike.settings import (DTYPES, ConfigError, an_int, check_fields, in_range, library_setting, one_of,
+                                optional, positive_int, run_value, setting)
 
 
 def _token_ids(v) -> str | None:
@@ -40,9 +40,11 @@ class SamplerConfig:
                                     check=positive_int)
   max_new_tokens: int = setting(8, "completion length limit (finish_reason 'length'; a request may ask for fewer)",
                                 check=positive_int)
-  temperature: float = setting(1.0, "0 = greedy; the learner scores tokens at the same temperature")
-  top_k: int = setting(0, "0 = off")
-  top_p: float = setting(1.0, "1 = off; with < 1 consider algo.keep_sampling_mask", check=in_range(0, 1, low_open=True))
+  temperature: float = library_setting(SamplingParams, "temperature",
+                                       "0 = greedy; the learner scores tokens at the same temperature")
+  top_k: int = library_setting(SamplingParams, "top_k", "0 = off")
+  top_p: float = library_setting(SamplingParams, "top_p", "1 = off; with < 1 consider algo.keep_sampling_mask",
+                                 check=in_range(0, 1, low_open=True))
   stop_strings: tuple[str, ...] = setting((), "completions also end at these strings (checked on the host)",
                                           check=_stop_strings)
   steps_per_call: int = setting(4, "decode steps per host round-trip (EOS and length stops stay exact on device)",
