@@ -220,7 +220,7 @@ def test_multi_agent_benchmark(tmp_path):
 
 @pytest.mark.slow
 def test_long_context_benchmark(tmp_path):
-  r = run_benchmark("long_context", tmp_path, "--run-max", "128")
+  r = run_benchmark("long_context", tmp_path, "--run-max", "128", timeout_s=600)  # five fresh processes
   runs = {(x["attention"], x["length"]): x for x in r["runs"]}
   assert set(runs) == {("reference", 128), ("blockwise", 128), ("blockwise", 256), ("ring_4", 128),
                        ("all_gather_4", 128)}
