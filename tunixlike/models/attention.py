@@ -18,6 +18,8 @@ whatever the input dtype. The kernels (`IMPLEMENTATIONS`, config key `model.atte
               saved log-sum-exp (FlashAttention-2, arXiv 2307.08691). Memory ~ T * block. Blocks
               wholly above the diagonal (or outside the window) are skipped, and so are blocks the
               segments hide from every query (packed groups, a shared prompt's other answers). Any backend.
+              Its pieces (`forward_blocks`, `softmax_finish`, `backward_blocks`) take global block
+              offsets, so that context parallelism's ring folds in one chunk of keys at a time.
   cudnn       cuDNN flash attention (`jax.nn.dot_product_attention(implementation='cudnn')`), GPU,
               bf16 / fp16 only; masks it cannot express (a shared prefix) go to blockwise.
   pallas_tpu  Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), TPU;
