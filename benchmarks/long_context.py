@@ -1,7 +1,8 @@
 """Long-context training: peak memory and step time of one learner step per row length, per attention kernel.
 
   python benchmarks/long_context.py [--lengths 2048,4096,8192,16384,32768] [--reference-max 4096]
-      [--cp-lengths 65536] [--cp-devices 4] [--steps 2] [--run-max T] [--out FILE] [--quick]
+      [--cp-lengths 65536] [--cp-devices 4] [--cp-schemes ring,all_gather] [--steps 2] [--run-max T]
+      [--out FILE] [--quick]
 
 Prints one JSON object (`harness.report`; also written to --out). Each measurement
 runs in a fresh subprocess on one CPU device, so its peak resident memory (`ru_maxrss`) is its own:
@@ -11,7 +12,10 @@ ONE row of T tokens (a 32-token prompt, the rest completion) of the 4M-parameter
 `model.attention` is forced per run: `reference` (today's [B, H, T, T] attention, run up to
 --reference-max: 8K needs ~20 GB) and `blockwise` (attention.py's flash kernel) at every length.
 `--cp-lengths`: the same step with `optim.context_parallel` on --cp-devices CPU devices, the row's
-tokens split over them (`models/context_parallel.py`; attention `context_parallel_N`).
+tokens split over them, once per `model.context_parallel_attention` scheme of --cp-schemes
+(`models/context_parallel.py`; attention `ring_N`, `all_gather_N`): side by side, the peak RSS of
+the process (all N devices: they share the host's memory) and XLA's per-device account of the step
+(`compiled_gb`, also for the runs that run), which is what one accelerator would hold.
 `step_s` is the best of --steps timed steps (at most one above 4K; --steps 0: the first step,
 compilation included) after a first step that compiles (`first_step_s`). Rows longer than --run-max are compiled
 but not run (`compile_only`): `compiled_gb` is XLA's memory account of the step (arguments, outputs,
@@ -45,6 +49,7 @@ def _flags(p):
   p.add_argument("--reference-max", type=int, default=4096, help="longest T the reference attention runs at")
   p.add_argument("--cp-lengths", default="", help="row lengths run with context parallelism (comma-separated)")
   p.add_argument("--cp-devices", type=int, default=4, help="devices a --cp-lengths row is split over")
+  p.add_argument("--cp-schemes", default="ring,all_gather", help="model.context_parallel_attention values to run")
   p.add_argument("--steps", type=int, default=3, help="timed steps per run up to 4K (the best is reported)")
   p.add_argument("--run-max", type=int, default=None,
                  help="longer rows are compiled, not run: XLA's memory account of the step instead of a measurement")
@@ -56,19 +61,29 @@ def _parse(argv=None):
   return harness.parse(__doc__, _flags, argv, quick="short rows")
 
 
+def _compiled_gb(learner, state, batch) -> dict:
+  """XLA's memory account of the compiled step, GiB per device (arguments, outputs, temporaries)."""
+  import jax
+  mem = learner._step.lower(state, batch, jax.random.key(0)).compile().memory_analysis()
+  return {k: getattr(mem, f"{k}_size_in_bytes") / 2**30 for k in ("argument", "output", "temp")}
+
+
 def run_one(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
-  """One learner step on one row of T tokens with `impl` attention (`context_parallel_N`: blockwise
-  with the row split over N devices), in this (fresh) process."""
+  """One learner step on one row of T tokens with `impl` attention (`ring_N` / `all_gather_N`:
+  context parallelism over N devices with that scheme), in this (fresh) process."""
   import jax
   import numpy as np
   from jax.sharding import Mesh
 
   from tunixlike import mesh as mesh_lib, models
   from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig
+  from tunixlike.models.config import CONTEXT_PARALLEL_SCHEMES
 
-  devices = int(impl.rsplit("_", 1)[1]) if impl.startswith("context_parallel_") else 1
+  scheme, _, n = impl.rpartition("_")
+  devices = int(n) if scheme in CONTEXT_PARALLEL_SCHEMES else 1
   cfg = models.ModelConfig(**BENCH_MODEL, max_position_embeddings=max(t, 512),
-                           attention="blockwise" if devices > 1 else impl)
+                           attention="blockwise" if devices > 1 else impl,
+                           **({"context_parallel_attention": scheme} if devices > 1 else {}))
   lcfg = LearnerConfig(algo=AlgoConfig(loss="ppo_clip", is_mode="tis"),
                        optim=OptimConfig(learning_rate=1e-5, context_parallel=devices > 1), logprob_chunk_size=128)
   if devices > 1:
@@ -78,16 +93,17 @@ def run_one(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
     learner = Learner(models.Transformer(cfg, rngs=__import__("flax").nnx.Rngs(0)), lcfg)
   batch = learner.put_batch(learner_timing.synthetic_batch(np.random.default_rng(0), cfg.vocab_size, 1, t, PROMPT_LEN))
   state = learner.state
-  if compile_only:  # XLA's own account of the step's memory, without running it
-    mem = learner._step.lower(state, batch, jax.random.key(0)).compile().memory_analysis()
-    per_device = {k: getattr(mem, f"{k}_size_in_bytes") / 2**30 for k in ("argument", "output", "temp")}
-    return {"attention": impl, "length": t, "compile_only": True, "devices": devices, "compiled_gb": per_device,
-            "compiled_gb_all_devices": sum(per_device.values()) * devices,
+  mem = {}
+  if compile_only or devices > 1:  # XLA's own account of the step's memory (per device)
+    per_device = _compiled_gb(learner, state, batch)
+    mem = {"devices": devices, "compiled_gb": per_device, "compiled_gb_all_devices": sum(per_device.values()) * devices}
+  if compile_only:
+    return {"attention": impl, "length": t, "compile_only": True, **mem,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
   _, first, times, metrics = learner_timing.timed_steps(learner, batch, steps)
   times = times or [first]  # --steps 0: the first step (compilation included) only
   return {"attention": impl, "length": t, "step_s": min(times), "step_s_all": times, "first_step_s": first,
-          "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+          "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, **mem,
           "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
 
 
@@ -120,11 +136,14 @@ def main(argv=None):
       runs.append(_child(impl, t, steps if t <= 4096 else min(steps, 1), compile_only))  # a 32K step takes minutes here
       print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
   n = args.cp_devices
+  schemes = [s for s in args.cp_schemes.split(",") if s]
   for t in cp_lengths:
     compile_only = args.run_max is not None and t > args.run_max
-    runs.append(_child(f"context_parallel_{n}", t, steps if t <= 4096 else min(steps, 1), compile_only, n))
-    print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    for scheme in schemes:
+      runs.append(_child(f"{scheme}_{n}", t, steps if t <= 4096 else min(steps, 1), compile_only, n))
+      print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
   by = {(r["attention"], r["length"]): r for r in runs if "error" not in r and not r.get("compile_only")}
+  compiled = {(r["attention"], r["length"]): r["compiled_gb"] for r in runs if "compiled_gb" in r}
   out = {"benchmark": "long_context", "devices": 1, "context_parallel_devices": n, "model": BENCH_MODEL,
          "loss": "ppo_clip + token TIS, one row", "runs": runs}
   blk = {t: by[("blockwise", t)] for t in lengths if ("blockwise", t) in by}
@@ -137,12 +156,24 @@ def main(argv=None):
       out["peak_rss_gb_32k"] = blk[32768]["peak_rss_gb"]
       out["fits_16gb_at_32k"] = blk[32768]["peak_rss_gb"] <= 16
   for t in cp_lengths:  # issue 41's target: a 64K-token row over 4 devices within 24 GB
-    r = by.get((f"context_parallel_{n}", t))
-    if r is not None:
-      out[f"context_parallel_{n}_{t}"] = {"peak_rss_gb": r["peak_rss_gb"], "within_24gb": r["peak_rss_gb"] <= 24,
-                                          "step_s": r["step_s"]}
-      if ("blockwise", t) in by:  # the same step on one device: the same loss
-        out[f"context_parallel_{n}_{t}"]["loss_abs_diff"] = abs(r["loss"] - by[("blockwise", t)]["loss"])
+    for scheme in schemes:
+      r = by.get((f"{scheme}_{n}", t))
+      if r is not None:
+        out[f"{scheme}_{n}_{t}"] = {"peak_rss_gb": r["peak_rss_gb"], "within_24gb": r["peak_rss_gb"] <= 24,
+                                    "step_s": r["step_s"]}
+        if ("blockwise", t) in by:  # the same step on one device: the same loss
+          out[f"{scheme}_{n}_{t}"]["loss_abs_diff"] = abs(r["loss"] - by[("blockwise", t)]["loss"])
+    ring, gather = compiled.get((f"ring_{n}", t)), compiled.get((f"all_gather_{n}", t))
+    if ring and gather:  # the two schemes side by side: per-device temporaries, peak RSS and step time
+      side = {"temp_gb_per_device": {"ring": ring["temp"], "all_gather": gather["temp"]},
+              "temp_ratio_ring_to_all_gather": ring["temp"] / gather["temp"]}
+      r, g = by.get((f"ring_{n}", t)), by.get((f"all_gather_{n}", t))
+      if r and g:
+        side.update(peak_rss_gb={"ring": r["peak_rss_gb"], "all_gather": g["peak_rss_gb"]},
+                    step_s={"ring": r["step_s"], "all_gather": g["step_s"]},
+                    step_time_ratio_ring_to_all_gather=r["step_s"] / g["step_s"],
+                    loss_abs_diff=abs(r["loss"] - g["loss"]))
+      out[f"ring_vs_all_gather_{n}_{t}"] = side
   for t in lengths:
     if ("reference", t) in by and t in blk:
       ref = by[("reference", t)]

@@ -26,7 +26,7 @@ from tunixlike import mesh as mesh_lib
 from tunixlike.data.tasks import TASKS, AdditionTask, DatasetTask
 from tunixlike.distributed import DistributedConfig
 from tunixlike.learner.config import OFFLOAD_COMPONENTS, PPO_LOSSES, AlgoConfig, OptimConfig
-from tunixlike.models.config import ATTENTION_IMPLEMENTATIONS, ModelConfig
+from tunixlike.models.config import ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL_SCHEMES, ModelConfig
 from tunixlike.rl.config import RuntimeConfig
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.settings import (DTYPES, ConfigError, check_fields, in_range, is_key, library_setting, non_negative,
@@ -79,6 +79,12 @@ class ModelSection:
                                    "(docs/learner.md#attention-kernels): auto = the fastest correct one on this "
                                    "backend | reference | blockwise | cudnn | pallas_tpu",
                                    check=one_of(*ATTENTION_IMPLEMENTATIONS))
+  context_parallel_attention: str = library_setting(
+      ModelConfig, "context_parallel_attention", "with optim.context_parallel, how each device's queries meet the "
+      "keys of the rest of the row (docs/learner.md#context-parallelism): ring = K/V chunks passed around the "
+      "devices, K/V memory T/N per device | all_gather = every device holds the row's K/V (one collective per "
+      "layer; fewer, larger transfers where K/V are small next to the activations)",
+      check=one_of(*CONTEXT_PARALLEL_SCHEMES))
 
   def __post_init__(self):
     check_fields(self)

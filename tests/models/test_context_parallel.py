@@ -1,4 +1,5 @@
-"""Context parallelism on 4 CPU devices: the row split along T gives the single-device attention and gradients."""
+"""Context parallelism on 4 CPU devices: the row split along T gives the single-device attention and
+gradients, by the ring and by the all-gather; the ring holds only its own share of the keys and values."""
 
 import jax
 import jax.numpy as jnp
@@ -22,28 +23,66 @@ def _inputs(t, seed=0):
   return q, k, v, jnp.asarray(seg)
 
 
-@pytest.mark.parametrize("with_segments, window", [(False, None), (True, None), (True, 50)])
-def test_sharded_row_equals_one_device(mesh, with_segments, window):
+def _packed(t):
+  """Packed groups: group A's prompt (1) and answers (2, 3), group B's prompt (4) and answer (5), each
+  answer attending its own group's prompt (prefix), then padding; the groups straddle the devices."""
+  seg, pre = np.full((2, t), -1, np.int32), np.full((2, t), -1, np.int32)
+  for row, bounds in enumerate([(30, 70, 90, 150, 230), (10, 100, 120, 130, 250)]):
+    lo = 0
+    for s, p, hi in zip((1, 2, 3, 4, 5), (1, 1, 1, 4, 4), bounds):
+      seg[row, lo:hi], pre[row, lo:hi] = s, p
+      lo = hi
+  return jnp.asarray(seg), jnp.asarray(pre)
+
+
+@pytest.mark.parametrize("scheme", context_parallel.SCHEMES)
+@pytest.mark.parametrize("masks, window", [("causal", None), ("shared_prompt", None), ("shared_prompt", 50),
+                                           ("packed", None)])
+def test_sharded_row_equals_one_device(mesh, scheme, masks, window):
   q, k, v, seg = _inputs(256)
-  seg = seg if with_segments else None
+  seg, pre = {"causal": (None, None), "shared_prompt": (seg, None), "packed": _packed(256)}[masks]
   w = jnp.cos(jnp.arange(q.size, dtype=jnp.float32)).reshape(q.shape)
-  one = lambda q, k, v: (attention.reference(q, k, v, seg, None, window) * w).sum()
-  split = lambda q, k, v: (context_parallel.attend(q, k, v, mesh, "context", segments_bt=seg, window=window,
-                                                   block=16) * w).sum()
+  split_attend = lambda q, k, v: context_parallel.attend(q, k, v, mesh, "context", segments_bt=seg, prefix_bt=pre,
+                                                         window=window, block=16, scheme=scheme)
+  one = lambda q, k, v: (attention.reference(q, k, v, seg, pre, window) * w).sum()
+  split = lambda q, k, v: (split_attend(q, k, v) * w).sum()
   sharded = NamedSharding(mesh, P(None, "context"))
   qs, ks, vs = (jax.device_put(x, sharded) for x in (q, k, v))
-  out = jax.jit(lambda q, k, v: context_parallel.attend(q, k, v, mesh, "context", segments_bt=seg, window=window,
-                                                        block=16))(qs, ks, vs)
+  out = jax.jit(split_attend)(qs, ks, vs)
   assert out.sharding.spec == P(None, "context")
-  np.testing.assert_allclose(out, attention.reference(q, k, v, seg, None, window), atol=1e-5)
+  np.testing.assert_allclose(out, attention.reference(q, k, v, seg, pre, window), atol=1e-5)
   g_one = jax.jit(jax.grad(one, argnums=(0, 1, 2)))(q, k, v)
   g_split = jax.jit(jax.grad(split, argnums=(0, 1, 2)))(qs, ks, vs)
   for name, a, b in zip("qkv", g_one, g_split):
     np.testing.assert_allclose(b, a, atol=1e-5, err_msg=f"d{name}")
 
 
-def test_a_row_that_does_not_split_into_whole_blocks_is_padded(mesh):
+@pytest.mark.parametrize("scheme", context_parallel.SCHEMES)
+def test_a_row_that_does_not_split_into_whole_blocks_is_padded(mesh, scheme):
   """200 tokens over 4 devices in 32-token blocks: padded to 256 at the end, the same attention."""
   q, k, v, seg = _inputs(200)
-  out = jax.jit(lambda q, k, v: context_parallel.attend(q, k, v, mesh, "context", segments_bt=seg, block=32))(q, k, v)
+  out = jax.jit(lambda q, k, v: context_parallel.attend(q, k, v, mesh, "context", segments_bt=seg, block=32,
+                                                        scheme=scheme))(q, k, v)
   np.testing.assert_allclose(out, attention.reference(q, k, v, seg), atol=1e-5)
+
+
+def _grad_temp_bytes(n, scheme, t=16384):
+  """Per-device temporary memory of the compiled gradient of a T-token row split over n devices (not run)."""
+  mesh = Mesh(np.array(jax.devices()[:n]), ("context",))
+  sharded = NamedSharding(mesh, P(None, "context"))
+  q, k, v = (jax.ShapeDtypeStruct((1, t, 4, 64), jnp.float32, sharding=sharded) for _ in range(3))
+  f = jax.jit(jax.grad(lambda q, k, v: context_parallel.attend(q, k, v, mesh, "context", scheme=scheme).sum(),
+                       argnums=(0, 1, 2)))
+  return f.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_the_ring_holds_its_own_share_of_keys_and_values():
+  """A 16K-token row with as many KV heads as query heads, so that its K/V weigh: the ring's
+  per-device memory is O(T/N), halving from 4 to 8 devices; the all-gather keeps the row's K/V (and
+  their fp32 gradients) on every device whatever N."""
+  kv_row = 2 * 16384 * 4 * 64 * 4  # K and V of the row, fp32
+  ring = {n: _grad_temp_bytes(n, "ring") for n in (4, 8)}
+  gather = {n: _grad_temp_bytes(n, "all_gather") for n in (4, 8)}
+  assert ring[8] < 0.6 * ring[4], ring
+  assert gather[8] > kv_row and gather[4] > kv_row, gather
+  assert ring[8] < gather[8] / 2 and ring[4] < gather[4], (ring, gather)

@@ -162,7 +162,7 @@ class OptimConfig:
   context_parallel: bool = setting(
       False, "split each row along its tokens over the learner's fsdp devices instead of splitting the rows "
       "(models/context_parallel.py): a row longer than one device's activations hold trains, with the same loss "
-      "and gradients; attention all-gathers the row's keys and values and runs the blockwise kernel per device",
+      "and gradients; attention by model.context_parallel_attention (ring by default)",
       check=_bool)
   total_steps: int = run_value(0, "rl.num_steps: where cosine reaches 0 (0 = not set yet)", check=non_negative)
 

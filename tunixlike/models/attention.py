@@ -18,6 +18,8 @@ whatever the input dtype. The kernels (`IMPLEMENTATIONS`, config key `model.atte
               saved log-sum-exp (FlashAttention-2, arXiv 2307.08691). Memory ~ T * block. Blocks
               wholly above the diagonal (or outside the window) are skipped, and so are blocks the
               segments hide from every query (packed groups, a shared prompt's other answers). Any backend.
+              Its pieces (`forward_blocks`, `softmax_finish`, `backward_blocks`) take global block
+              offsets, so that context parallelism's ring folds in one chunk of keys at a time.
   cudnn       cuDNN flash attention (`jax.nn.dot_product_attention(implementation='cudnn')`), GPU,
               bf16 / fp16 only; masks it cannot express (a shared prefix) go to blockwise.
   pallas_tpu  Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), TPU;
@@ -120,50 +122,29 @@ def blockwise(q_bthd, k_btkd, v_btkd, segments_bt=None, prefix_bt=None, window=N
   """Flash attention in pure JAX (module docstring). T is padded up to a multiple of the block
   (the padded keys come after every real query, so causality hides them)."""
   b, t, h, d = q_bthd.shape
-  kv = k_btkd.shape[2]
-  g = h // kv
   blk = min(block, max(8, -(-t // 8) * 8))  # a short row is one block
   tp = -(-t // blk) * blk
-  n = tp // blk
   pad = lambda x, fill=0: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
   has_seg = segments_bt is not None
-  seg = pad(segments_bt.astype(jnp.int32), -1) if has_seg else jnp.zeros((b, tp), jnp.int32)
-  pre = pad(prefix_bt.astype(jnp.int32), -1) if prefix_bt is not None else jnp.zeros((b, tp), jnp.int32)
-  # Blocks first, each a batched matmul operand: q [N, B, Hkv, G*blk, D] (rows g-major), k / v
-  # [N, B, Hkv, blk, D]; the G query heads of a KV head share its keys in one matmul.
-  q = jnp.einsum("bnqkgd->nbkgqd", pad(q_bthd).reshape(b, n, blk, kv, g, d)).reshape(n, b, kv, g * blk, d)
-  k, v = (jnp.einsum("bnskd->nbksd", pad(x).reshape(b, n, blk, kv, d)) for x in (k_btkd, v_btkd))
-  seg_n, pre_n = (jnp.moveaxis(x.reshape(b, n, blk), 1, 0) for x in (seg, pre))
-  o = _flash(q, k, v, seg_n, pre_n, seg_n, jnp.int32(0), _Static(blk, g, window, has_seg, 1 / math.sqrt(d)))
-  return jnp.einsum("nbkgqd->bnqkgd", o.reshape(n, b, kv, g, blk, d)).reshape(b, tp, h, d)[:, :t]
+  seg = pad(segments_bt.astype(jnp.int32), -1) if has_seg else None
+  pre = pad(prefix_bt.astype(jnp.int32), -1) if prefix_bt is not None else None
+  return blockwise_chunk(pad(q_bthd), pad(k_btkd), pad(v_btkd), 0, seg, pre, seg, window, blk)[:, :t]
 
 
 def blockwise_chunk(q_bthd, k_btkd, v_btkd, q_offset, segments_q=None, prefix_q=None, segments_k=None,
                     window=None, block: int = BLOCK):
   """Blockwise attention of a chunk of queries, global positions [q_offset, q_offset + Tq), against
-  every key of the row (Tk): context parallelism's per-device part (`context_parallel.py`). Tq, Tk
-  and q_offset must be multiples of the block (q_offset may be traced)."""
+  every key of the row (Tk): also context parallelism's per-device part with gathered keys
+  (`context_parallel.py`). Tq, Tk and q_offset must be multiples of the block (q_offset may be traced)."""
   b, tq, h, d = q_bthd.shape
-  tk, kv = k_btkd.shape[1], k_btkd.shape[2]
-  g = h // kv
   blk = min(block, tq)
-  if tq % blk or tk % blk:
-    raise ValueError(f"blockwise_chunk: query length {tq} and key length {tk} must be multiples of the block {blk}")
-  nq, nk = tq // blk, tk // blk
-  has_seg = segments_q is not None
-  zeros = lambda t: jnp.zeros((b, t), jnp.int32)
-  seg_q = segments_q.astype(jnp.int32) if has_seg else zeros(tq)
-  pre_q = prefix_q.astype(jnp.int32) if prefix_q is not None else zeros(tq)
-  seg_k = segments_k.astype(jnp.int32) if has_seg else zeros(tk)
-  q = jnp.einsum("bnqkgd->nbkgqd", q_bthd.reshape(b, nq, blk, kv, g, d)).reshape(nq, b, kv, g * blk, d)
-  k, v = (jnp.einsum("bnskd->nbksd", x.reshape(b, nk, blk, kv, d)) for x in (k_btkd, v_btkd))
-  blocks = lambda x, n: jnp.moveaxis(x.reshape(b, n, blk), 1, 0)
-  o = _flash(q, k, v, blocks(seg_q, nq), blocks(pre_q, nq), blocks(seg_k, nk),
-             (jnp.asarray(q_offset) // blk).astype(jnp.int32), _Static(blk, g, window, has_seg, 1 / math.sqrt(d)))
-  return jnp.einsum("nbkgqd->bnqkgd", o.reshape(nq, b, kv, g, blk, d)).reshape(b, tq, h, d)
+  st = static_args(q_bthd, k_btkd, blk, window, segments_q is not None)
+  q, k, v, seg_q, pre_q, seg_k = to_blocks(st, q_bthd, k_btkd, v_btkd, segments_q, prefix_q, segments_k)
+  o = _flash(q, k, v, seg_q, pre_q, seg_k, (jnp.asarray(q_offset) // blk).astype(jnp.int32), st)
+  return from_blocks(o, h)
 
 
-class _Static(NamedTuple):
+class Static(NamedTuple):
   """The kernel's static arguments."""
 
   block: int
@@ -173,29 +154,57 @@ class _Static(NamedTuple):
   scale: float
 
 
-def _key_range(st: _Static, gi):
-  """Key blocks [lo, gi] that query block gi (global) may see (causal; the window drops blocks far behind)."""
+def static_args(q_bthd, k_btkd, block: int, window, has_seg: bool) -> Static:
+  return Static(block, q_bthd.shape[2] // k_btkd.shape[2], window, has_seg, 1 / math.sqrt(q_bthd.shape[3]))
+
+
+def to_blocks(st: Static, q_bthd, k_btkd, v_btkd, segments_q=None, prefix_q=None, segments_k=None):
+  """The kernel's layout, blocks first, each a batched matmul operand: q [Nq, B, Hkv, G*blk, D] (rows
+  g-major: the G query heads of a KV head share its keys in one matmul), k / v [Nk, B, Hkv, blk, D],
+  segments [N, B, blk] (zeros when absent). Lengths must be multiples of the block."""
+  b, tq, h, d = q_bthd.shape
+  tk, kv, blk = k_btkd.shape[1], k_btkd.shape[2], st.block
+  if tq % blk or tk % blk:
+    raise ValueError(f"blockwise attention: query length {tq} and key length {tk} must be multiples of the block {blk}")
+  nq, nk = tq // blk, tk // blk
+  q = jnp.einsum("bnqkgd->nbkgqd", q_bthd.reshape(b, nq, blk, kv, st.groups, d)).reshape(nq, b, kv, -1, d)
+  k, v = (jnp.einsum("bnskd->nbksd", x.reshape(b, nk, blk, kv, d)) for x in (k_btkd, v_btkd))
+  tokens = lambda x, t: jnp.moveaxis((jnp.zeros((b, t), jnp.int32) if x is None else x.astype(jnp.int32))
+                                     .reshape(b, t // blk, blk), 1, 0)
+  return q, k, v, tokens(segments_q, tq), tokens(prefix_q, tq), tokens(segments_k, tk)
+
+
+def from_blocks(o, h: int):
+  """[Nq, B, Hkv, G*blk, D] -> [B, Tq, H, D] (to_blocks' inverse for the queries)."""
+  n, b, kv, r, d = o.shape
+  g = h // kv
+  return jnp.einsum("nbkgqd->bnqkgd", o.reshape(n, b, kv, g, r // g, d)).reshape(b, n * (r // g), h, d)
+
+
+def _key_range(st: Static, gi, k_off, nk: int):
+  """Local key blocks [lo, hi) (global block = local + k_off) that query block gi (global) may see:
+  causal; the window drops blocks far behind."""
   lo = 0 if st.window is None else jnp.maximum(0, (gi * st.block - st.window + 1) // st.block)
-  return lo, gi + 1
+  return jnp.clip(lo - k_off, 0, nk), jnp.clip(gi + 1 - k_off, 0, nk)
 
 
-def _query_range(st: _Static, j, q_off, nq: int):
-  """Local query blocks [lo, hi) (global block = local + q_off) that may see key block j."""
+def _query_range(st: Static, j, q_off, nq: int):
+  """Local query blocks [lo, hi) (global block = local + q_off) that may see key block j (global)."""
   hi = nq + q_off if st.window is None else jnp.minimum(
       nq + q_off, ((j + 1) * st.block - 1 + st.window - 1) // st.block + 1)
   return jnp.clip(j - q_off, 0, nq), jnp.clip(hi - q_off, 0, nq)
 
 
-def _block_mask(st: _Static, i, j, q_off, seg_q, pre_q, seg_k):
-  """Local query block i (global i + q_off) vs key block j: [G*blk, blk] bool, or [B, 1, G*blk, blk]."""
+def _block_mask(st: Static, i, j, q_off, k_off, seg_q, pre_q, seg_k):
+  """Local query block i vs local key block j: [G*blk, blk] bool, or [B, 1, G*blk, blk]."""
   rows = jnp.arange(st.groups * st.block) % st.block  # the query of each row of a G*blk block
-  q_idx, k_idx = (i + q_off) * st.block + rows, j * st.block + jnp.arange(st.block)
+  q_idx, k_idx = (i + q_off) * st.block + rows, (j + k_off) * st.block + jnp.arange(st.block)
   if not st.has_seg:
     return visible_mask(q_idx, k_idx, window=st.window)
   return visible_mask(q_idx, k_idx, seg_q[i][:, rows], pre_q[i][:, rows], seg_k[j], st.window)[:, None]
 
 
-def _unless_hidden(st: _Static, vis, update, carry):
+def _unless_hidden(st: Static, vis, update, carry):
   """update(carry), or carry itself when segments hide the whole block from every query: a packed
   row's groups, or a shared prompt's later answers, never compute each other's blocks."""
   if not st.has_seg:  # causality and the window are already in the loop bounds
@@ -203,19 +212,29 @@ def _unless_hidden(st: _Static, vis, update, carry):
   return jax.lax.cond(vis.any(), update, lambda c: c, carry)
 
 
-def _scores(st: _Static, q_i, k_j):
+def _scores(st: Static, q_i, k_j):
   """[B, Hkv, R, D] x [B, Hkv, blk, D] -> fp32 scores [B, Hkv, R, blk] (R = G*blk query rows)."""
   return jnp.einsum("bkrd,bksd->bkrs", q_i, k_j, preferred_element_type=jnp.float32) * st.scale
 
 
-def _forward(q, k, v, seg_q, pre_q, seg_k, q_off, st: _Static):
-  """-> (o like q, lse [Nq, B, Hkv, R] fp32)."""
+def softmax_init(q):
+  """The online softmax's state before any key: (running max m, sum l) [Nq, B, Hkv, R] and the
+  unnormalised output acc [Nq, B, Hkv, R, D], fp32."""
+  return (jnp.full(q.shape[:-1], _MASKED, jnp.float32), jnp.zeros(q.shape[:-1], jnp.float32),
+          jnp.zeros(q.shape, jnp.float32))
 
-  def query_block(i):
+
+def forward_blocks(st: Static, q, k, v, seg_q, pre_q, seg_k, q_off, k_off, state):
+  """The online softmax `state` (softmax_init) of q's blocks continued over the key blocks k, v.
+  q_off / k_off: global block index of the first query / key block (may be traced), so that a
+  device of a ring can fold in one chunk of keys after another (`context_parallel.py`)."""
+
+  def query_block(args):
+    i, carry = args[0], args[1:]
     q_i = q[i]
 
     def key_block(j, carry):
-      vis = _block_mask(st, i, j, q_off, seg_q, pre_q, seg_k)
+      vis = _block_mask(st, i, j, q_off, k_off, seg_q, pre_q, seg_k)
 
       def update(carry):
         m, l, acc = carry
@@ -228,36 +247,28 @@ def _forward(q, k, v, seg_q, pre_q, seg_k, q_off, st: _Static):
 
       return _unless_hidden(st, vis, update, carry)
 
-    init = (jnp.full(q_i.shape[:-1], _MASKED, jnp.float32), jnp.zeros(q_i.shape[:-1], jnp.float32),
-            jnp.zeros(q_i.shape, jnp.float32))
-    m, l, acc = jax.lax.fori_loop(*_key_range(st, i + q_off), key_block, init)
-    l = jnp.maximum(l, 1e-30)  # never divide by 0 (every real query sees itself, so l > 0 there)
-    return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
+    return jax.lax.fori_loop(*_key_range(st, i + q_off, k_off, k.shape[0]), key_block, carry)
 
-  return jax.lax.map(query_block, jnp.arange(q.shape[0]))
+  return jax.lax.map(query_block, (jnp.arange(q.shape[0]),) + tuple(state))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _flash(q, k, v, seg_q, pre_q, seg_k, q_off, st: _Static):
-  return _forward(q, k, v, seg_q, pre_q, seg_k, q_off, st)[0]
+def softmax_finish(state, dtype):
+  """-> (o [Nq, B, Hkv, R, D] in dtype, lse [Nq, B, Hkv, R] fp32) of an online softmax state."""
+  m, l, acc = state
+  l = jnp.maximum(l, 1e-30)  # never divide by 0 (every real query sees itself, so l > 0 there)
+  return (acc / l[..., None]).astype(dtype), m + jnp.log(l)
 
 
-def _flash_fwd(q, k, v, seg_q, pre_q, seg_k, q_off, st: _Static):
-  o, lse = _forward(q, k, v, seg_q, pre_q, seg_k, q_off, st)
-  return o, (q, k, v, seg_q, pre_q, seg_k, q_off, o, lse)
-
-
-def _flash_bwd(st: _Static, res, do):
-  """FlashAttention-2's backward: per key block j, the query blocks that see it, recomputing
-  p = exp(s - lse); dK_j, dV_j accumulate in the inner loop, dQ in a carry of all blocks (fp32)."""
-  q, k, v, seg_q, pre_q, seg_k, q_off, o, lse = res
-  delta = jnp.einsum("nbkrd,nbkrd->nbkr", do.astype(jnp.float32), o.astype(jnp.float32))  # sum_d dO o
+def backward_blocks(st: Static, q, k, v, seg_q, pre_q, seg_k, q_off, k_off, do, lse, delta, dq):
+  """FlashAttention-2's backward against the key blocks k, v (offsets as in forward_blocks): per key
+  block j, the query blocks that see it, recomputing p = exp(s - lse) from the whole row's lse;
+  delta = sum_d dO o [Nq, B, Hkv, R]. Returns (dq + this chunk's part, dk, dv), all fp32."""
 
   def key_block(dq, j):
     k_j, v_j = k[j], v[j]
 
     def query_block(i, carry):
-      vis = _block_mask(st, i, j, q_off, seg_q, pre_q, seg_k)
+      vis = _block_mask(st, i, j, q_off, k_off, seg_q, pre_q, seg_k)
 
       def update(carry):
         dk, dv, dq = carry
@@ -273,11 +284,34 @@ def _flash_bwd(st: _Static, res, do):
       return _unless_hidden(st, vis, update, carry)
 
     zeros = jnp.zeros(k_j.shape, jnp.float32)
-    dk, dv, dq = jax.lax.fori_loop(*_query_range(st, j, q_off, q.shape[0]), query_block, (zeros, zeros, dq))
-    return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
+    dk, dv, dq = jax.lax.fori_loop(*_query_range(st, j + k_off, q_off, q.shape[0]), query_block, (zeros, zeros, dq))
+    return dq, (dk, dv)
 
-  dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(k.shape[0]))
-  return dq.astype(q.dtype), dk, dv, None, None, None, None
+  dq, (dk, dv) = jax.lax.scan(key_block, dq, jnp.arange(k.shape[0]))
+  return dq, dk, dv
+
+
+def output_delta(do, o):
+  """sum_d dO o [Nq, B, Hkv, R] fp32: the softmax backward's row term."""
+  return jnp.einsum("nbkrd,nbkrd->nbkr", do.astype(jnp.float32), o.astype(jnp.float32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q, k, v, seg_q, pre_q, seg_k, q_off, st: Static):
+  return _flash_fwd(q, k, v, seg_q, pre_q, seg_k, q_off, st)[0]
+
+
+def _flash_fwd(q, k, v, seg_q, pre_q, seg_k, q_off, st: Static):
+  o, lse = softmax_finish(forward_blocks(st, q, k, v, seg_q, pre_q, seg_k, q_off, 0, softmax_init(q)), q.dtype)
+  return o, (q, k, v, seg_q, pre_q, seg_k, q_off, o, lse)
+
+
+def _flash_bwd(st: Static, res, do):
+  """dK_j, dV_j accumulate per key block, dQ in a carry of all blocks (fp32)."""
+  q, k, v, seg_q, pre_q, seg_k, q_off, o, lse = res
+  dq, dk, dv = backward_blocks(st, q, k, v, seg_q, pre_q, seg_k, q_off, 0, do, lse, output_delta(do, o),
+                               jnp.zeros(q.shape, jnp.float32))
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

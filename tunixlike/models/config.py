@@ -20,6 +20,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
                  "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 MOE_ARCHS = ("qwen3_moe", "mixtral")
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn", "pallas_tpu")  # attention.py
+CONTEXT_PARALLEL_SCHEMES = ("ring", "all_gather")  # context_parallel.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,7 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype of activations and matmuls (softmax/norms run in fp32)
   remat: bool = False  # rematerialise each layer in the backward pass (nnx.remat)
   attention: str = "auto"  # the full-sequence attention kernel (attention.IMPLEMENTATIONS)
+  context_parallel_attention: str = "ring"  # a row split over devices: how keys reach queries (context_parallel.py)
   max_position_embeddings: int = 4096
   init_std: float = 0.02  # stddev of the normal init of every kernel and embedding
   bos_token_id: int | None = None
@@ -95,6 +97,9 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}, expected one of {DTYPES}")
     if self.attention not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(f"ModelConfig.attention={self.attention!r}, expected one of {ATTENTION_IMPLEMENTATIONS}")
+    if self.context_parallel_attention not in CONTEXT_PARALLEL_SCHEMES:
+      raise ValueError(f"ModelConfig.context_parallel_attention={self.context_parallel_attention!r}, expected one "
+                       f"of {CONTEXT_PARALLEL_SCHEMES}")
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r} must be a RopeScaling or None")
     if not isinstance(self.eos_token_ids, tuple):

@@ -114,7 +114,7 @@ class Attention(nnx.Module):
     segment prefix_bt (default 0: a shared prompt); without it every token sees every earlier one.
     The kernel is cfg.attention's (`attention.py`: reference, blockwise flash, cuDNN, splash); with
     the row's tokens split over devices (activation rule 'length', the learner's
-    `optim.context_parallel`) the blockwise kernel per device (`context_parallel.py`).
+    `optim.context_parallel`) cfg.context_parallel_attention's scheme (`context_parallel.py`: ring, all-gather).
     """
     cfg = self.cfg
     b, t = x_btd.shape[:2]
@@ -123,7 +123,8 @@ class Attention(nnx.Module):
     if split is None:
       o = attention_lib.attend(q, k, v, segments_bt=segments_bt, prefix_bt=prefix_bt, impl=cfg.attention)
     else:
-      o = context_parallel.attend(q, k, v, *split, segments_bt=segments_bt, prefix_bt=prefix_bt)
+      o = context_parallel.attend(q, k, v, *split, segments_bt=segments_bt, prefix_bt=prefix_bt,
+                                  scheme=cfg.context_parallel_attention)
     return self.o_proj(o.reshape(b, t, cfg.num_heads * cfg.head_dim)), k, v
 
   def decode(self, x_bd, cos_bd, sin_bd, positions_b, k_cache, v_cache, attend_len: int | None,
@@ -411,9 +412,10 @@ class Transformer(nnx.Module):
     return (*out, _stack_routing(routed, tokens_b.shape, self.cfg).routing_btlk) if return_routing else out
 
 
-def with_attention(model: Transformer, impl: str) -> Transformer:
-  """`model` with its attention kernel set to `impl` (for a model loaded with the file's config)."""
-  cfg = model.cfg.replace(attention=impl)
+def with_attention(model: Transformer, impl: str, context_parallel_attention: str = "ring") -> Transformer:
+  """`model` with its attention kernel set to `impl` and its context-parallel scheme (for a model
+  loaded with the file's config)."""
+  cfg = model.cfg.replace(attention=impl, context_parallel_attention=context_parallel_attention)
   model.cfg = cfg
   for layer in model.layers:
     layer.attn.cfg = cfg

@@ -182,7 +182,7 @@ def build_model(cfg: Config, tok, mesh) -> nnx.Module:
   if m.hf_path:
     return transformer.with_attention(models.from_pretrained(hub.resolve(m.hf_path, m.revision), mesh=mesh,
                                                              rules=mesh_lib.LEARNER_RULES, dtype=m.param_dtype),
-                                      m.attention)
+                                      m.attention, m.context_parallel_attention)
   # The model section's sizes carry ModelConfig's own names; the vocabulary is the tokenizer's.
   sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(models.ModelConfig) if hasattr(m, f.name)}
   model_cfg = models.ModelConfig(vocab_size=tok.vocab_size, **sizes)
