@@ -2,14 +2,16 @@
 
 Run: python examples/countdown/make_data.py
 
-Each row is one problem: three numbers from 1..9 and a target that some expression using all three
-reaches (with + - * / and parentheses), e.g.
+Each row is one problem: three numbers from 1..9 and a target that two steps reach, each step
+combining two numbers with + - * / into a positive integer (the game's rule), the second step using
+the first one's result and the third number, e.g.
 
-  {"problem": "3 5 7 to 22:", "numbers": [3, 5, 7], "target": 22, "solution": "3*5+7"}
+  {"problem": "3 5 7 to 22:", "numbers": [3, 5, 7], "target": 22, "solution": "3*5=15,15+7=22"}
 
-`problem` is the prompt (short: the example's model reads one character per token). There are 1925
-such problems (numbers as a multiset, targets 1..99 other than a given number); each is used once,
-200 in test.jsonl and the rest in train.jsonl, so no test problem is seen in training.
+`problem` is the prompt (short: the example's model reads one character per token); `solution` is
+one way there, written step by step so that every step is a small arithmetic fact. Every such problem
+(numbers as a multiset, targets 1..99 other than a given number) is used once: 200 in test.jsonl,
+the rest in train.jsonl, so no test problem is seen in training.
 """
 
 from __future__ import annotations
@@ -19,43 +21,36 @@ import itertools
 import json
 import os
 import random
-from fractions import Fraction
 
 import rewards  # this directory's rewards.py: every solution is checked with the reward itself
 
-OPS = "+-*/"
 MAX_TARGET = 99  # two-digit targets keep prompts short
 
 
-def _apply(op: str, a: Fraction, b: Fraction) -> Fraction | None:
-  if op == "/":
-    return a / b if b else None
-  return a + b if op == "+" else a - b if op == "-" else a * b
-
-
-def _candidates(numbers: tuple[int, ...]):
-  """(value, expression) for every expression using all three numbers once, shortest spelling first."""
-  for x, y, z in set(itertools.permutations(numbers)):
-    for o1, o2 in itertools.product(OPS, repeat=2):
-      left = _apply(o1, Fraction(x), Fraction(y))  # (x o1 y) o2 z
-      if left is not None and (v := _apply(o2, left, Fraction(z))) is not None:
-        yield v, [f"{x}{o1}{y}{o2}{z}", f"({x}{o1}{y}){o2}{z}"]
-      right = _apply(o2, Fraction(y), Fraction(z))  # x o1 (y o2 z)
-      if right is not None and (v := _apply(o1, Fraction(x), right)) is not None:
-        yield v, [f"{x}{o1}{y}{o2}{z}", f"{x}{o1}({y}{o2}{z})"]
+def _steps(a: int, b: int):
+  """(result, text) of each way to combine a and b into a positive integer; the larger number first
+  where the order does not matter, so that one fact has one spelling."""
+  big, small = max(a, b), min(a, b)
+  yield big + small, f"{big}+{small}"
+  yield big * small, f"{big}*{small}"
+  if a > b:
+    yield a - b, f"{a}-{b}"
+  if a % b == 0:
+    yield a // b, f"{a}/{b}"
 
 
 def solutions(numbers: tuple[int, ...]) -> dict[int, str]:
-  """Each reachable target in 1..MAX_TARGET (other than a given number) -> its shortest expression."""
+  """Each target in 1..MAX_TARGET (other than a given number) two steps reach -> its shortest solution."""
   out = {}
-  for value, spellings in _candidates(numbers):
-    if value.denominator != 1 or not 1 <= value <= MAX_TARGET or value in numbers:
-      continue
-    target = int(value)
-    # The unparenthesised spelling only if it still evaluates to the target (operator precedence).
-    text = next(s for s in spellings if rewards.correct([s], [list(numbers)], [target]) == [1.0])
-    if target not in out or (len(text), text) < (len(out[target]), out[target]):
-      out[target] = text
+  for x, y, z in set(itertools.permutations(numbers)):
+    for first, first_text in _steps(x, y):
+      for second in set(itertools.permutations((first, z))):
+        for target, second_text in _steps(*second):
+          if not 1 <= target <= MAX_TARGET or target in numbers:
+            continue
+          text = f"{first_text}={first},{second_text}={target}"
+          if target not in out or (len(text), text) < (len(out[target]), out[target]):
+            out[target] = text
   return out
 
 
@@ -78,7 +73,8 @@ def main():
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
   rng = random.Random(args.seed)
-  pool = problems()  # 1925 problems: numbers 1..9 give no more with all three used and targets <= 99
+  pool = problems()
+  assert all(rewards.correct([s], [list(n)], [t]) == [1.0] for n, t, s in pool)  # the reward agrees
   rng.shuffle(pool)
   test = [row(*p, rng) for p in pool[:args.test_rows]]  # disjoint from train: each problem is used once
   train = [row(*p, rng) for p in pool[args.test_rows:][:args.train_rows or None]]

@@ -1,8 +1,12 @@
-"""Countdown rewards: does the completion's arithmetic reach the target with the given numbers?
+"""Countdown rewards: do the completion's steps reach the target with the given numbers?
 
-A completion's answer is its text before the first newline, stripped, e.g. "3*5+7". It must be an
-expression of integer literals, + - * / and parentheses; each literal must be one of the given
-numbers, each given number used at most once. The expression is parsed with `ast` and only a
+A completion's answer is its text before the first newline, stripped: steps separated by commas,
+each an arithmetic expression and the integer it makes, e.g. "3*5=15,15+7=22". The numbers a step
+may use are the given ones and the results of earlier steps, each at most once; each written result
+must be the exact value of its expression, and the last result is the answer. A step without
+"=result" stands for its value, so a single expression such as "3*5+7" is an answer too.
+
+An expression is integer literals, + - * / and parentheses. It is parsed with `ast` and only a
 whitelist of nodes is evaluated (exactly, with `fractions.Fraction`): no `eval`, no names, no
 calls, no attributes, so text such as `__import__('os')` is simply not an expression here.
 
@@ -15,7 +19,7 @@ import ast
 import collections
 from fractions import Fraction
 
-MAX_CHARS = 64  # longer answers are wrong: bounds parsing work (the longest solution has 7 characters)
+MAX_CHARS = 64  # longer answers are wrong: bounds parsing work (the longest solution has 14 characters)
 
 _OPS = {
     ast.Add: lambda a, b: a + b,
@@ -64,28 +68,54 @@ def evaluate(tree: ast.expr) -> Fraction | None:
     return None
 
 
-def uses_only(literals: list[int], numbers) -> bool:
-  """Every literal is a given number, and no given number is used more often than it is given."""
+def parse_steps(text: str) -> list[tuple[ast.expr, list[int], int | None]] | None:
+  """Each step's (tree, literals, written result or None), or None if `text` is not a line of steps."""
+  if not text or len(text) > MAX_CHARS:
+    return None
+  steps = []
+  for step in text.split(","):
+    expression, equals, result = step.partition("=")
+    parsed = parse(expression.strip())
+    result = result.strip()
+    if parsed is None or (equals and not result.isdigit()):  # a result is a plain decimal integer
+      return None
+    steps.append((*parsed, int(result) if equals else None))
+  return steps
+
+
+def final_value(text: str, numbers) -> Fraction | None:
+  """The value the steps reach, or None if a step uses a number it does not have or writes a wrong result."""
+  steps = parse_steps(text)
+  if steps is None:
+    return None
   available = collections.Counter(int(n) for n in numbers)
-  return not collections.Counter(literals) - available
+  value = None
+  for tree, literals, result in steps:
+    used = collections.Counter(literals)
+    if used - available:  # a number not given, not made by an earlier step, or already used
+      return None
+    available -= used
+    value = evaluate(tree)
+    if value is None or (result is not None and value != result):
+      return None
+    if value.denominator == 1:  # only an integer can be written as a later step's number
+      available[int(value)] += 1
+  return value
 
 
 def is_correct(completion: str, numbers, target) -> bool:
-  parsed = parse(answer(completion))
-  if parsed is None:
-    return False
-  tree, literals = parsed
-  return uses_only(literals, numbers) and evaluate(tree) == int(target)
+  return final_value(answer(completion), numbers) == int(target)
 
 
 def correct(completions: list[str], numbers: list[list[int]], target: list[int]) -> list[float]:
-  """1.0 if the answer reaches the target using only the given numbers (each at most once), else 0.0."""
+  """1.0 if the steps reach the target using only the given numbers (each at most once), else 0.0."""
   return [float(is_correct(c, n, t)) for c, n, t in zip(completions, numbers, target, strict=True)]
 
 
 def well_formed(completions: list[str]) -> list[float]:
-  """1.0 if the answer is an arithmetic expression of integers, + - * / and parentheses, else 0.0.
+  """1.0 if the answer is a line of steps (expressions of integers, + - * / and parentheses, each with
+  an optional "=integer"), else 0.0.
 
-  A small shaping term: it does not look at the numbers or the target.
+  A small shaping term: it does not look at the numbers, the target or whether a result is right.
   """
-  return [float(parse(answer(c)) is not None) for c in completions]
+  return [float(parse_steps(answer(c)) is not None) for c in completions]

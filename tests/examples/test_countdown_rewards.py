@@ -22,7 +22,20 @@ NUMBERS, TARGET = [3, 5, 7], 22
 
 
 @pytest.mark.parametrize("completion, score", [
-    ("3*5+7", 1.0),                 # correct
+    ("3*5=15,15+7=22", 1.0),        # correct, step by step (the solution column's form)
+    ("5+7=12,12+3*5", 0.0),         # 12 made, then 5 used a second time
+    ("3*5=15, 7+15=22", 1.0),       # spaces, any order inside a step
+    ("3*5=15,15+7=23", 0.0),        # a wrong written result
+    ("3*5=16,16+7=23", 0.0),        # a wrong step, then right arithmetic on it: still wrong
+    ("3*5=15,15+7", 1.0),           # the last result may be left unwritten
+    ("3*5=15,15+7=22,22", 1.0),     # a step may just name a number it has
+    ("7-5=2,2*3=6,6+15=21", 0.0),   # 15 was never made
+    ("3*5=15,15+7=22,15", 0.0),     # 15 was used up by the second step
+    ("3+5=8,8*7=56", 0.0),          # right arithmetic, not the target
+    ("3*5=15,15+7=", 0.0),          # an empty result
+    ("3*5=15;15+7=22", 0.0),        # steps are separated by commas
+    ("3*5=15,15+7=22.0", 0.0),      # results are integers
+    ("3*5+7", 1.0),                 # a single expression is one step
     (" 7+3*5 \nsome explanation", 1.0),  # only the first line counts, stripped
     ("(3+5)*7", 0.0),               # wrong value (56)
     ("3*5+5+2", 0.0),               # 5 used twice, 2 not given
@@ -56,13 +69,24 @@ def test_correct_repeated_numbers_may_each_be_used_once():
   assert rewards.correct(["3*3*3+1"], [[3, 3, 1]], [28]) == [0.0]
 
 
+def test_correct_steps_may_divide_exactly():
+  assert rewards.correct(["7/2=3,3*4=12"], [[7, 2, 4]], [12]) == [0.0]  # 7/2 is not 3
+  assert rewards.correct(["8/2=4,4*3=12"], [[8, 2, 3]], [12]) == [1.0]
+  assert rewards.correct(["7/2,7/2*4"], [[7, 2, 4]], [14]) == [0.0]  # 7 and 2 were used by the first step
+  assert rewards.correct(["5-5=0,9/0=9"], [[5, 5, 9]], [9]) == [0.0]  # division by zero scores 0, no error
+
+
 def test_correct_scores_a_batch_in_order():
-  completions = ["3*5+7", "junk", "9-1"]
+  completions = ["3*5=15,15+7=22", "junk", "9-1"]
   assert rewards.correct(completions, [NUMBERS, NUMBERS, [9, 1, 2]], [22, 22, 8]) == [1.0, 0.0, 1.0]
 
 
 @pytest.mark.parametrize("completion, score", [
     ("3*5+7", 1.0),
+    ("3*5=15,15+7=22", 1.0),
+    ("3*5=16,1+1=99", 1.0),  # the form, not the arithmetic
+    ("3*5=15,", 0.0),        # an empty step
+    ("3*5=x", 0.0),
     ("(1+2)/0", 1.0),  # well formed, though it divides by zero: the form, not the value
     ("99", 1.0),
     ("", 0.0),
@@ -80,5 +104,6 @@ def test_shipped_solutions_are_correct():
   for name in ("train.jsonl", "test.jsonl"):
     rows = [json.loads(line) for line in (COUNTDOWN / name).read_text().splitlines()]
     assert rows and all(len(r["problem"]) + 1 <= 24 for r in rows)  # + <bos>: data.max_prompt_length of the config
+    assert all(len(r["solution"]) + 1 <= 20 for r in rows)  # + EOS: sampler.max_new_tokens of the config
     scores = rewards.correct([r["solution"] for r in rows], [r["numbers"] for r in rows], [r["target"] for r in rows])
     assert scores == [1.0] * len(rows), name
