@@ -41,6 +41,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import harness
@@ -51,6 +52,7 @@ def _flags(p):
   p.add_argument("--repeats", type=int, default=5, help="timed syncs per path (after one warm-up)")
   p.add_argument("--transfer-size", type=int, default=None, help="JAX's transfer chunk, bytes")
   p.add_argument("--connections", type=int, default=None, help="JAX's transfer data connections")
+  p.add_argument("--timeout", type=float, default=600, help="seconds each part may take")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "pair" or "trio", in the subprocesses
 
 
@@ -89,6 +91,7 @@ def _timer(client, repeats: int):
   import jax
 
   def time_path(name, run, prepare=lambda: None):
+    print(f"PATH {name}", flush=True)  # where a hang is, in the failure's output
     times = []
     for r in range(repeats + 1):
       arg = prepare()
@@ -186,6 +189,9 @@ def pair_worker(args):
     if me == 1:
       result[f"{name}_full_s"], result[f"{name}_full_bytes_per_s"] = s, len(payload) / s
   if me == 1:
+    from tunixlike.hosts import transfer_server
+    result.update(transfer_size=args.transfer_size or transfer_server.TRANSFER_SIZE,
+                  connections=args.connections or transfer_server.CONNECTIONS)
     print("RESULT " + json.dumps(result), flush=True)
   client.wait_at_barrier("bench/end", 60_000)
 
@@ -226,24 +232,42 @@ def trio_worker(args):
 
 
 def _run_job(args, part: str, processes: int) -> dict:
-  """`processes` workers of `part` as one jax.distributed job on 127.0.0.1; process 1's RESULT."""
+  """`processes` workers of `part` as one jax.distributed job on 127.0.0.1; process 1's RESULT. All
+  are killed when one fails or the time runs out."""
   port = _free_port()
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  procs = []
-  for i in range(processes):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": harness.xla_flags(4),
-           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(processes),
-           "JAX_PROCESS_ID": str(i), "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", part, "--mb", str(args.mb),
-            "--repeats", str(args.repeats)]
-    for flag, value in (("--transfer-size", args.transfer_size), ("--connections", args.connections)):
-      if value is not None:
-        argv += [flag, str(value)]
-    procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-  outs = [p.communicate(timeout=900)[0] for p in procs]
+  procs, logs = [], [tempfile.TemporaryFile("w+") for _ in range(processes)]
+  try:
+    for i in range(processes):
+      env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": harness.xla_flags(4),
+             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(processes),
+             "JAX_PROCESS_ID": str(i), "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+      argv = [sys.executable, os.path.abspath(__file__), "--worker", part, "--mb", str(args.mb),
+              "--repeats", str(args.repeats)]
+      for flag, value in (("--transfer-size", args.transfer_size), ("--connections", args.connections)):
+        if value is not None:
+          argv += [flag, str(value)]
+      procs.append(subprocess.Popen(argv, env=env, stdout=logs[i], stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + args.timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+      if any(p.poll() not in (None, 0) for p in procs):
+        time.sleep(2)  # let the others report their error too
+        break
+      time.sleep(0.5)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+  outs = []
+  for f in logs:
+    f.seek(0)
+    outs.append(f.read())
+    f.close()
   lines = [l for l in outs[1].splitlines() if l.startswith("RESULT ")]
   if any(p.returncode for p in procs) or not lines:
-    raise SystemExit(f"benchmark workers ({part}) failed:\n" + "\n".join(o[-3000:] for o in outs))
+    raise SystemExit(f"benchmark workers ({part}) failed or ran past --timeout {args.timeout:g} s:\n"
+                     + "\n".join(o[-3000:] for o in outs))
   return json.loads(lines[0][len("RESULT "):])
 
 
@@ -262,10 +286,7 @@ def main():
     r[f"{name}_vs_socket_bandwidth"] = r[f"{name}_full_bytes_per_s"] / socket_bw
   r["by_host_vs_per_host_full_time"] = r["by_host_full_s"] / r["per_host_full_s"]
   r["by_host_full_vs_lora_time"] = r["by_host_full_s"] / r["by_host_lora_s"]
-  from tunixlike.hosts import transfer_server
-  r.update(mb=args.mb, repeats=args.repeats, devices_per_process=4,
-           transfer_size=args.transfer_size or transfer_server.TRANSFER_SIZE,
-           connections=args.connections or transfer_server.CONNECTIONS)
+  r.update(mb=args.mb, repeats=args.repeats, devices_per_process=4)
   harness.report(r, args)
 
 

@@ -25,7 +25,9 @@ def expected_full():
   tree = {"embed": rng.standard_normal((64, 16), np.float32),
           "mlp": {"up": rng.standard_normal((16, 32), np.float32),
                   "down": rng.standard_normal((32, 16), np.float32)},
-          "count": np.arange(12, dtype=np.int32).reshape(3, 4)}
+          "count": np.arange(12, dtype=np.int32).reshape(3, 4),
+          # large enough to travel alone (transfer.SMALL_BYTES), one with a size that needs padding
+          "big": rng.standard_normal((512, 512), np.float32), "odd": rng.standard_normal((1025, 257), np.float32)}
   step = lambda t: {k: (step(v) if isinstance(v, dict) else (v * 2 + 1 if v.dtype == np.float32 else v + 1))
                     for k, v in t.items()}
   return tree, step
@@ -49,14 +51,15 @@ def main(sampler_hosts: int):
     print("LAYOUT " + line, flush=True)
   host_tree, step = expected_full()
   specs = {"embed": P(None, None), "mlp": {"up": P(None, "tensor"), "down": P("tensor", None)},
-           "count": P()}
+           "count": P(), "big": P(None, "tensor"), "odd": P()}
   want = step(host_tree)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host_tree)
   sampler = layout.role() == layout_lib.SAMPLER
   if sampler:
     full, lora = abstract, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lora_like())
   else:  # FSDP on the learner hosts only; a jitted step the sampler hosts never join
-    fsdp = {"embed": P("fsdp"), "mlp": {"up": P("fsdp"), "down": P("fsdp")}, "count": P()}
+    fsdp = {"embed": P("fsdp"), "mlp": {"up": P("fsdp"), "down": P("fsdp")}, "count": P(), "big": P("fsdp"),
+            "odd": P()}
     shardings = jax.tree.map(lambda s: NamedSharding(layout.learner, s), fsdp)
     params = jax.device_put(host_tree, shardings)
     full = jax.jit(step, out_shardings=shardings)(params)
