@@ -110,11 +110,15 @@ def _packer(wires: tuple, dtype: str | None, out_sharding: NamedSharding):
 
 
 @functools.lru_cache(maxsize=64)
-def _unpacker(shapes: tuple, out_shardings: tuple):
-  """Flat buffers -> the arrays in the sampler's layout (`shapes[w]`: wire w's arrays' shapes)."""
+def _unpacker(shapes: tuple, out_shardings: tuple, whole: NamedSharding):
+  """Flat buffers -> the arrays in the sampler's layout (`shapes[w]`: wire w's arrays' shapes). A
+  packed buffer is first made whole on every device (`whole`), once: slicing the split buffer into
+  replicated arrays all-gathered it once per array (0.5 s for 64 LoRA arrays of 1.3 MB on CPU)."""
   def unpack(flats):
     out = []
     for flat, wire_shapes in zip(flats, shapes):
+      if len(wire_shapes) > 1:
+        flat = jax.lax.with_sharding_constraint(flat, whole)
       at = 0
       for shape in wire_shapes:
         size = int(np.prod(shape))
@@ -217,7 +221,7 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
         wires = _wires(leaves, dtypes, groups[b], per_host)
         shapes = tuple(tuple(tuple(leaves[i].shape) for i in w.leaves) for w in wires)
         targets = tuple(NamedSharding(layout.samplers[me], spec_leaves[i]) for w in wires for i in w.leaves)
-        unpacked = _unpacker(shapes, targets)(out)
+        unpacked = _unpacker(shapes, targets, NamedSharding(_host_mesh(layout, me), PartitionSpec()))(out)
         for i, x in zip([i for w in wires for i in w.leaves], unpacked, strict=True):
           received[i] = x
         clock.lap("unpack", unpacked)
