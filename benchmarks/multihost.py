@@ -1,28 +1,39 @@
 """Weight sync across hosts: cross-host device_put (whole hosts per side) vs the per-host all-gather
-path vs a plain socket copy of the same bytes, full weights vs LoRA-only, in one run.
+path vs a plain socket copy of the same bytes, full weights vs LoRA-only, where the time goes, and
+two sampler hosts fed directly vs through a relay, in one run.
 
-  python benchmarks/multihost.py [--out FILE] [--quick] [--mb 32]
+  python benchmarks/multihost.py [--out FILE] [--quick] [--mb 32] [--repeats 5]
+      [--transfer-size BYTES] [--connections N]
 
-Starts 2 processes on 127.0.0.1 (one jax.distributed job, 4 virtual CPU devices each) that run
-three phases in turn, each timed on the receiving process (median of --repeats after a warm-up):
+Part 1, 2 processes on 127.0.0.1 (one jax.distributed job, 4 virtual CPU devices each), each path
+timed on the receiving process (median of --repeats after a warm-up):
   * `by_host`: process 0 is a learner host (FSDP over its 4 devices), process 1 a sampler host
-    (4 replicas): `hosts.transfer.send_across_hosts` with the default 256 MiB buckets;
-  * `per_host`: the per-host split of today (2 sampler + 2 learner devices per process, one learner
-    mesh over both): `rl.weight_sync.sync`, which all-gathers and copies locally on each host;
-  * `socket`: the bytes the by-host sync delivers to one replica, sent once over a TCP socket on
-    127.0.0.1 between the same two processes (the floor of a host-to-host copy here);
-  * `raw_device_put`: the same bytes as one array, one cross-host `jax.device_put` from one device
-    of process 0 to one of process 1: JAX's transfer alone, without the sync's gather, staging,
-    acknowledgements and fan-out.
+    (4 replicas): `hosts.transfer.send_across_hosts` with the default 256 MiB buckets; then one
+    more sync with `profile=` gives the seconds of each stage on each side (pack on the learner
+    host; transfer, ack, unpack to the replicas on the sampler host);
+  * `per_host`: the per-host split (2 sampler + 2 learner devices per process, one learner mesh
+    over both): `rl.weight_sync.sync`, which all-gathers and copies locally on each host;
+  * `socket`: the bytes the by-host sync delivers, sent once over a TCP socket on 127.0.0.1 between
+    the same two processes (the floor of a host-to-host copy here);
+  * `raw_device_put`: the same bytes as one array, one cross-host `jax.device_put`, from one device
+    to one device (`raw_1dev`) and split over the 4 devices of each side (`raw_4dev`, what the sync
+    sends): JAX's transfer alone, without packing, acknowledgement or unpacking.
+Part 2, 3 processes (1 learner host, 2 sampler hosts), the full weights: `direct` (the learner host
+sends to each sampler host) vs `relay` (it sends to the first, which sends on to the second), timed
+until both sampler hosts have them; `fan_out_winner` says which was faster.
+
 Full weights are synthetic float32 matrices of about --mb MB (a transformer's shapes: [d, 4d] and
-[4d, d] per layer); LoRA-only is rank-8 A and B matrices for each of them (packed into one buffer).
-bytes/s counts one copy of the weights per sync (each side also fans it out to 4 replicas).
-All processes share the machine's cores, so this compares paths, not a network.
+[4d, d] per layer); LoRA-only is rank-8 A and B matrices for each of them. bytes/s counts one copy
+of the weights per sync (the sampler host also spreads it to its 4 replicas). --transfer-size and
+--connections set JAX's transfer chunk size and the number of its data connections
+(`hosts.transfer_server.enable`; default: the library's). All processes share the machine's cores,
+so this compares paths, not a network.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -30,6 +41,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import harness
@@ -38,7 +50,10 @@ import harness
 def _flags(p):
   p.add_argument("--mb", type=float, default=32.0, help="full weights, MB (float32)")
   p.add_argument("--repeats", type=int, default=5, help="timed syncs per path (after one warm-up)")
-  p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # set for the 2 processes
+  p.add_argument("--transfer-size", type=int, default=None, help="JAX's transfer chunk, bytes")
+  p.add_argument("--connections", type=int, default=None, help="JAX's transfer data connections")
+  p.add_argument("--timeout", type=float, default=600, help="seconds each part may take")
+  p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "pair" or "trio", in the subprocesses
 
 
 def _free_port() -> int:
@@ -58,115 +73,202 @@ def _tree(mb: float, np):
   return full, lora
 
 
-def _nbytes(tree, np) -> int:
-  import jax
-  return sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(tree))
-
-
-def worker(args):
-  import numpy as np
-  from tunixlike import distributed, mesh as mesh_lib
-  from tunixlike.hosts import kv, layout as layout_lib, transfer
+def _start(args):
+  """This worker's jax.distributed job with the transfer server; returns (process id, kv client)."""
+  from tunixlike import distributed
+  from tunixlike.hosts import kv, transfer_server
   me = int(os.environ["JAX_PROCESS_ID"])
-  assert distributed.initialize(distributed.DistributedConfig(timeout_s=120), cross_host_transfers=True)
+  config = distributed.resolve(distributed.DistributedConfig(timeout_s=120))
+  transfer_server.enable(config.coordinator_address, me, timeout_s=120, transfer_size=args.transfer_size,
+                         connections=args.connections)
+  assert distributed.initialize(config)
+  return me, kv.client()
+
+
+def _timer(client, repeats: int):
+  """time_path(name, run): runs `run()` 1 + repeats times, all processes starting together; returns
+  this process's median seconds after the warm-up."""
   import jax
-  from jax.sharding import NamedSharding, PartitionSpec as P
-  client = kv.client()
-  full_host, lora_host = _tree(args.mb, np)
-  result = {}
 
-  def fresh(tree):  # a new learner copy per sync, as after a train step
-    return jax.tree.map(lambda x: x + 0, tree)
-
-  def time_path(name, sync, make):
+  def time_path(name, run, prepare=lambda: None):
+    print(f"PATH {name}", flush=True)  # where a hang is, in the failure's output
     times = []
-    for r in range(args.repeats + 1):
-      tree = make()
-      jax.block_until_ready(tree)
+    for r in range(repeats + 1):
+      arg = prepare()
+      jax.block_until_ready(arg)
       client.wait_at_barrier(f"bench/{name}/{r}", 120_000)
       t = time.perf_counter()
-      out = sync(tree)
-      jax.block_until_ready(out)
+      jax.block_until_ready(run(arg))
       times.append(time.perf_counter() - t)
     client.wait_at_barrier(f"bench/{name}/end", 120_000)
     return statistics.median(times[1:])
+  return time_path
 
+
+def _learner_copy(tree, layout, fsdp: bool):
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  return jax.device_put(tree, jax.tree.map(lambda x: NamedSharding(layout.learner, P("fsdp") if fsdp else P()), tree))
+
+
+def pair_worker(args):
+  """Part 1: process 0 learner host, process 1 sampler host."""
+  import numpy as np
+  me, client = _start(args)
+  import jax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from tunixlike import mesh as mesh_lib
+  from tunixlike.hosts import layout as layout_lib, transfer
+  from tunixlike.rl import weight_sync
+  time_path = _timer(client, args.repeats)
+  full_host, lora_host = _tree(args.mb, np)
+  result = {}
+  fresh = lambda tree: jax.tree.map(lambda x: x + 0, tree)  # a new learner copy per sync, as after a step
+  layout = layout_lib.make_host_layout(1)
   for kind, host_tree in (("full", full_host), ("lora", lora_host)):
-    nbytes = _nbytes(host_tree, np)
-    # by host: process 0 learner host, process 1 sampler host
-    layout = layout_lib.make_host_layout(1)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(host_tree))
     spec = jax.tree.map(lambda _: P(), host_tree)
     if me == 0:
-      src = jax.device_put(host_tree, jax.tree.map(
-          lambda x: NamedSharding(layout.learner, P("fsdp") if x.shape[0] % 4 == 0 and kind == "full" else P()),
-          host_tree))
+      src = _learner_copy(host_tree, layout, fsdp=kind == "full")
       make = lambda: fresh(src)
     else:
-      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host_tree)
-      make = lambda: abstract
-    calls = itertools.count()  # both processes sync in the same order: the same key per sync
-    s = time_path(f"by_host/{kind}", lambda t: transfer.send_across_hosts(
-        t, spec, layout=layout, version=next(calls), timeout_s=120, tag=f"bench/{kind}")[0], make)
-    result[f"by_host_{kind}_s"] = s
-    result[f"by_host_{kind}_bytes_per_s"] = nbytes / s
-    # per host: today's split, every process both sides
-    from tunixlike.rl import weight_sync
-    meshes = mesh_lib.make_meshes(4, 4)
+      make = lambda: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host_tree)
+    calls = itertools.count()  # every process syncs in the same order: the same key per sync
+    sync = lambda t, profile=None: transfer.send_across_hosts(
+        t, spec, layout=layout, version=next(calls), timeout_s=120, tag=f"bench/{kind}", profile=profile)[0]
+    s = time_path(f"by_host/{kind}", sync, make)
+    result[f"by_host_{kind}_s"], result[f"by_host_{kind}_bytes_per_s"] = s, nbytes / s
+    if kind == "full":  # one more sync, each stage waited for and timed on both sides
+      client.wait_at_barrier("bench/profile", 120_000)
+      profile = {}
+      jax.block_until_ready(sync(make(), profile))
+      client.key_value_set(f"bench/profile/{me}", json.dumps(profile))
+      client.wait_at_barrier("bench/profile/end", 120_000)
+      if me == 1:
+        stages = {**json.loads(client.blocking_key_value_get("bench/profile/0", 60_000)), **profile}
+        result["by_host_full_stages_s"] = {k: round(v, 5) for k, v in stages.items()}
+    meshes = mesh_lib.make_meshes(4, 4)  # the per-host split: every process both sides
     src = jax.device_put(host_tree, jax.tree.map(
         lambda x: NamedSharding(meshes.learner, P("fsdp") if kind == "full" else P()), host_tree))
     targets = jax.tree.map(lambda _: NamedSharding(meshes.sampler, P()), host_tree)
     s = time_path(f"per_host/{kind}", lambda t: weight_sync.sync(t, targets)[0], lambda: fresh(src))
-    result[f"per_host_{kind}_s"] = s
-    result[f"per_host_{kind}_bytes_per_s"] = nbytes / s
+    result[f"per_host_{kind}_s"], result[f"per_host_{kind}_bytes_per_s"] = s, nbytes / s
     result[f"{kind}_bytes"] = nbytes
   # socket: the full weights' bytes once from process 0 to process 1
   payload = b"".join(np.ascontiguousarray(x).tobytes() for x in jax.tree.leaves(full_host))
   times = []
   for r in range(args.repeats + 1):
     if me == 1:
-      srv = socket.create_server(("127.0.0.1", 0))
-      client.key_value_set(f"bench/socket/{r}", str(srv.getsockname()[1]))
-      conn, _ = srv.accept()
-      buf, got = bytearray(len(payload)), 0
-      t = time.perf_counter()
-      view = memoryview(buf)
-      while got < len(payload):
-        got += conn.recv_into(view[got:])
-      times.append(time.perf_counter() - t)
-      conn.sendall(b"k")
-      conn.close()
-      srv.close()
+      with socket.create_server(("127.0.0.1", 0)) as srv:
+        client.key_value_set(f"bench/socket/{r}", str(srv.getsockname()[1]))
+        conn, _ = srv.accept()
+        view, got = memoryview(bytearray(len(payload))), 0
+        t = time.perf_counter()
+        while got < len(payload):
+          got += conn.recv_into(view[got:])
+        times.append(time.perf_counter() - t)
+        conn.sendall(b"k")
+        conn.close()
     else:
       port = int(client.blocking_key_value_get(f"bench/socket/{r}", 60_000))
       with socket.create_connection(("127.0.0.1", port)) as c:
         c.sendall(payload)
         c.recv(1)
     client.wait_at_barrier(f"bench/socket/{r}/end", 60_000)
-  result["socket_full_s"] = statistics.median(times[1:]) if me == 1 else None
-  # raw: the same bytes as one array by one cross-host device_put, one device to one device (no
-  # gather, staging, acknowledgement or fan-out: what JAX's transfer itself costs)
-  one = [NamedSharding(jax.sharding.Mesh(np.array([d for d in jax.devices() if d.process_index == p][:1]), ("x",)), P())
-         for p in (0, 1)]
-  n = len(payload) // 4
-  raw = []
-  for r in range(args.repeats + 1):
-    if me == 0:
-      x = jax.device_put(np.full((n,), r, np.float32), one[0]).block_until_ready()
-    else:
-      x = jax.make_array_from_single_device_arrays((n,), one[0], [], dtype=np.float32)
-    client.wait_at_barrier(f"bench/raw/{r}", 60_000)
-    t = time.perf_counter()
-    y = jax.device_put(x, one[1])
-    if me == 1:
-      y.block_until_ready()
-      raw.append(time.perf_counter() - t)
-    client.wait_at_barrier(f"bench/raw/{r}/end", 60_000)  # the source stays alive until it arrived
   if me == 1:
+    result["socket_full_s"] = statistics.median(times[1:])
     result["socket_full_bytes_per_s"] = len(payload) / result["socket_full_s"]
-    result["raw_device_put_full_s"] = statistics.median(raw[1:])
-    result["raw_device_put_full_bytes_per_s"] = len(payload) / result["raw_device_put_full_s"]
+  # raw: the same bytes as one array by one cross-host device_put, on 1 device and on 4 per side
+  n = len(payload) // 4
+  for name, k in (("raw_1dev", 1), ("raw_4dev", 4)):
+    shardings = [NamedSharding(Mesh(np.array([d for d in jax.devices() if d.process_index == p][:k]), ("x",)),
+                               P("x")) for p in (0, 1)]
+    x = (jax.device_put(np.ones((n,), np.float32), shardings[0]) if me == 0
+         else jax.make_array_from_single_device_arrays((n,), shardings[0], [], dtype=np.float32))
+    s = time_path(name, lambda x: jax.device_put(x, shardings[1]), lambda: x)  # x stays alive: the sender's copy
+    if me == 1:
+      result[f"{name}_full_s"], result[f"{name}_full_bytes_per_s"] = s, len(payload) / s
+  if me == 1:
+    from tunixlike.hosts import transfer_server
+    result.update(transfer_size=args.transfer_size or transfer_server.TRANSFER_SIZE,
+                  connections=args.connections or transfer_server.CONNECTIONS)
     print("RESULT " + json.dumps(result), flush=True)
   client.wait_at_barrier("bench/end", 60_000)
+
+
+def trio_worker(args):
+  """Part 2: process 0 learner host, processes 1 and 2 sampler hosts: direct vs relay."""
+  import numpy as np
+  me, client = _start(args)
+  import jax
+  from jax.sharding import PartitionSpec as P
+  from tunixlike.hosts import layout as layout_lib, transfer
+  full_host, _ = _tree(args.mb, np)
+  direct = layout_lib.make_host_layout(2)
+  layouts = {"direct": direct, "relay": dataclasses.replace(direct, senders={1: 0, 2: 1})}
+  spec = jax.tree.map(lambda _: P(), full_host)
+  src = _learner_copy(full_host, direct, fsdp=True) if me == 0 else None
+  result, calls = {}, itertools.count()
+  for name, layout in layouts.items():
+    times = []
+    for r in range(args.repeats + 1):
+      tree = (jax.tree.map(lambda x: x + 0, src) if me == 0
+              else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), full_host))
+      jax.block_until_ready(tree)
+      client.wait_at_barrier(f"bench/{name}/{r}", 120_000)
+      t = time.perf_counter()
+      out = transfer.send_across_hosts(tree, spec, layout=layout, version=next(calls), timeout_s=120,
+                                       tag=f"bench/{name}")[0]
+      jax.block_until_ready(out)
+      client.key_value_set(f"bench/{name}/{r}/{me}", str(time.perf_counter() - t))
+      client.wait_at_barrier(f"bench/{name}/{r}/end", 120_000)
+      # until every sampler host has the weights: the slowest of them
+      times.append(max(float(client.blocking_key_value_get(f"bench/{name}/{r}/{p}", 60_000)) for p in (1, 2)))
+    result[f"fan_out_{name}_s"] = statistics.median(times[1:])
+  if me == 1:
+    result["fan_out_winner"] = min(layouts, key=lambda name: result[f"fan_out_{name}_s"])
+    print("RESULT " + json.dumps(result), flush=True)
+  client.wait_at_barrier("bench/end", 60_000)
+
+
+def _run_job(args, part: str, processes: int) -> dict:
+  """`processes` workers of `part` as one jax.distributed job on 127.0.0.1; process 1's RESULT. All
+  are killed when one fails or the time runs out."""
+  port = _free_port()
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  procs, logs = [], [tempfile.TemporaryFile("w+") for _ in range(processes)]
+  try:
+    for i in range(processes):
+      env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": harness.xla_flags(4),
+             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(processes),
+             "JAX_PROCESS_ID": str(i), "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+      argv = [sys.executable, os.path.abspath(__file__), "--worker", part, "--mb", str(args.mb),
+              "--repeats", str(args.repeats)]
+      for flag, value in (("--transfer-size", args.transfer_size), ("--connections", args.connections)):
+        if value is not None:
+          argv += [flag, str(value)]
+      procs.append(subprocess.Popen(argv, env=env, stdout=logs[i], stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + args.timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+      if any(p.poll() not in (None, 0) for p in procs):
+        time.sleep(2)  # let the others report their error too
+        break
+      time.sleep(0.5)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+  outs = []
+  for f in logs:
+    f.seek(0)
+    outs.append(f.read())
+    f.close()
+  lines = [l for l in outs[1].splitlines() if l.startswith("RESULT ")]
+  if any(p.returncode for p in procs) or not lines:
+    raise SystemExit(f"benchmark workers ({part}) failed or ran past --timeout {args.timeout:g} s:\n"
+                     + "\n".join(o[-3000:] for o in outs))
+  return json.loads(lines[0][len("RESULT "):])
 
 
 def main():
@@ -174,27 +276,17 @@ def main():
   if args.quick:
     args.mb, args.repeats = 4.0, 2
   if args.worker is not None:
-    return worker(args)
-  port = _free_port()
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  procs = []
-  for i in range(2):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": harness.xla_flags(4),
-           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i),
-           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", str(i), "--mb", str(args.mb),
-            "--repeats", str(args.repeats)]
-    procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-  outs = [p.communicate(timeout=900)[0] for p in procs]
-  lines = [l for l in outs[1].splitlines() if l.startswith("RESULT ")]
-  if any(p.returncode for p in procs) or not lines:
-    raise SystemExit("benchmark workers failed:\n" + "\n".join(o[-3000:] for o in outs))
-  r = json.loads(lines[0][len("RESULT "):])
-  r["by_host_vs_socket_bandwidth"] = r["by_host_full_bytes_per_s"] / r["socket_full_bytes_per_s"]
-  r["raw_device_put_vs_socket_bandwidth"] = r["raw_device_put_full_bytes_per_s"] / r["socket_full_bytes_per_s"]
+    return {"pair": pair_worker, "trio": trio_worker}[args.worker](args)
+  r = _run_job(args, "pair", 2)
+  r.update(_run_job(args, "trio", 3))
+  socket_bw = r["socket_full_bytes_per_s"]
+  r["by_host_vs_socket_bandwidth"] = r["by_host_full_bytes_per_s"] / socket_bw
+  r["per_host_vs_socket_bandwidth"] = r["per_host_full_bytes_per_s"] / socket_bw
+  for name in ("raw_1dev", "raw_4dev"):
+    r[f"{name}_vs_socket_bandwidth"] = r[f"{name}_full_bytes_per_s"] / socket_bw
   r["by_host_vs_per_host_full_time"] = r["by_host_full_s"] / r["per_host_full_s"]
   r["by_host_full_vs_lora_time"] = r["by_host_full_s"] / r["by_host_lora_s"]
-  r.update(mb=args.mb, repeats=args.repeats, processes=2, devices_per_process=4)
+  r.update(mb=args.mb, repeats=args.repeats, devices_per_process=4)
   harness.report(r, args)
 
 

@@ -72,3 +72,44 @@ require() {
     [[ -n "${!name:-}" ]] || die "$name is not set (export $name=... or see --help)"
   done
 }
+
+# The by-host layout (whole hosts decode, whole hosts train): its sampler-host count comes from
+# SAMPLER_HOSTS or from a `--config.mesh.sampler_hosts=N` among the trainer's arguments (EXTRA_ARGS);
+# afterwards SAMPLER_HOSTS holds it (0: the per-host split) and EXTRA_ARGS passes it on exactly once.
+by_host_layout() {
+  local arg found=""
+  for arg in "${EXTRA_ARGS[@]}"; do
+    if [[ "$arg" == --config.mesh.sampler_hosts=* ]]; then
+      found="${arg#*=}"
+    fi
+  done
+  if [[ -n "$found" ]]; then
+    [[ -z "${SAMPLER_HOSTS:-}" || "$SAMPLER_HOSTS" == "$found" ]] ||
+      die "SAMPLER_HOSTS=$SAMPLER_HOSTS and --config.mesh.sampler_hosts=$found disagree"
+    SAMPLER_HOSTS="$found"
+  elif [[ -n "${SAMPLER_HOSTS:-}" && "$SAMPLER_HOSTS" != 0 ]]; then
+    EXTRA_ARGS+=("--config.mesh.sampler_hosts=$SAMPLER_HOSTS")
+  fi
+  SAMPLER_HOSTS="${SAMPLER_HOSTS:-0}"
+  [[ "$SAMPLER_HOSTS" =~ ^[0-9]+$ ]] || die "SAMPLER_HOSTS='$SAMPLER_HOSTS' is not a non-negative integer"
+}
+
+# The roles of the by-host layout as a comment line; $1: the number of hosts, if known here. The
+# program decides them the same way: the last SAMPLER_HOSTS processes decode, the others train.
+print_roles() {
+  local hosts="${1:-}" learners
+  ((SAMPLER_HOSTS > 0)) || return 0
+  if [[ -z "$hosts" ]]; then
+    printf '# by-host layout: the last %d hosts decode (sampler hosts), the others train (learner hosts)\n' \
+      "$SAMPLER_HOSTS"
+    return 0
+  fi
+  learners=$((hosts - SAMPLER_HOSTS))
+  ((learners >= 1)) || die "SAMPLER_HOSTS=$SAMPLER_HOSTS leaves no learner host among $hosts hosts"
+  printf '# by-host layout: learner hosts %s, sampler hosts %s\n' "$(_span 0 $((learners - 1)))" \
+    "$(_span "$learners" $((hosts - 1)))"
+}
+
+_span() {
+  if (($1 == $2)); then printf '%d' "$1"; else printf '%d-%d' "$1" "$2"; fi
+}

@@ -8,6 +8,12 @@
 #                            purpose: under SLURM, JAX's auto-detection would otherwise give a
 #                            one-process-per-node job only GPU 0 on each node.
 #
+# Whole nodes per side (the by-host layout): SAMPLER_HOSTS=N (or --sampler-hosts=N, or
+# --config.mesh.sampler_hosts=N after `--`) makes the last N nodes decode and the others train, the
+# same command on every node; the weights cross by cross-host `jax.device_put`, whose transfer
+# server on node i listens on the coordinator's port + 1 + i (and opens 4 data connections on
+# ports the system picks): the nodes must reach each other on those ports.
+#
 # Two ways to launch:
 #   SLURM (inside sbatch / salloc, or --slurm): `srun` starts one task per node; each task takes
 #     its id from SLURM_PROCID and the coordinator from the first node of the allocation.
@@ -26,12 +32,14 @@
 #   NNODES         nodes, SLURM mode (default: SLURM_JOB_NUM_NODES, else 2)
 #   PORT           coordinator port, SLURM mode (default: 12345)
 #   PYTHON         interpreter (default: python3)
+#   SAMPLER_HOSTS  nodes that only decode (default 0: every node both, the per-host split)
 #   COORDINATOR, NUM_PROCESSES, PROCESS_ID  same as the explicit flags
 #   Arguments after `--` are passed on to `python -m tunixlike.train` (config overrides).
 #
 # Options:
 #   --slurm                 SLURM mode even outside an allocation (e.g. to see the srun line)
 #   --coordinator=HOST:PORT, --num-processes=N, --process-id=I   explicit mode
+#   --sampler-hosts=N       the by-host layout with N sampler nodes (same as SAMPLER_HOSTS=N)
 #   --dry-run               print the commands instead of running them
 #   -h, --help              this text
 #SBATCH --job-name=tunixlike
@@ -56,6 +64,7 @@ while (($#)); do
     --coordinator=*) COORDINATOR="${1#*=}" ;;
     --num-processes=*) NUM_PROCESSES="${1#*=}" ;;
     --process-id=*) PROCESS_ID="${1#*=}" ;;
+    --sampler-hosts=*) SAMPLER_HOSTS="${1#*=}" ;;
     -h | --help) usage; exit 0 ;;
     --) shift; EXTRA_ARGS=("$@"); break ;;
     *) die "unknown argument '$1' (see --help)" ;;
@@ -71,6 +80,7 @@ PYTHON="${PYTHON:-python3}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
 [[ "$GPUS_PER_NODE" =~ ^[1-9][0-9]*$ ]] || die "GPUS_PER_NODE='$GPUS_PER_NODE' is not a positive integer"
 LOCAL_DEVICE_IDS="$(seq -s, 0 $((GPUS_PER_NODE - 1)))"
+by_host_layout
 cd "$HERE/.."  # config paths are relative to the repository
 
 if [[ "$SLURM_MODE" == 1 ]]; then
@@ -87,6 +97,7 @@ if [[ "$SLURM_MODE" == 1 ]]; then
   TASK='export JAX_COORDINATOR_ADDRESS="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1):'"$PORT"'"'
   TASK+=' JAX_NUM_PROCESSES="$SLURM_NTASKS" JAX_PROCESS_ID="$SLURM_PROCID"'
   TASK+=" JAX_LOCAL_DEVICE_IDS=$LOCAL_DEVICE_IDS; $TRAIN_LINE"
+  print_roles "$NNODES"
   run srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$TASK"
 else
   require COORDINATOR NUM_PROCESSES PROCESS_ID WORKDIR
@@ -94,6 +105,12 @@ else
   [[ "$NUM_PROCESSES" =~ ^[1-9][0-9]*$ ]] || die "NUM_PROCESSES='$NUM_PROCESSES' is not a positive integer"
   [[ "$PROCESS_ID" =~ ^[0-9]+$ ]] && ((PROCESS_ID < NUM_PROCESSES)) ||
     die "PROCESS_ID='$PROCESS_ID' is not in 0..$((NUM_PROCESSES - 1))"
+  print_roles "$NUM_PROCESSES"
+  if ((SAMPLER_HOSTS > 0)); then
+    role=learner
+    ((PROCESS_ID < NUM_PROCESSES - SAMPLER_HOSTS)) || role=sampler
+    echo "# this node (process $PROCESS_ID): $role host"
+  fi
   run env JAX_COORDINATOR_ADDRESS="$COORDINATOR" JAX_NUM_PROCESSES="$NUM_PROCESSES" \
     JAX_PROCESS_ID="$PROCESS_ID" JAX_LOCAL_DEVICE_IDS="$LOCAL_DEVICE_IDS" \
     "$PYTHON" -m tunixlike.train --config="$CONFIG" --workdir="$WORKDIR" "${EXTRA_ARGS[@]}"

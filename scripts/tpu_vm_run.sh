@@ -3,6 +3,13 @@
 # multi-host JAX requires. On a Cloud TPU `jax.distributed.initialize()` finds the coordinator and
 # the process ids by itself, so nothing host-specific is passed.
 #
+# Whole workers per side (the by-host layout: SAMPLER_HOSTS=N, or --config.mesh.sampler_hosts=N
+# after `--`): the last N workers decode, the others train, and the weights cross by cross-host
+# `jax.device_put`, whose transfer server needs each process's address before JAX starts. So each
+# worker first reads its id and worker 0's address from the TPU metadata server (as JAX's own
+# detection does) and exports JAX_COORDINATOR_ADDRESS (worker 0, port PORT), JAX_NUM_PROCESSES and
+# JAX_PROCESS_ID; worker i's transfer server listens on PORT + 1 + i.
+#
 # Logs: gcloud streams each worker's stdout+stderr into LOG_DIR/<worker>.log on this machine
 # (`--output-directory`) while the run goes; follow them with `tail -f LOG_DIR/0.log`.
 # Checkpoints: the work directory is a gs:// path; orbax writes checkpoints there directly from
@@ -21,6 +28,8 @@
 #   WORKDIR     work directory (default: gs://$BUCKET/tunixlike/$RUN_NAME)
 #   LOG_DIR     local directory for the per-worker logs (default: logs/$RUN_NAME)
 #   REMOTE_DIR, VENV  as for tpu_vm_setup.sh (defaults: ~/tunixlike, ~/tunixlike-venv)
+#   SAMPLER_HOSTS  workers that only decode (default 0: every worker both, the per-host split)
+#   PORT        the coordinator's port on worker 0 in the by-host layout (default: 8482)
 #   Arguments after `--` are passed on to `python -m tunixlike.train` (config overrides).
 #
 # Options:
@@ -44,6 +53,9 @@ REMOTE_DIR="${REMOTE_DIR:-~/tunixlike}"
 VENV="${VENV:-~/tunixlike-venv}"
 require ZONE TPU_NAME CONFIG RUN_NAME WORKDIR LOG_DIR
 gcloud_scope_flags
+by_host_layout
+PORT="${PORT:-8482}"
+[[ "$PORT" =~ ^[1-9][0-9]*$ ]] || die "PORT='$PORT' is not a port number"
 
 TRAIN=("$VENV/bin/python" -m tunixlike.train --config="$CONFIG" --workdir="$WORKDIR" "${EXTRA_ARGS[@]}")
 TRAIN_LINE=""
@@ -54,7 +66,21 @@ for word in "${TRAIN[@]}"; do
   esac
 done
 
+SETUP=""
+if ((SAMPLER_HOSTS > 0)); then
+  # Runs on each worker: its id, and worker 0's address from the list of workers (entries are
+  # hostnames, or name:id:ip in older images).
+  # shellcheck disable=SC2016
+  SETUP='M=http://metadata.google.internal/computeMetadata/v1/instance/attributes;'
+  SETUP+=' ID=$(curl -sf -H Metadata-Flavor:Google $M/agent-worker-number) &&'
+  SETUP+=' EPS=$(curl -sf -H Metadata-Flavor:Google $M/worker-network-endpoints) &&'
+  SETUP+=' FIRST=${EPS%%,*} && COMMAS=${EPS//[^,]/} &&'
+  SETUP+=' export JAX_COORDINATOR_ADDRESS=${FIRST##*:}:'"$PORT"' JAX_NUM_PROCESSES=$((${#COMMAS} + 1))'
+  SETUP+=' JAX_PROCESS_ID=$ID &&'
+fi
+
 run mkdir -p "$LOG_DIR"  # gcloud requires the directory to exist
 echo "# Logs: $LOG_DIR/<worker>.log    Work directory: $WORKDIR"
+print_roles
 run gcloud compute tpus tpu-vm ssh "$TPU_NAME" "${GCLOUD_SCOPE[@]}" --worker=all \
-  --output-directory="$LOG_DIR" --command="cd $REMOTE_DIR &&$TRAIN_LINE 2>&1"
+  --output-directory="$LOG_DIR" --command="cd $REMOTE_DIR &&${SETUP:+ $SETUP}$TRAIN_LINE 2>&1"

@@ -19,7 +19,7 @@ SETTINGS = ["PROJECT", "ZONE", "TPU_NAME", "ACCELERATOR_TYPE", "RUNTIME_VERSION"
             "SPOT", "BUCKET", "CONFIG", "RUN_NAME", "WORKDIR", "LOG_DIR", "REMOTE_DIR", "VENV", "REPO_URL",
             "REPO_REF", "PYTHON_VERSION", "JAX_TPU_INDEX", "EXTRA_PIP", "GPUS_PER_NODE", "NNODES", "PORT",
             "PYTHON", "COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "DRY_RUN", "SLURM_JOB_ID",
-            "SLURM_JOB_NUM_NODES", "SLURM_GPUS_ON_NODE", "SLURM_SUBMIT_DIR"]
+            "SLURM_JOB_NUM_NODES", "SLURM_GPUS_ON_NODE", "SLURM_SUBMIT_DIR", "SAMPLER_HOSTS"]
 
 
 def _run(name, *args, env=None, cwd=None):
@@ -170,3 +170,71 @@ def test_gpu_slurm_task_line_runs_with_each_tasks_ids(tmp_path):
                      f"JAX_PROCESS_ID={procid}",
                      "ARGS -m tunixlike.train --config=configs/addition_grpo.py "
                      "--workdir=runs/addition_grpo-42 --config.rl.max_staleness=1"]
+
+
+def _stand_ins(tmp_path, **scripts):
+  for name, text in scripts.items():
+    (tmp_path / name).write_text("#!/bin/sh\n" + text)
+    os.chmod(tmp_path / name, 0o755)
+
+
+def test_tpu_by_host_layout_each_worker_finds_its_id_and_the_coordinator(tmp_path):
+  """The by-host layout's worker line, run as each worker's shell would, with stand-ins for the
+  metadata server (curl) and the trainer (python), for both formats of the list of workers."""
+  env = {"TPU_NAME": "pod", "WORKDIR": "gs://b/w", "SAMPLER_HOSTS": "2", "PORT": "9000"}
+  result = _run("tpu_vm_run.sh", "--dry-run", "--", "--config.rl.max_staleness=1", env=env, cwd=tmp_path)
+  assert "# by-host layout: the last 2 hosts decode (sampler hosts), the others train (learner hosts)" in (
+      result.stdout.splitlines())
+  _, ssh = _commands(result)
+  remote = _flags(ssh)["command"]
+  train = shlex.split(remote)[shlex.split(remote).index("~/tunixlike-venv/bin/python"):]
+  assert _flags(train)["config.mesh.sampler_hosts"] == "2" and _flags(train)["config.rl.max_staleness"] == "1"
+  home = tmp_path / "home"
+  (home / "tunixlike").mkdir(parents=True)
+  (home / "tunixlike-venv" / "bin").mkdir(parents=True)
+  _stand_ins(home / "tunixlike-venv" / "bin", python="env | grep '^JAX_' | sort\n")
+  for endpoints, first in [("t1k-w-0:0:10.0.0.7,t1k-w-1:1:10.0.0.8,t1k-w-2:2:10.0.0.9,t1k-w-3:3:10.0.0.10", "10.0.0.7"),
+                           ("host-a,host-b,host-c,host-d", "host-a")]:
+    for worker in range(4):
+      bin_dir = tmp_path / f"bin{worker}"
+      bin_dir.mkdir(exist_ok=True)
+      _stand_ins(bin_dir, curl=f"""case "$*" in
+  *agent-worker-number) echo {worker} ;;
+  *worker-network-endpoints) echo {endpoints} ;;
+  *) exit 22 ;;
+esac
+""")
+      out = subprocess.run(["bash", "-c", remote], env={"HOME": str(home), "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+                           capture_output=True, text=True, timeout=30)
+      assert out.returncode == 0, out.stderr
+      assert out.stdout.splitlines() == [f"JAX_COORDINATOR_ADDRESS={first}:9000", "JAX_NUM_PROCESSES=4",
+                                         f"JAX_PROCESS_ID={worker}"]
+  # Without SAMPLER_HOSTS nothing host-specific is added (JAX finds the cluster itself).
+  (_, ssh) = _commands(_run("tpu_vm_run.sh", "--dry-run", env={"WORKDIR": "gs://b/w"}, cwd=tmp_path))
+  assert "curl" not in _flags(ssh)["command"] and "sampler_hosts" not in _flags(ssh)["command"]
+
+
+def test_gpu_by_host_layout_passes_the_sampler_host_count_once():
+  env = {"WORKDIR": "w", "GPUS_PER_NODE": "2"}
+  for args, extra in [(["--sampler-hosts=2"], {}), ([], {"SAMPLER_HOSTS": "2"}),
+                      (["--", "--config.mesh.sampler_hosts=2"], {}),
+                      (["--", "--config.mesh.sampler_hosts=2"], {"SAMPLER_HOSTS": "2"})]:
+    for process, role in [(0, "learner"), (1, "learner"), (2, "sampler"), (3, "sampler")]:
+      result = _run("gpu_multinode.sh", "--dry-run", "--coordinator=h:1", "--num-processes=4",
+                    f"--process-id={process}", *args, env={**env, **extra})
+      (cmd,) = _commands(result)
+      assert [a for a in cmd if "sampler_hosts" in a] == ["--config.mesh.sampler_hosts=2"], (args, extra)
+      comments = [l for l in result.stdout.splitlines() if l.startswith("#")]
+      assert comments == ["# by-host layout: learner hosts 0-1, sampler hosts 2-3",
+                          f"# this node (process {process}): {role} host"]
+  (cmd,) = _commands(_run("gpu_multinode.sh", "--dry-run", "--sampler-hosts=1",
+                          env={"SLURM_JOB_ID": "5", "SLURM_JOB_NUM_NODES": "2"}))
+  assert cmd[0] == "srun" and cmd[-1].endswith("--config.mesh.sampler_hosts=1")
+  for args, extra, message in [
+      (["--sampler-hosts=4"], {}, "SAMPLER_HOSTS=4 leaves no learner host among 4 hosts"),
+      (["--sampler-hosts=x"], {}, "SAMPLER_HOSTS='x' is not a non-negative integer"),
+      (["--", "--config.mesh.sampler_hosts=1"], {"SAMPLER_HOSTS": "2"},
+       "SAMPLER_HOSTS=2 and --config.mesh.sampler_hosts=1 disagree")]:
+    bad = _run("gpu_multinode.sh", "--dry-run", "--coordinator=h:1", "--num-processes=4", "--process-id=0", *args,
+               env={**env, **extra})
+    assert bad.returncode == 2 and message in bad.stderr and "+ " not in bad.stdout, (args, bad.stderr)

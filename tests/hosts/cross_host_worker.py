@@ -2,15 +2,17 @@
 
 argv: sampler_hosts. Reads JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID. The learner
 hosts run a jitted step over their FSDP mesh (the sampler hosts take no part), then send its result
-to every sampler host: the full tree in small buckets, a LoRA-like tree (packed; the sampler host
-asks for it 2 s after the learner hosts sent it), a bf16 cast; then a
-sampler host waits for a version nobody sends and a learner host for an acknowledgement nobody
-gives. Prints lines the test reads:
+to every sampler host: the full tree in small buckets, a LoRA-like tree (the sampler host asks for
+it 2 s after the learner hosts sent it), a bf16 cast (with a profile of its stages), the full tree
+through a relay (sampler host to sampler host); then a learner host waits for an acknowledgement
+nobody gives. Prints lines the test reads:
   LAYOUT <line>     the start-up lines (one per host)
   GOT <what> <v>    a sampler host received exactly the expected values, version v, on its devices
+  STAGES <names>    the stages this process timed in the profiled sync
   TIMEOUT <msg>     the HostTimeout's message
 """
 
+import dataclasses
 import os
 import sys
 import time
@@ -23,7 +25,9 @@ def expected_full():
   tree = {"embed": rng.standard_normal((64, 16), np.float32),
           "mlp": {"up": rng.standard_normal((16, 32), np.float32),
                   "down": rng.standard_normal((32, 16), np.float32)},
-          "count": np.arange(12, dtype=np.int32).reshape(3, 4)}
+          "count": np.arange(12, dtype=np.int32).reshape(3, 4),
+          # large enough to travel alone (transfer.SMALL_BYTES), one with a size that needs padding
+          "big": rng.standard_normal((512, 512), np.float32), "odd": rng.standard_normal((1025, 257), np.float32)}
   step = lambda t: {k: (step(v) if isinstance(v, dict) else (v * 2 + 1 if v.dtype == np.float32 else v + 1))
                     for k, v in t.items()}
   return tree, step
@@ -47,14 +51,15 @@ def main(sampler_hosts: int):
     print("LAYOUT " + line, flush=True)
   host_tree, step = expected_full()
   specs = {"embed": P(None, None), "mlp": {"up": P(None, "tensor"), "down": P("tensor", None)},
-           "count": P()}
+           "count": P(), "big": P(None, "tensor"), "odd": P()}
   want = step(host_tree)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host_tree)
   sampler = layout.role() == layout_lib.SAMPLER
   if sampler:
     full, lora = abstract, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lora_like())
   else:  # FSDP on the learner hosts only; a jitted step the sampler hosts never join
-    fsdp = {"embed": P("fsdp"), "mlp": {"up": P("fsdp"), "down": P("fsdp")}, "count": P()}
+    fsdp = {"embed": P("fsdp"), "mlp": {"up": P("fsdp"), "down": P("fsdp")}, "count": P(), "big": P("fsdp"),
+            "odd": P()}
     shardings = jax.tree.map(lambda s: NamedSharding(layout.learner, s), fsdp)
     params = jax.device_put(host_tree, shardings)
     full = jax.jit(step, out_shardings=shardings)(params)
@@ -77,13 +82,24 @@ def main(sampler_hosts: int):
   out, v = transfer.send_across_hosts(lora, lora_specs, layout=layout, version=2, timeout_s=30)
   if sampler:
     check(out, v, lora_like(), "lora")
-  out, v = transfer.send_across_hosts(full, specs, layout=layout, version=3, dtype="bfloat16", timeout_s=30)
+  profile = {}
+  out, v = transfer.send_across_hosts(full, specs, layout=layout, version=3, dtype="bfloat16", timeout_s=30,
+                                      profile=profile)
   if sampler:
     check(out, v, want, "bf16", dtype=jax.numpy.bfloat16)
-  # Faults: nobody acknowledges version 4 (the sampler hosts skip it); the sender names its host.
+  print(f"STAGES {' '.join(sorted(k for k, t in profile.items() if t >= 0))}", flush=True)
+  # A relay: the first sampler host gets the weights from its learner host, each next one from the
+  # sampler host before it.
+  chain = {s: (layout.senders[s] if k == 0 else layout.sampler_hosts[k - 1])
+           for k, s in enumerate(layout.sampler_hosts)}
+  relay = dataclasses.replace(layout, senders=chain)
+  out, v = transfer.send_across_hosts(full, specs, layout=relay, version=4, bucket_bytes=4096, timeout_s=30)
+  if sampler:
+    check(out, v, want, "relay")
+  # Faults: nobody acknowledges version 5 (the sampler hosts skip it); the sender names its host.
   if not sampler:
     try:
-      transfer.send_across_hosts(full, specs, layout=layout, version=4, timeout_s=3)
+      transfer.send_across_hosts(full, specs, layout=layout, version=5, timeout_s=3)
       if layout.receivers():
         raise AssertionError("a send without a receiver returned")
     except kv.HostTimeout as e:

@@ -74,11 +74,14 @@ def test_one_device_put_delivers_the_learner_hosts_weights_to_each_sampler_host(
   for s, sender in senders.items():
     assert layout[s].endswith(f"mesh {{'replica': 2, 'tensor': 2}}, weights from host {sender}")
     # Each sampler host got exact values, on its own devices, each with the version that was sent.
-    assert _lines(results[s][1], "GOT") == ["full 1", "lora 2", "bf16 3"]
-  # Nobody acknowledged version 4: each sending learner host names the (first) sampler host it waited for.
+    # (also through a relay: each sampler host after the first got it from the one before)
+    assert _lines(results[s][1], "GOT") == ["full 1", "lora 2", "bf16 3", "relay 4"]
+    assert _lines(results[s][1], "STAGES") == ["transfer unpack wait_for_pack"]
+  # Nobody acknowledged version 5: each sending learner host names the (first) sampler host it waited for.
   for learner in range(learner_hosts):
     first = min(s for s, sender in senders.items() if sender == learner)
-    assert _lines(results[learner][1], "TIMEOUT") == [f"weight sync v4 bucket 1/1: host {first} did not answer within 3 s"]
+    assert _lines(results[learner][1], "TIMEOUT") == [f"weight sync v5 bucket 1/1: host {first} did not answer within 3 s"]
+    assert _lines(results[learner][1], "STAGES") == ["ack pack"]
 
 
 @pytest.mark.multihost

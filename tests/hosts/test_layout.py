@@ -12,3 +12,13 @@ def test_one_process_cannot_be_split_into_whole_hosts():
     layout.make_host_layout(1)
   with pytest.raises(mesh_lib.MeshError, match="mesh.sampler_hosts=0"):
     layout.make_host_layout(0)
+
+
+def test_send_order_feeds_each_relay_before_it_sends():
+  import types
+  from tunixlike.hosts import transfer
+  chain = types.SimpleNamespace(learner_hosts=(0,), sampler_hosts=(1, 2, 3), senders={1: 2, 2: 0, 3: 1})
+  assert transfer.send_order(chain) == [2, 1, 3]
+  loop = types.SimpleNamespace(learner_hosts=(0,), sampler_hosts=(1, 2), senders={1: 2, 2: 1})
+  with pytest.raises(ValueError, match=r"sampler hosts \[1, 2\] never get the weights"):
+    transfer.send_order(loop)

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/multihost.py: 2 processes, --quick, one sane JSON object."""
+"""Smoke test of benchmarks/multihost.py: 2 then 3 processes, --quick, one sane JSON object."""
 
 import json
 import math
@@ -21,8 +21,12 @@ def test_multihost_benchmark_compares_the_three_paths(tmp_path):
   r = json.loads(proc.stdout)
   assert r == json.loads(out.read_text()) and r["quick"] is True
   for key in ("by_host_full_s", "per_host_full_s", "by_host_lora_s", "per_host_lora_s", "socket_full_s",
-              "by_host_full_bytes_per_s", "socket_full_bytes_per_s", "raw_device_put_full_s"):
+              "by_host_full_bytes_per_s", "socket_full_bytes_per_s", "raw_1dev_full_s", "raw_4dev_full_s",
+              "fan_out_direct_s", "fan_out_relay_s"):
     assert math.isfinite(r[key]) and r[key] > 0, key
   assert r["by_host_vs_socket_bandwidth"] == pytest.approx(r["by_host_full_bytes_per_s"] / r["socket_full_bytes_per_s"])
   assert r["by_host_full_vs_lora_time"] == pytest.approx(r["by_host_full_s"] / r["by_host_lora_s"])
   assert r["lora_bytes"] < r["full_bytes"] == 4 * 2**20
+  # where the time went, on both sides of the profiled sync
+  assert set(r["by_host_full_stages_s"]) == {"pack", "ack", "wait_for_pack", "transfer", "unpack"}
+  assert r["fan_out_winner"] == min(("direct", "relay"), key=lambda name: r[f"fan_out_{name}_s"])

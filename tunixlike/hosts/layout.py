@@ -4,11 +4,12 @@ Processes 0 .. L-1 are learner hosts and L .. N-1 sampler hosts (process 0, the 
 trains, logs and checkpoints; a sampler host that dies does not take the coordinator with it). The
 learner mesh ('fsdp', 'tensor') spans every device of the learner hosts; each sampler host has its
 own sampler mesh ('replica', 'tensor') over its own devices, and computes only there, so no global
-computation ever includes a sampler host. Weights reach sampler host j by one cross-host
-`jax.device_put` from learner host `senders[j]` (round robin) of one replica: from a (1, tensor)
-mesh there (`staging`) to one on j (`landing`), since cross-process device_put needs the same device
-count and shard shapes on both sides (JAX docs/multi_process.md); sampler host j then copies it to
-its other replicas locally. Every host must have the same number of devices.
+computation ever includes a sampler host. Weights reach sampler host j by cross-host
+`jax.device_put` from host `senders[j]` (a learner host, round robin; `hosts.transfer` also takes a
+sampler host that already has them, a relay) split evenly over both hosts' devices, since
+cross-process device_put needs the same device count and shard shapes on both sides (JAX
+docs/multi_process.md); sampler host j then spreads it to its replicas locally. Every host must
+have the same number of devices.
 """
 
 from __future__ import annotations
@@ -31,9 +32,7 @@ class HostLayout:
   sampler_hosts: tuple[int, ...]
   learner: Mesh  # every learner host's devices
   samplers: dict  # sampler process -> its sampler mesh (its own devices)
-  staging: dict  # sampler process -> a (1, tensor) mesh on the learner host that sends to it
-  landing: dict  # sampler process -> its first replica's devices as a (1, tensor) mesh
-  senders: dict  # sampler process -> learner process that sends it the weights
+  senders: dict  # sampler process -> the process that sends it the weights
 
   def role(self, process: int | None = None) -> str:
     process = jax.process_index() if process is None else process
@@ -87,14 +86,9 @@ def make_host_layout(sampler_hosts: int, sampler_tensor: int = 1, learner_tensor
   def sampler_mesh(p):
     return Mesh(np.array(by_process[p]).reshape(s_shape), mesh_lib.SAMPLER_AXES)
 
-  def one_replica(p):
-    return Mesh(np.array(by_process[p][:sampler_tensor]).reshape(1, sampler_tensor), mesh_lib.SAMPLER_AXES)
-
   learner_devices = [d for p in learners for d in by_process[p]]
   learner = Mesh(np.array(learner_devices).reshape(len(learner_devices) // learner_tensor, learner_tensor),
                  mesh_lib.LEARNER_AXES)
   senders = {s: learners[i % len(learners)] for i, s in enumerate(samplers)}
   return HostLayout(learner_hosts=learners, sampler_hosts=samplers, learner=learner,
-                    samplers={s: sampler_mesh(s) for s in samplers},
-                    staging={s: one_replica(senders[s]) for s in samplers},
-                    landing={s: one_replica(s) for s in samplers}, senders=senders)
+                    samplers={s: sampler_mesh(s) for s in samplers}, senders=senders)

@@ -2,35 +2,53 @@
 
 JAX moves an array between device sets of different processes through its DCN transfer server
 (`jax_cross_host_transfer_socket_address`; works on CPU, GPU and TPU) when the source and target
-shardings are the same HLO sharding: the same device count and shard shapes. So the learner hosts
-first all-gather each bucket within the learner mesh (a collective of the learner hosts only; the
-cast to the sampler's dtype happens in the same program), the learner host that serves a sampler
-host stages one replica of it on its own devices in the sampler's layout (`HostLayout.staging`),
-and one `jax.device_put` of the bucket lands on that sampler host's first replica
-(`HostLayout.landing`): each byte crosses once, and the sampler host copies it to its other
-replicas locally. The receiver acknowledges through the coordination service's key-value store;
-only then does the sender free the bucket, so the extra memory is about one bucket. The version is one more array of the first bucket: it travels
-with the weights. Many small arrays (LoRA adapters) are packed into one buffer first.
+shardings are the same HLO sharding: the same device count and shard shapes. So each bucket of
+weights crosses as flat buffers split evenly over a host's devices (a large array alone, the small
+ones concatenated per dtype):
 
-Every process of the layout calls `send_across_hosts` for each version, in the same order (JAX
-pairs the two ends of each cross-host transfer by the order the processes issue them).
+1. **pack**: one program over the learner mesh casts the bucket's arrays to the sampler's dtype and
+   flattens them into buffers that every learner host holds whole, split over its own devices
+   (`P('local')` on a (hosts, local) view of the learner mesh): each byte is gathered to a host
+   once, not to every device, and an FSDP shard is already its device's part (nothing moves);
+2. **transfer**: the sending host's D shards of each buffer are one array on its D devices, and one
+   `jax.device_put` moves them to the sampler host's D devices in the same split: D streams in
+   parallel (one per device pair), each byte crosses once;
+3. **unpack**: on the sampler host one program turns the buffers into the arrays in the sampler's
+   layout (`specs`): the all-gather to the replicas runs there, over the host's own links.
+
+The sampler host acknowledges each bucket through the coordination service's key-value store; the
+sender frees a bucket only then, and keeps at most two buckets in flight (bucket k+1 is packed and
+sent while k is acknowledged), so the extra memory is about two buckets. The version is one more
+array of the first bucket: it travels with the weights.
+
+A sampler host's weights come from `layout.senders[s]`: a learner host, or a sampler host that
+already has them (a relay); every process calls `send_across_hosts` for each version, in the same
+order (JAX pairs the two ends of each cross-host transfer by the order the processes issue them).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import threading
+import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tunixlike.hosts import kv
-from tunixlike.hosts.transfer_server import enable  # noqa: F401  (this module's entry point too)
 from tunixlike.hosts.layout import HostLayout, SAMPLER
+from tunixlike.hosts.transfer_server import enable  # noqa: F401  (this module's entry point too)
 from tunixlike.rl import weight_sync
+
+IN_FLIGHT = 2  # buckets sent before the oldest one's acknowledgement is awaited
+SMALL_BYTES = 2**20  # arrays under this travel packed together (`_wires`)
+FLAT = PartitionSpec("local")
+
 
 def _wait_ready(arrays, *, timeout_s: float, host: int, what: str) -> None:
   """block_until_ready with a timeout that names the host the data comes from."""
@@ -51,23 +69,61 @@ def _wait_ready(arrays, *, timeout_s: float, host: int, what: str) -> None:
     raise RuntimeError(f"{what}: the transfer from host {host} failed: {error[0]}") from error[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Wire:
+  """One flat buffer of a bucket, padded to a multiple of the devices per host: one large array
+  alone, or the small arrays of one dtype concatenated."""
+  dtype: np.dtype
+  leaves: tuple[int, ...]
+  size: int  # elements, padded
+
+
+def _wires(leaves, dtypes, group, per_host: int) -> list[_Wire]:
+  """A large array travels alone: flattening an array sharded along its first axis (FSDP) into a
+  buffer split over a host's devices moves nothing, where concatenating it with others would copy it
+  (on CPU, 5 ms against 480 ms for 32 MB in 32 arrays). Small ones travel packed per dtype: a
+  transfer costs a fixed overhead."""
+  def padded(idx):
+    n = sum(int(np.prod(leaves[i].shape)) for i in idx)
+    return -(-n // per_host) * per_host
+
+  out, small = [], collections.defaultdict(list)
+  for i in group:
+    if int(np.prod(leaves[i].shape)) * dtypes[i].itemsize >= SMALL_BYTES:
+      out.append(_Wire(dtypes[i], (i,), padded([i])))
+    else:
+      small[dtypes[i]].append(i)
+  return out + [_Wire(d, tuple(idx), padded(idx)) for d, idx in small.items()]
+
+
 @functools.lru_cache(maxsize=64)
-def _gatherer(out_shardings: tuple, dtype: str | None, packed: bool):
-  """Cast + all-gather over the learner mesh (+ concatenation into one buffer when packed)."""
-  def gather(xs):
-    xs = weight_sync.cast_floats(list(xs), dtype)
-    return [jnp.concatenate([x.reshape(-1) for x in xs])] if packed else xs
-  return jax.jit(gather, out_shardings=list(out_shardings))
+def _packer(wires: tuple, dtype: str | None, out_sharding: NamedSharding):
+  """Cast + flatten (+ concatenate) into flat buffers, each split over every learner host's devices."""
+  def pack(xs):
+    out = []
+    for parts, wire in zip(xs, wires):
+      parts = weight_sync.cast_floats(list(parts), dtype)
+      flat = jnp.concatenate([x.reshape(-1) for x in parts]) if len(parts) > 1 else parts[0].reshape(-1)
+      out.append(flat if flat.shape[0] == wire.size else jnp.pad(flat, (0, wire.size - flat.shape[0])))
+    return out
+  return jax.jit(pack, out_shardings=[out_sharding] * len(wires))
 
 
-@functools.lru_cache(maxsize=32)
-def _unpacker(shapes: tuple, out_shardings: tuple):
-  def unpack(flat):
-    out, at = [], 0
-    for shape in shapes:
-      size = int(np.prod(shape))
-      out.append(flat[at:at + size].reshape(shape))
-      at += size
+@functools.lru_cache(maxsize=64)
+def _unpacker(shapes: tuple, out_shardings: tuple, whole: NamedSharding):
+  """Flat buffers -> the arrays in the sampler's layout (`shapes[w]`: wire w's arrays' shapes). A
+  packed buffer is first made whole on every device (`whole`), once: slicing the split buffer into
+  replicated arrays all-gathered it once per array (0.5 s for 64 LoRA arrays of 1.3 MB on CPU)."""
+  def unpack(flats):
+    out = []
+    for flat, wire_shapes in zip(flats, shapes):
+      if len(wire_shapes) > 1:
+        flat = jax.lax.with_sharding_constraint(flat, whole)
+      at = 0
+      for shape in wire_shapes:
+        size = int(np.prod(shape))
+        out.append(flat[at:at + size].reshape(shape))
+        at += size
     return out
   return jax.jit(unpack, out_shardings=list(out_shardings))
 
@@ -78,92 +134,150 @@ def _out_dtype(x, dtype) -> np.dtype:
   return jnp.dtype(x.dtype)
 
 
-def _packable(leaves, dtypes, specs) -> bool:
-  nbytes = sum(int(np.prod(x.shape)) * d.itemsize for x, d in zip(leaves, dtypes))
-  return (len(leaves) >= weight_sync.PACK_MIN_LEAVES and nbytes <= weight_sync.PACK_MAX_BYTES
-          and len(set(dtypes)) == 1 and all(s == PartitionSpec() for s in specs))
+def _host_mesh(layout: HostLayout, process: int) -> Mesh:
+  """`process`'s devices as one flat ('local',) mesh, in the order its other meshes use them."""
+  mesh = layout.samplers[process] if process in layout.samplers else layout.learner
+  return Mesh(np.array([d for d in mesh.devices.flat if d.process_index == process]), ("local",))
+
+
+def send_order(layout: HostLayout) -> list[int]:
+  """The sampler hosts in an order where each one's sender already has the weights (a learner host,
+  or a sampler host earlier in the list)."""
+  order, have = [], set(layout.learner_hosts)
+  todo = list(layout.sampler_hosts)
+  while todo:
+    ready = [s for s in todo if layout.senders[s] in have]
+    if not ready:
+      raise ValueError(f"layout.senders {layout.senders}: sampler hosts {todo} never get the weights "
+                       "(each sender must be a learner host or a sampler host that gets them first)")
+    order += ready
+    have.update(ready)
+    todo = [s for s in todo if s not in have]
+  return order
+
+
+class _Clock:
+  """Seconds per stage, when asked for (`profile`): each stage then ends with a wait for its
+  result, which also stops the buckets from overlapping."""
+
+  def __init__(self, profile: dict | None):
+    self.profile = profile
+    self.t = time.perf_counter()
+
+  def lap(self, stage: str, arrays=None) -> None:
+    if self.profile is None:
+      return
+    if arrays is not None:
+      jax.block_until_ready(arrays)
+    now = time.perf_counter()
+    self.profile[stage] = self.profile.get(stage, 0.0) + now - self.t
+    self.t = now
 
 
 def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int, dtype=None,
                       bucket_bytes: int = weight_sync.DEFAULT_BUCKET_BYTES, timeout_s: float = 60.0,
-                      tag: str = "weights") -> tuple[Any, int]:
+                      tag: str = "weights", profile: dict | None = None) -> tuple[Any, int]:
   """Moves `tree` from the learner hosts to every sampler host in the sampler's layout.
 
   Every process calls it for each version in the same order. On learner hosts `tree` holds the
-  learner's arrays (global over the learner mesh; the gather is their collective); on a sampler host it is the
-  same structure of `jax.ShapeDtypeStruct`s (`jax.eval_shape`). `specs`: the sampler's
-  PartitionSpec of every leaf (mesh.SAMPLER_RULES). Returns (on a sampler host the tree on its own
-  devices, else None; the version that arrived with it). Raises `kv.HostTimeout` naming the host
-  when a peer does not deliver or acknowledge within `timeout_s`.
+  learner's arrays (global over the learner mesh; the packing is their collective); on a sampler
+  host it is the same structure of `jax.ShapeDtypeStruct`s (`jax.eval_shape`). `specs`: the
+  sampler's PartitionSpec of every leaf (mesh.SAMPLER_RULES). Returns (on a sampler host the tree on
+  its own devices, else None; the version that arrived with it). Raises `kv.HostTimeout` naming the
+  host when a peer does not deliver or acknowledge within `timeout_s`. `profile`: a dict to add this
+  process's seconds per stage to (learner hosts: pack, ack; sampler hosts: wait_for_pack, transfer
+  until the bytes are there, unpack); it makes every stage wait for the last, so time a sync
+  without it.
   """
   if bucket_bytes <= 0:
     raise ValueError(f"weight sync bucket_bytes={bucket_bytes} must be > 0")
   me = jax.process_index()
   sampler = layout.role(me) == SAMPLER
-  receivers = [me] if sampler else layout.receivers(me)
   leaves, treedef = jax.tree.flatten(tree)
   spec_leaves = treedef.flatten_up_to(specs)
   dtypes = [_out_dtype(x, dtype) for x in leaves]
   dtype_name = None if dtype is None else jnp.dtype(dtype).name
-  packed = _packable(leaves, dtypes, spec_leaves)
-  # Items that cross: (shape, dtype, spec, leaf indices): one per leaf, or the one packed buffer.
-  if packed:
-    size = sum(int(np.prod(x.shape)) for x in leaves)
-    items = [((size,), dtypes[0], PartitionSpec(), list(range(len(leaves))))]
-  else:
-    items = [(tuple(x.shape), d, s, [i]) for i, (x, d, s) in enumerate(zip(leaves, dtypes, spec_leaves))]
-  groups = weight_sync.buckets([int(np.prod(shape)) * d.itemsize for shape, d, _, _ in items], bucket_bytes)
-  received = [None] * len(items)
+  per_host = len(_host_mesh(layout, me).devices)
+  groups = weight_sync.buckets([int(np.prod(x.shape)) * d.itemsize for x, d in zip(leaves, dtypes)],
+                               bucket_bytes)
+  host_view = Mesh(layout.learner.devices.reshape(len(layout.learner_hosts), -1), ("hosts", "local"))
+  received: list = [None] * len(leaves)
   arrived_version = version
+  pending = collections.deque()  # (bucket, [(sampler host, arrays it receives)]) not yet acknowledged
+  clock = _Clock(profile)
+
+  def settle(b, arrivals):
+    """Waits for bucket b: a receiver acknowledges it (and unpacks it), a sender for the ack."""
+    nonlocal arrived_version
+    what = f"weight sync v{version} bucket {b + 1}/{len(groups)}"
+    for s, out in arrivals:
+      key = f"tunixlike/{tag}/{version}/{b}/{s}"
+      if s == me:
+        _wait_ready(out, timeout_s=timeout_s, host=layout.senders[s], what=what)
+        clock.lap("transfer")
+        kv.put(key, b"ok")
+        if b == 0:
+          arrived_version = int(np.asarray(out.pop().addressable_shards[0].data)[0])
+        wires = _wires(leaves, dtypes, groups[b], per_host)
+        shapes = tuple(tuple(tuple(leaves[i].shape) for i in w.leaves) for w in wires)
+        targets = tuple(NamedSharding(layout.samplers[me], spec_leaves[i]) for w in wires for i in w.leaves)
+        unpacked = _unpacker(shapes, targets, NamedSharding(_host_mesh(layout, me), PartitionSpec()))(out)
+        for i, x in zip([i for w in wires for i in w.leaves], unpacked, strict=True):
+          received[i] = x
+        clock.lap("unpack", unpacked)
+      else:  # the sender keeps the bucket alive until the sampler host has it
+        kv.get(key, timeout_s=timeout_s, host=s, what=what)
+        kv.delete(key)
+        clock.lap("ack")
+
+  order = send_order(layout)
   for b, group in enumerate(groups):
-    bucket = [items[k] for k in group]
-    gathered = None
-    if not sampler:  # every learner host: the collective gather of this bucket
-      xs = [leaves[i] for _, _, _, idx in bucket for i in idx]
-      replicated = NamedSharding(layout.learner, PartitionSpec())
-      outs = 1 if packed else len(xs)
-      gathered = _gatherer((replicated,) * outs, dtype_name, packed)(xs)
-    puts = []
+    wires = _wires(leaves, dtypes, group, per_host)
+    packed = None
+    if not sampler:  # every learner host: the collective packing of this bucket
+      xs = tuple(tuple(leaves[i] for i in w.leaves) for w in wires)
+      packed = _packer(tuple(wires), dtype_name, NamedSharding(host_view, FLAT))(xs)
+      clock.lap("pack", packed)
+      if profile is not None:  # so that the receivers' clocks start when the bytes are ready
+        kv.put(f"tunixlike/{tag}/{version}/{b}/packed/{me}", b"ok")
+    elif profile is not None and layout.senders[me] in layout.learner_hosts:
+      kv.get(f"tunixlike/{tag}/{version}/{b}/packed/{layout.senders[me]}", timeout_s=timeout_s,
+             host=layout.senders[me], what=f"weight sync v{version} bucket {b + 1}/{len(groups)}")
+      clock.lap("wait_for_pack")
+    arrivals, held = [], {}  # held: process -> this bucket's arrays on it (learner hosts: packed)
+    if packed is not None:
+      held[me] = packed
     # Every process issues every sampler host's transfer, in the same order: JAX pairs the two ends
     # of a cross-host transfer by the order each process issues them (one learner host sending to
     # two sampler hosts hangs otherwise); where a process holds neither end the call does nothing.
-    for s in layout.sampler_hosts:
-      sends = me == layout.senders[s]
-      shardings = [NamedSharding(layout.staging[s], spec) for _, _, spec, _ in bucket]
-      targets = [NamedSharding(layout.landing[s], spec) for _, _, spec, _ in bucket]
-      if sends:
-        staged = [jax.device_put(g.addressable_shards[0].data, sh) for g, sh in zip(gathered, shardings)]
+    for s in order:
+      sender = layout.senders[s]
+      src, dst = _host_mesh(layout, sender), _host_mesh(layout, s)
+      if me == sender:
+        # the learner host's D shards of the packed buffer, as an array on its own devices (no copy)
+        staged = [jax.make_array_from_single_device_arrays(
+            (w.size,), NamedSharding(src, FLAT), [shard.data for shard in x.addressable_shards])
+            for w, x in zip(wires, held[me])] if me in layout.learner_hosts else list(held[me])
       else:
-        staged = [jax.make_array_from_single_device_arrays(shape, sh, [], dtype=d)
-                  for (shape, d, _, _), sh in zip(bucket, shardings)]
-      if b == 0:  # the version rides in the first bucket
-        vs = NamedSharding(layout.staging[s], PartitionSpec())
-        staged.append(jax.device_put(np.asarray(version, np.int32), vs) if sends
-                      else jax.make_array_from_single_device_arrays((), vs, [], dtype=np.int32))
-        targets.append(NamedSharding(layout.landing[s], PartitionSpec()))
-      out = jax.device_put(staged, targets)
-      if s in receivers:
-        puts.append((s, staged, out))
-    what = f"weight sync v{version} bucket {b + 1}/{len(groups)}"
-    for s, staged, out in puts:
-      key = f"tunixlike/{tag}/{version}/{b}/{s}"
-      if sampler:
-        _wait_ready(out, timeout_s=timeout_s, host=layout.senders[s], what=what)
-        kv.put(key, b"ok")
-        if b == 0:
-          arrived_version = int(np.asarray(out.pop().addressable_shards[0].data))
-        fan_out = [NamedSharding(layout.samplers[s], spec) for _, _, spec, _ in bucket]
-        for k, x in zip(group, jax.device_put(out, fan_out), strict=True):  # to every replica, locally
-          received[k] = x
-      else:  # the bucket stays alive until the sampler host has it
-        kv.get(key, timeout_s=timeout_s, host=s, what=what)
-        kv.delete(key)
-    del gathered, puts
+        staged = [jax.make_array_from_single_device_arrays((w.size,), NamedSharding(src, FLAT), [], dtype=w.dtype)
+                  for w in wires]
+      if b == 0:  # the version rides in the first bucket, one copy per device: every array of a
+        # cross-host device_put call has the same shardings (a call mixing two pairs of device sets hung)
+        staged.append(jax.device_put(np.full(per_host, version, np.int32), NamedSharding(src, FLAT)) if me == sender
+                      else jax.make_array_from_single_device_arrays((per_host,), NamedSharding(src, FLAT), [],
+                                                                    dtype=np.int32))
+      out = jax.device_put(staged, [NamedSharding(dst, FLAT)] * len(staged))
+      if me == s:
+        held[s] = out[:len(wires)]  # a relay sends on what it received
+        arrivals.append((s, out))
+      elif me == sender:
+        arrivals.append((s, None))
+    pending.append((b, arrivals))
+    del packed, held
+    if len(pending) >= IN_FLIGHT or profile is not None:
+      settle(*pending.popleft())
+  while pending:
+    settle(*pending.popleft())
   if not sampler:
     return None, version
-  if packed:
-    targets = tuple(NamedSharding(layout.samplers[me], s) for s in spec_leaves)
-    out_leaves = _unpacker(tuple(tuple(x.shape) for x in leaves), targets)(received[0])
-  else:
-    out_leaves = received
-  return jax.tree.unflatten(treedef, out_leaves), arrived_version
+  return jax.tree.unflatten(treedef, received), arrived_version
