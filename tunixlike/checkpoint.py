@@ -192,11 +192,13 @@ class Checkpointer:
   best_metric / best_mode: also keep the checkpoint whose `save(..., metrics=)[best_metric]` is the
     highest ("max") or lowest ("min") so far; None keeps only the latest `keep`.
   read_only: never create or write anything (export); a missing directory then has no steps.
+  processes: the processes that save and restore together (None: all; whole sampler hosts hold no
+    learner state and take no part).
   """
 
   def __init__(self, directory, *, keep: int = 2, save_every_steps: int = 0, save_every_seconds: float = 0,
                save_frozen: bool = True, read_only: bool = False, best_metric: str | None = None,
-               best_mode: str = "max", clock=time.monotonic):
+               best_mode: str = "max", clock=time.monotonic, processes=None):
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
       raise ValueError(f"Checkpointer keep={keep!r} must be an int >= 1")
     if best_metric is not None and not (isinstance(best_metric, str) and best_metric):
@@ -235,7 +237,12 @@ class Checkpointer:
     # best_fn (besides the policy) makes orbax write each step's metrics and rank them in best_step().
     options = ocp.CheckpointManagerOptions(preservation_policy=preserve, best_fn=best_fn, best_mode=best_mode,
                                            enable_async_checkpointing=True, read_only=read_only,
-                                           create=not read_only, cleanup_tmp_directories=not read_only)
+                                           create=not read_only and processes is None,
+                                           cleanup_tmp_directories=not read_only,
+                                           multiprocessing_options=ocp.options.MultiprocessingOptions(
+                                               active_processes=None if processes is None else set(processes)))
+    if processes is not None and not read_only:  # orbax creates it only when every process takes part
+      epath.Path(self.directory).mkdir(parents=True, exist_ok=True)
     # Handlers named up front: a fresh manager can then read any item's metadata before restoring it.
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
                 "layout": ocp.JsonCheckpointHandler()}
