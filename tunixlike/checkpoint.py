@@ -223,6 +223,7 @@ class Checkpointer:
     self._digester = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint_digest")
     self._digesting: concurrent.futures.Future | None = None
     self._manager: ocp.CheckpointManager | None = None
+    self._one_of_many = processes is not None and len(set(processes)) == 1 and jax.process_count() > 1
     if read_only and not epath.Path(self.directory).is_dir():
       return  # nothing to read; latest_step() is None
     policy = ocp.checkpoint_managers
@@ -333,6 +334,11 @@ class Checkpointer:
     self._finish_pending(digest_now=False)
     if not self.save_frozen:
       state = _set_frozen(state, None)
+    if self._one_of_many:
+      # One learner host in a job of several processes (whole sampler hosts): orbax refuses to save
+      # arrays held by one process when there are several ("host local"), so they go as host
+      # copies, the same bytes; a restore puts them back on the learner's shardings.
+      state = jax.device_get(state)
     layout = {"format": FORMAT, "frozen_saved": self.save_frozen}
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
                               layout=ocp.args.JsonSave(layout))

@@ -11,12 +11,24 @@ import sys
 
 import pytest
 
-from multiprocess_job import lines, run_processes
+from multiprocess_job import ROOT, run_processes
 
-TRAIN = [sys.executable, "-m", "tunixlike.train", "--config", "configs/addition_grpo.py:size=tiny"]
-FAST = ["--config.warm_start.max_steps=0", "--config.data.num_eval_examples=8", "--config.log.progress_bar=false",
-        "--config.log.tensorboard=false", "--config.rl.num_steps=3", "--config.rl.prompts_per_step=4",
-        "--config.sampler.max_concurrent_decodes=48", "--config.checkpoint.every_steps=1"]
+# The tiny addition job, rewarded for stopping (rewards with variance from the first step, so that
+# the weights change at every step without a warm start), decode programs compiled when first used.
+CONFIG = f"""
+import os
+from tunixlike import config
+
+def get_config(arg=None):
+  c = config.load(os.path.join({ROOT!r}, "configs", "addition_grpo.py"), "size=tiny")
+  c.rewards = ({{"fn": "stopped", "weight": 1.0}},)
+  c.warm_start.max_steps = 0
+  c.sampler.warmup = False
+  return c
+"""
+FAST = ["--config.data.num_eval_examples=8", "--config.log.progress_bar=false", "--config.log.tensorboard=false",
+        "--config.rl.num_steps=3", "--config.rl.prompts_per_step=4", "--config.sampler.max_concurrent_decodes=48",
+        "--config.checkpoint.every_steps=1"]
 
 
 def by_host(learner_hosts: int, sampler_hosts: int, devices: int = 2) -> list[str]:
@@ -24,10 +36,15 @@ def by_host(learner_hosts: int, sampler_hosts: int, devices: int = 2) -> list[st
           f"--config.mesh.learner_devices={learner_hosts * devices}"]
 
 
-def train(tmp_path, workdir, n: int, flags: list[str], **kwargs):
-  results = run_processes(TRAIN + FAST + flags + [f"--workdir={workdir}"], n, tmp_path, devices=2,
-                          timeout_s=kwargs.pop("timeout_s", 300), **kwargs)
-  return results
+def command(tmp_path) -> list[str]:
+  config = tmp_path / "config.py"
+  config.write_text(CONFIG)
+  return [sys.executable, "-m", "tunixlike.train", "--config", str(config)] + FAST
+
+
+def train(tmp_path, workdir, n: int, flags: list[str], devices: int = 2, **kwargs):
+  return run_processes(command(tmp_path) + flags + [f"--workdir={workdir}"], n, tmp_path, devices=devices,
+                       timeout_s=kwargs.pop("timeout_s", 300), **kwargs)
 
 
 def records(path) -> list[dict]:
@@ -59,6 +76,8 @@ def test_whole_hosts_train_and_decode_apart(tmp_path, learner_hosts, sampler_hos
     synced = [l for l in results[s][1].splitlines() if l.startswith(f"sampler host {s}: weights v")
               and l.endswith("equal to the learner's")]
     assert [int(l.split(" v")[1].split()[0]) for l in synced] == [0, 1, 2, 3], results[s][1][-3000:]
+    checksums = [l.split("checksum ")[1].split()[0] for l in synced]
+    assert checksums[-1] != checksums[0]  # the weights changed (a sync of stale weights would not pass)
   # Every learner host trained every step on its share; no prompt trained twice, both shards read.
   trained = []
   for l in range(learner_hosts):
@@ -77,8 +96,8 @@ def test_at_staleness_0_whole_hosts_train_as_one_process(tmp_path):
   # the same prompts, the same sampling noise, the same weights at every step, so the same losses.
   flags = ["--config.rl.max_staleness=0"]
   hosts = train(tmp_path, tmp_path / "hosts", 2, by_host(1, 1) + flags)
-  one = run_processes(TRAIN + FAST + flags + ["--config.mesh.sampler_devices=2", "--config.mesh.learner_devices=2",
-                                              f"--workdir={tmp_path / 'one'}"], 1, tmp_path, devices=4, name="one")
+  one = train(tmp_path, tmp_path / "one", 1, flags + ["--config.mesh.sampler_devices=2",
+                                                     "--config.mesh.learner_devices=2"], devices=4, name="one")
   for i, (rc, out) in enumerate(hosts + one):
     assert rc == 0, f"process {i} failed (exit {rc}):\n{out[-5000:]}"
   got = [(r["step"], r["loss"], r["grad_norm"]) for r in records(tmp_path / "hosts" / "metrics.jsonl") if "loss" in r]
