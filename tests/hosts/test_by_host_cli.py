@@ -125,3 +125,18 @@ def test_a_killed_sampler_host_stops_the_run_naming_it_and_the_same_command_resu
   assert len(trained) == len(set(trained)) == 4 * 4  # nothing trained twice, every step's batch there
   steps = [r["step"] for r in records(workdir / "metrics.jsonl") if "loss" in r]
   assert steps == [0, 1, 2, 3]
+
+
+@pytest.mark.multihost
+def test_sigterm_on_a_sampler_host_saves_and_stops_every_host(tmp_path):
+  workdir = tmp_path / "run"
+  flags = by_host(1, 1) + ["--config.rl.num_steps=20", "--config.checkpoint.every_steps=0"]
+  results = train(tmp_path, workdir, 2, flags, kill=(1, "sampler host 1: weights v1 arrived", signal.SIGTERM))
+  for i, (rc, out) in enumerate(results):
+    assert rc == 0, f"process {i} failed (exit {rc}):\n{out[-5000:]}"
+  out = results[0][1]
+  assert "sampler host 1 received a signal: finishing the current step, saving a checkpoint" in out
+  stopped = [l for l in out.splitlines() if l.startswith("stopped at step ")]
+  assert len(stopped) == 1 and "checkpoint saved" in stopped[0], out[-3000:]
+  step = int(stopped[0].split()[3].rstrip(";"))
+  assert 1 <= step < 20 and os.path.isdir(workdir / "checkpoints" / str(step))
