@@ -8,60 +8,22 @@ what the two processes print. Every wait has a timeout; both processes are kille
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from multiprocess_job import ROOT, lines as _lines, run_processes
+
 WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
 TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _lines(out: str, tag: str) -> list[str]:
-  return [l[len(tag) + 1:] for l in out.splitlines() if l.startswith(tag + " ")]
-
-
 @pytest.mark.slow
 def test_two_processes_train_in_lockstep_and_sync_weights_to_their_samplers(tmp_path):
-  port = _free_port()
-  procs = []
-  logs = [open(tmp_path / f"process_{i}.log", "w+") for i in range(2)]
-  try:
-    for i in range(2):
-      env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i),
-             "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-      procs.append(subprocess.Popen([sys.executable, WORKER, "3", str(tmp_path / "run")], cwd=ROOT, env=env,
-                                    stdout=logs[i], stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + TIMEOUT_S
-    while any(p.poll() is None for p in procs):
-      if time.monotonic() > deadline:
-        pytest.fail(f"the 2-process run did not finish within {TIMEOUT_S} s")
-      if any(p.returncode not in (None, 0) for p in procs):
-        time.sleep(2)  # let the other process report the error too, then fail below
-        break
-      time.sleep(0.5)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-      p.wait(timeout=30)
-  outs = []
-  for f in logs:
-    f.seek(0)
-    outs.append(f.read())
-    f.close()
-  for i, (p, out) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0 and "DONE" in out, f"process {i} failed (exit {p.returncode}):\n{out[-4000:]}"
+  results = run_processes([sys.executable, WORKER, "3", str(tmp_path / "run")], 2, tmp_path, timeout_s=TIMEOUT_S)
+  outs = [out for _, out in results]
+  for i, (rc, out) in enumerate(results):
+    assert rc == 0 and "DONE" in out, f"process {i} failed (exit {rc}):\n{out[-4000:]}"
 
   for i, out in enumerate(outs):
     assert _lines(out, "PROCESS")[0].startswith(f"{i} sampler {{'replica': 2, 'tensor': 1}} "

@@ -192,11 +192,13 @@ class Checkpointer:
   best_metric / best_mode: also keep the checkpoint whose `save(..., metrics=)[best_metric]` is the
     highest ("max") or lowest ("min") so far; None keeps only the latest `keep`.
   read_only: never create or write anything (export); a missing directory then has no steps.
+  processes: the processes that save and restore together (None: all; whole sampler hosts hold no
+    learner state and take no part).
   """
 
   def __init__(self, directory, *, keep: int = 2, save_every_steps: int = 0, save_every_seconds: float = 0,
                save_frozen: bool = True, read_only: bool = False, best_metric: str | None = None,
-               best_mode: str = "max", clock=time.monotonic):
+               best_mode: str = "max", clock=time.monotonic, processes=None):
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
       raise ValueError(f"Checkpointer keep={keep!r} must be an int >= 1")
     if best_metric is not None and not (isinstance(best_metric, str) and best_metric):
@@ -221,6 +223,7 @@ class Checkpointer:
     self._digester = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint_digest")
     self._digesting: concurrent.futures.Future | None = None
     self._manager: ocp.CheckpointManager | None = None
+    self._one_of_many = processes is not None and len(set(processes)) == 1 and jax.process_count() > 1
     if read_only and not epath.Path(self.directory).is_dir():
       return  # nothing to read; latest_step() is None
     policy = ocp.checkpoint_managers
@@ -235,7 +238,12 @@ class Checkpointer:
     # best_fn (besides the policy) makes orbax write each step's metrics and rank them in best_step().
     options = ocp.CheckpointManagerOptions(preservation_policy=preserve, best_fn=best_fn, best_mode=best_mode,
                                            enable_async_checkpointing=True, read_only=read_only,
-                                           create=not read_only, cleanup_tmp_directories=not read_only)
+                                           create=not read_only and processes is None,
+                                           cleanup_tmp_directories=not read_only,
+                                           multiprocessing_options=ocp.options.MultiprocessingOptions(
+                                               active_processes=None if processes is None else set(processes)))
+    if processes is not None and not read_only:  # orbax creates it only when every process takes part
+      epath.Path(self.directory).mkdir(parents=True, exist_ok=True)
     # Handlers named up front: a fresh manager can then read any item's metadata before restoring it.
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
                 "layout": ocp.JsonCheckpointHandler()}
@@ -326,6 +334,11 @@ class Checkpointer:
     self._finish_pending(digest_now=False)
     if not self.save_frozen:
       state = _set_frozen(state, None)
+    if self._one_of_many:
+      # One learner host in a job of several processes (whole sampler hosts): orbax refuses to save
+      # arrays held by one process when there are several ("host local"), so they go as host
+      # copies, the same bytes; a restore puts them back on the learner's shardings.
+      state = jax.device_get(state)
     layout = {"format": FORMAT, "frozen_saved": self.save_frozen}
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
                               layout=ocp.args.JsonSave(layout))

@@ -108,9 +108,18 @@ class MeshSection:
                                  check=non_negative)
   sampler_tensor: int = setting(1, "tensor parallelism hurts on CPU; use it on TPU/GPU for big models", check=positive)
   learner_tensor: int = setting(1, "tensor-parallel degree of the learner; the rest is FSDP", check=positive)
+  sampler_hosts: int = setting(0, "several processes: 0 = every host decodes and trains (the layouts above); N > 0 = "
+                               "the last N processes only decode and the others only train, weights crossing by "
+                               "cross-host device_put (docs/hosts_and_accelerators.md#whole-hosts-per-side); the "
+                               "device counts above are then totals over each side's hosts", check=non_negative)
+  host_timeout_s: float = setting(120.0, "whole hosts per side: a sampler host silent this long (dead or hung) stops "
+                                  "the run, naming it; also the limit of each cross-host weight transfer",
+                                  check=positive)
 
   def __post_init__(self):
     check_fields(self)
+    require(not self.sampler_hosts or self.layout == "split", "mesh.sampler_hosts", self.sampler_hosts,
+            "needs mesh.layout='split' (whole hosts per side share no devices)")
     require(self.learner_devices > 0 or self.layout == "colocated", "mesh.learner_devices", self.learner_devices,
             "must be > 0 (0 only with mesh.layout='colocated', where both sides use every device)")
     require(self.sampler_devices % self.sampler_tensor == 0, "mesh.sampler_tensor", self.sampler_tensor,
@@ -335,6 +344,9 @@ class Config:
             "a critic is only used with algo.estimator='ppo'")
     require(not ppo or self.lora.rank == 0, "lora.rank", self.lora.rank,
             "algo.estimator='ppo' trains the value head with the policy and does not support LoRA yet")
+    # Whole sampler hosts hold the policy only: a critic or a teacher would live on the learner hosts.
+    require(not self.mesh.sampler_hosts or not (ppo or self.model.teacher_path), "mesh.sampler_hosts",
+            self.mesh.sampler_hosts, "is not supported with algo.estimator='ppo' or model.teacher_path yet")
     has_ref = self.lora.rank == 0 and (self.algo.kl_coef > 0 or (ppo and self.algo.kl_reward_coef > 0))
     require("reference" not in self.learner.offload or has_ref, "learner.offload", self.learner.offload,
             "'reference' does not exist: the reference copy is kept only with algo.kl_coef > 0 (or PPO's "

@@ -15,6 +15,7 @@ collectives below. The sampler only ever computes on its own host's devices, so 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, ClassVar, Sequence
@@ -100,18 +101,63 @@ def initialize(cfg: DistributedConfig = DistributedConfig(), *, cross_host_trans
   return jax.process_count() > 1
 
 
+# The processes that take part in the host collectives below: all of them, or with whole sampler
+# hosts (mesh.sampler_hosts) the learner hosts only, which run the learner's program in lockstep
+# while the sampler hosts never join a collective.
+_group: tuple[int, ...] | None = None
+
+
+def set_process_group(processes: Sequence[int] | None) -> None:
+  """Restricts the host collectives to `processes` (None: every process)."""
+  global _group
+  _group = None if processes is None else tuple(sorted(processes))
+
+
+def group() -> tuple[int, ...]:
+  return tuple(range(jax.process_count())) if _group is None else _group
+
+
+def group_size() -> int:
+  return len(group())
+
+
+def group_rank() -> int:
+  """This process's place among `group()` (its data shard, its eval shard)."""
+  return group().index(jax.process_index())
+
+
 def is_multiprocess() -> bool:
-  return jax.process_count() > 1
+  return group_size() > 1
 
 
-# ---- host collectives (every process must call them at the same point of the program) -----------
+# ---- host collectives (every process of the group must call them at the same point) --------------
 def allgather(values: Sequence[float] | np.ndarray) -> np.ndarray:
-  """[process_count, n]: every process's `values` (a small 1-D numeric vector)."""
+  """[group_size, n]: every process's `values` (a small 1-D numeric vector)."""
   x = np.asarray(values)
   if not is_multiprocess():
     return x[None]
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(x))
+  if _group is None:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x))
+  return _group_allgather(x)
+
+
+def _group_allgather(x: np.ndarray) -> np.ndarray:
+  """process_allgather over the group's processes only: one device of each, one all-gather."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  firsts = {}
+  for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+    firsts.setdefault(d.process_index, d)
+  mesh = Mesh(np.array([firsts[p] for p in _group]), ("p",))
+  mine = jax.device_put(x[None], firsts[jax.process_index()])
+  rows = jax.make_array_from_single_device_arrays((len(_group),) + x.shape, NamedSharding(mesh, PartitionSpec("p")),
+                                                  [mine])
+  return np.asarray(_replicate(NamedSharding(mesh, PartitionSpec()))(rows).addressable_data(0))
+
+
+@functools.lru_cache(maxsize=8)
+def _replicate(sharding):
+  return jax.jit(lambda a: a, out_shardings=sharding)
 
 
 def any_process(flag: bool) -> bool:

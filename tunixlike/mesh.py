@@ -63,11 +63,14 @@ class MeshError(ValueError):
 class Meshes:
   sampler: Mesh  # this process's sampler devices only (all of them with one process)
   learner: Mesh  # every process's learner devices
+  # Whole hosts per side (mesh.sampler_hosts, `hosts.layout.HostLayout`): on a learner host `sampler`
+  # is its own devices, where it evaluates; on a sampler host `learner` has none of its devices.
+  hosts: object | None = None
 
   @property
   def colocated(self) -> bool:
     """Sampler and learner share their devices (mesh.layout='colocated')."""
-    return set(self.sampler.devices.flat) <= set(self.learner.devices.flat)
+    return self.hosts is None and set(self.sampler.devices.flat) <= set(self.learner.devices.flat)
 
   @property
   def num_processes(self) -> int:

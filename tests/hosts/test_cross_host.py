@@ -4,55 +4,13 @@ rollouts and admission through the key-value store, and a hung sampler host (rol
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from multiprocess_job import ROOT, lines as _lines, run_processes
+
 WORKER = os.path.join(ROOT, "tests", "hosts", "cross_host_worker.py")
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def run_processes(argv: list[str], n: int, tmp_path, timeout_s: float = 180) -> list[tuple[int, str]]:
-  """Starts `n` processes of `argv` as one multi-controller job; returns (exit code, output) of each.
-  All are killed when one fails or the time runs out."""
-  port = _free_port()
-  procs, logs = [], [open(tmp_path / f"process_{i}.log", "w+") for i in range(n)]
-  try:
-    for i in range(n):
-      env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(i),
-             "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-      procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=logs[i], stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout_s
-    while None in [p.poll() for p in procs]:  # a list: every process polled
-      if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
-        time.sleep(2)  # let the others report their error too
-        break
-      time.sleep(0.5)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-      p.wait(timeout=30)
-  outs = []
-  for f in logs:
-    f.seek(0)
-    outs.append(f.read())
-    f.close()
-  return [(p.returncode, out) for p, out in zip(procs, outs)]
-
-
-def _lines(out: str, tag: str) -> list[str]:
-  return [l[len(tag) + 1:] for l in out.splitlines() if l.startswith(tag + " ")]
 
 
 @pytest.mark.multihost

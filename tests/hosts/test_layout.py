@@ -22,3 +22,21 @@ def test_send_order_feeds_each_relay_before_it_sends():
   loop = types.SimpleNamespace(learner_hosts=(0,), sampler_hosts=(1, 2), senders={1: 2, 2: 1})
   with pytest.raises(ValueError, match=r"sampler hosts \[1, 2\] never get the weights"):
     transfer.send_order(loop)
+
+
+def test_the_cli_refuses_whole_sampler_hosts_it_cannot_make(tmp_path):
+  # One process: no host is left to train. Colocated: whole hosts share no devices. Both one line, exit 2.
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  cases = [(["--config.mesh.sampler_hosts=1", f"--workdir={tmp_path}"],
+            "mesh.sampler_hosts=1 must leave a learner host among the 1 processes"),
+           (["--config.mesh.sampler_hosts=1", "--config.mesh.layout=colocated", "--check_only"],
+            "mesh.sampler_hosts=1: needs mesh.layout='split'")]
+  for args, expected in cases:
+    out = subprocess.run([sys.executable, "-m", "tunixlike.train", "--config", "configs/addition_grpo.py:size=tiny",
+                          "--config.warm_start.max_steps=0", *args], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and expected in lines[0], out.stderr[-2000:]

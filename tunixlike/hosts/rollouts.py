@@ -111,6 +111,11 @@ class LearnerInbox:
     if self._errors:
       raise self._errors[0]
 
+  @property
+  def error(self) -> BaseException | None:
+    """What stopped the inbox (a silent sampler host), or None."""
+    return self._errors[0] if self._errors else None
+
   def close(self) -> None:
     """Tells the sampler hosts the run is over and stops the thread."""
     self._stop.set()
@@ -146,6 +151,15 @@ class RemoteAdmission:
   def _state(self, learner: int) -> dict:
     return json.loads(kv.get(_state_key(learner), timeout_s=self.timeout_s, host=learner,
                              what=f"sampler host {self.host}: the learner's admission state"))
+
+  def poll_stopped(self) -> bool:
+    """Whether every learner host has ended its run (read now, not only when admitting)."""
+    with self._lock:
+      for learner in self.learners:
+        if learner not in self._finished and self._state(learner)["stop"]:
+          self._finished.add(learner)
+      self.stopped = len(self._finished) == len(self.learners)
+      return self.stopped
 
   def try_admit(self, version: int) -> bool:
     """Admits one group at sampler weights `version` for the next learner host that allows it."""

@@ -41,10 +41,17 @@ def encode(group: RolloutGroup) -> bytes:
             "term_rewards": list(group.term_rewards) if group.term_rewards is not None else None,
             "token_advantages": None if group.token_advantages is None else len(group.token_advantages),
             "completions": [{"finish_reason": c.finish_reason, "text": c.text} for c in group.completions]}
-  arrays[_HEADER] = np.frombuffer(json.dumps(header).encode("utf-8"), np.uint8)
+  arrays[_HEADER] = np.frombuffer(json.dumps(header, default=_plain).encode("utf-8"), np.uint8)
   out = io.BytesIO()
   np.savez(out, **arrays)
   return out.getvalue()
+
+
+def _plain(value):
+  """numpy scalars in the columns (a dataset's ints, the pipeline's `epoch`) as Python's own."""
+  if isinstance(value, np.generic):
+    return value.item()
+  raise TypeError(f"a rollout column of type {type(value).__name__} cannot cross to another host: {value!r}")
 
 
 def decode(data: bytes) -> RolloutGroup:

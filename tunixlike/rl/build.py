@@ -64,20 +64,66 @@ def learner_config(cfg: Config) -> LearnerConfig:
 
 def sampler_config(cfg: Config, tok) -> SamplerConfig:
   """This process's sampler: the decode slots of sampler.max_concurrent_decodes are split over the hosts
-  (its checks see this process's share: a group must fit in it)."""
-  slots = cfg.sampler.max_concurrent_decodes // jax.process_count()
+  that decode (its checks see this process's share: a group must fit in it)."""
+  slots = cfg.sampler.max_concurrent_decodes // (cfg.mesh.sampler_hosts or jax.process_count())
   return dataclasses.replace(cfg.sampler, max_concurrent_decodes=slots, eos_ids=tuple(tok.stop_ids),
                              group_size=cfg.algo.group_size, seed=cfg.seed)
 
 
 def check_process_split(cfg: Config, n: int):
-  """Keys that are totals over all hosts must split evenly across the `n` processes."""
+  """Keys that are totals over all hosts must split evenly across the `n` processes (with whole
+  sampler hosts: the batch over the learner hosts, the decode slots over the sampler hosts)."""
+  s = cfg.mesh.sampler_hosts
+  if s and not 0 < s < n:
+    raise ValueError(f"mesh.sampler_hosts={s} must leave a learner host among the {n} processes")
   if n == 1:
     return
-  for key, total in (("rl.prompts_per_step", cfg.rl.prompts_per_step),
-                     ("sampler.max_concurrent_decodes", cfg.sampler.max_concurrent_decodes)):
-    if total % n:
-      raise ValueError(f"{key}={total} must be divisible by the {n} processes (each host takes its share)")
+  for key, total, hosts, what in (("rl.prompts_per_step", cfg.rl.prompts_per_step, n - s if s else n, "learner"),
+                                  ("sampler.max_concurrent_decodes", cfg.sampler.max_concurrent_decodes, s or n,
+                                   "sampler")):
+    if total % hosts:
+      raise ValueError(f"{key}={total} must be divisible by the {hosts} {what + ' ' if s else ''}processes "
+                       "(each host takes its share)")
+
+
+def is_sampler_host(cfg: Config) -> bool:
+  """This process only decodes (mesh.sampler_hosts: the last N processes)."""
+  s = cfg.mesh.sampler_hosts
+  return bool(s) and jax.process_index() >= jax.process_count() - s
+
+
+def data_shard(cfg: Config) -> tuple[int, int]:
+  """(index, count): this process's shard of the prompts. Each process reads its own; with whole
+  sampler hosts each sampler host its shard of the training prompts and each learner host its
+  shard of the held-out ones (the side that reads them)."""
+  n, me, s = jax.process_count(), jax.process_index(), cfg.mesh.sampler_hosts
+  if not s:
+    return me, n
+  return (me - (n - s), s) if is_sampler_host(cfg) else (me, n - s)
+
+
+def make_meshes(cfg: Config) -> mesh_lib.Meshes:
+  """The run's meshes. With whole sampler hosts (`hosts.layout`): one learner mesh over the learner
+  hosts, and as this process's sampler mesh its own devices (a learner host evaluates there)."""
+  m = cfg.mesh
+  if not m.sampler_hosts:
+    return mesh_lib.make_meshes(m.sampler_devices, m.learner_devices, m.sampler_tensor, m.learner_tensor,
+                                layout=m.layout)
+  from tunixlike.hosts import layout as layout_lib
+  layout = layout_lib.make_host_layout(m.sampler_hosts, m.sampler_tensor, m.learner_tensor)
+  local = len(jax.local_devices())
+  for key, n, hosts in (("mesh.sampler_devices", m.sampler_devices, len(layout.sampler_hosts)),
+                        ("mesh.learner_devices", m.learner_devices, len(layout.learner_hosts))):
+    if n != hosts * local:
+      raise mesh_lib.MeshError(f"{key}={n}: with mesh.sampler_hosts={m.sampler_hosts} it counts the devices of "
+                               f"its side's {hosts} hosts, {hosts} x {local} = {hosts * local}")
+  me = jax.process_index()
+  if me in layout.samplers:
+    sampler = layout.samplers[me]
+  else:  # the learner host's own devices, as a sampler mesh for its evals
+    sampler = mesh_lib.Mesh(np.array(jax.local_devices()).reshape(local // m.sampler_tensor, m.sampler_tensor),
+                            mesh_lib.SAMPLER_AXES)
+  return mesh_lib.Meshes(sampler=sampler, learner=layout.learner, hosts=layout)
 
 
 # ---- before training: meshes, data, model ----------------------------------------------------------
@@ -102,6 +148,11 @@ class Setup:
   warm_start_records: list | None = None  # held-out set of the warm start: the same on every process
   critic: nnx.Module | None = None  # PPO's separate critic trunk (model.critic_path), on the learner mesh
   teacher: distill_lib.Teacher | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
+
+  @property
+  def sampler_host(self) -> bool:
+    """This process only decodes (mesh.sampler_hosts); `model` is then on its own sampler mesh."""
+    return self.meshes.hosts is not None and jax.process_index() in self.meshes.hosts.samplers
 
 
 def with_inputs(cfg: Config, *, dataset=None, eval_dataset=None, env=None, agent=None) -> Config:
@@ -177,17 +228,18 @@ def agent_function(cfg: Config, agent=None):
   return fn
 
 
-def build_model(cfg: Config, tok, mesh) -> nnx.Module:
+def build_model(cfg: Config, tok, mesh, rules=mesh_lib.LEARNER_RULES) -> nnx.Module:
+  """The policy on `mesh` (the learner's; a sampler host's own with `mesh_lib.SAMPLER_RULES`)."""
   m = cfg.model
   if m.hf_path:
     return transformer.with_attention(models.from_pretrained(hub.resolve(m.hf_path, m.revision), mesh=mesh,
-                                                             rules=mesh_lib.LEARNER_RULES, dtype=m.param_dtype),
+                                                             rules=rules, dtype=m.param_dtype),
                                       m.attention, m.context_parallel_attention)
   # The model section's sizes carry ModelConfig's own names; the vocabulary is the tokenizer's.
   sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(models.ModelConfig) if hasattr(m, f.name)}
   model_cfg = models.ModelConfig(vocab_size=tok.vocab_size, **sizes)
   check_fits(model_cfg, mesh)
-  return models.create_sharded(model_cfg, mesh, mesh_lib.LEARNER_RULES, seed=cfg.seed)
+  return models.create_sharded(model_cfg, mesh, rules, seed=cfg.seed)
 
 
 def memory_per_device(device) -> tuple[int | None, str]:
@@ -230,8 +282,11 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   `eval_dataset`, `rewards`, `env` and `agent` are in-memory objects that replace data.train, data.eval,
   rewards, rl.env and rl.agent (see `tunixlike.train`). User code is loaded and checked before the model is built."""
   with_inputs(cfg, dataset=dataset, eval_dataset=eval_dataset, env=env, agent=agent)  # the config's checks
-  distributed.initialize(cfg.distributed)
+  distributed.initialize(cfg.distributed, cross_host_transfers=cfg.mesh.sampler_hosts > 0)
   check_process_split(cfg, jax.process_count())
+  sampler_host = is_sampler_host(cfg)
+  if cfg.mesh.sampler_hosts:  # the learner hosts' collectives leave the sampler hosts out
+    distributed.set_process_group(range(jax.process_count() - cfg.mesh.sampler_hosts))
   tok, task = build_task(cfg, dataset, eval_dataset)
   sampler_config(cfg, tok)  # this process's share of the decode slots holds a group: checked before the model
   terms = reward_terms(cfg, task, rewards)
@@ -246,9 +301,12 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
                       [str(r.get(field, "")) for r in rows])
   make_env = env_factory(cfg, env)
   agent = agent_function(cfg, agent)
-  meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices, cfg.mesh.sampler_tensor,
-                                cfg.mesh.learner_tensor, layout=cfg.mesh.layout)
-  model = build_model(cfg, tok, meshes.learner)
+  meshes = make_meshes(cfg)
+  # A sampler host computes only on its own devices: its copy of the policy is born there (the
+  # weights it decodes with come from the learner hosts).
+  model = (build_model(cfg, tok, meshes.sampler, mesh_lib.SAMPLER_RULES) if sampler_host
+           else build_model(cfg, tok, meshes.learner))
+  training = training and not sampler_host
   critic = None
   if training and cfg.model.critic_path:  # loaded (and checked against the policy) before any training starts
     critic = value_lib.load_critic(hub.resolve(cfg.model.critic_path, key="model.critic_path"), model, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
@@ -262,10 +320,11 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   eval_pipe = pipeline.from_task(task, tok, split="test", config=dataclasses.replace(pipe_cfg, shuffle=False,
                                                                                       num_epochs=1))
   # Each process evaluates its shard; together they cover data.num_eval_examples prompts.
-  n_local = len(range(jax.process_index(), cfg.data.num_eval_examples, jax.process_count()))
+  index, count = data_shard(cfg)
+  n_local = 0 if sampler_host else len(range(index, cfg.data.num_eval_examples, count))
   eval_records = list(itertools.islice(iter(eval_pipe), n_local))
   warm_records = None
-  if jax.process_count() > 1 and cfg.warm_start.max_steps:
+  if distributed.group_size() > 1 and cfg.warm_start.max_steps and not sampler_host:
     # The warm start is a learner (global) computation: its held-out batch must be the same everywhere.
     whole = pipeline.from_task(task, tok, split="test", config=dataclasses.replace(
         pipe_cfg, shuffle=False, num_epochs=1, shard_index=0, shard_count=1))
@@ -283,8 +342,8 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
 
 def pipeline_config(cfg: Config, **changes) -> pipeline.PipelineConfig:
   """The prompt pipeline's settings from the data section (this process's shard of the data)."""
-  return pipeline.PipelineConfig.from_config(cfg, **{"shard_index": jax.process_index(),
-                                                     "shard_count": jax.process_count(), **changes})
+  index, count = data_shard(cfg)
+  return pipeline.PipelineConfig.from_config(cfg, **{"shard_index": index, "shard_count": count, **changes})
 
 
 def example_format(cfg: Config) -> warm_start_lib.ExampleFormat:
@@ -326,7 +385,7 @@ class RLStack:
   """The objects the RL loop runs; each owns its own state (the policy owns the learner state)."""
 
   policy: Policy  # owns the learner state and its version; its `weight_sync` feeds `engine`
-  engine: Engine  # the rollout sampler
+  engine: Engine | None  # the rollout sampler (None on a learner host: whole sampler hosts sample)
   eval_engine: Engine  # greedy decoding of the held-out prompts, on the same devices
   scorer: scoring.GroupScorer  # the reward stage, run on the reward workers
   correctness: rewards_lib.CombinedReward  # the 0/1 verifier the evals score with
@@ -357,8 +416,9 @@ def policy_model(setup: Setup) -> nnx.Module:
   cfg = setup.cfg
   if not cfg.lora.rank:
     return setup.model
-  return lora_lib.apply_lora(setup.model, lora_lib.LoRAConfig.from_config(cfg),
-                             seed=cfg.seed, mesh=setup.meshes.learner, rules=mesh_lib.LEARNER_RULES)
+  mesh, rules = ((setup.meshes.sampler, mesh_lib.SAMPLER_RULES) if setup.sampler_host
+                 else (setup.meshes.learner, mesh_lib.LEARNER_RULES))
+  return lora_lib.apply_lora(setup.model, lora_lib.LoRAConfig.from_config(cfg), seed=cfg.seed, mesh=mesh, rules=rules)
 
 
 def policy_rows(cfg: Config, num_processes: int, share_prompts: bool) -> tuple[int, tuple[int, ...]]:
@@ -371,16 +431,43 @@ def policy_rows(cfg: Config, num_processes: int, share_prompts: bool) -> tuple[i
   return cfg.rl.prompts_per_step * cfg.algo.group_size // num_processes, policy_lib.length_buckets(longest)
 
 
-def build_policy(cfg: Config, learner, engine: Engine, pad_id: int, *, tracer=trace_lib.NULL_TRACER,
-                 rows: int | None = None, share_prompts: bool | None = None) -> Policy:
-  """The policy over `learner` with its weight sync to `engine`'s shardings (rl.sync_dtype). `rows`
-  and `share_prompts` replace the run's (`policy_rows`, optim.share_prompts)."""
-  sync = weight_sync.for_learner(learner, engine.param_shardings, dtype=cfg.rl.sync_dtype, tracer=tracer)
+def build_policy(cfg: Config, learner, engine: Engine | None, pad_id: int, *, tracer=trace_lib.NULL_TRACER,
+                 rows: int | None = None, share_prompts: bool | None = None,
+                 sync: weight_sync.WeightSync | None = None) -> Policy:
+  """The policy over `learner` with its weight sync to `engine`'s shardings (rl.sync_dtype), or
+  `sync`. `rows` and `share_prompts` replace the run's (`policy_rows`, optim.share_prompts)."""
+  sync = sync or weight_sync.for_learner(learner, engine.param_shardings, dtype=cfg.rl.sync_dtype, tracer=tracer)
   n_proc = 1 if learner.mesh is None else len({d.process_index for d in learner.mesh.devices.flat})
   share = cfg.optim.share_prompts if share_prompts is None else share_prompts
   run_rows, buckets = policy_rows(cfg, n_proc, share)
   return Policy(learner, sync, rows=run_rows if rows is None else rows, seq_buckets=buckets, pad_id=pad_id,
                 seed=cfg.seed, share_prompts=share, routing=cfg.sampler.record_routing, tracer=tracer)
+
+
+def sampler_hosts_sync(cfg: Config, learner, layout, *, tracer=trace_lib.NULL_TRACER) -> weight_sync.WeightSync:
+  """The policy's weight sync to whole sampler hosts (`hosts.weights.Sender`): full, or LoRA's
+  adapters after the first; its targets are the sampler's shardings on a sampler host's mesh."""
+  from tunixlike.hosts import weights
+  from tunixlike.models import sharding as sharding_lib
+  model_state = learner.sampler_params(learner.state)
+  targets = sharding_lib.state_shardings(model_state, layout.samplers[layout.sampler_hosts[0]],
+                                         mesh_lib.SAMPLER_RULES)
+  parts = {weights.MODEL: jax.tree.structure(model_state)}
+  if learner.lora:
+    parts[weights.ADAPTERS] = jax.tree.structure(learner.state.params)
+  sender = weights.Sender(layout, parts, timeout_s=cfg.mesh.host_timeout_s)
+  return weight_sync.for_learner(learner, targets, dtype=cfg.rl.sync_dtype, across_hosts=sender, tracer=tracer)
+
+
+def sampler_hosts_receiver(setup: Setup, model: nnx.Module, engine: Engine):
+  """A sampler host's end of `sampler_hosts_sync` (`hosts.weights.Receiver`)."""
+  from tunixlike.hosts import weights
+  parts = {weights.MODEL: (weights.abstract(nnx.state(model)), engine.param_shardings)}
+  if setup.cfg.lora.rank:
+    adapters = nnx.state(model, nnx.LoRAParam)
+    parts[weights.ADAPTERS] = (weights.abstract(adapters), weight_sync.subtree_like(engine.param_shardings, adapters))
+  return weights.Receiver(setup.meshes.hosts, parts, dtype=setup.cfg.rl.sync_dtype,
+                          bucket_bytes=weight_sync.DEFAULT_BUCKET_BYTES, timeout_s=setup.cfg.mesh.host_timeout_s)
 
 
 def correctness_reward(setup: Setup) -> rewards_lib.CombinedReward:
@@ -396,10 +483,18 @@ def build_rl(setup: Setup, *, reward: rewards_lib.CombinedReward | None = None,
   model = policy_model(setup)
   learner = build_learner(cfg, model, setup.meshes.learner, critic=setup.critic)
   s_cfg = sampler_config(cfg, tok)
-  engine = make_engine(model, s_cfg, mesh=setup.meshes.sampler)
+  hosts = setup.meshes.hosts  # whole sampler hosts: the rollouts are sampled there; this host evaluates
+  engine = None if hosts is not None else make_engine(model, s_cfg, mesh=setup.meshes.sampler)
   eval_engine = make_engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
-  policy = build_policy(cfg, learner, engine, tok.pad_id, tracer=setup.tracer)
+  sync = None if hosts is None else sampler_hosts_sync(cfg, learner, hosts, tracer=setup.tracer)
+  policy = build_policy(cfg, learner, engine, tok.pad_id, tracer=setup.tracer, sync=sync)
   correctness = correctness or correctness_reward(setup)
+  return RLStack(policy, engine, eval_engine, build_scorer(setup, reward), correctness)
+
+
+def build_scorer(setup: Setup, reward: rewards_lib.CombinedReward | None = None) -> scoring.GroupScorer:
+  """The reward stage's scorer: `reward` (default the task's), process rewards, the teacher."""
+  cfg, tok = setup.cfg, setup.tok
   reward = reward or setup.reward
   a, process = cfg.algo, None
   if a.process_reward is not None:  # PRM calls run on their own daemon threads while the sampler decodes
@@ -407,17 +502,22 @@ def build_rl(setup: Setup, *, reward: rewards_lib.CombinedReward | None = None,
     prm = (process_lib.get_process_reward(a.process_reward) if a.process_reward in process_lib.process_reward_names()
            else loader.load(a.process_reward, key="algo.process_reward"))
     process = process_lib.ProcessRewardScorer(prm, name=a.process_reward, steps=steps, tracer=setup.tracer)
-  scorer = scoring.GroupScorer(reward, tokenizer=tok, advantages=scoring.advantage_config(cfg),
-                               primary=reward.specs[0].name, process=process, teacher=setup.teacher,
-                               tracer=setup.tracer)
-  return RLStack(policy, engine, eval_engine, scorer, correctness)
+  return scoring.GroupScorer(reward, tokenizer=tok, advantages=scoring.advantage_config(cfg),
+                             primary=reward.specs[0].name, process=process, teacher=setup.teacher,
+                             tracer=setup.tracer)
 
 
 def evaluate(setup: Setup, rl: RLStack) -> dict[str, Any]:
-  """Held-out accuracy of the policy (see `evaluate_params`)."""
-  synced = rl.policy.sync_weights()
-  with setup.tracer.span("eval", cat="eval", version=synced.version):
-    return evaluate_params(setup, rl.eval_engine, synced.params, rl.correctness, version=synced.version)
+  """Held-out accuracy of the policy (see `evaluate_params`). With whole sampler hosts the learner
+  hosts evaluate on their own devices, from a copy of their own (the sampler hosts never wait)."""
+  if setup.meshes.hosts is None:
+    synced = rl.policy.sync_weights()
+    params, version = synced.params, synced.version
+  else:
+    params, _ = weight_sync.sync(rl.policy.full_params(), rl.eval_engine.param_shardings, dtype=setup.cfg.rl.sync_dtype)
+    version = rl.policy.version
+  with setup.tracer.span("eval", cat="eval", version=version):
+    return evaluate_params(setup, rl.eval_engine, params, rl.correctness, version=version)
 
 
 def evaluate_params(setup: Setup, engine, params, correctness, *, version: int = 0) -> dict[str, Any]:
@@ -426,7 +526,7 @@ def evaluate_params(setup: Setup, engine, params, correctness, *, version: int =
   the same result."""
   out = eval_lib.evaluate(engine, params, requests_for(setup.eval_records), correctness, setup.tok, version=version,
                           timeout_s=setup.cfg.eval.timeout_s)
-  if jax.process_count() == 1:
+  if distributed.group_size() == 1:
     return out
   keys = sorted(k for k in out if k != "eval/num_prompts")
   counts = [k for k in keys if k.endswith("failures")]  # summed over processes, the rest averaged
@@ -449,23 +549,24 @@ def make_queue(cfg: Config, policy: Policy, counts: dict | None = None) -> Rollo
                       start_version=policy.version, counts=counts)
 
 
-def make_driver(setup: Setup, rl: RLStack, stream: PromptStream, queue: RolloutQueue, sink, synced, *,
+def make_driver(setup: Setup, engine: Engine, scorer: scoring.GroupScorer, stream, queue, sink, synced, *,
                 turns=device_turns.NO_TURNS, say=print) -> RolloutDriver:
-  """The driver of this run's rollouts (single-turn, env episodes, or the user's agent behind its
-  server), from `synced` weights and version; its admission is `queue.try_admit`; not started."""
+  """The driver of this run's rollouts on `engine` (single-turn, env episodes, or the user's agent
+  behind its server), from `synced` weights and version; its admission is `queue.try_admit` (a
+  `RolloutQueue`, or a sampler host's `hosts.rollouts.RemoteAdmission`); not started."""
   cfg, tok, tracer = setup.cfg, setup.tok, setup.tracer
   common = dict(source=stream, sink=sink, version=synced.version, may_start_group=queue.try_admit, tracer=tracer)
   if setup.agent is not None:  # the user's agent loop, served over HTTP on the same decode slots
-    driver = AgentDriver(rl.engine, synced.params, agent=setup.agent, tokenizer=tok,
+    driver = AgentDriver(engine, synced.params, agent=setup.agent, tokenizer=tok,
                          agent_config=AgentConfig.from_config(
                              cfg, api_key=os.environ.get(AGENT_API_KEY_ENV) or None), **common)
     say(f"agent server: {driver.base_url} (model {driver.model_name!r})")
   elif setup.make_env is None:
     # Process rewards: step prefixes go to the PRM threads while decoding goes on.
-    recorders = [] if rl.scorer.process is None else [ProcessRewardRecorder(rl.scorer.process, tok.decode)]
-    driver = RolloutDriver(rl.engine, synced.params, recorders=recorders, detokenize=tok.decode, **common)
+    recorders = [] if scorer.process is None else [ProcessRewardRecorder(scorer.process, tok.decode)]
+    driver = RolloutDriver(engine, synced.params, recorders=recorders, detokenize=tok.decode, **common)
   else:  # Config refuses what episodes cannot record (process rewards, routing).
-    driver = EpisodeDriver(rl.engine, synced.params, make_env=setup.make_env, detokenize=tok.decode,
+    driver = EpisodeDriver(engine, synced.params, make_env=setup.make_env, detokenize=tok.decode,
                            tokenize=lambda text: tok.encode(text, add_special_tokens=False),
                            episode_config=EpisodeConfig.from_config(cfg), **common)
   driver.turns = turns
@@ -474,11 +575,24 @@ def make_driver(setup: Setup, rl: RLStack, stream: PromptStream, queue: RolloutQ
 
 def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: int | None = None,
                  collapse: CollapseDetector | None = None, queue: RolloutQueue | None = None,
-                 say=print) -> AsyncRuntime:
+                 say=print, on_fault=None) -> AsyncRuntime:
   """The async loop over `stream`'s prompts, with every decode program compiled first (sampler.warmup):
   the queue (`make_queue`, or `queue`), the reward stage, the driver, the runtime, each handed to the
-  next. Add the run's periodic work with `runtime.hooks.add(fn, every=N)`."""
+  next. Add the run's periodic work with `runtime.hooks.add(fn, every=N)`. With whole sampler hosts
+  `on_fault(error)` ends this learner host when a sampler host fails while the loop is stuck
+  (`hosts.learner_host.RemoteSampling`)."""
   cfg, tracer, policy = setup.cfg, setup.tracer, rl.policy
+  run_cfg = dataclasses.replace(cfg.rl, prompts_per_step=cfg.rl.prompts_per_step // policy.num_processes,
+                                dynamic_sampling=cfg.algo.dynamic_sampling)
+  hosts = setup.meshes.hosts
+  if hosts is not None:  # whole sampler hosts sample, score and send; this learner host trains
+    from tunixlike.hosts.learner_host import RemoteSampling
+    policy.sync_weights()  # the first weights, to every sampler host
+    queue = queue or make_queue(cfg, policy)
+    sampling = RemoteSampling(queue, jax.process_index(), hosts.sampler_hosts,
+                              silence_timeout_s=cfg.mesh.host_timeout_s, on_fault=on_fault)
+    return AsyncRuntime(run_cfg, queue=queue, rewards=None, driver=sampling, policy=policy, collapse=collapse,
+                        num_steps=num_steps)
   synced = policy.sync_weights()
   if cfg.sampler.warmup:  # every decode program compiled now, not in the middle of the run
     with tracer.span("sampler_warmup", cat="sampler"):
@@ -489,9 +603,7 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
   queue = queue or make_queue(cfg, policy)
   rewards = RewardStage(rl.scorer, queue, cfg.rl.reward_workers)
   turns = device_turns.DeviceTurns(cfg.rl.wait_timeout_s) if setup.meshes.colocated else device_turns.NO_TURNS
-  driver = make_driver(setup, rl, stream, queue, rewards, synced, turns=turns, say=say)
-  # Each process's queue admits its own share of every batch.
-  run_cfg = dataclasses.replace(cfg.rl, prompts_per_step=cfg.rl.prompts_per_step // policy.num_processes,
-                                dynamic_sampling=cfg.algo.dynamic_sampling)
+  driver = make_driver(setup, rl.engine, rl.scorer, stream, queue, rewards, synced, turns=turns, say=say)
+  # Each process's queue admits its own share of every batch (`run_cfg`).
   return AsyncRuntime(run_cfg, queue=queue, rewards=rewards, driver=driver, policy=policy, collapse=collapse,
                       num_steps=num_steps, turns=turns)

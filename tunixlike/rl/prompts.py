@@ -18,10 +18,15 @@ class PromptStream:
   stores `position` (the next index) and `outstanding` (indices handed out but neither trained nor
   dropped: in flight at the time); resuming replays the outstanding prompts first, so no prompt is
   skipped or trained twice.
+
+  `shard=(i, n)`: `pipe` is shard i of n of the data (a sampler host's, mesh.sampler_hosts) and its
+  k-th prompt gets `stream_index` k * n + i, so indices of different shards never collide
+  (`position` counts this shard's prompts; `outstanding` and `replay` are stream indices).
   """
 
-  def __init__(self, pipe, position: int = 0, replay: Sequence[int] = ()):
+  def __init__(self, pipe, position: int = 0, replay: Sequence[int] = (), shard: tuple[int, int] = (0, 1)):
     self._pipe = pipe
+    self._shard, self._shards = shard
     self._lock = threading.Lock()
     self._replay = list(replay)
     self.replayed = len(self._replay)
@@ -43,10 +48,10 @@ class PromptStream:
     with self._lock:
       if self._replay:
         index = self._replay.pop(0)
-        r = self._record_at(index)
+        r = self._record_at(index // self._shards)
       else:
         r = next(self._it)
-        index, self.position = self.position, self.position + 1
+        index, self.position = self.position * self._shards + self._shard, self.position + 1
       self.outstanding.add(index)
     return request_for(r, stream_index=index)
 

@@ -94,10 +94,12 @@ class AsyncRuntime:
   (metrics, evals, checkpoints, preemption) goes in `self.hooks`; `request_stop()` ends the run
   after the current step. `collapse` flags a collapsed policy in the metrics (`collapse`: 1).
   `turns` (the colocated layout; the driver's too) makes the train step with its weight sync and
-  the sampler's calls alternate on the devices.
+  the sampler's calls alternate on the devices. With whole sampler hosts the driver is
+  `hosts.learner_host.RemoteSampling` and there is no reward stage here (`rewards` None): the
+  sampler hosts score what they send.
   """
 
-  def __init__(self, cfg: RuntimeConfig, *, queue: RolloutQueue, rewards: RewardStage, driver: Driver,
+  def __init__(self, cfg: RuntimeConfig, *, queue: RolloutQueue, rewards: RewardStage | None, driver: Driver,
                policy: Policy, collapse: CollapseDetector | None = None, num_steps: int | None = None,
                turns: device_turns.DeviceTurns | None = None):
     self.cfg, self.queue, self.rewards, self.driver, self.policy = cfg, queue, rewards, driver, policy
@@ -124,7 +126,8 @@ class AsyncRuntime:
 
   def check(self) -> None:
     self.driver.check()
-    self.rewards.check()
+    if self.rewards is not None:
+      self.rewards.check()
 
   def sample_inline(self) -> None:
     """Sync mode without a sampler thread: decode in this thread until a batch is ready."""
@@ -139,7 +142,8 @@ class AsyncRuntime:
   def stop_sampling(self) -> None:
     self.stop_event.set()
     self.driver.stop(timeout_s=self.cfg.wait_timeout_s)
-    self.rewards.close()
+    if self.rewards is not None:
+      self.rewards.close()
 
   # ---- the loop (main thread) -------------------------------------------------------------
   def run(self, *, threaded: bool = True) -> dict[str, float]:

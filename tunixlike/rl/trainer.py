@@ -31,11 +31,12 @@ from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tunixlike import checkpoint as checkpoint_lib, distributed, metrics as metrics_lib, models
+from tunixlike import checkpoint as checkpoint_lib, cli, distributed, metrics as metrics_lib, models
 from tunixlike import workdir as workdir_lib
 from tunixlike import config as config_lib
 from tunixlike.config import Config
 from tunixlike.data import tasks as tasks_lib
+from tunixlike.hosts import kv as kv_lib, learner_host
 from tunixlike.rl import build as build_lib, collapse as collapse_lib, resume as resume_lib
 from tunixlike.rl import completions_log, signal_guard, warm_start as warm_start_lib
 from tunixlike.rl import hooks as hooks_lib
@@ -59,7 +60,8 @@ def run(cfg: Config, workdir: str, *, on_second_interrupt=None, **user) -> dict[
   `user`: in-memory `dataset`, `eval_dataset`, `rewards`, `env`, `agent`, `hooks` (see `tunixlike.train`).
   `on_second_interrupt()`: what a second Ctrl-C does (the CLI exits at once); None raises KeyboardInterrupt."""
   try:  # before anything touches a JAX backend (the checkpointer does)
-    distributed.initialize(cfg.distributed)
+    distributed.initialize(cfg.distributed, cross_host_transfers=cfg.mesh.sampler_hosts > 0)
+    build_lib.check_process_split(cfg, jax.process_count())
   except ValueError as e:
     raise SetupError(str(e)) from e
   mine = workdir_lib.local_dir(workdir, jax.process_index())
@@ -71,6 +73,8 @@ def run(cfg: Config, workdir: str, *, on_second_interrupt=None, **user) -> dict[
     raise SetupError(str(e)) from e
   try:
     with Preemption(on_second=on_second_interrupt) as preemption:
+      if build_lib.is_sampler_host(cfg):
+        return _sampler_host(cfg, workdir, preemption, **user)
       r = _Run(cfg, workdir, preemption, **user)
       try:
         return _stages(r)
@@ -79,6 +83,23 @@ def run(cfg: Config, workdir: str, *, on_second_interrupt=None, **user) -> dict[
         raise
   finally:
     lock.release()
+
+
+def _sampler_host(cfg: Config, workdir: str, preemption: Preemption, hooks=(), **user) -> dict[str, Any]:
+  """A sampler host's run (mesh.sampler_hosts): it samples for the learner hosts until they end the
+  run; the learner hosts keep the logs, evals and checkpoints (`hosts.sampler_host`)."""
+  from tunixlike.hosts import sampler_host
+  try:
+    setup = build_lib.build(cfg, **user)
+  except (ValueError, OSError, models.CheckpointError) as e:
+    raise SetupError(str(e)) from e
+  print(setup.meshes.hosts.describe()[jax.process_index()], flush=True)
+  say = lambda line: print(line, flush=True)
+  preemption.say = say
+  try:
+    return sampler_host.run(setup, preemption, say=say)
+  finally:
+    setup.tracer.close()
 
 
 def _stages(r: _Run) -> dict[str, Any]:
@@ -127,7 +148,7 @@ def _start_fresh(r: _Run) -> _Data | None:
   if cfg.warm_start.max_steps and not _warm_start(r):
     return None
   rl = r.build_rl()
-  data = _Data(PromptStream(r.setup.train_pipe), build_lib.make_queue(cfg, rl.policy))
+  data = _Data(r.new_stream(), build_lib.make_queue(cfg, rl.policy))
   r.eval()
   r.save(data, force=True)  # the warm start and the first eval are never redone
   if cfg.warm_start.max_steps and r.pid == 0:
@@ -205,9 +226,17 @@ def _restore(r: _Run) -> _Data:
   r.restore_records(meta)
   queue = build_lib.make_queue(r.cfg, policy, meta.get("queue"))  # its counters continue
   streams = meta.get("streams", [meta["stream"]])  # one per process (each reads its own data shard)
-  if len(streams) != jax.process_count():
-    raise SetupError(f"{where} was saved by {len(streams)} processes; resuming needs the same number, not "
-                     f"{jax.process_count()}")
+  readers = r.cfg.mesh.sampler_hosts or jax.process_count()  # or one per sampler host
+  if len(streams) != readers:
+    raise SetupError(f"{where} was saved by a run whose prompts {len(streams)} processes read; resuming needs the "
+                     f"same number, not {readers}" + (" (mesh.sampler_hosts)" if r.cfg.mesh.sampler_hosts else ""))
+  if r.setup.meshes.hosts is not None:  # the sampler hosts' streams continue from there
+    stream = r.new_stream(None if data_changed else streams)
+    r.counters["groups_regenerated"] += stream.replayed
+    if policy.version < r.cfg.rl.num_steps:
+      r.say(f"resumed from {where} at step {policy.version}; the sampler hosts regenerate {stream.replayed} prompts "
+            "that were in flight")
+    return _Data(stream, queue)
   mine = streams[r.pid]
   if data_changed:  # data.allow_change: positions in the old data mean nothing in the new
     r.say(f"resumed from {where} at step {policy.version} on changed data ({'; '.join(data_changed)}); "
@@ -227,8 +256,10 @@ def _rl(r: _Run, data: _Data) -> dict[str, Any]:
   cfg, rl = r.cfg, r.rl
   if r.stop_requested():  # stopped during the first eval: the step-0 checkpoint has it
     return _stopped(r, data, {})
+  r.start_sampler_hosts(data)
   runtime = build_lib.make_runtime(r.setup, rl, data.stream, num_steps=max(cfg.rl.num_steps - r.version, 0),
-                                   collapse=build_lib.collapse_detector(cfg, rl.policy), queue=data.queue, say=r.say)
+                                   collapse=build_lib.collapse_detector(cfg, rl.policy), queue=data.queue, say=r.say,
+                                   on_fault=r.host_fault)
   r.add_hooks(runtime, data)
   r.logger.progress("rl", total=cfg.rl.num_steps, initial=r.version)
   try:
@@ -238,6 +269,8 @@ def _rl(r: _Run, data: _Data) -> dict[str, Any]:
     r.say("policy collapsed: the collapsed state is not saved; "
           + (f"the best checkpoint is {r.ckpt.step_dir(best)}" if best is not None else "no eval checkpoint yet"))
     raise
+  except kv_lib.HostTimeout as e:  # a sampler host died or hangs: the learner hosts cannot save without it
+    raise kv_lib.HostTimeout(r.fault_line(e)) from None
   except BaseException:
     if r.multi:  # a save needs every process, and the others may be gone: rely on periodic saves
       r.say(f"run failed on process {r.pid}; not saving (a multi-process save needs every process)")
@@ -294,8 +327,12 @@ def checkpoint_meta(setup: build_lib.Setup, rl: build_lib.RLStack, stream: Promp
   queue's admission counters, the config it was trained with and the data's fingerprints
   (`resume.data_fingerprints`; both checked on resume)."""
   cfg, model_cfg = setup.cfg, rl.policy.model().cfg
-  # Each process reads its own data shard: keep every process's stream position (in process order).
-  streams = distributed.allgather_json(stream.state()) if jax.process_count() > 1 else None
+  # Each process reads its own data shard: keep every process's stream position (in process order);
+  # with whole sampler hosts, every sampler host's (`SamplerStreams`, a collective of the learner hosts).
+  if setup.meshes.hosts is not None:
+    streams = stream.state()
+  else:
+    streams = distributed.allgather_json(stream.state()) if distributed.is_multiprocess() else None
   return json.loads(json.dumps({
       "version": rl.policy.version, "stream": stream.state() if streams is None else streams[0],
       **({"streams": streams} if streams is not None else {}), "counters": counters,
@@ -346,7 +383,7 @@ class _Run:
   def __init__(self, cfg: Config, workdir: str, preemption: Preemption, hooks=(), **user):
     self.cfg, self.workdir, self.preemption = cfg, workdir, preemption
     self.user_hooks = hooks_lib.user_hooks(hooks)  # (fn, every): `tunixlike.train(hooks=...)`
-    self.multi, self.pid = jax.process_count() > 1, jax.process_index()
+    self.pid = jax.process_index()
     self.dir = workdir_lib.local_dir(workdir, self.pid)  # this process's logs (WORKDIR itself on process 0)
     self.say = print
     self.trace_path = os.path.join(self.dir, "trace.json") if cfg.log.trace else None
@@ -358,7 +395,9 @@ class _Run:
     # What the checkpoints record (and a resume compares): the config as trained.
     self.cfg = cfg = as_trained(cfg, self.setup, user)
     self.setup = dataclasses.replace(self.setup, cfg=cfg)
+    # Whole sampler hosts (mesh.sampler_hosts) take no part in checkpoints: the learner hosts write them.
     self.ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), keep=cfg.checkpoint.keep,
+                                            processes=distributed.group() if cfg.mesh.sampler_hosts else None,
                                             save_every_steps=cfg.checkpoint.every_steps,
                                             save_every_seconds=cfg.checkpoint.every_seconds,
                                             save_frozen=not (cfg.model.hf_path and cfg.lora.rank),
@@ -373,6 +412,26 @@ class _Run:
   def version(self) -> int:
     return self.rl.policy.version
 
+  @property
+  def multi(self) -> bool:
+    """Several processes train in lockstep (the learner hosts, with whole sampler hosts)."""
+    return distributed.is_multiprocess()
+
+  def new_stream(self, states: list | None = None):
+    """The prompt stream from its start (or a checkpoint's `states`): this process's own, or with
+    whole sampler hosts the learner hosts' record of theirs."""
+    hosts = self.setup.meshes.hosts
+    if hosts is None:
+      return PromptStream(self.setup.train_pipe)
+    from tunixlike.hosts.learner_host import SamplerStreams
+    return SamplerStreams(len(hosts.sampler_hosts), states)
+
+  def start_sampler_hosts(self, data: _Data) -> None:
+    """Whole sampler hosts: tells them where their prompt streams start (they wait for it)."""
+    if self.setup.meshes.hosts is not None and self.pid == 0:
+      kv_lib.client().key_value_set_bytes(learner_host.START, json.dumps({"streams": data.stream.states()}).encode(),
+                                          allow_overwrite=True)
+
   def build_rl(self) -> build_lib.RLStack:
     self.rl = build_lib.build_rl(self.setup)
     return self.rl
@@ -383,8 +442,20 @@ class _Run:
     return distributed.any_process(flag) if self.multi else flag
 
   def stop_requested(self) -> bool:
-    """A preemption seen by any process (a signal reaches the hosts at different times)."""
-    return self.agreed(self.preemption.requested)
+    """A preemption seen by any process (a signal reaches the hosts at different times; a sampler
+    host's reaches the learner hosts through the key-value store)."""
+    asked = self.setup.meshes.hosts is not None and self.pid == 0 and self._asked_by_sampler_host()
+    return self.agreed(self.preemption.requested or asked)
+
+  def _asked_by_sampler_host(self) -> bool:
+    try:
+      host = kv_lib.client().key_value_try_get_bytes(learner_host.STOP_REQUEST).decode()
+    except Exception:  # noqa: BLE001 - NOT_FOUND: nobody asked
+      return False
+    if not self.preemption.requested:
+      self.preemption.requested = True
+      self.say(f"sampler host {host} received a signal: finishing the current step, saving a checkpoint")
+    return True
 
   def check_resumable(self, meta: dict | None, step: int, model_cfg: dict | None = None) -> list[str]:
     """A restart whose config would change what checkpoint `step` was trained with is refused; so is
@@ -422,11 +493,15 @@ class _Run:
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(setup.model, nnx.Param)))
     self.say(f"tunixlike: task {cfg.data.task}, {n_params:,} params, sampler {dict(setup.meshes.sampler.shape)}, "
              f"learner {dict(setup.meshes.learner.shape)}")
+    if setup.meshes.hosts is not None:  # whole hosts per side: this host's role and devices
+      lines = setup.meshes.hosts.describe()
+      for line in (lines if self.pid == 0 else lines[self.pid:self.pid + 1]):
+        self.say(line)
 
   def close(self, quietly: bool = False):
     """Closes what the run opened (tracer, logs, checkpointer, reward threads) and uploads a remote
     workdir's logs. `quietly`: failures are logged, not raised (an error is already on its way)."""
-    closers = [self.setup.tracer.close, self._close_logs, self.ckpt.close]
+    closers = [self._release_sampler_hosts, self.setup.tracer.close, self._close_logs, self.ckpt.close]
     closers += [self.rl.close] if self.rl is not None else []
     closers += [] if quietly else [lambda: workdir_lib.upload_logs(self.workdir, self.pid, self.say)]
     for close in closers:
@@ -436,6 +511,25 @@ class _Run:
         if not quietly:
           raise
         log.warning(f"while stopping: {type(e).__name__}: {e}")
+
+  def fault_line(self, error: BaseException) -> str:
+    """The one line that says a host died or hangs, and where the run resumes from. Learner host 0
+    also tells the sampler hosts that are alive, which stop saying it too."""
+    latest = self.ckpt.latest_step()
+    line = (f"{error}; the last checkpoint is {self.ckpt.step_dir(latest) if latest is not None else 'none yet'}: "
+            "run the same command again to resume from it")
+    if self.pid == 0:
+      learner_host.end_run(failure=line)
+    return line
+
+  def host_fault(self, error: BaseException) -> None:
+    """A sampler host failed while this learner host's loop is stuck (`RemoteSampling`): says so, exits."""
+    cli.exit_now("tunixlike.train", self.fault_line(error), 1)
+
+  def _release_sampler_hosts(self):
+    """Whole sampler hosts: the run is over (also when it ended before its RL loop started)."""
+    if self.setup.meshes.hosts is not None and self.pid == 0:
+      learner_host.end_run()
 
   def _close_logs(self):
     if self.logger is not None:

@@ -24,8 +24,11 @@ hands the tree to a cross-host strategy (`across_hosts`, a `HostTransfer`). The 
 `gather_on_each_host`, all-gathers the learner arrays within the learner mesh, a bucket of at most
 `bucket_bytes` at a time to bound the extra memory, which leaves a full copy on each host's
 learner devices; then every host copies that to its own sampler devices (`mesh.make_meshes` keeps
-each host's sampler mesh local): a device_put that never leaves the host. Every process must call
-`sync` at the same point.
+each host's sampler mesh local): a device_put that never leaves the host. With whole sampler hosts
+(mesh.sampler_hosts) the sampler's shardings are on other processes, and the strategy is
+`hosts.weights.Sender` (a cross-host `jax.device_put`; the sampler hosts' end is
+`hosts.weights.Receiver`, since they hold no learner state to call `sync` with). Every process
+must call `sync` at the same point.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def _spans_processes(leaves) -> bool:
 
 def sync(tree: Any, shardings: Any, *, dtype=None, block: bool = True,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, keep_packed: bool = False,
-         across_hosts: HostTransfer | None = None) -> tuple[Any, float]:
+         across_hosts: HostTransfer | None = None, version: int = 0) -> tuple[Any, float]:
   """Returns (the tree on the sampler shardings, milliseconds taken).
 
   `block=True` waits for the copy, and the time measured is the transfer's. With `block=False` it
@@ -78,28 +81,36 @@ def sync(tree: Any, shardings: Any, *, dtype=None, block: bool = True,
   hosts (unused on one; there each bucket is waited for). With `keep_packed`, a tree that takes the
   packed path comes back as a `Packed` buffer replicated on the sampler mesh (`Packed.unpack()`
   gives the tree; `Engine` accepts it alone or inside `WithAdapters`). `across_hosts` moves a tree
-  whose arrays span processes (default `gather_on_each_host`).
+  whose arrays span processes, or whose targets are on other processes (default
+  `gather_on_each_host`), with `version` (whole sampler hosts send it with the weights).
   """
   start = time.perf_counter()
   if isinstance(tree, params_lib.Packed):  # packed on the learner already (`pack`, cast included)
     out = _send_packed(tree, _flat_targets(tree.treedef, shardings), keep_packed)
   else:
-    out = _sync_tree(tree, shardings, dtype, bucket_bytes, keep_packed, across_hosts or gather_on_each_host)
+    out = _sync_tree(tree, shardings, dtype, bucket_bytes, keep_packed, across_hosts or gather_on_each_host,
+                     version)
   if block:
     out = jax.block_until_ready(out)
   return out, (time.perf_counter() - start) * 1e3
 
 
-def _sync_tree(tree, shardings, dtype, bucket_bytes: int, keep_packed: bool, across_hosts: HostTransfer) -> Any:
+def _sync_tree(tree, shardings, dtype, bucket_bytes: int, keep_packed: bool, across_hosts: HostTransfer,
+               version: int) -> Any:
   leaves, treedef = jax.tree.flatten(tree)  # once: flattening an nnx State is slow next to a LoRA sync
-  if _spans_processes(leaves):
-    return across_hosts(tree, shardings, dtype=dtype, bucket_bytes=bucket_bytes)
   targets = _flat_targets(treedef, shardings)
+  if _spans_processes(leaves) or not _addressable(targets):
+    return across_hosts(tree, shardings, dtype=dtype, bucket_bytes=bucket_bytes, version=version)
   if _on_same_devices(leaves, targets):  # colocated: one program reshards every array where it is
     return jax.tree.unflatten(treedef, _resharder(tuple(targets), _dtype_name(dtype))(leaves))
   if _packable(leaves, targets):
     return _send_packed(_pack(leaves, treedef, dtype), targets, keep_packed)
   return jax.device_put(_cast(tree, dtype), shardings, may_alias=False)
+
+
+def _addressable(targets) -> bool:
+  """Every target on this process's devices (not another host's sampler: `hosts.weights.Sender`)."""
+  return all(t.is_fully_addressable for t in targets)
 
 
 def _dtype_name(dtype) -> str | None:
@@ -189,7 +200,8 @@ def pack(tree: Any, shardings: Any, *, dtype=None) -> params_lib.Packed | None:
   (`models.lora`), so the concatenation gathers nothing and runs on one device.
   """
   leaves, treedef = jax.tree.flatten(tree)
-  if _spans_processes(leaves) or not _packable(leaves, _flat_targets(treedef, shardings)):
+  targets = _flat_targets(treedef, shardings)
+  if _spans_processes(leaves) or not _addressable(targets) or not _packable(leaves, targets):
     return None
   return _pack(leaves, treedef, dtype)
 
@@ -229,16 +241,21 @@ def _gatherer(out_shardings: tuple, dtype: str | None):
 
 
 class HostTransfer(Protocol):
-  """A cross-host strategy: `tree` (learner arrays spanning processes) on `shardings` (the sampler's),
-  floats cast to `dtype`, holding at most about `bucket_bytes` of extra memory at once. Called by
-  every process at the same point."""
+  """A cross-host strategy: `tree` (learner arrays spanning processes, or bound for other processes'
+  devices) on `shardings` (the sampler's), floats cast to `dtype`, holding at most about
+  `bucket_bytes` of extra memory at once, as policy `version`. Returns the tree on this process's
+  sampler devices (None where this process has none). Called by every process at the same point.
 
-  def __call__(self, tree: Any, shardings: Any, *, dtype, bucket_bytes: int) -> Any: ...
+  Two are built in: `gather_on_each_host` (per-host split) and `hosts.weights.Sender` (whole
+  sampler hosts, mesh.sampler_hosts; its other end is `hosts.weights.Receiver`)."""
+
+  def __call__(self, tree: Any, shardings: Any, *, dtype, bucket_bytes: int, version: int = 0) -> Any: ...
 
 
-def gather_on_each_host(tree: Any, shardings: Any, *, dtype, bucket_bytes: int) -> Any:
+def gather_on_each_host(tree: Any, shardings: Any, *, dtype, bucket_bytes: int, version: int = 0) -> Any:
   """The per-host split layout's strategy: all-gather each bucket within the learner mesh, then
-  copy it from one of this host's learner devices to this host's sampler devices."""
+  copy it from one of this host's learner devices to this host's sampler devices (the version
+  stays with the caller: nothing leaves the host)."""
   leaves, treedef = jax.tree.flatten(tree)
   targets = treedef.flatten_up_to(shardings)
   for x, t in zip(leaves, targets):
@@ -399,19 +416,20 @@ class WeightSync:
         params, _ = sync(packed, self.targets, keep_packed=self.keep_packed, block=False)
       elif self.mode == "full" or self.last is None:
         params, _ = sync(self.sampler_params(state), self.targets, dtype=self.dtype, block=False,
-                         bucket_bytes=self.bucket_bytes, across_hosts=self.across_hosts)
+                         bucket_bytes=self.bucket_bytes, across_hosts=self.across_hosts, version=version)
       else:  # 'lora': the adapters only, into the base the sampler already holds
         adapters = state.params if pending is None else pending
         synced, _ = sync(adapters, self._adapters_targets(state), dtype=self.dtype, keep_packed=True, block=False,
-                         bucket_bytes=self.bucket_bytes, across_hosts=self.across_hosts)
-        params = replace_leaves(self.last.params, synced)
+                         bucket_bytes=self.bucket_bytes, across_hosts=self.across_hosts, version=version)
+        # None: the sampler is on other hosts (`hosts.weights.Sender`), which merge the adapters there.
+        params = None if synced is None else replace_leaves(self.last.params, synced)
     self.last = Synced(params, version, (time.perf_counter() - start) * 1e3)
     return self.last
 
   @property
   def synced_params(self) -> Any:
     """The params last handed to the sampler as one plain tree (packed buffers unpacked), or None."""
-    return None if self.last is None else params_lib.materialize(self.last.params)
+    return None if self.last is None or self.last.params is None else params_lib.materialize(self.last.params)
 
   def _adapters_targets(self, state):
     if self._adapter_targets is None:
@@ -442,7 +460,8 @@ def for_learner(learner, targets: Any, *, dtype=None, bucket_bytes: int = DEFAUL
   if learner.lora:
     return WeightSync(targets, sampler_params, mode="lora", **common)
   one_process = mesh is not None and len({d.process_index for d in mesh.devices.flat}) == 1
-  if layout is not None and one_process and isinstance(learner, Learner):
+  here = all(s.is_fully_addressable for s in jax.tree.leaves(targets))  # not another host's sampler
+  if layout is not None and one_process and here and isinstance(learner, Learner):
     arrays = jax.eval_shape(lambda s: cast_floats(layout.arrays(s), dtype), state)
     if len({x.dtype for x in arrays}) == 1 and sum(x.size * x.dtype.itemsize for x in arrays) <= PACK_MAX_BYTES:
       keep = all(s.is_fully_replicated for s in jax.tree.leaves(targets))

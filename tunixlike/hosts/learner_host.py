@@ -1,0 +1,141 @@
+"""What a learner host runs in place of the sampler when whole hosts sample (mesh.sampler_hosts).
+
+`RemoteSampling` stands where `AsyncRuntime` keeps its driver: the rollouts are sampled and scored
+on the sampler hosts, and it runs the `rollouts.LearnerInbox` that moves them into this host's
+queue, re-raises the inbox's errors (a silent sampler host, named), and tells the sampler hosts
+the run is over when the loop stops. The weights reach them through the policy's own weight sync
+(`hosts.weights.Sender`), so `update_params` has nothing left to do.
+
+`SamplerStreams` is what a checkpoint keeps of the sampler hosts' prompt streams. Sampler host i
+reads shard i of S of the prompts (`PromptStream(shard=(i, S))`) and, before a prompt can start,
+publishes how far it has read (`publish_position`). The learner hosts record every group trained
+or dropped; at a checkpoint they pool those records, and for each shard the prompts read but
+neither trained nor dropped are the outstanding ones a resume replays, exactly as one host's
+`PromptStream.state()` says of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Callable, Sequence
+
+from tunixlike import distributed
+from tunixlike.hosts import kv, rollouts
+from tunixlike.rl.queue import RolloutQueue
+from tunixlike.sampler.driver import DriverStats
+
+PREFIX = "tunixlike/prompts"
+START = "tunixlike/run/start"  # learner host 0 -> sampler hosts: where their prompt streams start
+STOP_REQUEST = "tunixlike/run/stop_request"  # any host -> learner hosts: a signal asked the run to stop
+OVER = "tunixlike/run/over"  # learner host 0 -> sampler hosts: the run has ended (also before its RL loop)
+
+
+def end_run(failure: str | None = None) -> None:
+  """Learner host 0: the run is over (`failure`: the one line that says why it stopped). The first
+  word stays: a failure's cleanup does not overwrite it."""
+  try:
+    kv.client().key_value_set_bytes(OVER, json.dumps({"failure": failure}).encode())
+  except Exception:  # noqa: BLE001 - ALREADY_EXISTS: said before
+    pass
+
+
+def run_over() -> dict | None:
+  """None while the run goes on, else `{"failure": None or why it stopped}`."""
+  try:
+    return json.loads(kv.client().key_value_try_get_bytes(OVER))
+  except Exception:  # noqa: BLE001 - NOT_FOUND
+    return None
+
+
+def _position_key(shard: int) -> str:
+  return f"{PREFIX}/position/{shard}"
+
+
+class RemoteSampling:
+  """The runtime's sampling side on a learner host (`runtime.Driver`): the sampler hosts' groups,
+  through the inbox, into `queue`.
+
+  The loop re-raises the inbox's error at its next wait. But the main thread may be stuck instead,
+  in a collective with a learner host that has already stopped on the same fault, or in a weight
+  transfer: if the loop has not stopped `grace_s` after the inbox failed, `on_fault(error)` runs
+  (the trainer says why and exits), so that every learner host stops within a bounded time.
+  """
+
+  def __init__(self, queue: RolloutQueue, me: int, sampler_hosts: Sequence[int], *, silence_timeout_s: float,
+               on_fault: Callable[[BaseException], None] | None = None, grace_s: float = 10.0):
+    self.inbox = rollouts.LearnerInbox(queue, me, sampler_hosts=sampler_hosts, silence_timeout_s=silence_timeout_s)
+    self.stats = DriverStats()  # nothing decodes here: the sampler hosts keep their own
+    self._on_fault, self._grace_s = on_fault, grace_s
+    self._stopped = threading.Event()
+
+  def start(self) -> None:
+    self.inbox.start()
+    if self._on_fault is not None:
+      threading.Thread(target=self._watch, daemon=True, name="inbox-watchdog").start()
+
+  def _watch(self) -> None:
+    while not self._stopped.wait(0.5):
+      if self.inbox.error is not None:
+        if not self._stopped.wait(self._grace_s):
+          self._on_fault(self.inbox.error)
+        return
+
+  def step(self) -> bool:
+    return False
+
+  def check(self) -> None:
+    self.inbox.check()
+
+  def stop(self, timeout_s: float) -> None:
+    self._stopped.set()
+    self.inbox.close()
+
+  def update_params(self, params, version: int, *, drain: bool = False) -> None:
+    """Nothing to do: the weight sync has already delivered `version` to the sampler hosts."""
+
+
+def publish_position(shard: int, position: int) -> None:
+  """A sampler host: it has read its shard up to `position` (before the prompt read last starts)."""
+  kv.client().key_value_set_bytes(_position_key(shard), str(position).encode(), allow_overwrite=True)
+
+
+def _position(shard: int) -> int | None:
+  try:
+    return int(kv.client().key_value_try_get_bytes(_position_key(shard)))
+  except Exception:  # noqa: BLE001 - NOT_FOUND: that host has read nothing yet
+    return None
+
+
+class SamplerStreams:
+  """The learner hosts' record of the sampler hosts' prompt streams; `state()` is a checkpoint's
+  `streams` (one `{"position", "outstanding"}` per sampler host, as `PromptStream.state()`)."""
+
+  def __init__(self, num_samplers: int, states: list[dict[str, Any]] | None = None):
+    states = states or [{"position": 0, "outstanding": []} for _ in range(num_samplers)]
+    if len(states) != num_samplers:
+      raise ValueError(f"{len(states)} prompt streams for {num_samplers} sampler hosts")
+    self.num_samplers = num_samplers
+    self.base = [(set(s["outstanding"]), int(s["position"])) for s in states]
+    self.done_ids: set[int] = set()
+    self.replayed = sum(len(s["outstanding"]) for s in states)
+
+  def states(self) -> list[dict[str, Any]]:
+    """Where each sampler host starts (a fresh run, or the checkpoint restored)."""
+    return [{"position": position, "outstanding": sorted(outstanding)} for outstanding, position in self.base]
+
+  def done(self, groups) -> None:
+    self.done_ids.update(g.columns["stream_index"] for g in groups)
+
+  def state(self) -> list[dict[str, Any]]:
+    """Every sampler host's stream at this step. A collective of the learner hosts: they pool what
+    each trained or dropped, and take learner host 0's reading of the positions."""
+    done = set().union(*(set(ids) for ids in distributed.allgather_json(sorted(self.done_ids))))
+    positions = distributed.allgather_json([_position(s) for s in range(self.num_samplers)])[0]
+    base = []
+    for shard, ((outstanding, start), position) in enumerate(zip(self.base, positions)):
+      position = start if position is None else max(start, position)
+      read = outstanding | {k * self.num_samplers + shard for k in range(start, position)}
+      base.append((read - done, position))
+    self.base, self.done_ids = base, set()  # every record so far is in the new base
+    return self.states()

@@ -1,0 +1,139 @@
+"""Both ends of the weight sync with whole sampler hosts (mesh.sampler_hosts > 0).
+
+`Sender` is `WeightSync`'s cross-host strategy (`weight_sync.HostTransfer`) on the learner hosts:
+`WeightSync` hands it the model (mode 'full', and the first sync of 'lora') or the LoRA adapters,
+and it moves them with `transfer.send_across_hosts`. A sampler host holds no learner state, so
+it cannot call `WeightSync.sync`: its end is `Receiver`, which knows both parts' structure
+(abstract arrays and the sampler's partition specs) and issues the same transfers.
+
+JAX pairs the two ends of a cross-host transfer by the order each process issues them, so every
+transfer is announced first: learner host 0 writes its sequence number, version and part
+('model' or 'adapters') to the key-value store, and each sampler host receives the transfers in
+that order. Waiting for an announcement has no time limit (the learner may be evaluating or
+checkpointing); the transfer itself has `timeout_s` on both ends. The announcement also carries a
+checksum of the bits sent (`checksum`); the receiver computes it again on what arrived and stops
+the run if they differ, so a sampler host never decodes with weights other than the learner's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tunixlike.hosts import kv, transfer
+from tunixlike.hosts.layout import HostLayout
+
+PREFIX = "tunixlike/weights"
+MODEL, ADAPTERS = "model", "adapters"
+
+
+def _announcement(n: int) -> str:
+  return f"{PREFIX}/next/{n}"
+
+
+class ChecksumMismatch(RuntimeError):
+  """The weights that arrived are not the bits the learner sent."""
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _checksum(leaves, dtype):
+  total = jnp.uint32(0)
+  for k, x in enumerate(leaves):
+    if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+      x = x.astype(dtype)
+    if x.dtype == jnp.bool_ or x.dtype.itemsize not in (1, 2, 4):
+      bits = x.astype(jnp.uint32)
+    else:
+      bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize])
+    total += bits.astype(jnp.uint32).sum(dtype=jnp.uint32) * jnp.uint32(k + 1)
+  return total
+
+
+def checksum(tree: Any, dtype=None) -> int:
+  """The bits of every array of `tree` (floats cast to `dtype` first) summed as uint32, each array
+  weighted by its place: integer sums wrap and do not depend on the order of reduction, so the
+  learner's sharded arrays and the sampler's copy give the same number exactly when their bits
+  are the same. A collective where `tree` spans hosts."""
+  name = None if dtype is None else jnp.dtype(dtype).name
+  return int(np.asarray(_checksum(jax.tree.leaves(tree), name).addressable_data(0)))
+
+
+def specs_of(shardings: Any) -> Any:
+  """The partition specs of a tree of NamedShardings (the same on every sampler host's mesh)."""
+  return jax.tree.map(lambda s: s.spec, shardings)
+
+
+class Sender:
+  """Learner hosts: a `HostTransfer` that sends `tree` to every sampler host. `parts`: the tree
+  structure of each part that may be sent ('model', 'adapters'), to name it in the announcement."""
+
+  def __init__(self, layout: HostLayout, parts: dict[str, Any], *, timeout_s: float):
+    self.layout, self.parts, self.timeout_s = layout, parts, timeout_s
+    self.sent = 0
+
+  def __call__(self, tree: Any, shardings: Any, *, dtype, bucket_bytes: int, version: int = 0) -> None:
+    structure = jax.tree.structure(tree)
+    part = next((name for name, s in self.parts.items() if s == structure), None)
+    if part is None:
+      raise ValueError(f"weight sync to the sampler hosts: the tree is none of the parts {sorted(self.parts)}")
+    total = checksum(tree, dtype)  # every learner host: a collective over the learner mesh
+    if jax.process_index() == self.layout.learner_hosts[0]:
+      kv.put(_announcement(self.sent), json.dumps({"version": version, "part": part, "checksum": total}).encode())
+    self.sent += 1
+    transfer.send_across_hosts(tree, specs_of(shardings), layout=self.layout, version=version, dtype=dtype,
+                               bucket_bytes=bucket_bytes, timeout_s=self.timeout_s)
+    return None  # the learner hosts keep nothing: the weights are on the sampler hosts
+
+
+class Receiver:
+  """A sampler host's end: `receive()` returns the next weights as the sampler's params (a whole
+  tree on this host's sampler mesh) with their version.
+
+  parts: 'model' (and with LoRA 'adapters') -> (a tree of `jax.ShapeDtypeStruct`, the sampler's
+  NamedShardings of it); dtype and bucket_bytes as the learner's `WeightSync` (rl.sync_dtype and its
+  bucket size): both ends must cut the same buckets.
+  """
+
+  def __init__(self, layout: HostLayout, parts: dict[str, tuple[Any, Any]], *, dtype, bucket_bytes: int,
+               timeout_s: float):
+    self.layout, self.dtype, self.bucket_bytes, self.timeout_s = layout, dtype, bucket_bytes, timeout_s
+    self.parts = {name: (abstract, specs_of(shardings)) for name, (abstract, shardings) in parts.items()}
+    self.received = 0
+    self.params = None  # the whole model as last received (adapters are merged into it)
+    self.checked: list[tuple[int, int]] = []  # (version, checksum) of every transfer, verified
+
+  def receive(self, should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5):
+    """(params, version) of the next transfer; None once `should_stop()` while none is announced."""
+    client = kv.client()
+    while True:
+      try:
+        info = json.loads(client.blocking_key_value_get_bytes(_announcement(self.received), int(poll_s * 1000)))
+        break
+      except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: nothing announced yet
+        if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
+          raise
+        if should_stop():
+          return None
+    abstract, specs = self.parts[info["part"]]
+    tree, version = transfer.send_across_hosts(abstract, specs, layout=self.layout, version=info["version"],
+                                               dtype=self.dtype, bucket_bytes=self.bucket_bytes,
+                                               timeout_s=self.timeout_s)
+    self.received += 1
+    got = checksum(tree)
+    if got != info["checksum"]:
+      raise ChecksumMismatch(f"weight sync v{version} ({info['part']}): checksum {got} on sampler host "
+                             f"{jax.process_index()}, {info['checksum']} on the learner hosts")
+    self.checked.append((version, got))
+    self.params = tree if info["part"] == MODEL else nnx.merge_state(self.params, tree)
+    return self.params, version
+
+
+def abstract(tree: Any) -> Any:
+  """`tree` as `jax.ShapeDtypeStruct`s: what a receiver needs of a part."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
