@@ -57,7 +57,7 @@ def learner_dir(workdir, process: int) -> str:
 
 
 @pytest.mark.multihost
-@pytest.mark.parametrize("learner_hosts,sampler_hosts", [(2, 2), (1, 3)])
+@pytest.mark.parametrize("learner_hosts,sampler_hosts", [(2, 2), pytest.param(1, 3, marks=pytest.mark.multihost_long)])
 def test_whole_hosts_train_and_decode_apart(tmp_path, learner_hosts, sampler_hosts):
   n = learner_hosts + sampler_hosts
   workdir = tmp_path / "run"
@@ -91,6 +91,7 @@ def test_whole_hosts_train_and_decode_apart(tmp_path, learner_hosts, sampler_hos
 
 
 @pytest.mark.multihost
+@pytest.mark.multihost_long
 def test_at_staleness_0_whole_hosts_train_as_one_process(tmp_path):
   # 1 learner host + 1 sampler host of 2 devices each, and one process with the same 2 + 2 devices:
   # the same prompts, the same sampling noise, the same weights at every step, so the same losses.
