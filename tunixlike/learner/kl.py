@@ -29,7 +29,8 @@ def k2(logp_bt, ref_logp_bt):
 
 def k3(logp_bt, ref_logp_bt):
   log_r = jnp.clip(ref_logp_bt - logp_bt, -MAX_LOG_RATIO, MAX_LOG_RATIO)
-  return jnp.exp(log_r) - 1.0 - log_r
+  # expm1 keeps the relative precision of small log-ratios, where exp(r) - 1 cancels to zero in fp32.
+  return jnp.expm1(log_r) - log_r
 
 
 KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {"k1": k1, "k2": k2, "k3": k3}
