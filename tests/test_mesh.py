@@ -37,6 +37,15 @@ def test_sizes_that_do_not_add_up_or_divide():
     mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=3)
 
 
+def test_tensor_parallelism_must_give_each_device_whole_heads():
+  mesh_lib.check_whole_heads(14, 2, sampler_tensor=2, learner_tensor=1)  # Qwen2.5-0.5B: 7 heads, 1 KV head each
+  with pytest.raises(mesh_lib.MeshError, match=r"mesh.sampler_tensor=4 does not divide the model's 14 attention "
+                                               r"heads and 2 KV heads.*one of \[1, 2\]"):
+    mesh_lib.check_whole_heads(14, 2, sampler_tensor=4, learner_tensor=1)
+  with pytest.raises(mesh_lib.MeshError, match="mesh.learner_tensor=3"):
+    mesh_lib.check_whole_heads(8, 4, sampler_tensor=4, learner_tensor=3)
+
+
 def test_per_host_split_takes_first_local_devices_of_each_process():
   # Two fake "hosts" are not available in one process; check the single-process rule on a subset.
   devs = jax.devices()[:6]

@@ -145,6 +145,16 @@ def make_meshes(sampler_devices: int = 4, learner_devices: int = 4, sampler_tens
                 learner=Mesh(np.array(learner).reshape(l_shape), LEARNER_AXES))
 
 
+def check_whole_heads(num_heads: int, num_kv_heads: int, sampler_tensor: int, learner_tensor: int) -> None:
+  """Tensor parallelism must give each device whole heads: a head split over devices makes every
+  layer's head reshape a cross-device exchange (and inference servers refuse it too)."""
+  for key, size in (("mesh.sampler_tensor", sampler_tensor), ("mesh.learner_tensor", learner_tensor)):
+    if num_heads % size or num_kv_heads % size:
+      fits = [d for d in range(1, num_kv_heads + 1) if num_heads % d == 0 and num_kv_heads % d == 0]
+      raise MeshError(f"{key}={size} does not divide the model's {num_heads} attention heads and {num_kv_heads} "
+                      f"KV heads: each tensor-parallel device must hold whole heads; choose one of {fits}")
+
+
 def logical_to_mesh(spec: Sequence[str | None], rules) -> jax.sharding.PartitionSpec:
   """Maps a tuple of logical axis names to a PartitionSpec with `rules`."""
   table = dict(rules)

@@ -306,6 +306,8 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   # weights it decodes with come from the learner hosts).
   model = (build_model(cfg, tok, meshes.sampler, mesh_lib.SAMPLER_RULES) if sampler_host
            else build_model(cfg, tok, meshes.learner))
+  mesh_lib.check_whole_heads(model.cfg.num_heads, model.cfg.num_kv_heads, cfg.mesh.sampler_tensor,
+                             cfg.mesh.learner_tensor)
   training = training and not sampler_host
   critic = None
   if training and cfg.model.critic_path:  # loaded (and checked against the policy) before any training starts
