@@ -106,8 +106,10 @@ class MeshSection:
   sampler_devices: int = setting(4, "devices that decode (4 + 4 of 8 virtual CPU devices)", check=positive)
   learner_devices: int = setting(4, "devices that train (fsdp x tensor); colocated on one device: 1 + 0",
                                  check=non_negative)
-  sampler_tensor: int = setting(1, "tensor parallelism hurts on CPU; use it on TPU/GPU for big models", check=positive)
-  learner_tensor: int = setting(1, "tensor-parallel degree of the learner; the rest is FSDP", check=positive)
+  sampler_tensor: int = setting(1, "tensor parallelism hurts on CPU; use it on TPU/GPU for big models; must "
+                                "divide the model's attention and KV heads", check=positive)
+  learner_tensor: int = setting(1, "tensor-parallel degree of the learner (divides the model's attention and KV "
+                                "heads); the rest is FSDP", check=positive)
   sampler_hosts: int = setting(0, "several processes: 0 = every host decodes and trains (the layouts above); N > 0 = "
                                "the last N processes only decode and the others only train, weights crossing by "
                                "cross-host device_put (docs/hosts_and_accelerators.md#whole-hosts-per-side); the "
