@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
   except (NonFiniteLoss, PolicyCollapse, LogWriteError, checkpoint.CheckpointWriteError) as e:
     cli.fail(prog, str(e), status=1)  # the run stopped itself, and says why
   except HostTimeout as e:  # a host died or hangs: exit now (JAX's shutdown would wait for that host)
-    cli.exit_now(prog, str(e), 1, before_exit=functools.partial(learner_host.leave_after_fault, e.host))
+    cli.exit_now(prog, str(e), 1, before_exit=functools.partial(learner_host.leave_after_fault, str(e), e.host))
   except (mesh.MeshError, checkpoint.CheckpointError, config_lib.ConfigError, trainer.SetupError) as e:
     cli.fail(prog, str(e))
   except KeyboardInterrupt:  # Ctrl-C before the run's own handler was installed

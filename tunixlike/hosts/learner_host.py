@@ -53,16 +53,18 @@ def run_over() -> dict | None:
     return None
 
 
-def leave_after_fault(dead: int | None = None, timeout_s: float = LEAVE_WAIT_S) -> None:
-  """Called by a host about to exit because a host died or hangs (having said why). Process 0 holds
-  the coordination service, and when it goes every other process's JAX aborts with a fatal error
-  trace of its own, burying the line that says what happened: so every other host marks that it
-  leaves, and process 0 waits for those (all but the host `dead`) for at most `timeout_s`."""
+def leave_after_fault(line: str, dead: int | None = None, timeout_s: float = LEAVE_WAIT_S) -> None:
+  """Called by a host about to exit because a host died or hangs, having said so (`line`). Process 0
+  holds the coordination service, and when it goes every other process's JAX aborts with a fatal
+  error trace of its own, burying the line that says what happened: so every other host marks that
+  it leaves, and process 0 tells the sampler hosts why the run ends (unless said before) and waits
+  for those hosts (all but the host `dead`) for at most `timeout_s`."""
   try:
     client, me = kv.client(), jax.process_index()
     if me != 0:
       client.key_value_set_bytes(f"{LEFT}/{me}", b"")
       return
+    end_run(failure=line)
     deadline = time.monotonic() + timeout_s
     for host in range(1, jax.process_count()):
       if host != dead:

@@ -37,10 +37,24 @@ class Signal:
   watch: int | None = None
 
 
-def free_port() -> int:
+def free_port(following: int = 0) -> int:
+  """A free port of 127.0.0.1 whose `following` next ports are free too (the coordinator's port:
+  each process's transfer server takes the coordinator's port + 1 + its id)."""
+  while True:
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      port = s.getsockname()[1]
+    if port + following < 65536 and all(_free(p) for p in range(port + 1, port + 1 + following)):
+      return port
+
+
+def _free(port: int) -> bool:
   with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+    try:
+      s.bind(("127.0.0.1", port))
+      return True
+    except OSError:
+      return False
 
 
 def _env(i: int, n: int, port: int, devices: int, extra: dict[str, str]) -> dict[str, str]:
@@ -63,7 +77,7 @@ def run(argv: list[str], n: int, *, devices: int = 4, timeout_s: float = 180.0, 
   """
   with tempfile.TemporaryDirectory() as scratch:
     paths = [os.path.join(log_dir or scratch, f"{name}_{i}.log") for i in range(n)]
-    port, procs = free_port(), []
+    port, procs = free_port(following=n), []
     try:
       for i, path in enumerate(paths):
         with open(path, "w") as log:  # the child keeps its own descriptor

@@ -530,8 +530,9 @@ class _Run:
 
   def host_fault(self, error: BaseException) -> None:
     """A sampler host failed while this learner host's loop is stuck (`RemoteSampling`): says so, exits."""
-    cli.exit_now("tunixlike.train", self.fault_line(error), 1,
-                 before_exit=lambda: learner_host.leave_after_fault(getattr(error, "host", None)))
+    line = self.fault_line(error)
+    cli.exit_now("tunixlike.train", line, 1,
+                 before_exit=lambda: learner_host.leave_after_fault(line, getattr(error, "host", None)))
 
   def _release_sampler_hosts(self):
     """Whole sampler hosts: the run is over (also when it ended before its RL loop started)."""
