@@ -39,12 +39,11 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import harness
+from tunixlike.hosts import local_job
 
 
 def _flags(p):
@@ -54,12 +53,6 @@ def _flags(p):
   p.add_argument("--connections", type=int, default=None, help="JAX's transfer data connections")
   p.add_argument("--timeout", type=float, default=600, help="seconds each part may take")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "pair" or "trio", in the subprocesses
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _tree(mb: float, np):
@@ -234,38 +227,14 @@ def trio_worker(args):
 def _run_job(args, part: str, processes: int) -> dict:
   """`processes` workers of `part` as one jax.distributed job on 127.0.0.1; process 1's RESULT. All
   are killed when one fails or the time runs out."""
-  port = _free_port()
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  procs, logs = [], [tempfile.TemporaryFile("w+") for _ in range(processes)]
-  try:
-    for i in range(processes):
-      env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": harness.xla_flags(4),
-             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(processes),
-             "JAX_PROCESS_ID": str(i), "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-      argv = [sys.executable, os.path.abspath(__file__), "--worker", part, "--mb", str(args.mb),
-              "--repeats", str(args.repeats)]
-      for flag, value in (("--transfer-size", args.transfer_size), ("--connections", args.connections)):
-        if value is not None:
-          argv += [flag, str(value)]
-      procs.append(subprocess.Popen(argv, env=env, stdout=logs[i], stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + args.timeout
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-      if any(p.poll() not in (None, 0) for p in procs):
-        time.sleep(2)  # let the others report their error too
-        break
-      time.sleep(0.5)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-      p.wait()
-  outs = []
-  for f in logs:
-    f.seek(0)
-    outs.append(f.read())
-    f.close()
+  argv = [sys.executable, os.path.abspath(__file__), "--worker", part, "--mb", str(args.mb),
+          "--repeats", str(args.repeats)]
+  for flag, value in (("--transfer-size", args.transfer_size), ("--connections", args.connections)):
+    if value is not None:
+      argv += [flag, str(value)]
+  codes, outs = zip(*local_job.run(argv, processes, devices=4, timeout_s=args.timeout, name=part))
   lines = [l for l in outs[1].splitlines() if l.startswith("RESULT ")]
-  if any(p.returncode for p in procs) or not lines:
+  if any(codes) or not lines:
     raise SystemExit(f"benchmark workers ({part}) failed or ran past --timeout {args.timeout:g} s:\n"
                      + "\n".join(o[-3000:] for o in outs))
   return json.loads(lines[0][len("RESULT "):])

@@ -28,15 +28,17 @@ def fail(prog: str, message: str, status: int = 2):
   sys.exit(status)
 
 
-def exit_now(prog: str, message: str, status: int):
+def exit_now(prog: str, message: str, status: int, before_exit: Callable[[], None] | None = None):
   """One line on stderr, then an immediate exit (a second Ctrl-C). `sys.exit` would unwind through
   the run's cleanup (waits of up to minutes) and then finalize the interpreter while JAX's, orbax's
   and the sampler's native threads still run, which segfaulted (exit 139) in 1 of 3 tries. Nothing
   is lost: the logs are cut back to the last checkpoint on resume, and an unfinished checkpoint is
-  a temporary directory that is never read."""
+  a temporary directory that is never read. `before_exit()` runs after the line is out."""
   print(f"{prog}: error: {message}", file=sys.stderr)
   sys.stdout.flush()
   sys.stderr.flush()
+  if before_exit is not None:
+    before_exit()
   os._exit(status)
 
 

@@ -117,9 +117,16 @@ class MeshSection:
   host_timeout_s: float = setting(120.0, "whole hosts per side: a sampler host silent this long (dead or hung) stops "
                                   "the run, naming it; also the limit of each cross-host weight transfer",
                                   check=positive)
+  save_synced_weights: bool = setting(False, "whole hosts per side, to debug the weight sync: after every sync learner "
+                                      "host 0 writes the arrays it sent to WORKDIR/synced_weights/v{version}_{part}.npz "
+                                      "and sampler host i those that arrived to WORKDIR/process_i/synced_weights/, "
+                                      "equal bit for bit (np.array_equal) when the sync is right; gathers the whole "
+                                      "model onto every learner device at each sync: small models only")
 
   def __post_init__(self):
     check_fields(self)
+    require(not self.save_synced_weights or self.sampler_hosts, "mesh.save_synced_weights", self.save_synced_weights,
+            "needs mesh.sampler_hosts > 0 (it checks the sync across hosts)")
     require(not self.sampler_hosts or self.layout == "split", "mesh.sampler_hosts", self.sampler_hosts,
             "needs mesh.layout='split' (whole hosts per side share no devices)")
     require(self.learner_devices > 0 or self.layout == "colocated", "mesh.learner_devices", self.learner_devices,

@@ -12,7 +12,11 @@ from orbax.checkpoint import multihost
 
 
 class HostTimeout(TimeoutError):
-  """A host did not answer in time (it died, hangs, or is far behind)."""
+  """A host did not answer in time (it died, hangs, or is far behind); `host`: which, when known."""
+
+  def __init__(self, message: str, host: int | None = None):
+    super().__init__(message)
+    self.host = host
 
 
 def client():
@@ -32,7 +36,7 @@ def get(key: str, *, timeout_s: float, host: int, what: str) -> bytes:
     return client().blocking_key_value_get_bytes(key, int(timeout_s * 1000))
   except Exception as e:  # the client raises XlaRuntimeError DEADLINE_EXCEEDED
     if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
-      raise HostTimeout(f"{what}: host {host} did not answer within {timeout_s:g} s") from None
+      raise HostTimeout(f"{what}: host {host} did not answer within {timeout_s:g} s", host) from None
     raise
 
 

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any, Callable, Sequence
+
+import jax
 
 from tunixlike import distributed
 from tunixlike.hosts import kv, rollouts
@@ -29,6 +32,8 @@ PREFIX = "tunixlike/prompts"
 START = "tunixlike/run/start"  # learner host 0 -> sampler hosts: where their prompt streams start
 STOP_REQUEST = "tunixlike/run/stop_request"  # any host -> learner hosts: a signal asked the run to stop
 OVER = "tunixlike/run/over"  # learner host 0 -> sampler hosts: the run has ended (also before its RL loop)
+LEFT = "tunixlike/run/left"  # each host that exits on a fault -> learner host 0, which leaves last
+LEAVE_WAIT_S = 15.0  # learner host 0's wait for the others to leave: a stuck learner host's watchdog fires in 10 s
 
 
 def end_run(failure: str | None = None) -> None:
@@ -46,6 +51,26 @@ def run_over() -> dict | None:
     return json.loads(kv.client().key_value_try_get_bytes(OVER))
   except Exception:  # noqa: BLE001 - NOT_FOUND
     return None
+
+
+def leave_after_fault(line: str, dead: int | None = None, timeout_s: float = LEAVE_WAIT_S) -> None:
+  """Called by a host about to exit because a host died or hangs, having said so (`line`). Process 0
+  holds the coordination service, and when it goes every other process's JAX aborts with a fatal
+  error trace of its own, burying the line that says what happened: so every other host marks that
+  it leaves, and process 0 tells the sampler hosts why the run ends (unless said before) and waits
+  for those hosts (all but the host `dead`) for at most `timeout_s`."""
+  try:
+    client, me = kv.client(), jax.process_index()
+    if me != 0:
+      client.key_value_set_bytes(f"{LEFT}/{me}", b"")
+      return
+    end_run(failure=line)
+    deadline = time.monotonic() + timeout_s
+    for host in range(1, jax.process_count()):
+      if host != dead:
+        client.blocking_key_value_get_bytes(f"{LEFT}/{host}", max(1, int((deadline - time.monotonic()) * 1000)))
+  except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED (a host hangs) or no service: leave anyway
+    pass
 
 
 def _position_key(shard: int) -> str:

@@ -95,7 +95,7 @@ class LearnerInbox:
         self._heard[host] = (current, now)
       elif now - since > self.silence_timeout_s:
         raise kv.HostTimeout(f"sampler host {host} sent nothing for more than {self.silence_timeout_s:g} s "
-                             "(silence_timeout_s): it died or hangs")
+                             "(silence_timeout_s): it died or hangs", host)
 
   def _loop(self):
     while not self._stop.is_set():

@@ -14,6 +14,7 @@ save and end the run, and this host follows.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
@@ -57,9 +58,22 @@ class _PublishedStream:
     return request
 
 
-def _beat_until(done: threading.Event, admission: rollouts.RemoteAdmission) -> None:
-  while not done.wait(0.5):
-    admission.heartbeat()
+@contextlib.contextmanager
+def _beating(admission: rollouts.RemoteAdmission):
+  """Heartbeats from a thread of their own while the main thread is busy in the block."""
+  done = threading.Event()
+
+  def beat():
+    while not done.wait(0.5):
+      admission.heartbeat()
+
+  beating = threading.Thread(target=beat, daemon=True, name="heartbeat")
+  beating.start()
+  try:
+    yield
+  finally:
+    done.set()
+    beating.join()
 
 
 def _wait_for_start(should_stop, poll_s: float = 0.5):
@@ -74,13 +88,14 @@ def _wait_for_start(should_stop, poll_s: float = 0.5):
   return None
 
 
-def run(setup: build_lib.Setup, preemption, say=print) -> dict:
-  """Samples for the learner hosts until they end the run; returns this host's counts."""
+def run(setup: build_lib.Setup, preemption, say=print, synced_weights_dir: str | None = None) -> dict:
+  """Samples for the learner hosts until they end the run; returns this host's counts.
+  `synced_weights_dir`: where every weight sync that arrives is written (mesh.save_synced_weights)."""
   cfg, layout, me = setup.cfg, setup.meshes.hosts, jax.process_index()
   index, count = layout.sampler_hosts.index(me), len(layout.sampler_hosts)
   model = build_lib.policy_model(setup)
   engine = make_engine(model, build_lib.sampler_config(cfg, setup.tok), mesh=setup.meshes.sampler)
-  receiver = build_lib.sampler_hosts_receiver(setup, model, engine)
+  receiver = build_lib.sampler_hosts_receiver(setup, model, engine, dump_dir=synced_weights_dir)
   del model  # the learner's weights replace it at the first sync
   scorer = build_lib.build_scorer(setup)
   stopping = lambda: preemption.requested or learner_host.run_over() is not None
@@ -94,30 +109,26 @@ def run(setup: build_lib.Setup, preemption, say=print) -> dict:
     return {"preempted": True}
   mine = json.loads(start)["streams"][index]
   stream = PromptStream(setup.train_pipe, mine["position"], replay=mine["outstanding"], shard=(index, count))
-  got = receiver.receive(stopping)
+  admission = rollouts.RemoteAdmission(index, count, layout.learner_hosts,
+                                       batch_groups=cfg.rl.prompts_per_step // len(layout.learner_hosts),
+                                       max_staleness=cfg.rl.max_staleness, host=me, timeout_s=cfg.mesh.host_timeout_s)
+  with _beating(admission):  # the first weights (their programs compile here) take a while: keep the learners told
+    got = receiver.receive(stopping)
   if got is None:
     ask_learners_to_stop()
     return {"preempted": True}
   params, version = got
 
   def arrived(version):  # `receive` compared the checksums: it raises when they differ
-    say(f"sampler host {me}: weights v{version} arrived, checksum {receiver.checked[-1][1]} equal to the learner's")
+    _, part, total = receiver.checked[-1]
+    say(f"sampler host {me}: weights v{version} ({part}) arrived, checksum {total} equal to the learner's")
 
   arrived(version)
   say(f"sampler host {me}: prompt shard {index} of {count} from position {stream.position}, {stream.replayed} "
       "prompts to regenerate")
-  admission = rollouts.RemoteAdmission(index, count, layout.learner_hosts,
-                                       batch_groups=cfg.rl.prompts_per_step // len(layout.learner_hosts),
-                                       max_staleness=cfg.rl.max_staleness, host=me, timeout_s=cfg.mesh.host_timeout_s)
   if cfg.sampler.warmup:  # compiling takes a while: the learner hosts hear from this host meanwhile
-    compiled = threading.Event()
-    beating = threading.Thread(target=_beat_until, args=(compiled, admission), daemon=True, name="heartbeat")
-    beating.start()
-    try:
+    with _beating(admission):
       engine.warmup(params)
-    finally:
-      compiled.set()
-      beating.join()
   outbox = _Outbox(admission)
   rewards = RewardStage(scorer, outbox, cfg.rl.reward_workers)
   driver = build_lib.make_driver(setup, engine, scorer, _PublishedStream(stream, index), admission, rewards,

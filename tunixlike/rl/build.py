@@ -446,9 +446,11 @@ def build_policy(cfg: Config, learner, engine: Engine | None, pad_id: int, *, tr
                 seed=cfg.seed, share_prompts=share, routing=cfg.sampler.record_routing, tracer=tracer)
 
 
-def sampler_hosts_sync(cfg: Config, learner, layout, *, tracer=trace_lib.NULL_TRACER) -> weight_sync.WeightSync:
+def sampler_hosts_sync(cfg: Config, learner, layout, *, tracer=trace_lib.NULL_TRACER,
+                       dump_dir: str | None = None) -> weight_sync.WeightSync:
   """The policy's weight sync to whole sampler hosts (`hosts.weights.Sender`): full, or LoRA's
-  adapters after the first; its targets are the sampler's shardings on a sampler host's mesh."""
+  adapters after the first; its targets are the sampler's shardings on a sampler host's mesh.
+  `dump_dir`: where learner host 0 writes what it sends (mesh.save_synced_weights)."""
   from tunixlike.hosts import weights
   from tunixlike.models import sharding as sharding_lib
   model_state = learner.sampler_params(learner.state)
@@ -457,19 +459,21 @@ def sampler_hosts_sync(cfg: Config, learner, layout, *, tracer=trace_lib.NULL_TR
   parts = {weights.MODEL: jax.tree.structure(model_state)}
   if learner.lora:
     parts[weights.ADAPTERS] = jax.tree.structure(learner.state.params)
-  sender = weights.Sender(layout, parts, timeout_s=cfg.mesh.host_timeout_s)
+  sender = weights.Sender(layout, parts, timeout_s=cfg.mesh.host_timeout_s, dump_dir=dump_dir)
   return weight_sync.for_learner(learner, targets, dtype=cfg.rl.sync_dtype, across_hosts=sender, tracer=tracer)
 
 
-def sampler_hosts_receiver(setup: Setup, model: nnx.Module, engine: Engine):
-  """A sampler host's end of `sampler_hosts_sync` (`hosts.weights.Receiver`)."""
+def sampler_hosts_receiver(setup: Setup, model: nnx.Module, engine: Engine, *, dump_dir: str | None = None):
+  """A sampler host's end of `sampler_hosts_sync` (`hosts.weights.Receiver`); `dump_dir`: where it
+  writes what arrives (mesh.save_synced_weights)."""
   from tunixlike.hosts import weights
   parts = {weights.MODEL: (weights.abstract(nnx.state(model)), engine.param_shardings)}
   if setup.cfg.lora.rank:
     adapters = nnx.state(model, nnx.LoRAParam)
     parts[weights.ADAPTERS] = (weights.abstract(adapters), weight_sync.subtree_like(engine.param_shardings, adapters))
   return weights.Receiver(setup.meshes.hosts, parts, dtype=setup.cfg.rl.sync_dtype,
-                          bucket_bytes=weight_sync.DEFAULT_BUCKET_BYTES, timeout_s=setup.cfg.mesh.host_timeout_s)
+                          bucket_bytes=weight_sync.DEFAULT_BUCKET_BYTES, timeout_s=setup.cfg.mesh.host_timeout_s,
+                          dump_dir=dump_dir)
 
 
 def correctness_reward(setup: Setup) -> rewards_lib.CombinedReward:
@@ -478,9 +482,10 @@ def correctness_reward(setup: Setup) -> rewards_lib.CombinedReward:
 
 
 def build_rl(setup: Setup, *, reward: rewards_lib.CombinedReward | None = None,
-             correctness: rewards_lib.CombinedReward | None = None) -> RLStack:
+             correctness: rewards_lib.CombinedReward | None = None, synced_weights_dir: str | None = None) -> RLStack:
   """LoRA (if configured), the policy, the sampler engines and the reward stage. `reward` and
-  `correctness` replace the task's training reward and its eval verifier."""
+  `correctness` replace the task's training reward and its eval verifier. `synced_weights_dir`:
+  with whole sampler hosts, where learner host 0 writes every sync (mesh.save_synced_weights)."""
   cfg, tok = setup.cfg, setup.tok
   model = policy_model(setup)
   learner = build_learner(cfg, model, setup.meshes.learner, critic=setup.critic)
@@ -488,7 +493,8 @@ def build_rl(setup: Setup, *, reward: rewards_lib.CombinedReward | None = None,
   hosts = setup.meshes.hosts  # whole sampler hosts: the rollouts are sampled there; this host evaluates
   engine = None if hosts is not None else make_engine(model, s_cfg, mesh=setup.meshes.sampler)
   eval_engine = make_engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
-  sync = None if hosts is None else sampler_hosts_sync(cfg, learner, hosts, tracer=setup.tracer)
+  sync = None if hosts is None else sampler_hosts_sync(cfg, learner, hosts, tracer=setup.tracer,
+                                                     dump_dir=synced_weights_dir)
   policy = build_policy(cfg, learner, engine, tok.pad_id, tracer=setup.tracer, sync=sync)
   correctness = correctness or correctness_reward(setup)
   return RLStack(policy, engine, eval_engine, build_scorer(setup, reward), correctness)

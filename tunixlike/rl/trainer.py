@@ -96,10 +96,16 @@ def _sampler_host(cfg: Config, workdir: str, preemption: Preemption, hooks=(), *
   print(setup.meshes.hosts.describe()[jax.process_index()], flush=True)
   say = lambda line: print(line, flush=True)
   preemption.say = say
+  synced = _synced_weights_dir(cfg, workdir_lib.local_dir(workdir, jax.process_index()))
   try:
-    return sampler_host.run(setup, preemption, say=say)
+    return sampler_host.run(setup, preemption, say=say, synced_weights_dir=synced)
   finally:
     setup.tracer.close()
+
+
+def _synced_weights_dir(cfg: Config, local_dir: str) -> str | None:
+  """Where this host writes every weight sync across hosts (mesh.save_synced_weights), or None."""
+  return os.path.join(local_dir, "synced_weights") if cfg.mesh.save_synced_weights else None
 
 
 def _stages(r: _Run) -> dict[str, Any]:
@@ -270,7 +276,7 @@ def _rl(r: _Run, data: _Data) -> dict[str, Any]:
           + (f"the best checkpoint is {r.ckpt.step_dir(best)}" if best is not None else "no eval checkpoint yet"))
     raise
   except kv_lib.HostTimeout as e:  # a sampler host died or hangs: the learner hosts cannot save without it
-    raise kv_lib.HostTimeout(r.fault_line(e)) from None
+    raise kv_lib.HostTimeout(r.fault_line(e), e.host) from None
   except BaseException:
     if r.multi:  # a save needs every process, and the others may be gone: rely on periodic saves
       r.say(f"run failed on process {r.pid}; not saving (a multi-process save needs every process)")
@@ -433,7 +439,7 @@ class _Run:
                                           allow_overwrite=True)
 
   def build_rl(self) -> build_lib.RLStack:
-    self.rl = build_lib.build_rl(self.setup)
+    self.rl = build_lib.build_rl(self.setup, synced_weights_dir=_synced_weights_dir(self.cfg, self.dir))
     return self.rl
 
   def agreed(self, flag: bool) -> bool:
@@ -524,7 +530,9 @@ class _Run:
 
   def host_fault(self, error: BaseException) -> None:
     """A sampler host failed while this learner host's loop is stuck (`RemoteSampling`): says so, exits."""
-    cli.exit_now("tunixlike.train", self.fault_line(error), 1)
+    line = self.fault_line(error)
+    cli.exit_now("tunixlike.train", line, 1,
+                 before_exit=lambda: learner_host.leave_after_fault(line, getattr(error, "host", None)))
 
   def _release_sampler_hosts(self):
     """Whole sampler hosts: the run is over (also when it ended before its RL loop started)."""
