@@ -2,19 +2,17 @@
 
 Run: python examples/countdown/make_data.py
 
-Each row is one problem: four numbers from 1..9 and a target that one or two steps reach, each step
-combining two numbers with + - * / into a positive integer (the game's rule), a second step using
-the first one's result and one of the numbers not used yet, e.g.
+Each row is one problem: three numbers from 1..9 and a target that two steps reach, each step
+combining two numbers with + - * / into a positive integer (the game's rule), the second step using
+the first one's result and the third number, e.g.
 
-  {"problem": "8 9 1 3 to 35:", "numbers": [8, 9, 1, 3], "target": 35, "solution": "9*3=27,27+8=35"}
+  {"problem": "3 5 7 to 22:", "numbers": [3, 5, 7], "target": 22, "solution": "3*5=15,15+7=22"}
 
 `problem` is the prompt (short: the example's model reads one character per token); `solution` is
-the shortest way there (one step where one suffices), written step by step so that every step is a
-small arithmetic fact. Every such problem (numbers as a multiset, targets 1..99 other than a given
-number) is used once: 400 in test.jsonl, the rest (12,836) in train.jsonl, so no test problem is
-seen in training. Four numbers rather than three: three give only 2,503 problems, which the
-supervised warm start learns by heart (54% right on train prompts, 29% on held-out ones), and RL on
-memorised prompts moved held-out accuracy little (docs/benchmarks.md). `--count 3` writes those."""
+one way there, written step by step so that every step is a small arithmetic fact. Every such problem
+(numbers as a multiset, targets 1..99 other than a given number) is used once: 200 in test.jsonl,
+the rest in train.jsonl, so no test problem is seen in training.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ import random
 import rewards  # this directory's rewards.py: every solution is checked with the reward itself
 
 MAX_TARGET = 99  # two-digit targets keep prompts short
-COUNT = 4  # given numbers per problem
 
 
 def _steps(a: int, b: int):
@@ -43,28 +40,23 @@ def _steps(a: int, b: int):
 
 
 def solutions(numbers: tuple[int, ...]) -> dict[int, str]:
-  """Each target in 1..MAX_TARGET (other than a given number) that one or two steps reach -> its
-  shortest solution (one step where one suffices)."""
+  """Each target in 1..MAX_TARGET (other than a given number) two steps reach -> its shortest solution."""
   out = {}
-
-  def keep(target: int, text: str):
-    if 1 <= target <= MAX_TARGET and target not in numbers and (
-        target not in out or (len(text), text) < (len(out[target]), out[target])):
-      out[target] = text
-
-  for i, j in itertools.permutations(range(len(numbers)), 2):
-    for first, first_text in _steps(numbers[i], numbers[j]):
-      keep(first, f"{first_text}={first}")
-      for z in {numbers[k] for k in range(len(numbers)) if k not in (i, j)}:
-        for second in set(itertools.permutations((first, z))):
-          for target, second_text in _steps(*second):
-            keep(target, f"{first_text}={first},{second_text}={target}")
+  for x, y, z in set(itertools.permutations(numbers)):
+    for first, first_text in _steps(x, y):
+      for second in set(itertools.permutations((first, z))):
+        for target, second_text in _steps(*second):
+          if not 1 <= target <= MAX_TARGET or target in numbers:
+            continue
+          text = f"{first_text}={first},{second_text}={target}"
+          if target not in out or (len(text), text) < (len(out[target]), out[target]):
+            out[target] = text
   return out
 
 
-def problems(count: int = COUNT) -> list[tuple[tuple[int, ...], int, str]]:
-  """Every (numbers, target, solution): each multiset of `count` numbers from 1..9 with each of its targets."""
-  return [(numbers, target, text) for numbers in itertools.combinations_with_replacement(range(1, 10), count)
+def problems() -> list[tuple[tuple[int, ...], int, str]]:
+  """Every (numbers, target, solution): each multiset of three numbers with each of its targets."""
+  return [(numbers, target, text) for numbers in itertools.combinations_with_replacement(range(1, 10), 3)
           for target, text in sorted(solutions(numbers).items())]
 
 
@@ -77,12 +69,11 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out_dir", default=os.path.dirname(os.path.abspath(__file__)))
   parser.add_argument("--train_rows", type=int, default=0, help="0 = every problem not in test")
-  parser.add_argument("--test_rows", type=int, default=400)
+  parser.add_argument("--test_rows", type=int, default=200)
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--count", type=int, default=COUNT, help="given numbers per problem")
   args = parser.parse_args()
   rng = random.Random(args.seed)
-  pool = problems(args.count)
+  pool = problems()
   assert all(rewards.correct([s], [list(n)], [t]) == [1.0] for n, t, s in pool)  # the reward agrees
   rng.shuffle(pool)
   test = [row(*p, rng) for p in pool[:args.test_rows]]  # disjoint from train: each problem is used once
