@@ -2,7 +2,7 @@
 
   python benchmarks/long_context.py [--lengths 2048,4096,8192,16384,32768] [--reference-max 4096]
       [--cp-lengths 65536] [--cp-devices 4] [--cp-schemes ring,all_gather] [--cp-layouts zigzag,contiguous]
-      [--steps 2] [--run-max T]
+      [--balance-lengths 8192] [--steps 2] [--run-max T]
       [--out FILE] [--quick]
 
 Prints one JSON object (`harness.report`; also written to --out). Each measurement
@@ -21,6 +21,11 @@ for the runs that run), which is what one accelerator would hold, and per layout
 attention's (query block, key block) pairs per device (`block_pairs_per_device`: the work balance;
 on an accelerator per device the ring's step waits for the busiest device, where N virtual CPU
 devices share the host's cores and the step time follows the total).
+`--balance-lengths`: per layout, each device's share of a T-token row's ring attention measured on
+its own, one device after another on one CPU device: the forward and backward of all its N ring
+steps (`context_parallel.fold_runs` / `grads_runs`, the ring's own pieces, at that device's block
+offsets; the bench model's 4 heads, 2 KV heads of 64, fp32, one layer), best of --steps + 1 runs:
+what N parallel devices would each take, and the busiest one's time (the ring's) per layout.
 `step_s` is the best of --steps timed steps (at most one above 4K; --steps 0: the first step,
 compilation included) after a first step that compiles (`first_step_s`). Rows longer than --run-max are compiled
 but not run (`compile_only`): `compiled_gb` is XLA's memory account of the step (arguments, outputs,
@@ -56,6 +61,8 @@ def _flags(p):
   p.add_argument("--cp-devices", type=int, default=4, help="devices a --cp-lengths row is split over")
   p.add_argument("--cp-schemes", default="ring,all_gather", help="model.context_parallel_attention values to run")
   p.add_argument("--cp-layouts", default="zigzag", help="model.context_parallel_layout values to run")
+  p.add_argument("--balance-lengths", default="", help="row lengths whose ring attention is timed per device, "
+                 "for every layout (comma-separated)")
   p.add_argument("--steps", type=int, default=3, help="timed steps per run up to 4K (the best is reported)")
   p.add_argument("--run-max", type=int, default=None,
                  help="longer rows are compiled, not run: XLA's memory account of the step instead of a measurement")
@@ -123,6 +130,54 @@ def _child(impl: str, t: int, steps: int, compile_only: bool = False, devices: i
   if proc.returncode:
     return {"attention": impl, "length": t, "error": proc.stderr.strip().splitlines()[-1:]}
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def ring_work(layout: str, t: int, n: int, repeats: int) -> dict:
+  """Seconds of each of n devices' ring attention (forward + backward, every ring step) over a causal
+  T-token row in `layout`, each device's work run alone on this process's first device."""
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from tunixlike.models import attention, context_parallel as cp
+  block, tp = cp.padded_length(t, n, layout)
+  row_runs = cp.runs(layout, n)
+  h, kv, d = BENCH_MODEL["num_heads"], BENCH_MODEL["num_kv_heads"], BENCH_MODEL["head_dim"]
+  r = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(r.normal(size=(1, tp // n, x, d)), jnp.float32) for x in (h, kv, kv))
+  st = attention.static_args(q, k, block, None, False)
+  q, k, v, seg, pre, _ = attention.to_blocks(st, q, k, v)
+  nc = q.shape[0]
+
+  @jax.jit
+  def device(q, k, v, seg, pre, me):  # the keys' values do not change the work: causality is in the block offsets
+    offs = lambda s: cp.run_offsets(row_runs, (me - s) % n, nc)
+    state = attention.softmax_init(q)
+    for s in range(n):
+      state = cp.fold_runs(st, q, k, v, seg, pre, seg, cp.run_offsets(row_runs, me, nc), offs(s), state)
+    o, lse = attention.softmax_finish(state, q.dtype)
+    delta, dq, dk = attention.output_delta(o, o), jnp.zeros(q.shape, jnp.float32), 0.0
+    for s in range(n):
+      dq, dk_s, _ = cp.grads_runs(st, q, k, v, seg, pre, seg, cp.run_offsets(row_runs, me, nc), offs(s), o, lse,
+                                  delta, dq)
+      dk = dk + dk_s
+    return o, dq, dk
+
+  seconds = []
+  for me in range(n):
+    args = (q, k, v, seg, pre, jnp.int32(me))
+    jax.block_until_ready(device(*args))  # compiled once (me is traced), warm
+    best = float("inf")
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(device(*args))
+      best = min(best, time.perf_counter() - start)
+    seconds.append(best)
+  pairs = cp.causal_block_pairs(layout, n, nc // len(row_runs[0]))
+  return {"seconds": seconds, "busiest_s": max(seconds), "busiest_to_mean": max(seconds) * n / sum(seconds),
+          "block_pairs": pairs}
 
 
 def _side_by_side(out: dict, a: str, b: str, t: int, by: dict, compiled: dict) -> None:
@@ -196,6 +251,11 @@ def main(argv=None):
     for a, b in ((f"ring_{layouts[0]}_{n}", f"all_gather_{layouts[0]}_{n}"),
                  (f"ring_zigzag_{n}", f"ring_contiguous_{n}")):
       _side_by_side(out, a, b, t, by, compiled)
+  for t in ([512] if args.quick else [int(x) for x in args.balance_lengths.split(",") if x]):
+    work = {layout: ring_work(layout, t, n, steps + 1) for layout in context_parallel.LAYOUTS}
+    for layout, w in work.items():
+      out[f"ring_work_per_device_{layout}_{n}_{t}"] = w
+    out[f"ring_busiest_device_zigzag_to_contiguous_{n}_{t}"] = work["zigzag"]["busiest_s"] / work["contiguous"]["busiest_s"]
   for t in lengths:
     if ("reference", t) in by and t in blk:
       ref = by[("reference", t)]

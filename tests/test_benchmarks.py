@@ -234,3 +234,7 @@ def test_long_context_benchmark(tmp_path):
   side = r["ring_zigzag_4_vs_all_gather_zigzag_4_128"]
   assert side["temp_gb_per_device"]["ring_zigzag_4"] > 0 and side["loss_abs_diff"] < 1e-5
   assert r["block_pairs_per_device_zigzag_4_128"]["busiest_to_mean"] == 1  # every device as much causal work
+  for layout in ("zigzag", "contiguous"):  # each device's ring attention, timed alone
+    work = r[f"ring_work_per_device_{layout}_4_512"]
+    assert len(work["seconds"]) == 4 and min(work["seconds"]) > 0
+  assert len(set(r["ring_work_per_device_zigzag_4_512"]["block_pairs"])) == 1

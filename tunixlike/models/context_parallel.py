@@ -205,14 +205,15 @@ def _hop(axis: str, n: int, *xs):
   return tuple(jax.lax.ppermute(x, axis, perm) for x in xs)
 
 
-def _run_offsets(row_runs, device, nc: int):
-  """Global block offset of each run of `device`'s chunk (traced ints)."""
+def run_offsets(row_runs, device, nc: int):
+  """Global block offset of each run of `device`'s chunk of nc blocks (traced ints)."""
   return jnp.asarray(row_runs)[device] * (nc // len(row_runs[0]))
 
 
-def _fold(st, q, k, v, seg_q, pre_q, seg_k, q_offs, k_offs, state):
-  """forward_blocks over every (query run, key run) pair of a chunk; pairs that causality hides
-  compute nothing (forward_blocks' loop bounds)."""
+def fold_runs(st, q, k, v, seg_q, pre_q, seg_k, q_offs, k_offs, state):
+  """One ring step on a device: forward_blocks over every (query run, key run) pair of its chunk and
+  the chunk it holds (global block offsets q_offs / k_offs, `run_offsets`); pairs that causality
+  hides compute nothing (forward_blocks' loop bounds)."""
   n_runs = len(q_offs)
   split = lambda x: jnp.split(x, n_runs)
   qs, ks, vs, sq, pq, sk = map(split, (q, k, v, seg_q, pre_q, seg_k))
@@ -223,8 +224,9 @@ def _fold(st, q, k, v, seg_q, pre_q, seg_k, q_offs, k_offs, state):
   return tuple(jnp.concatenate(x) for x in zip(*parts))
 
 
-def _grads(st, q, k, v, seg_q, pre_q, seg_k, q_offs, k_offs, do, lse, delta, dq):
-  """backward_blocks over every (query run, key run) pair: (dq + this chunk's part, dk, dv), fp32."""
+def grads_runs(st, q, k, v, seg_q, pre_q, seg_k, q_offs, k_offs, do, lse, delta, dq):
+  """fold_runs' backward: backward_blocks over every (query run, key run) pair -> (dq + this
+  chunk's part, dk, dv), fp32."""
   n_runs = len(q_offs)
   split = lambda x: jnp.split(x, n_runs)
   qs, ks, vs, sq, pq, sk, dos, lses, deltas, dqs = map(split, (q, k, v, seg_q, pre_q, seg_k, do, lse, delta, dq))
@@ -248,9 +250,9 @@ def _ring(q, k, v, seg_q, pre_q, seg_k, st: attention.Static, axis: str, row_run
 def _ring_fwd(q, k, v, seg_q, pre_q, seg_k, st, axis, row_runs):
   """At step s device i holds the K/V chunk of device i - s and folds it into its online softmax."""
   n, me, nc = len(row_runs), jax.lax.axis_index(axis), q.shape[0]
-  fold = lambda s, state, k_s, v_s, seg_s: _fold(
-      st, q, k_s, v_s, seg_q, pre_q, seg_s, _run_offsets(row_runs, me, nc),
-      _run_offsets(row_runs, (me - s) % n, nc), state)
+  fold = lambda s, state, k_s, v_s, seg_s: fold_runs(
+      st, q, k_s, v_s, seg_q, pre_q, seg_s, run_offsets(row_runs, me, nc),
+      run_offsets(row_runs, (me - s) % n, nc), state)
 
   def step(s, carry):
     state, k_s, v_s, seg_s = carry
@@ -267,9 +269,9 @@ def _ring_bwd(st, axis, row_runs, res, do):
   q, k, v, seg_q, pre_q, seg_k, o, lse = res
   n, me, nc = len(row_runs), jax.lax.axis_index(axis), q.shape[0]
   delta = attention.output_delta(do, o)
-  grads = lambda s, dq, k_s, v_s, seg_s: _grads(
-      st, q, k_s, v_s, seg_q, pre_q, seg_s, _run_offsets(row_runs, me, nc),
-      _run_offsets(row_runs, (me - s) % n, nc), do, lse, delta, dq)
+  grads = lambda s, dq, k_s, v_s, seg_s: grads_runs(
+      st, q, k_s, v_s, seg_q, pre_q, seg_s, run_offsets(row_runs, me, nc),
+      run_offsets(row_runs, (me - s) % n, nc), do, lse, delta, dq)
 
   def step(s, carry):
     dq, k_s, v_s, seg_s, dk_s, dv_s = carry
