@@ -1,7 +1,8 @@
 """Long-context training: peak memory and step time of one learner step per row length, per attention kernel.
 
   python benchmarks/long_context.py [--lengths 2048,4096,8192,16384,32768] [--reference-max 4096]
-      [--cp-lengths 65536] [--cp-devices 4] [--cp-schemes ring,all_gather] [--steps 2] [--run-max T]
+      [--cp-lengths 65536] [--cp-devices 4] [--cp-schemes ring,all_gather] [--cp-layouts zigzag,contiguous]
+      [--balance-lengths 8192] [--steps 2] [--run-max T]
       [--out FILE] [--quick]
 
 Prints one JSON object (`harness.report`; also written to --out). Each measurement
@@ -12,10 +13,19 @@ ONE row of T tokens (a 32-token prompt, the rest completion) of the 4M-parameter
 `model.attention` is forced per run: `reference` (today's [B, H, T, T] attention, run up to
 --reference-max: 8K needs ~20 GB) and `blockwise` (attention.py's flash kernel) at every length.
 `--cp-lengths`: the same step with `optim.context_parallel` on --cp-devices CPU devices, the row's
-tokens split over them, once per `model.context_parallel_attention` scheme of --cp-schemes
-(`models/context_parallel.py`; attention `ring_N`, `all_gather_N`): side by side, the peak RSS of
-the process (all N devices: they share the host's memory) and XLA's per-device account of the step
-(`compiled_gb`, also for the runs that run), which is what one accelerator would hold.
+tokens split over them, once per `model.context_parallel_attention` scheme of --cp-schemes and
+`model.context_parallel_layout` of --cp-layouts (`models/context_parallel.py`; attention
+`ring_zigzag_N`, `all_gather_contiguous_N`, ...): side by side, the peak RSS of the process (all N
+devices: they share the host's memory), XLA's per-device account of the step (`compiled_gb`, also
+for the runs that run), which is what one accelerator would hold, and per layout the causal
+attention's (query block, key block) pairs per device (`block_pairs_per_device`: the work balance;
+on an accelerator per device the ring's step waits for the busiest device, where N virtual CPU
+devices share the host's cores and the step time follows the total).
+`--balance-lengths`: per layout, each device's share of a T-token row's ring attention measured on
+its own, one device after another on one CPU device: the forward and backward of all its N ring
+steps (`context_parallel.fold_runs` / `grads_runs`, the ring's own pieces, at that device's block
+offsets; the bench model's 4 heads, 2 KV heads of 64, fp32, one layer), best of --steps + 1 runs:
+what N parallel devices would each take, and the busiest one's time (the ring's) per layout.
 `step_s` is the best of --steps timed steps (at most one above 4K; --steps 0: the first step,
 compilation included) after a first step that compiles (`first_step_s`). Rows longer than --run-max are compiled
 but not run (`compile_only`): `compiled_gb` is XLA's memory account of the step (arguments, outputs,
@@ -50,6 +60,9 @@ def _flags(p):
   p.add_argument("--cp-lengths", default="", help="row lengths run with context parallelism (comma-separated)")
   p.add_argument("--cp-devices", type=int, default=4, help="devices a --cp-lengths row is split over")
   p.add_argument("--cp-schemes", default="ring,all_gather", help="model.context_parallel_attention values to run")
+  p.add_argument("--cp-layouts", default="zigzag", help="model.context_parallel_layout values to run")
+  p.add_argument("--balance-lengths", default="", help="row lengths whose ring attention is timed per device, "
+                 "for every layout (comma-separated)")
   p.add_argument("--steps", type=int, default=3, help="timed steps per run up to 4K (the best is reported)")
   p.add_argument("--run-max", type=int, default=None,
                  help="longer rows are compiled, not run: XLA's memory account of the step instead of a measurement")
@@ -69,8 +82,8 @@ def _compiled_gb(learner, state, batch) -> dict:
 
 
 def run_one(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
-  """One learner step on one row of T tokens with `impl` attention (`ring_N` / `all_gather_N`:
-  context parallelism over N devices with that scheme), in this (fresh) process."""
+  """One learner step on one row of T tokens with `impl` attention (`SCHEME_LAYOUT_N`, e.g.
+  `ring_zigzag_4`: context parallelism over N devices with that scheme and layout), in this (fresh) process."""
   import jax
   import numpy as np
   from jax.sharding import Mesh
@@ -79,11 +92,13 @@ def run_one(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
   from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig
   from tunixlike.models.config import CONTEXT_PARALLEL_SCHEMES
 
-  scheme, _, n = impl.rpartition("_")
+  rest, _, n = impl.rpartition("_")
+  scheme, _, layout = rest.rpartition("_")
   devices = int(n) if scheme in CONTEXT_PARALLEL_SCHEMES else 1
   cfg = models.ModelConfig(**BENCH_MODEL, max_position_embeddings=max(t, 512),
                            attention="blockwise" if devices > 1 else impl,
-                           **({"context_parallel_attention": scheme} if devices > 1 else {}))
+                           **({"context_parallel_attention": scheme, "context_parallel_layout": layout}
+                              if devices > 1 else {}))
   lcfg = LearnerConfig(algo=AlgoConfig(loss="ppo_clip", is_mode="tis"),
                        optim=OptimConfig(learning_rate=1e-5, context_parallel=devices > 1), logprob_chunk_size=128)
   if devices > 1:
@@ -117,6 +132,68 @@ def _child(impl: str, t: int, steps: int, compile_only: bool = False, devices: i
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def ring_work(layout: str, t: int, n: int, repeats: int) -> dict:
+  """Seconds of each of n devices' ring attention (forward + backward, every ring step) over a causal
+  T-token row in `layout`, each device's work run alone on this process's first device."""
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from tunixlike.models import attention, context_parallel as cp
+  block, tp = cp.padded_length(t, n, layout)
+  row_runs = cp.runs(layout, n)
+  h, kv, d = BENCH_MODEL["num_heads"], BENCH_MODEL["num_kv_heads"], BENCH_MODEL["head_dim"]
+  r = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(r.normal(size=(1, tp // n, x, d)), jnp.float32) for x in (h, kv, kv))
+  st = attention.static_args(q, k, block, None, False)
+  q, k, v, seg, pre, _ = attention.to_blocks(st, q, k, v)
+  nc = q.shape[0]
+
+  @jax.jit
+  def device(q, k, v, seg, pre, me):  # the keys' values do not change the work: causality is in the block offsets
+    offs = lambda s: cp.run_offsets(row_runs, (me - s) % n, nc)
+    state = attention.softmax_init(q)
+    for s in range(n):
+      state = cp.fold_runs(st, q, k, v, seg, pre, seg, cp.run_offsets(row_runs, me, nc), offs(s), state)
+    o, lse = attention.softmax_finish(state, q.dtype)
+    delta, dq, dk = attention.output_delta(o, o), jnp.zeros(q.shape, jnp.float32), 0.0
+    for s in range(n):
+      dq, dk_s, _ = cp.grads_runs(st, q, k, v, seg, pre, seg, cp.run_offsets(row_runs, me, nc), offs(s), o, lse,
+                                  delta, dq)
+      dk = dk + dk_s
+    return o, dq, dk
+
+  seconds = []
+  for me in range(n):
+    args = (q, k, v, seg, pre, jnp.int32(me))
+    jax.block_until_ready(device(*args))  # compiled once (me is traced), warm
+    best = float("inf")
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(device(*args))
+      best = min(best, time.perf_counter() - start)
+    seconds.append(best)
+  pairs = cp.causal_block_pairs(layout, n, nc // len(row_runs[0]))
+  return {"seconds": seconds, "busiest_s": max(seconds), "busiest_to_mean": max(seconds) * n / sum(seconds),
+          "block_pairs": pairs}
+
+
+def _side_by_side(out: dict, a: str, b: str, t: int, by: dict, compiled: dict) -> None:
+  """out[f"{a}_vs_{b}_{t}"]: two context-parallel runs of the same row, where both ran or compiled:
+  per-device temporaries, peak RSS, step time and loss."""
+  ca, cb = compiled.get((a, t)), compiled.get((b, t))
+  if not (ca and cb):
+    return
+  side = {"temp_gb_per_device": {a: ca["temp"], b: cb["temp"]}, "temp_ratio": ca["temp"] / cb["temp"]}
+  ra, rb = by.get((a, t)), by.get((b, t))
+  if ra and rb:
+    side.update(peak_rss_gb={a: ra["peak_rss_gb"], b: rb["peak_rss_gb"]}, step_s={a: ra["step_s"], b: rb["step_s"]},
+                step_time_ratio=ra["step_s"] / rb["step_s"], loss_abs_diff=abs(ra["loss"] - rb["loss"]))
+  out[f"{a}_vs_{b}_{t}"] = side
+
+
 def main(argv=None):
   args = _parse(argv)
   if args.one:
@@ -137,10 +214,12 @@ def main(argv=None):
       print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
   n = args.cp_devices
   schemes = [s for s in args.cp_schemes.split(",") if s]
+  layouts = [s for s in args.cp_layouts.split(",") if s]
+  cp = [(scheme, layout, f"{scheme}_{layout}_{n}") for layout in layouts for scheme in schemes]
   for t in cp_lengths:
     compile_only = args.run_max is not None and t > args.run_max
-    for scheme in schemes:
-      runs.append(_child(f"{scheme}_{n}", t, steps if t <= 4096 else min(steps, 1), compile_only, n))
+    for _, _, impl in cp:
+      runs.append(_child(impl, t, steps if t <= 4096 else min(steps, 1), compile_only, n))
       print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
   by = {(r["attention"], r["length"]): r for r in runs if "error" not in r and not r.get("compile_only")}
   compiled = {(r["attention"], r["length"]): r["compiled_gb"] for r in runs if "compiled_gb" in r}
@@ -155,25 +234,28 @@ def main(argv=None):
       out["memory_growth_target_met"] = out["memory_growth_4k_to_32k"] <= 10
       out["peak_rss_gb_32k"] = blk[32768]["peak_rss_gb"]
       out["fits_16gb_at_32k"] = blk[32768]["peak_rss_gb"] <= 16
+  from tunixlike.models import context_parallel
   for t in cp_lengths:  # issue 41's target: a 64K-token row over 4 devices within 24 GB
-    for scheme in schemes:
-      r = by.get((f"{scheme}_{n}", t))
+    for layout in layouts:  # the causal work per device: what the layout balances
+      block, tp = context_parallel.padded_length(t, n, layout)
+      runs_per_device = len(context_parallel.runs(layout, n)[0])
+      pairs = context_parallel.causal_block_pairs(layout, n, tp // (block * runs_per_device * n))
+      out[f"block_pairs_per_device_{layout}_{n}_{t}"] = {"pairs": pairs, "busiest_to_mean": max(pairs) * n / sum(pairs)}
+    for _, _, impl in cp:
+      r = by.get((impl, t))
       if r is not None:
-        out[f"{scheme}_{n}_{t}"] = {"peak_rss_gb": r["peak_rss_gb"], "within_24gb": r["peak_rss_gb"] <= 24,
-                                    "step_s": r["step_s"]}
+        out[f"{impl}_{t}"] = {"peak_rss_gb": r["peak_rss_gb"], "within_24gb": r["peak_rss_gb"] <= 24,
+                              "step_s": r["step_s"]}
         if ("blockwise", t) in by:  # the same step on one device: the same loss
-          out[f"{scheme}_{n}_{t}"]["loss_abs_diff"] = abs(r["loss"] - by[("blockwise", t)]["loss"])
-    ring, gather = compiled.get((f"ring_{n}", t)), compiled.get((f"all_gather_{n}", t))
-    if ring and gather:  # the two schemes side by side: per-device temporaries, peak RSS and step time
-      side = {"temp_gb_per_device": {"ring": ring["temp"], "all_gather": gather["temp"]},
-              "temp_ratio_ring_to_all_gather": ring["temp"] / gather["temp"]}
-      r, g = by.get((f"ring_{n}", t)), by.get((f"all_gather_{n}", t))
-      if r and g:
-        side.update(peak_rss_gb={"ring": r["peak_rss_gb"], "all_gather": g["peak_rss_gb"]},
-                    step_s={"ring": r["step_s"], "all_gather": g["step_s"]},
-                    step_time_ratio_ring_to_all_gather=r["step_s"] / g["step_s"],
-                    loss_abs_diff=abs(r["loss"] - g["loss"]))
-      out[f"ring_vs_all_gather_{n}_{t}"] = side
+          out[f"{impl}_{t}"]["loss_abs_diff"] = abs(r["loss"] - by[("blockwise", t)]["loss"])
+    for a, b in ((f"ring_{layouts[0]}_{n}", f"all_gather_{layouts[0]}_{n}"),
+                 (f"ring_zigzag_{n}", f"ring_contiguous_{n}")):
+      _side_by_side(out, a, b, t, by, compiled)
+  for t in ([512] if args.quick else [int(x) for x in args.balance_lengths.split(",") if x]):
+    work = {layout: ring_work(layout, t, n, steps + 1) for layout in context_parallel.LAYOUTS}
+    for layout, w in work.items():
+      out[f"ring_work_per_device_{layout}_{n}_{t}"] = w
+    out[f"ring_busiest_device_zigzag_to_contiguous_{n}_{t}"] = work["zigzag"]["busiest_s"] / work["contiguous"]["busiest_s"]
   for t in lengths:
     if ("reference", t) in by and t in blk:
       ref = by[("reference", t)]

@@ -222,14 +222,19 @@ def test_multi_agent_benchmark(tmp_path):
 def test_long_context_benchmark(tmp_path):
   r = run_benchmark("long_context", tmp_path, "--run-max", "128", timeout_s=600)  # five fresh processes
   runs = {(x["attention"], x["length"]): x for x in r["runs"]}
-  assert set(runs) == {("reference", 128), ("blockwise", 128), ("blockwise", 256), ("ring_4", 128),
-                       ("all_gather_4", 128)}
-  for key in (("reference", 128), ("blockwise", 128), ("ring_4", 128), ("all_gather_4", 128)):
+  assert set(runs) == {("reference", 128), ("blockwise", 128), ("blockwise", 256), ("ring_zigzag_4", 128),
+                       ("all_gather_zigzag_4", 128)}
+  for key in (("reference", 128), ("blockwise", 128), ("ring_zigzag_4", 128), ("all_gather_zigzag_4", 128)):
     assert_positive(runs[key], "step_s", "peak_rss_gb")
   assert runs[("blockwise", 256)]["compile_only"] and runs[("blockwise", 256)]["compiled_gb"]["temp"] > 0
   # the same step: both kernels give the same loss
   assert r["blockwise_vs_reference_128"]["loss_abs_diff"] < 1e-5
   for scheme in ("ring", "all_gather"):  # the row split over 4 devices
-    assert r[f"{scheme}_4_128"]["loss_abs_diff"] < 1e-5
-  side = r["ring_vs_all_gather_4_128"]
-  assert side["temp_gb_per_device"]["ring"] > 0 and side["loss_abs_diff"] < 1e-5
+    assert r[f"{scheme}_zigzag_4_128"]["loss_abs_diff"] < 1e-5
+  side = r["ring_zigzag_4_vs_all_gather_zigzag_4_128"]
+  assert side["temp_gb_per_device"]["ring_zigzag_4"] > 0 and side["loss_abs_diff"] < 1e-5
+  assert r["block_pairs_per_device_zigzag_4_128"]["busiest_to_mean"] == 1  # every device as much causal work
+  for layout in ("zigzag", "contiguous"):  # each device's ring attention, timed alone
+    work = r[f"ring_work_per_device_{layout}_4_512"]
+    assert len(work["seconds"]) == 4 and min(work["seconds"]) > 0
+  assert len(set(r["ring_work_per_device_zigzag_4_512"]["block_pairs"])) == 1

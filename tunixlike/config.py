@@ -26,7 +26,8 @@ from tunixlike import mesh as mesh_lib
 from tunixlike.data.tasks import TASKS, AdditionTask, DatasetTask
 from tunixlike.distributed import DistributedConfig
 from tunixlike.learner.config import OFFLOAD_COMPONENTS, PPO_LOSSES, AlgoConfig, OptimConfig
-from tunixlike.models.config import ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL_SCHEMES, ModelConfig
+from tunixlike.models.config import (ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL_LAYOUTS, CONTEXT_PARALLEL_SCHEMES,
+                                     ModelConfig)
 from tunixlike.rl.config import RuntimeConfig
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.settings import (DTYPES, ConfigError, check_fields, in_range, is_key, library_setting, non_negative,
@@ -85,6 +86,12 @@ class ModelSection:
       "devices, K/V memory T/N per device | all_gather = every device holds the row's K/V (one collective per "
       "layer; fewer, larger transfers where K/V are small next to the activations)",
       check=one_of(*CONTEXT_PARALLEL_SCHEMES))
+  context_parallel_layout: str = library_setting(
+      ModelConfig, "context_parallel_layout", "with optim.context_parallel, which of the row's tokens each device "
+      "holds (docs/learner.md#context-parallelism): zigzag = runs i and 2N-1-i of 2N, so that under the causal "
+      "mask every device computes as many (query, key) pairs | contiguous = the i-th N-th of the row (device 0 "
+      "idles while the last computes N times as much)",
+      check=one_of(*CONTEXT_PARALLEL_LAYOUTS))
 
   def __post_init__(self):
     check_fields(self)

@@ -1,6 +1,8 @@
 """Context parallelism on 4 CPU devices: the row split along T gives the single-device attention and
 gradients, by the ring and by the all-gather; the ring holds only its own share of the keys and values."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,15 +37,22 @@ def _packed(t):
   return jnp.asarray(seg), jnp.asarray(pre)
 
 
+@pytest.mark.parametrize("layout", context_parallel.LAYOUTS)
 @pytest.mark.parametrize("scheme", context_parallel.SCHEMES)
 @pytest.mark.parametrize("masks, window", [("causal", None), ("shared_prompt", None), ("shared_prompt", 50),
                                            ("packed", None)])
-def test_sharded_row_equals_one_device(mesh, scheme, masks, window):
+def test_sharded_row_equals_one_device(mesh, scheme, layout, masks, window):
   q, k, v, seg = _inputs(256)
   seg, pre = {"causal": (None, None), "shared_prompt": (seg, None), "packed": _packed(256)}[masks]
   w = jnp.cos(jnp.arange(q.size, dtype=jnp.float32)).reshape(q.shape)
-  split_attend = lambda q, k, v: context_parallel.attend(q, k, v, mesh, "context", segments_bt=seg, prefix_bt=pre,
-                                                         window=window, block=16, scheme=scheme)
+  to, back = (functools.partial(f, mesh=mesh, axis="context", layout=layout)
+              for f in (context_parallel.to_layout, context_parallel.from_layout))
+
+  def split_attend(q, k, v):  # the row in the layout's order (zigzag: reordered), and back
+    q, k, v, s, p = to((q, k, v, seg, pre))
+    return back(context_parallel.attend(q, k, v, mesh, "context", segments_bt=s, prefix_bt=p, window=window,
+                                        block=16, scheme=scheme, layout=layout))
+
   one = lambda q, k, v: (attention.reference(q, k, v, seg, pre, window) * w).sum()
   split = lambda q, k, v: (split_attend(q, k, v) * w).sum()
   sharded = NamedSharding(mesh, P(None, "context"))
@@ -64,6 +73,31 @@ def test_a_row_that_does_not_split_into_whole_blocks_is_padded(mesh, scheme):
   out = jax.jit(lambda q, k, v: context_parallel.attend(q, k, v, mesh, "context", segments_bt=seg, block=32,
                                                         scheme=scheme))(q, k, v)
   np.testing.assert_allclose(out, attention.reference(q, k, v, seg), atol=1e-5)
+
+
+def test_zigzag_reorders_half_chunks_and_back(mesh):
+  """Device i holds runs i and 7-i of 8 (Megatron-LM's layout); from_layout undoes it."""
+  row = jnp.arange(2 * 64).reshape(2, 64)
+  zig = jax.jit(lambda x: context_parallel.to_layout(x, mesh, "context", "zigzag"))(row)
+  runs = np.asarray(zig[0]).reshape(8, 8)[:, 0] // 8  # the run of each place of the reordered row
+  np.testing.assert_array_equal(runs, [0, 7, 1, 6, 2, 5, 3, 4])
+  np.testing.assert_array_equal(context_parallel.from_layout(zig, mesh, "context", "zigzag"), row)
+
+
+def test_zigzag_balances_the_causal_work():
+  """(Query block, key block) pairs per device over a causal row of 32 blocks: contiguous
+  36:100:164:228, zigzag 132 each."""
+  contiguous = context_parallel.causal_block_pairs("contiguous", 4, 8)  # 4 chunks of 8 blocks
+  zigzag = context_parallel.causal_block_pairs("zigzag", 4, 4)  # 8 runs of 4 blocks
+  assert sum(contiguous) == sum(zigzag) == 32 * 33 // 2
+  assert max(contiguous) / min(contiguous) > 6 and max(zigzag) == min(zigzag)
+
+
+@pytest.mark.parametrize("scheme", context_parallel.SCHEMES)
+def test_a_zigzag_row_must_be_padded_first(mesh, scheme):
+  q, k, v, _ = _inputs(200)
+  with pytest.raises(ValueError, match="must be padded to 256"):
+    context_parallel.attend(q, k, v, mesh, "context", block=32, scheme=scheme, layout="zigzag")
 
 
 def _grad_temp_bytes(n, scheme, t=16384):

@@ -21,6 +21,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 MOE_ARCHS = ("qwen3_moe", "mixtral")
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn", "pallas_tpu")  # attention.py
 CONTEXT_PARALLEL_SCHEMES = ("ring", "all_gather")  # context_parallel.py
+CONTEXT_PARALLEL_LAYOUTS = ("zigzag", "contiguous")  # context_parallel.py: which tokens each device holds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,7 @@ class ModelConfig:
   remat: bool = False  # rematerialise each layer in the backward pass (nnx.remat)
   attention: str = "auto"  # the full-sequence attention kernel (attention.IMPLEMENTATIONS)
   context_parallel_attention: str = "ring"  # a row split over devices: how keys reach queries (context_parallel.py)
+  context_parallel_layout: str = "zigzag"  # ... and which of its tokens each device holds (balanced causal work)
   max_position_embeddings: int = 4096
   init_std: float = 0.02  # stddev of the normal init of every kernel and embedding
   bos_token_id: int | None = None
@@ -100,6 +102,9 @@ class ModelConfig:
     if self.context_parallel_attention not in CONTEXT_PARALLEL_SCHEMES:
       raise ValueError(f"ModelConfig.context_parallel_attention={self.context_parallel_attention!r}, expected one "
                        f"of {CONTEXT_PARALLEL_SCHEMES}")
+    if self.context_parallel_layout not in CONTEXT_PARALLEL_LAYOUTS:
+      raise ValueError(f"ModelConfig.context_parallel_layout={self.context_parallel_layout!r}, expected one "
+                       f"of {CONTEXT_PARALLEL_LAYOUTS}")
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r} must be a RopeScaling or None")
     if not isinstance(self.eos_token_ids, tuple):

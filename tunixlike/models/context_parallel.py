@@ -18,18 +18,33 @@ blockwise kernel's pieces (`attention.py`). Two ways to bring every key to the q
               instead of N-1 hops, but each device holds the row's K/V (and their fp32 gradients).
 
 Memory per device otherwise: its T/N queries and [block, block] scores.
+
+Which tokens a device holds (`model.context_parallel_layout`, `LAYOUTS`): under a causal mask the
+later tokens attend to more keys: with the row cut into N contiguous chunks of C = T/N tokens,
+device i computes (i + 1/2) C^2 (query, key) pairs, device 0 half a chunk's, device N-1 almost N
+times as many; a ring step waits for the busiest device.
+
+  zigzag      the row cut into 2N runs, device i holding runs i and 2N-1-i (one early, one late):
+              every device computes N/2 C^2 pairs (Megatron-LM's load-balanced context
+              parallelism; zigzag ring attention, github.com/zhuzilin/ring-flash-attention). The model reorders the row once, before its
+              first layer, and back after its last (`to_layout` / `from_layout`: two `ppermute`s of
+              half-chunks each way), with the positions and segment ids, so that each layer's
+              attention sees its device's runs and their global block offsets.
+  contiguous  device i holds tokens [i T/N, (i+1) T/N): no reordering; device i's queries see i+1
+              of the N key chunks.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from tunixlike.models import attention
-from tunixlike.models.config import CONTEXT_PARALLEL_SCHEMES as SCHEMES
+from tunixlike.models.config import CONTEXT_PARALLEL_LAYOUTS as LAYOUTS, CONTEXT_PARALLEL_SCHEMES as SCHEMES
 
 
 def sequence_rules(rules, axis: str) -> tuple:
@@ -39,20 +54,111 @@ def sequence_rules(rules, axis: str) -> tuple:
                if name != "length") + (("length", axis),)
 
 
+def runs(layout: str, n: int) -> tuple[tuple[int, ...], ...]:
+  """Per device, the global indices of the runs of the row it holds, in its order: the row is cut
+  into N runs (contiguous) or 2N (zigzag: device i holds runs i and 2N-1-i)."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"context parallel layout {layout!r}, expected one of {LAYOUTS}")
+  return tuple((d,) if layout == "contiguous" else (d, 2 * n - 1 - d) for d in range(n))
+
+
+def padded_length(t: int, n: int, layout: str, block: int = attention.BLOCK) -> tuple[int, int]:
+  """(block, T padded): the row cut into runs of whole blocks over n devices (a short row: one block
+  of at least 8 tokens per run)."""
+  r = n * len(runs(layout, 1)[0])
+  blk = min(block, -(-t // (8 * r)) * 8)
+  return blk, -(-t // (r * blk)) * r * blk
+
+
+def to_layout(tree, mesh: Mesh, axis: str, layout: str):
+  """Arrays [B, T, ...] (T a multiple of 2N), their tokens in row order split over `axis` -> in
+  `layout`'s order (zigzag: each device's second half-chunk swapped for a later one)."""
+  return tree if layout == "contiguous" else _zigzag(tree, mesh, axis, inverse=False)
+
+
+def from_layout(tree, mesh: Mesh, axis: str, layout: str):
+  """`to_layout`'s inverse: the tokens back in row order."""
+  return tree if layout == "contiguous" else _zigzag(tree, mesh, axis, inverse=True)
+
+
+def _zigzag(tree, mesh: Mesh, axis: str, inverse: bool):
+  """Half-chunk c of the row (device c // 2, slot c % 2 in row order) goes to device c, slot 0 if
+  c < N, else to device 2N-1-c, slot 1. One ppermute per slot of the sender: both are permutations
+  (two even, or two odd, half-chunks never share a device); the receiver puts each where it belongs."""
+  n = mesh.shape[axis]
+  home = lambda c: (c, 0) if c < n else (2 * n - 1 - c, 1)
+  perms = [[(d, home(2 * d + s)[0]) for d in range(n)] for s in (0, 1)]
+  # the zigzag slot of the half-chunk that slot 0's ppermute brings to each device
+  slot_of_even = jnp.asarray([home(2 * d)[1] for d, _ in sorted(perms[0], key=lambda p: p[1])])
+
+  def local(tree):
+    swap = slot_of_even[jax.lax.axis_index(axis)] == 1
+    pick = lambda a, b: jnp.where(swap, b, a)
+
+    def one(x):
+      x0, x1 = jnp.split(x, 2, axis=1)
+      if not inverse:
+        e, o = (jax.lax.ppermute(h, axis, p) for h, p in zip((x0, x1), perms))
+        return jnp.concatenate([pick(e, o), pick(o, e)], axis=1)
+      back = [jax.lax.ppermute(h, axis, [(b, a) for a, b in p]) for h, p in zip((pick(x0, x1), pick(x1, x0)), perms)]
+      return jnp.concatenate(back, axis=1)
+
+    return jax.tree.map(one, tree)
+
+  seq = P(None, axis)
+  return jax.shard_map(local, mesh=mesh, in_specs=(seq,), out_specs=seq, check_vma=False)(tree)
+
+
+def causal_block_pairs(layout: str, n: int, run_blocks: int) -> list[int]:
+  """Per device, the (query block, key block) pairs its attention computes over a causal row of
+  n * R runs of `run_blocks` blocks (no segments, no window): query block g sees key blocks 0..g,
+  wherever they are. The work balance of a layout (benchmarks/long_context.py)."""
+  return [sum(r * run_blocks + i + 1 for r in mine for i in range(run_blocks)) for mine in runs(layout, n)]
+
+
+class RowSplit(NamedTuple):
+  """A row whose tokens a model splits over mesh axis `axis` in `layout`'s order: `enter` pads its
+  per-token inputs to `padded_length` (after every real token, so causality hides the padding) and
+  reorders them; `leave` puts the outputs back in row order, cut to the row's length."""
+
+  mesh: Mesh
+  axis: str
+  layout: str
+
+  def enter(self, tokens_bt, positions_bt, segments_bt, prefix_bt, forced):
+    """(tokens, positions, segments, prefix, per-layer forced experts [B, T, k] or Nones), reordered."""
+    t = tokens_bt.shape[1]
+    tp = padded_length(t, self.mesh.shape[self.axis], self.layout)[1]
+    pad = lambda x, fill: None if x is None else jnp.pad(
+        x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    return to_layout((pad(tokens_bt, 0), pad(positions_bt, 0), pad(segments_bt, -1), pad(prefix_bt, -1),
+                      [pad(f, -1) for f in forced]), self.mesh, self.axis, self.layout)  # -1: the router's own
+
+  def leave(self, t: int, tree):
+    """Arrays [B, T padded, ...] of the forward -> [B, t, ...] in row order."""
+    return jax.tree.map(lambda x: x[:, :t], from_layout(tree, self.mesh, self.axis, self.layout))
+
+
 def attend(q_bthd, k_btkd, v_btkd, mesh: Mesh, axis: str, *, segments_bt=None, prefix_bt=None,
-           window: int | None = None, block: int = attention.BLOCK, scheme: str = "ring"):
+           window: int | None = None, block: int = attention.BLOCK, scheme: str = "ring",
+           layout: str = "contiguous"):
   """Causal attention (attention.py's function) with T sharded over mesh axis `axis`.
 
-  q [B, T, H, D], k / v [B, T, Hkv, D], segments / prefix [B, T]. Returns [B, T, H, D], sharded like
-  q. A row that does not split into N chunks of whole blocks is padded at its end (the padded keys
-  come after every real query, so causality hides them; the padded queries are cut off).
+  q [B, T, H, D], k / v [B, T, Hkv, D], segments / prefix [B, T], their tokens in `layout`'s order
+  (`to_layout`). Returns [B, T, H, D] in that order, sharded like q. In the contiguous layout a row
+  that does not split into N chunks of whole blocks is padded at its end (the padded keys come after
+  every real query, so causality hides them; the padded queries are cut off); the zigzag layout
+  takes rows already padded to `padded_length` (the model pads before reordering).
   """
   if scheme not in SCHEMES:
     raise ValueError(f"context parallel attention scheme {scheme!r}, expected one of {SCHEMES}")
   n = mesh.shape[axis]
   t, h = q_bthd.shape[1], q_bthd.shape[2]
-  blk = min(block, -(-t // (8 * n)) * 8)  # a short row: one block of at least 8 tokens per device
-  tp = -(-t // (n * blk)) * n * blk
+  blk, tp = padded_length(t, n, layout, block)
+  if tp != t and layout != "contiguous":
+    raise ValueError(f"context parallel attention: a {layout} row of {t} tokens over {n} devices must be padded "
+                     f"to {tp} (padded_length) before to_layout")
+  row_runs = runs(layout, n)
   has_seg = segments_bt is not None
   pad = lambda x, fill=0: x if tp == t else jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2),
                                                     constant_values=fill)
@@ -62,14 +168,26 @@ def attend(q_bthd, k_btkd, v_btkd, mesh: Mesh, axis: str, *, segments_bt=None, p
   seq = P(None, axis)
 
   def all_gather(q, k, v, seg, pre):
-    gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
-    offset = jax.lax.axis_index(axis) * q.shape[1]
-    return attention.blockwise_chunk(q, gather(k), gather(v), offset, seg if has_seg else None,
-                                     pre if has_seg else None, gather(seg) if has_seg else None, window, blk)
+    # the gathered row in device order, its runs put back in row order: keys at global offset 0
+    gathered = [r for device in row_runs for r in device]  # the global run at each place of the gathered row
+
+    def gather(x):
+      parts = jnp.split(jax.lax.all_gather(x, axis, axis=1, tiled=True), len(gathered), axis=1)
+      return jnp.concatenate([parts[gathered.index(g)] for g in range(len(gathered))], axis=1)
+
+    k_all, v_all, seg_all = gather(k), gather(v), gather(seg) if has_seg else None
+    n_runs = len(row_runs[0])
+    run_len = q.shape[1] // n_runs
+    starts = jnp.asarray(row_runs)[jax.lax.axis_index(axis)] * run_len
+    part = lambda x, r: None if x is None else x[:, r * run_len:(r + 1) * run_len]
+    return jnp.concatenate(
+        [attention.blockwise_chunk(part(q, r), k_all, v_all, starts[r], part(seg, r) if has_seg else None,
+                                   part(pre, r) if has_seg else None, seg_all, window, blk)
+         for r in range(n_runs)], axis=1)
 
   def ring(q, k, v, seg, pre):
     blocks = attention.to_blocks(st, q, k, v, seg, pre, seg)
-    return attention.from_blocks(_ring(*blocks, st, axis, n), h)
+    return attention.from_blocks(_ring(*blocks, st, axis, row_runs), h)
 
   local = ring if scheme == "ring" else all_gather
   o = jax.shard_map(local, mesh=mesh, in_specs=(seq,) * 5, out_specs=seq, check_vma=False)(
@@ -79,7 +197,7 @@ def attend(q_bthd, k_btkd, v_btkd, mesh: Mesh, axis: str, *, segments_bt=None, p
 
 # ---------------------------------------------------------------------------------------- ring
 # Inside shard_map: q, k, v, segments are this device's chunk in the kernel's block layout
-# (attention.to_blocks); device i holds global blocks [i * Nc, (i + 1) * Nc).
+# (attention.to_blocks): R runs (`runs`) of Nc / R blocks, run r at global block row_runs[i][r] * Nc / R.
 
 def _hop(axis: str, n: int, *xs):
   """Each of xs passed to the next device of the ring (device i -> i + 1 mod N)."""
@@ -87,16 +205,54 @@ def _hop(axis: str, n: int, *xs):
   return tuple(jax.lax.ppermute(x, axis, perm) for x in xs)
 
 
+def run_offsets(row_runs, device, nc: int):
+  """Global block offset of each run of `device`'s chunk of nc blocks (traced ints)."""
+  return jnp.asarray(row_runs)[device] * (nc // len(row_runs[0]))
+
+
+def fold_runs(st, q, k, v, seg_q, pre_q, seg_k, q_offs, k_offs, state):
+  """One ring step on a device: forward_blocks over every (query run, key run) pair of its chunk and
+  the chunk it holds (global block offsets q_offs / k_offs, `run_offsets`); pairs that causality
+  hides compute nothing (forward_blocks' loop bounds)."""
+  n_runs = len(q_offs)
+  split = lambda x: jnp.split(x, n_runs)
+  qs, ks, vs, sq, pq, sk = map(split, (q, k, v, seg_q, pre_q, seg_k))
+  parts = list(zip(*map(split, state)))
+  for r in range(n_runs):
+    for c in range(n_runs):
+      parts[r] = attention.forward_blocks(st, qs[r], ks[c], vs[c], sq[r], pq[r], sk[c], q_offs[r], k_offs[c], parts[r])
+  return tuple(jnp.concatenate(x) for x in zip(*parts))
+
+
+def grads_runs(st, q, k, v, seg_q, pre_q, seg_k, q_offs, k_offs, do, lse, delta, dq):
+  """fold_runs' backward: backward_blocks over every (query run, key run) pair -> (dq + this
+  chunk's part, dk, dv), fp32."""
+  n_runs = len(q_offs)
+  split = lambda x: jnp.split(x, n_runs)
+  qs, ks, vs, sq, pq, sk, dos, lses, deltas, dqs = map(split, (q, k, v, seg_q, pre_q, seg_k, do, lse, delta, dq))
+  dks, dvs = [], []
+  for c in range(n_runs):
+    dk = dv = 0.0
+    for r in range(n_runs):
+      dqs[r], dk_rc, dv_rc = attention.backward_blocks(st, qs[r], ks[c], vs[c], sq[r], pq[r], sk[c], q_offs[r],
+                                                       k_offs[c], dos[r], lses[r], deltas[r], dqs[r])
+      dk, dv = dk + dk_rc, dv + dv_rc
+    dks.append(dk)
+    dvs.append(dv)
+  return jnp.concatenate(dqs), jnp.concatenate(dks), jnp.concatenate(dvs)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _ring(q, k, v, seg_q, pre_q, seg_k, st: attention.Static, axis: str, n: int):
-  return _ring_fwd(q, k, v, seg_q, pre_q, seg_k, st, axis, n)[0]
+def _ring(q, k, v, seg_q, pre_q, seg_k, st: attention.Static, axis: str, row_runs):
+  return _ring_fwd(q, k, v, seg_q, pre_q, seg_k, st, axis, row_runs)[0]
 
 
-def _ring_fwd(q, k, v, seg_q, pre_q, seg_k, st, axis, n):
+def _ring_fwd(q, k, v, seg_q, pre_q, seg_k, st, axis, row_runs):
   """At step s device i holds the K/V chunk of device i - s and folds it into its online softmax."""
-  me, nc = jax.lax.axis_index(axis), q.shape[0]
-  fold = lambda s, state, k_s, v_s, seg_s: attention.forward_blocks(
-      st, q, k_s, v_s, seg_q, pre_q, seg_s, me * nc, ((me - s) % n) * nc, state)
+  n, me, nc = len(row_runs), jax.lax.axis_index(axis), q.shape[0]
+  fold = lambda s, state, k_s, v_s, seg_s: fold_runs(
+      st, q, k_s, v_s, seg_q, pre_q, seg_s, run_offsets(row_runs, me, nc),
+      run_offsets(row_runs, (me - s) % n, nc), state)
 
   def step(s, carry):
     state, k_s, v_s, seg_s = carry
@@ -107,14 +263,15 @@ def _ring_fwd(q, k, v, seg_q, pre_q, seg_k, st, axis, n):
   return o, (q, k, v, seg_q, pre_q, seg_k, o, lse)
 
 
-def _ring_bwd(st, axis, n, res, do):
+def _ring_bwd(st, axis, row_runs, res, do):
   """The ring again: each step adds a chunk's part to dQ here and to the dK / dV that travel with
   the chunk; a last hop brings every dK / dV chunk home."""
   q, k, v, seg_q, pre_q, seg_k, o, lse = res
-  me, nc = jax.lax.axis_index(axis), q.shape[0]
+  n, me, nc = len(row_runs), jax.lax.axis_index(axis), q.shape[0]
   delta = attention.output_delta(do, o)
-  grads = lambda s, dq, k_s, v_s, seg_s: attention.backward_blocks(
-      st, q, k_s, v_s, seg_q, pre_q, seg_s, me * nc, ((me - s) % n) * nc, do, lse, delta, dq)
+  grads = lambda s, dq, k_s, v_s, seg_s: grads_runs(
+      st, q, k_s, v_s, seg_q, pre_q, seg_s, run_offsets(row_runs, me, nc),
+      run_offsets(row_runs, (me - s) % n, nc), do, lse, delta, dq)
 
   def step(s, carry):
     dq, k_s, v_s, seg_s, dk_s, dv_s = carry

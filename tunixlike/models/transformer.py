@@ -114,7 +114,8 @@ class Attention(nnx.Module):
     segment prefix_bt (default 0: a shared prompt); without it every token sees every earlier one.
     The kernel is cfg.attention's (`attention.py`: reference, blockwise flash, cuDNN, splash); with
     the row's tokens split over devices (activation rule 'length', the learner's
-    `optim.context_parallel`) cfg.context_parallel_attention's scheme (`context_parallel.py`: ring, all-gather).
+    `optim.context_parallel`) cfg.context_parallel_attention's scheme (`context_parallel.py`: ring, all-gather),
+    the tokens in cfg.context_parallel_layout's order (`Transformer._run_layers` reorders them).
     """
     cfg = self.cfg
     b, t = x_btd.shape[:2]
@@ -124,7 +125,7 @@ class Attention(nnx.Module):
       o = attention_lib.attend(q, k, v, segments_bt=segments_bt, prefix_bt=prefix_bt, impl=cfg.attention)
     else:
       o = context_parallel.attend(q, k, v, *split, segments_bt=segments_bt, prefix_bt=prefix_bt,
-                                  scheme=cfg.context_parallel_attention)
+                                  scheme=cfg.context_parallel_attention, layout=cfg.context_parallel_layout)
     return self.o_proj(o.reshape(b, t, cfg.num_heads * cfg.head_dim)), k, v
 
   def decode(self, x_bd, cos_bd, sin_bd, positions_b, k_cache, v_cache, attend_len: int | None,
@@ -268,10 +269,16 @@ class Transformer(nnx.Module):
                   prefix_bt=None):
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+    shape = tokens_bt.shape
+    per_layer = _forced(routing_btlk, self.cfg, shape, what)
+    split = self._split_row()
+    if split is not None:  # the row's tokens in the order its devices hold them (context_parallel.py)
+      tokens_bt, positions_bt, segments_bt, prefix_bt, per_layer = split.enter(
+          tokens_bt, positions_bt, segments_bt, prefix_bt, per_layer)
     cos, sin = rope_cos_sin(positions_bt, self.cfg)
     x = sharding_lib.constrain(self.embed_tokens(tokens_bt), ("batch", "length", None))
     kvs, routed = [], []
-    for layer, forced in zip(self.layers, _forced(routing_btlk, self.cfg, tokens_bt.shape, what)):
+    for layer, forced in zip(self.layers, per_layer):
       if self.cfg.remat:
         x, k, v, r = nnx.remat(lambda blk, x_, c_, s_, f_, g_, p_: blk(x_, c_, s_, f_, g_, p_))(
             layer, x, cos, sin, forced, segments_bt, prefix_bt)
@@ -279,7 +286,18 @@ class Transformer(nnx.Module):
         x, k, v, r = layer(x, cos, sin, forced, segments_bt, prefix_bt)
       kvs.append((k, v))
       routed.append(r)
-    return self.norm(x), kvs, _stack_routing(routed, tokens_bt.shape, self.cfg)
+    x = self.norm(x)
+    if split is not None:
+      x, kvs, routed = split.leave(shape[1], (x, kvs, routed))
+    return x, kvs, _stack_routing(routed, shape, self.cfg)
+
+  def _split_row(self) -> context_parallel.RowSplit | None:
+    """How this forward reorders a row split over devices (the learner's `optim.context_parallel`,
+    activation rule 'length'), or None."""
+    split = sharding_lib.activation_axis("length")
+    if split is None or self.cfg.context_parallel_layout == "contiguous":
+      return None
+    return context_parallel.RowSplit(*split, self.cfg.context_parallel_layout)
 
   def hidden_states(self, tokens_bt, positions_bt=None, *, segments_bt=None, prefix_bt=None, routing_btlk=None,
                     return_aux: bool = False):
@@ -412,10 +430,10 @@ class Transformer(nnx.Module):
     return (*out, _stack_routing(routed, tokens_b.shape, self.cfg).routing_btlk) if return_routing else out
 
 
-def with_attention(model: Transformer, impl: str, context_parallel_attention: str = "ring") -> Transformer:
-  """`model` with its attention kernel set to `impl` and its context-parallel scheme (for a model
-  loaded with the file's config)."""
-  cfg = model.cfg.replace(attention=impl, context_parallel_attention=context_parallel_attention)
+def with_attention(model: Transformer, **fields) -> Transformer:
+  """`model` with these attention fields of its config replaced (`attention`, `context_parallel_attention`,
+  `context_parallel_layout`): for a model loaded with the file's config."""
+  cfg = model.cfg.replace(**fields)
   model.cfg = cfg
   for layer in model.layers:
     layer.attn.cfg = cfg

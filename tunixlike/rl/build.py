@@ -234,7 +234,8 @@ def build_model(cfg: Config, tok, mesh, rules=mesh_lib.LEARNER_RULES) -> nnx.Mod
   if m.hf_path:
     return transformer.with_attention(models.from_pretrained(hub.resolve(m.hf_path, m.revision), mesh=mesh,
                                                              rules=rules, dtype=m.param_dtype),
-                                      m.attention, m.context_parallel_attention)
+                                      attention=m.attention, context_parallel_attention=m.context_parallel_attention,
+                                      context_parallel_layout=m.context_parallel_layout)
   # The model section's sizes carry ModelConfig's own names; the vocabulary is the tokenizer's.
   sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(models.ModelConfig) if hasattr(m, f.name)}
   model_cfg = models.ModelConfig(vocab_size=tok.vocab_size, **sizes)
