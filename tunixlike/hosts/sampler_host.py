@@ -123,6 +123,7 @@ def run(setup: build_lib.Setup, preemption, say=print) -> dict:
   driver = build_lib.make_driver(setup, engine, scorer, _PublishedStream(stream, index), admission, rewards,
                                  weight_sync.Synced(params, version, 0.0), say=say)
   errors: list[BaseException] = []
+  busy = {"busy_frac": 0.0}  # at the last weight sync: the runtime's sampler/busy_frac on one host
 
   def receive_weights():  # in the order the learner hosts send them, until the run ends
     try:
@@ -131,11 +132,13 @@ def run(setup: build_lib.Setup, preemption, say=print) -> dict:
         if got is None:
           return
         driver.update_params(*got, drain=cfg.rl.sync_mode == "drain")
+        busy["busy_frac"] = driver.stats.busy_time_s / (time.monotonic() - started)
         arrived(got[1])
     except BaseException as e:  # noqa: BLE001 - re-raised by the main loop
       errors.append(e)
 
   receiving = threading.Thread(target=receive_weights, daemon=True, name="weights-receiver")
+  started = time.monotonic()
   driver.start()
   receiving.start()
   asked = False
@@ -165,4 +168,4 @@ def run(setup: build_lib.Setup, preemption, say=print) -> dict:
     scorer.close()
   say(f"sampler host {me}: the learner hosts ended the run; {driver.stats.groups_emitted} groups sent, "
       f"{receiver.received} weight syncs received")
-  return {"preempted": asked, **dataclasses.asdict(driver.stats)}
+  return {"preempted": asked, **dataclasses.asdict(driver.stats), **busy}

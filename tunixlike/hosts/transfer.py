@@ -13,8 +13,9 @@ ones concatenated per dtype):
 2. **transfer**: the sending host's D shards of each buffer are one array on its D devices, and one
    `jax.device_put` moves them to the sampler host's D devices in the same split: D streams in
    parallel (one per device pair), each byte crosses once;
-3. **unpack**: on the sampler host one program turns the buffers into the arrays in the sampler's
-   layout (`specs`): the all-gather to the replicas runs there, over the host's own links.
+3. **spread + unpack**: on the sampler host each buffer's pieces are copied device to device onto
+   every one of its devices (the bytes of an all-gather, without a collective: `spread`), and one
+   program slices them into the arrays in the sampler's layout (`specs`).
 
 The sampler host acknowledges each bucket through the coordination service's key-value store; the
 sender frees a bucket only then, and keeps at most two buckets in flight (bucket k+1 is packed and
@@ -109,16 +110,33 @@ def _packer(wires: tuple, dtype: str | None, out_sharding: NamedSharding):
   return jax.jit(pack, out_shardings=[out_sharding] * len(wires))
 
 
+def spread(flat: jax.Array, mesh: Mesh) -> tuple[jax.Array, ...]:
+  """A buffer split over this host's devices (`FLAT` on `mesh`) -> its pieces, each whole on every
+  device (replicated): device-to-device copies (`jax.device_put` to a device), the bytes of an
+  all-gather without a collective. On the CPU backend with jax.distributed started every XLA
+  collective goes through gloo over TCP, even among one process's devices: an all-gather of 32 MB to
+  4 devices inside the unpack program took 0.2-0.7 s, 80% of the sync."""
+  devices = list(mesh.devices.flat)
+  shards = sorted(flat.addressable_shards, key=lambda shard: shard.index[0].start or 0)
+  moves = [(shard.data, d) for shard in shards for d in devices if d != shard.device]
+  copies = iter(jax.device_put([x for x, _ in moves], [d for _, d in moves]))  # one batched call
+  replicated = NamedSharding(mesh, PartitionSpec())
+  pieces = []
+  for shard in shards:
+    on = {d: (shard.data if d == shard.device else next(copies)) for d in devices}
+    pieces.append(jax.make_array_from_single_device_arrays(shard.data.shape, replicated, [on[d] for d in devices]))
+  return tuple(pieces)
+
+
 @functools.lru_cache(maxsize=64)
-def _unpacker(shapes: tuple, out_shardings: tuple, whole: NamedSharding):
-  """Flat buffers -> the arrays in the sampler's layout (`shapes[w]`: wire w's arrays' shapes). A
-  packed buffer is first made whole on every device (`whole`), once: slicing the split buffer into
-  replicated arrays all-gathered it once per array (0.5 s for 64 LoRA arrays of 1.3 MB on CPU)."""
-  def unpack(flats):
+def _unpacker(shapes: tuple, out_shardings: tuple):
+  """Each wire's pieces, whole on every device (`spread`) -> the arrays in the sampler's layout
+  (`shapes[w]`: wire w's arrays' shapes). Every input is replicated, so the program only copies and
+  slices on each device: no collective."""
+  def unpack(wires):
     out = []
-    for flat, wire_shapes in zip(flats, shapes):
-      if len(wire_shapes) > 1:
-        flat = jax.lax.with_sharding_constraint(flat, whole)
+    for pieces, wire_shapes in zip(wires, shapes):
+      flat = jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
       at = 0
       for shape in wire_shapes:
         size = int(np.prod(shape))
@@ -186,7 +204,7 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
   its own devices, else None; the version that arrived with it). Raises `kv.HostTimeout` naming the
   host when a peer does not deliver or acknowledge within `timeout_s`. `profile`: a dict to add this
   process's seconds per stage to (learner hosts: pack, ack; sampler hosts: wait_for_pack, transfer
-  until the bytes are there, unpack); it makes every stage wait for the last, so time a sync
+  until the bytes are there, spread, unpack); it makes every stage wait for the last, so time a sync
   without it.
   """
   if bucket_bytes <= 0:
@@ -221,7 +239,10 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
         wires = _wires(leaves, dtypes, groups[b], per_host)
         shapes = tuple(tuple(tuple(leaves[i].shape) for i in w.leaves) for w in wires)
         targets = tuple(NamedSharding(layout.samplers[me], spec_leaves[i]) for w in wires for i in w.leaves)
-        unpacked = _unpacker(shapes, targets, NamedSharding(_host_mesh(layout, me), PartitionSpec()))(out)
+        pieces = tuple(spread(x, _host_mesh(layout, me)) for x in out)
+        clock.lap("spread", pieces)
+        unpacked = _unpacker(shapes, targets)(pieces)
+        del pieces
         for i, x in zip([i for w in wires for i in w.leaves], unpacked, strict=True):
           received[i] = x
         clock.lap("unpack", unpacked)
