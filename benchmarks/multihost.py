@@ -2,7 +2,7 @@
 all-gather path vs a plain socket copy of the same bytes, full weights vs LoRA-only, where the time
 goes, two sampler hosts fed directly vs through a relay, and the RL step of both layouts, in one run.
 
-  python benchmarks/multihost.py [--out FILE] [--quick] [--mb 128] [--width 1024] [--repeats 5]
+  python benchmarks/multihost.py [--out FILE] [--quick] [--mb 64] [--width 1024] [--repeats 5]
       [--rl-steps 10] [--transfer-size BYTES] [--connections N]
 
 Part 1, 2 processes on 127.0.0.1 (one jax.distributed job, 4 virtual CPU devices each), each path
@@ -10,7 +10,7 @@ timed on the receiving process (median of --repeats after a warm-up):
   * `by_host`: process 0 is a learner host (FSDP over its 4 devices), process 1 a sampler host
     (4 replicas): `hosts.transfer.send_across_hosts` with the default 256 MiB buckets; then one
     more sync with `profile=` gives the seconds of each stage on each side (pack on the learner
-    host; transfer, ack, spread to the replicas, unpack on the sampler host);
+    host; transfer, ack, gather, unpack, spread to the replicas on the sampler host);
   * `per_host`: the per-host split (2 sampler + 2 learner devices per process, one learner mesh
     over both): `rl.weight_sync.sync`, which all-gathers and copies locally on each host;
   * `socket`: the bytes the by-host sync delivers, sent once over a TCP socket on 127.0.0.1 between
@@ -20,7 +20,7 @@ timed on the receiving process (median of --repeats after a warm-up):
     sends): JAX's transfer alone, without packing, acknowledgement or unpacking;
   * `fan_out_4dev`: on the sampler host alone, the same bytes split over its 4 devices made whole
     on each: an all-gather program (`all_gather`, what the sampler host ran until 2026-11-28) vs
-    `hosts.transfer.spread`'s device-to-device copies (`copies`, what it runs now).
+    `hosts.transfer.unpack`'s device-to-device copies (`copies`, what it runs now).
 Part 2, 3 processes (1 learner host, 2 sampler hosts), the full weights: `direct` (the learner host
 sends to each sampler host) vs `relay` (it sends to the first, which sends on to the second), timed
 until both sampler hosts have them; `fan_out_winner` says which was faster.
@@ -63,7 +63,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _flags(p):
-  p.add_argument("--mb", type=float, default=128.0, help="full weights, MB (float32)")
+  p.add_argument("--mb", type=float, default=64.0, help="full weights, MB (float32)")
   p.add_argument("--width", type=int, default=1024, help="the model width d: [d, 4d] and [4d, d] matrices")
   p.add_argument("--rl-steps", type=int, default=10, help="RL steps of each layout in part 3")
   p.add_argument("--repeats", type=int, default=5, help="timed syncs per path (after one warm-up)")
@@ -104,8 +104,8 @@ def _start(args):
 
 
 def _timer(client, repeats: int):
-  """time_path(name, run): runs `run()` 1 + repeats times, all processes starting together; returns
-  this process's median seconds after the warm-up."""
+  """time_path(name, run, prepare): runs `run(prepare())` 1 + repeats times, all processes starting
+  together, the next only when all are done; returns this process's median seconds after the warm-up."""
   import jax
 
   def time_path(name, run, prepare=lambda: None):
@@ -118,6 +118,9 @@ def _timer(client, repeats: int):
       t = time.perf_counter()
       jax.block_until_ready(run(arg))
       times.append(time.perf_counter() - t)
+      # the next `prepare` only once every process is done: a learner host making its next copy
+      # would otherwise share the cores with the sampler host still unpacking this one
+      client.wait_at_barrier(f"bench/{name}/{r}/done", 120_000)
     client.wait_at_barrier(f"bench/{name}/end", 120_000)
     return statistics.median(times[1:])
   return time_path
@@ -218,16 +221,18 @@ def pair_worker(args):
 def _fan_out_on_one_host(n: int, repeats: int) -> dict:
   """A buffer of n float32 split over this process's 4 devices made whole on each of them: the
   all-gather program the sampler host ran until 2026-11-28 (`jit` to a replicated sharding) vs
-  `transfer.spread`'s device-to-device copies (what it runs now). Medians after a warm-up."""
+  `transfer.unpack`'s copies (what it runs now). Medians after a warm-up."""
   import jax
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from tunixlike.hosts import transfer
   mesh = Mesh(np.array(jax.local_devices()[:4]), ("local",))
   flat = jax.device_put(np.ones((n,), np.float32), NamedSharding(mesh, P("local")))
-  gather = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
+  whole = NamedSharding(mesh, P())
+  gather = jax.jit(lambda x: x, out_shardings=whole)
+  copies = lambda x: transfer.unpack([x], (((n,),),), (whole,), mesh)
   out = {}
-  for name, run in (("all_gather", gather), ("copies", lambda x: transfer.spread(x, mesh))):
+  for name, run in (("all_gather", gather), ("copies", copies)):
     times = []
     for _ in range(repeats + 1):
       t = time.perf_counter()

@@ -13,9 +13,9 @@ ones concatenated per dtype):
 2. **transfer**: the sending host's D shards of each buffer are one array on its D devices, and one
    `jax.device_put` moves them to the sampler host's D devices in the same split: D streams in
    parallel (one per device pair), each byte crosses once;
-3. **spread + unpack**: on the sampler host each buffer's pieces are copied device to device onto
-   every one of its devices (the bytes of an all-gather, without a collective: `spread`), and one
-   program slices them into the arrays in the sampler's layout (`specs`).
+3. **unpack** (`unpack`): on the sampler host each buffer's pieces are copied onto its first device,
+   one program there cuts them into the arrays, and one `jax.device_put` spreads those to the
+   sampler's layout (`specs`) over the host's devices: device-to-device copies, no collective.
 
 The sampler host acknowledges each bucket through the coordination service's key-value store; the
 sender frees a bucket only then, and keeps at most two buckets in flight (bucket k+1 is packed and
@@ -110,29 +110,17 @@ def _packer(wires: tuple, dtype: str | None, out_sharding: NamedSharding):
   return jax.jit(pack, out_shardings=[out_sharding] * len(wires))
 
 
-def spread(flat: jax.Array, mesh: Mesh) -> tuple[jax.Array, ...]:
-  """A buffer split over this host's devices (`FLAT` on `mesh`) -> its pieces, each whole on every
-  device (replicated): device-to-device copies (`jax.device_put` to a device), the bytes of an
-  all-gather without a collective. On the CPU backend with jax.distributed started every XLA
-  collective goes through gloo over TCP, even among one process's devices: an all-gather of 32 MB to
-  4 devices inside the unpack program took 0.2-0.7 s, 80% of the sync."""
-  devices = list(mesh.devices.flat)
+def _gather_on(flat: jax.Array, device) -> tuple[jax.Array, ...]:
+  """A buffer split over this host's devices -> its pieces in order, all on `device`: one batched
+  device-to-device copy of the pieces held elsewhere."""
   shards = sorted(flat.addressable_shards, key=lambda shard: shard.index[0].start or 0)
-  moves = [(shard.data, d) for shard in shards for d in devices if d != shard.device]
-  copies = iter(jax.device_put([x for x, _ in moves], [d for _, d in moves]))  # one batched call
-  replicated = NamedSharding(mesh, PartitionSpec())
-  pieces = []
-  for shard in shards:
-    on = {d: (shard.data if d == shard.device else next(copies)) for d in devices}
-    pieces.append(jax.make_array_from_single_device_arrays(shard.data.shape, replicated, [on[d] for d in devices]))
-  return tuple(pieces)
+  moved = iter(jax.device_put([shard.data for shard in shards if shard.device != device], device))
+  return tuple(shard.data if shard.device == device else next(moved) for shard in shards)
 
 
 @functools.lru_cache(maxsize=64)
-def _unpacker(shapes: tuple, out_shardings: tuple):
-  """Each wire's pieces, whole on every device (`spread`) -> the arrays in the sampler's layout
-  (`shapes[w]`: wire w's arrays' shapes). Every input is replicated, so the program only copies and
-  slices on each device: no collective."""
+def _unpacker(shapes: tuple):
+  """Each wire's pieces, on one device -> its arrays there (`shapes[w]`: wire w's arrays' shapes)."""
   def unpack(wires):
     out = []
     for pieces, wire_shapes in zip(wires, shapes):
@@ -143,7 +131,31 @@ def _unpacker(shapes: tuple, out_shardings: tuple):
         out.append(flat[at:at + size].reshape(shape))
         at += size
     return out
-  return jax.jit(unpack, out_shardings=list(out_shardings))
+  return jax.jit(unpack)
+
+
+def unpack(flats, shapes: tuple, targets: tuple, mesh: Mesh, lap=lambda stage, arrays: None) -> list[jax.Array]:
+  """A bucket's buffers as they arrived, each split over this host's devices (`FLAT` on `mesh`) ->
+  its arrays in the sampler's layout (`targets`, in wire order; `shapes[w]`: wire w's arrays'
+  shapes), with no collective:
+
+  1. gather: each buffer's pieces are copied onto the host's first device (device to device);
+  2. unpack: one program there concatenates them and cuts the arrays out;
+  3. spread: one `jax.device_put` copies (or slices) each array onto the sampler's devices.
+
+  On the CPU backend with jax.distributed started every XLA collective goes through gloo over TCP,
+  even among one process's devices: the all-gather to the replicas this replaced was 80% of the
+  sync. Copies instead of an all-gather also on GPU and TPU (over NVLink / ICI), where the fan-out
+  costs little beside the transfer between hosts. `lap(stage, arrays)`: the profile's clock."""
+  first = mesh.devices.flat[0]
+  pieces = tuple(_gather_on(flat, first) for flat in flats)
+  lap("gather", pieces)
+  arrays = _unpacker(shapes)(pieces)
+  del pieces
+  lap("unpack", arrays)
+  placed = jax.device_put(arrays, list(targets))
+  lap("spread", placed)
+  return placed
 
 
 def _out_dtype(x, dtype) -> np.dtype:
@@ -204,7 +216,7 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
   its own devices, else None; the version that arrived with it). Raises `kv.HostTimeout` naming the
   host when a peer does not deliver or acknowledge within `timeout_s`. `profile`: a dict to add this
   process's seconds per stage to (learner hosts: pack, ack; sampler hosts: wait_for_pack, transfer
-  until the bytes are there, spread, unpack); it makes every stage wait for the last, so time a sync
+  until the bytes are there, gather, unpack, spread); it makes every stage wait for the last, so time a sync
   without it.
   """
   if bucket_bytes <= 0:
@@ -239,13 +251,9 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
         wires = _wires(leaves, dtypes, groups[b], per_host)
         shapes = tuple(tuple(tuple(leaves[i].shape) for i in w.leaves) for w in wires)
         targets = tuple(NamedSharding(layout.samplers[me], spec_leaves[i]) for w in wires for i in w.leaves)
-        pieces = tuple(spread(x, _host_mesh(layout, me)) for x in out)
-        clock.lap("spread", pieces)
-        unpacked = _unpacker(shapes, targets)(pieces)
-        del pieces
+        unpacked = unpack(out, shapes, targets, _host_mesh(layout, me), lap=clock.lap)
         for i, x in zip([i for w in wires for i in w.leaves], unpacked, strict=True):
           received[i] = x
-        clock.lap("unpack", unpacked)
       else:  # the sender keeps the bucket alive until the sampler host has it
         kv.get(key, timeout_s=timeout_s, host=s, what=what)
         kv.delete(key)
