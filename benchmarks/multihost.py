@@ -10,7 +10,7 @@ timed on the receiving process (median of --repeats after a warm-up):
   * `by_host`: process 0 is a learner host (FSDP over its 4 devices), process 1 a sampler host
     (4 replicas): `hosts.transfer.send_across_hosts` with the default 256 MiB buckets; then one
     more sync with `profile=` gives the seconds of each stage on each side (pack on the learner
-    host; transfer, ack, gather, unpack, spread to the replicas on the sampler host);
+    host; transfer, ack, spread to the replicas, unpack on the sampler host);
   * `per_host`: the per-host split (2 sampler + 2 learner devices per process, one learner mesh
     over both): `rl.weight_sync.sync`, which all-gathers and copies locally on each host;
   * `socket`: the bytes the by-host sync delivers, sent once over a TCP socket on 127.0.0.1 between

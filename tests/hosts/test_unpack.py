@@ -1,6 +1,6 @@
 """The sampler host's end of a weight transfer on one process: the buffers that arrived split over
-its devices become the sampler's arrays by device-to-device copies and a one-device program, with no
-collective (on CPU with jax.distributed every collective goes through gloo over TCP)."""
+its devices become the sampler's arrays by device-to-device copies and a program whose inputs are all
+replicated, with no collective (on CPU with jax.distributed every collective goes through gloo over TCP)."""
 
 import jax
 import numpy as np
@@ -24,13 +24,17 @@ def test_unpack_cuts_the_split_buffers_into_the_sampler_layout_without_a_collect
   targets = (NamedSharding(sampler, P(None, "tensor")), NamedSharding(sampler, P()), NamedSharding(sampler, P()))
   stages = []
   got = transfer.unpack(flats, shapes, targets, flat_mesh, lap=lambda stage, arrays: stages.append(stage))
-  assert stages == ["gather", "unpack", "spread"]
+  assert stages == ["spread", "unpack"]
   for x, want, target in zip(got, (a, b, c), targets):
     assert x.sharding == target
     np.testing.assert_array_equal(np.asarray(x), want)
     for shard in x.addressable_shards:  # each device holds its own part of the exact values
       np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
-  pieces = tuple(transfer._gather_on(x, devices[0]) for x in flats)
-  assert {d for p in pieces for x in p for d in x.devices()} == {devices[0]}
-  hlo = transfer._unpacker(shapes).lower(pieces).compile().as_text()
+  pieces = tuple(transfer._spread(x, flat_mesh) for x in flats)  # each piece whole on every device, in order
+  for flat, wire in zip((packed, c.reshape(-1)), pieces):
+    for k, piece in enumerate(wire):
+      assert piece.sharding.is_fully_replicated and set(piece.devices()) == set(devices)
+      np.testing.assert_array_equal(np.asarray(piece.addressable_shards[3].data), flat[8 * k:8 * k + 8] if
+                                    flat.size == 32 else flat[16 * k:16 * k + 16])
+  hlo = transfer._unpacker(shapes, targets).lower(pieces).compile().as_text()
   assert not [name for name in COLLECTIVES if name in hlo], hlo

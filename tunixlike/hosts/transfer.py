@@ -13,9 +13,9 @@ ones concatenated per dtype):
 2. **transfer**: the sending host's D shards of each buffer are one array on its D devices, and one
    `jax.device_put` moves them to the sampler host's D devices in the same split: D streams in
    parallel (one per device pair), each byte crosses once;
-3. **unpack** (`unpack`): on the sampler host each buffer's pieces are copied onto its first device,
-   one program there cuts them into the arrays, and one `jax.device_put` spreads those to the
-   sampler's layout (`specs`) over the host's devices: device-to-device copies, no collective.
+3. **spread + unpack** (`unpack`): on the sampler host each buffer's pieces are copied device to
+   device onto every one of its devices (the bytes of an all-gather, without a collective), then one
+   program cuts them into the arrays in the sampler's layout (`specs`).
 
 The sampler host acknowledges each bucket through the coordination service's key-value store; the
 sender frees a bucket only then, and keeps at most two buckets in flight (bucket k+1 is packed and
@@ -110,17 +110,26 @@ def _packer(wires: tuple, dtype: str | None, out_sharding: NamedSharding):
   return jax.jit(pack, out_shardings=[out_sharding] * len(wires))
 
 
-def _gather_on(flat: jax.Array, device) -> tuple[jax.Array, ...]:
-  """A buffer split over this host's devices -> its pieces in order, all on `device`: one batched
-  device-to-device copy of the pieces held elsewhere."""
+def _spread(flat: jax.Array, mesh: Mesh) -> tuple[jax.Array, ...]:
+  """A buffer split over this host's devices (`FLAT` on `mesh`) -> its pieces in order, each whole on
+  every device (replicated): one batched `jax.device_put` of the D x (D - 1) device-to-device copies,
+  the bytes and the parallel links of an all-gather, without a collective."""
+  devices = list(mesh.devices.flat)
   shards = sorted(flat.addressable_shards, key=lambda shard: shard.index[0].start or 0)
-  moved = iter(jax.device_put([shard.data for shard in shards if shard.device != device], device))
-  return tuple(shard.data if shard.device == device else next(moved) for shard in shards)
+  moves = [(shard.data, d) for shard in shards for d in devices if d != shard.device]
+  copies = iter(jax.device_put([x for x, _ in moves], [d for _, d in moves]))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  pieces = []
+  for shard in shards:
+    on = {d: (shard.data if d == shard.device else next(copies)) for d in devices}
+    pieces.append(jax.make_array_from_single_device_arrays(shard.data.shape, replicated, [on[d] for d in devices]))
+  return tuple(pieces)
 
 
 @functools.lru_cache(maxsize=64)
-def _unpacker(shapes: tuple):
-  """Each wire's pieces, on one device -> its arrays there (`shapes[w]`: wire w's arrays' shapes)."""
+def _unpacker(shapes: tuple, out_shardings: tuple):
+  """Each wire's pieces, whole on every device -> the arrays in the sampler's layout (`shapes[w]`:
+  wire w's arrays' shapes). Every input is replicated: each device only concatenates and slices."""
   def unpack(wires):
     out = []
     for pieces, wire_shapes in zip(wires, shapes):
@@ -131,7 +140,7 @@ def _unpacker(shapes: tuple):
         out.append(flat[at:at + size].reshape(shape))
         at += size
     return out
-  return jax.jit(unpack)
+  return jax.jit(unpack, out_shardings=list(out_shardings))
 
 
 def unpack(flats, shapes: tuple, targets: tuple, mesh: Mesh, lap=lambda stage, arrays: None) -> list[jax.Array]:
@@ -139,23 +148,21 @@ def unpack(flats, shapes: tuple, targets: tuple, mesh: Mesh, lap=lambda stage, a
   its arrays in the sampler's layout (`targets`, in wire order; `shapes[w]`: wire w's arrays'
   shapes), with no collective:
 
-  1. gather: each buffer's pieces are copied onto the host's first device (device to device);
-  2. unpack: one program there concatenates them and cuts the arrays out;
-  3. spread: one `jax.device_put` copies (or slices) each array onto the sampler's devices.
+  1. spread: every piece of every buffer is copied onto each of the host's devices (`_spread`);
+  2. unpack: one program over the host's devices, all of whose inputs are replicated, cuts the
+     arrays out on each device (a tensor-sharded target: each device its own slice).
 
   On the CPU backend with jax.distributed started every XLA collective goes through gloo over TCP,
-  even among one process's devices: the all-gather to the replicas this replaced was 80% of the
-  sync. Copies instead of an all-gather also on GPU and TPU (over NVLink / ICI), where the fan-out
-  costs little beside the transfer between hosts. `lap(stage, arrays)`: the profile's clock."""
-  first = mesh.devices.flat[0]
-  pieces = tuple(_gather_on(flat, first) for flat in flats)
-  lap("gather", pieces)
-  arrays = _unpacker(shapes)(pieces)
+  even among one process's devices; the all-gather inside the unpack program that this replaced was
+  80% of the sync in one run (load 14-18), a tie with the copies in others. On GPU and TPU the
+  copies run over NVLink / ICI, each device receiving its (D - 1) / D of a bucket in parallel, as
+  in an all-gather. `lap(stage, arrays)`: the profile's clock."""
+  pieces = tuple(_spread(flat, mesh) for flat in flats)
+  lap("spread", pieces)
+  arrays = _unpacker(shapes, targets)(pieces)
   del pieces
   lap("unpack", arrays)
-  placed = jax.device_put(arrays, list(targets))
-  lap("spread", placed)
-  return placed
+  return arrays
 
 
 def _out_dtype(x, dtype) -> np.dtype:
@@ -216,7 +223,7 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
   its own devices, else None; the version that arrived with it). Raises `kv.HostTimeout` naming the
   host when a peer does not deliver or acknowledge within `timeout_s`. `profile`: a dict to add this
   process's seconds per stage to (learner hosts: pack, ack; sampler hosts: wait_for_pack, transfer
-  until the bytes are there, gather, unpack, spread); it makes every stage wait for the last, so time a sync
+  until the bytes are there, spread, unpack); it makes every stage wait for the last, so time a sync
   without it.
   """
   if bucket_bytes <= 0:
