@@ -265,7 +265,10 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
         kv.get(key, timeout_s=timeout_s, host=s, what=what)
         kv.delete(key)
         clock.lap("ack")
+    if not sampler:
+      kv.delete(packed_key(b, me))
 
+  packed_key = lambda b, learner: f"tunixlike/{tag}/{version}/{b}/packed/{learner}"
   order = send_order(layout)
   for b, group in enumerate(groups):
     wires = _wires(leaves, dtypes, group, per_host)
@@ -274,10 +277,12 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
       xs = tuple(tuple(leaves[i] for i in w.leaves) for w in wires)
       packed = _packer(tuple(wires), dtype_name, NamedSharding(host_view, FLAT))(xs)
       clock.lap("pack", packed)
-      if profile is not None:  # so that the receivers' clocks start when the bytes are ready
-        kv.put(f"tunixlike/{tag}/{version}/{b}/packed/{me}", b"ok")
-    elif profile is not None and layout.senders[me] in layout.learner_hosts:
-      kv.get(f"tunixlike/{tag}/{version}/{b}/packed/{layout.senders[me]}", timeout_s=timeout_s,
+      # A sampler host asks for the bucket only once it is packed: a receive issued before its send
+      # made whole syncs 1.1-3.8x slower than the same sync with this wait (JAX 0.10.2, CPU, load 20-36).
+      jax.block_until_ready(packed)
+      kv.put(packed_key(b, me), b"ok")
+    elif layout.senders[me] in layout.learner_hosts:
+      kv.get(packed_key(b, layout.senders[me]), timeout_s=timeout_s,
              host=layout.senders[me], what=f"weight sync v{version} bucket {b + 1}/{len(groups)}")
       clock.lap("wait_for_pack")
     arrivals, held = [], {}  # held: process -> this bucket's arrays on it (learner hosts: packed)
