@@ -75,7 +75,8 @@ def _wait_for_start(should_stop, poll_s: float = 0.5):
 
 
 def run(setup: build_lib.Setup, preemption, say=print) -> dict:
-  """Samples for the learner hosts until they end the run; returns this host's counts."""
+  """Samples for the learner hosts until they end the run; returns this host's counts and `busy_frac`
+  (its driver's decode time over its wall clock since the driver started, at the last weight sync)."""
   cfg, layout, me = setup.cfg, setup.meshes.hosts, jax.process_index()
   index, count = layout.sampler_hosts.index(me), len(layout.sampler_hosts)
   model = build_lib.policy_model(setup)
