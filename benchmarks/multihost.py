@@ -1,33 +1,45 @@
-"""Weight sync across hosts: cross-host device_put (whole hosts per side) vs the per-host all-gather
-path vs a plain socket copy of the same bytes, full weights vs LoRA-only, where the time goes, and
-two sampler hosts fed directly vs through a relay, in one run.
+"""Whole sampler hosts apart from learner hosts: the weight sync by cross-host device_put vs the per-host
+all-gather path vs a plain socket copy of the same bytes, full weights vs LoRA-only, where the time
+goes, two sampler hosts fed directly vs through a relay, and the RL step of both layouts, in one run.
 
-  python benchmarks/multihost.py [--out FILE] [--quick] [--mb 32] [--repeats 5]
-      [--transfer-size BYTES] [--connections N]
+  python benchmarks/multihost.py [--out FILE] [--quick] [--mb 64] [--width 1024] [--repeats 5]
+      [--rl-steps 10] [--transfer-size BYTES] [--connections N]
 
 Part 1, 2 processes on 127.0.0.1 (one jax.distributed job, 4 virtual CPU devices each), each path
 timed on the receiving process (median of --repeats after a warm-up):
   * `by_host`: process 0 is a learner host (FSDP over its 4 devices), process 1 a sampler host
     (4 replicas): `hosts.transfer.send_across_hosts` with the default 256 MiB buckets; then one
     more sync with `profile=` gives the seconds of each stage on each side (pack on the learner
-    host; transfer, ack, unpack to the replicas on the sampler host);
+    host; transfer, ack, spread to the replicas, unpack on the sampler host);
   * `per_host`: the per-host split (2 sampler + 2 learner devices per process, one learner mesh
     over both): `rl.weight_sync.sync`, which all-gathers and copies locally on each host;
   * `socket`: the bytes the by-host sync delivers, sent once over a TCP socket on 127.0.0.1 between
     the same two processes (the floor of a host-to-host copy here);
   * `raw_device_put`: the same bytes as one array, one cross-host `jax.device_put`, from one device
     to one device (`raw_1dev`) and split over the 4 devices of each side (`raw_4dev`, what the sync
-    sends): JAX's transfer alone, without packing, acknowledgement or unpacking.
+    sends): JAX's transfer alone, without packing, acknowledgement or unpacking;
+  * `fan_out_4dev`: on the sampler host alone, the same bytes split over its 4 devices made whole
+    on each: an all-gather program (`all_gather`, what the sampler host ran until 2026-11-28) vs
+    `hosts.transfer.unpack`'s device-to-device copies (`copies`, what it runs now).
 Part 2, 3 processes (1 learner host, 2 sampler hosts), the full weights: `direct` (the learner host
 sends to each sampler host) vs `relay` (it sends to the first, which sends on to the second), timed
 until both sampler hosts have them; `fan_out_winner` says which was faster.
+Part 3, the same RL job twice on 2 processes of 4 devices (4 sampler + 4 learner devices in all):
+`trainer.run` (what `python -m tunixlike.train` runs) on the tiny addition model, --rl-steps async
+GRPO steps (`rl.max_staleness=1`, 8 prompts x 8 samples per step), `per_host` (each process 2 + 2
+devices) vs `by_host` (`mesh.sampler_hosts=1`: process 0 trains, process 1 decodes). `s_per_step`:
+the median time between step records in metrics.jsonl after the first two (compilation);
+`learner_busy_frac` and `sampler_busy_frac`: the runtime's own fractions (learner step time, the
+driver's decode time, over the RL loop's wall clock) at the last step, on the by-host sampler host
+its driver's at the last weight sync.
 
 Full weights are synthetic float32 matrices of about --mb MB (a transformer's shapes: [d, 4d] and
-[4d, d] per layer); LoRA-only is rank-8 A and B matrices for each of them. bytes/s counts one copy
-of the weights per sync (the sampler host also spreads it to its 4 replicas). --transfer-size and
---connections set JAX's transfer chunk size and the number of its data connections
-(`hosts.transfer_server.enable`; default: the library's). All processes share the machine's cores,
-so this compares paths, not a network.
+[4d, d] per layer, d = --width); LoRA-only is rank-8 A and B matrices for each of them (d / 10 times
+fewer bytes). bytes/s counts one copy of the weights per sync (the sampler host also spreads it to
+its 4 replicas). --transfer-size and --connections set JAX's transfer chunk size and the number of
+its data connections (`hosts.transfer_server.enable`; default: the library's). All processes share
+the machine's cores, so this compares paths, not a network. `max_process_rss_mb`: the largest
+worker's peak memory.
 """
 
 from __future__ import annotations
@@ -37,26 +49,33 @@ import dataclasses
 import itertools
 import json
 import os
+import resource
 import socket
 import statistics
 import sys
+import tempfile
 import time
 
 import harness
 from tunixlike.hosts import local_job
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _flags(p):
-  p.add_argument("--mb", type=float, default=32.0, help="full weights, MB (float32)")
+  p.add_argument("--mb", type=float, default=64.0, help="full weights, MB (float32)")
+  p.add_argument("--width", type=int, default=1024, help="the model width d: [d, 4d] and [4d, d] matrices")
+  p.add_argument("--rl-steps", type=int, default=10, help="RL steps of each layout in part 3")
   p.add_argument("--repeats", type=int, default=5, help="timed syncs per path (after one warm-up)")
   p.add_argument("--transfer-size", type=int, default=None, help="JAX's transfer chunk, bytes")
   p.add_argument("--connections", type=int, default=None, help="JAX's transfer data connections")
   p.add_argument("--timeout", type=float, default=600, help="seconds each part may take")
-  p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "pair" or "trio", in the subprocesses
+  p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "pair", "trio" or "rl", in the subprocesses
+  p.add_argument("--layout", default=None, help=argparse.SUPPRESS)  # part 3's workers: "by_host" or "per_host"
+  p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)  # part 3's workers
 
 
-def _tree(mb: float, np):
-  d = 256
+def _tree(mb: float, d: int, np):
   layers = max(1, int(mb * 2**20 / (8 * d * d * 4)))
   rng = np.random.default_rng(0)
   full = {f"layer{i}": {"up": rng.standard_normal((d, 4 * d), np.float32),
@@ -79,8 +98,8 @@ def _start(args):
 
 
 def _timer(client, repeats: int):
-  """time_path(name, run): runs `run()` 1 + repeats times, all processes starting together; returns
-  this process's median seconds after the warm-up."""
+  """time_path(name, run, prepare): runs `run(prepare())` 1 + repeats times, all processes starting
+  together, the next only when all are done; returns this process's median seconds after the warm-up."""
   import jax
 
   def time_path(name, run, prepare=lambda: None):
@@ -93,6 +112,9 @@ def _timer(client, repeats: int):
       t = time.perf_counter()
       jax.block_until_ready(run(arg))
       times.append(time.perf_counter() - t)
+      # the next `prepare` only once every process is done: a learner host making its next copy
+      # would otherwise share the cores with the sampler host still unpacking this one
+      client.wait_at_barrier(f"bench/{name}/{r}/done", 120_000)
     client.wait_at_barrier(f"bench/{name}/end", 120_000)
     return statistics.median(times[1:])
   return time_path
@@ -114,7 +136,7 @@ def pair_worker(args):
   from tunixlike.hosts import layout as layout_lib, transfer
   from tunixlike.rl import weight_sync
   time_path = _timer(client, args.repeats)
-  full_host, lora_host = _tree(args.mb, np)
+  full_host, lora_host = _tree(args.mb, args.width, np)
   result = {}
   fresh = lambda tree: jax.tree.map(lambda x: x + 0, tree)  # a new learner copy per sync, as after a step
   layout = layout_lib.make_host_layout(1)
@@ -181,12 +203,37 @@ def pair_worker(args):
     s = time_path(name, lambda x: jax.device_put(x, shardings[1]), lambda: x)  # x stays alive: the sender's copy
     if me == 1:
       result[f"{name}_full_s"], result[f"{name}_full_bytes_per_s"] = s, len(payload) / s
-  if me == 1:
+  if me == 1:  # the sampler host's fan-out of the same bytes to its 4 devices: a collective vs copies
+    result.update(_fan_out_on_one_host(n, args.repeats))
     from tunixlike.hosts import transfer_server
     result.update(transfer_size=args.transfer_size or transfer_server.TRANSFER_SIZE,
                   connections=args.connections or transfer_server.CONNECTIONS)
     print("RESULT " + json.dumps(result), flush=True)
-  client.wait_at_barrier("bench/end", 60_000)
+  client.wait_at_barrier("bench/end", 300_000)
+
+
+def _fan_out_on_one_host(n: int, repeats: int) -> dict:
+  """A buffer of n float32 split over this process's 4 devices made whole on each of them: the
+  all-gather program the sampler host ran until 2026-11-28 (`jit` to a replicated sharding) vs
+  `transfer.unpack`'s copies (what it runs now). Medians after a warm-up."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from tunixlike.hosts import transfer
+  mesh = Mesh(np.array(jax.local_devices()[:4]), ("local",))
+  flat = jax.device_put(np.ones((n,), np.float32), NamedSharding(mesh, P("local")))
+  whole = NamedSharding(mesh, P())
+  gather = jax.jit(lambda x: x, out_shardings=whole)
+  copies = lambda x: transfer.unpack([x], (((n,),),), (whole,), mesh)
+  out = {}
+  for name, run in (("all_gather", gather), ("copies", copies)):
+    times = []
+    for _ in range(repeats + 1):
+      t = time.perf_counter()
+      jax.block_until_ready(run(flat))
+      times.append(time.perf_counter() - t)
+    out[f"fan_out_4dev_{name}_s"] = statistics.median(times[1:])
+  return out
 
 
 def trio_worker(args):
@@ -196,7 +243,7 @@ def trio_worker(args):
   import jax
   from jax.sharding import PartitionSpec as P
   from tunixlike.hosts import layout as layout_lib, transfer
-  full_host, _ = _tree(args.mb, np)
+  full_host, _ = _tree(args.mb, args.width, np)
   direct = layout_lib.make_host_layout(2)
   layouts = {"direct": direct, "relay": dataclasses.replace(direct, senders={1: 0, 2: 1})}
   spec = jax.tree.map(lambda _: P(), full_host)
@@ -224,30 +271,72 @@ def trio_worker(args):
   client.wait_at_barrier("bench/end", 60_000)
 
 
-def _run_job(args, part: str, processes: int) -> dict:
-  """`processes` workers of `part` as one jax.distributed job on 127.0.0.1; process 1's RESULT. All
-  are killed when one fails or the time runs out."""
+def rl_worker(args):
+  """Part 3: the same RL job in `args.layout` on 2 processes of 4 devices each (4 sampler + 4 learner
+  devices in all): `per_host` splits each process 2 + 2, `by_host` makes process 0 a learner host and
+  process 1 a sampler host. Each process reports what it measured."""
+  from tunixlike import config as config_lib, workdir as workdir_lib
+  from tunixlike.rl import trainer
+  by_host = args.layout == "by_host"
+  c = config_lib.load(os.path.join(ROOT, "configs", "addition_grpo.py"), "size=tiny")
+  c.rewards = ({"fn": "stopped", "weight": 1.0},)  # rewards with variance from the first step: every step trains
+  c.warm_start.max_steps = 0
+  c.data.num_eval_examples = 8
+  c.log.progress_bar = c.log.tensorboard = False
+  c.mesh.sampler_devices = c.mesh.learner_devices = 4
+  c.mesh.sampler_hosts = 1 if by_host else 0
+  c.rl.num_steps = args.rl_steps
+  cfg = config_lib.from_config_dict(c)
+  summary = trainer.run(cfg, args.workdir)
+  me, name = int(os.environ["JAX_PROCESS_ID"]), f"rl_{args.layout}"
+  if by_host and me == 1:  # the sampler host: its driver's busy fraction at the last weight sync
+    result = {f"{name}_sampler_busy_frac": summary["busy_frac"]}
+  elif me == 0:
+    with open(os.path.join(workdir_lib.local_dir(args.workdir, me), "metrics.jsonl")) as f:
+      steps = [r for r in map(json.loads, f) if "learner/step_s" in r]
+    times = [r["time_s"] for r in steps]
+    last = steps[-1]
+    result = {f"{name}_steps": len(steps),
+              # after two steps: the first ones compile
+              f"{name}_s_per_step": statistics.median(b - a for a, b in zip(times[2:], times[3:])),
+              f"{name}_learner_step_s": statistics.median(r["learner/step_s"] for r in steps[2:]),
+              f"{name}_sync_ms": statistics.median(r["sync/ms"] for r in steps[2:]),
+              f"{name}_learner_busy_frac": last["learner/busy_frac"]}
+    if not by_host:  # this host's own sampler (the other host's runs beside it the same way)
+      result[f"{name}_sampler_busy_frac"] = last["sampler/busy_frac"]
+  else:
+    return
+  print("RESULT " + json.dumps(result), flush=True)
+
+
+def _run_job(args, part: str, processes: int, extra: tuple[str, ...] = ()) -> dict:
+  """`processes` workers of `part` (with the flags `extra`) as one jax.distributed job on 127.0.0.1;
+  every process's RESULT, merged. All are killed when one fails or the time runs out."""
   argv = [sys.executable, os.path.abspath(__file__), "--worker", part, "--mb", str(args.mb),
-          "--repeats", str(args.repeats)]
+          "--width", str(args.width), "--repeats", str(args.repeats), "--rl-steps", str(args.rl_steps), *extra]
   for flag, value in (("--transfer-size", args.transfer_size), ("--connections", args.connections)):
     if value is not None:
       argv += [flag, str(value)]
   codes, outs = zip(*local_job.run(argv, processes, devices=4, timeout_s=args.timeout, name=part))
-  lines = [l for l in outs[1].splitlines() if l.startswith("RESULT ")]
+  lines = [l for out in outs for l in out.splitlines() if l.startswith("RESULT ")]
   if any(codes) or not lines:
     raise SystemExit(f"benchmark workers ({part}) failed or ran past --timeout {args.timeout:g} s:\n"
                      + "\n".join(o[-3000:] for o in outs))
-  return json.loads(lines[0][len("RESULT "):])
+  return {k: v for l in lines for k, v in json.loads(l[len("RESULT "):]).items()}
 
 
 def main():
   args = harness.parse(__doc__, _flags)
   if args.quick:
-    args.mb, args.repeats = 4.0, 2
+    args.mb, args.width, args.repeats, args.rl_steps = 4.0, 256, 2, 5
   if args.worker is not None:
-    return {"pair": pair_worker, "trio": trio_worker}[args.worker](args)
+    return {"pair": pair_worker, "trio": trio_worker, "rl": rl_worker}[args.worker](args)
   r = _run_job(args, "pair", 2)
   r.update(_run_job(args, "trio", 3))
+  for layout in ("per_host", "by_host"):
+    with tempfile.TemporaryDirectory() as workdir:
+      r.update(_run_job(args, "rl", 2, ("--layout", layout, "--workdir", workdir)))
+  r["rl_by_host_vs_per_host_step_time"] = r["rl_by_host_s_per_step"] / r["rl_per_host_s_per_step"]
   socket_bw = r["socket_full_bytes_per_s"]
   r["by_host_vs_socket_bandwidth"] = r["by_host_full_bytes_per_s"] / socket_bw
   r["per_host_vs_socket_bandwidth"] = r["per_host_full_bytes_per_s"] / socket_bw
@@ -255,7 +344,9 @@ def main():
     r[f"{name}_vs_socket_bandwidth"] = r[f"{name}_full_bytes_per_s"] / socket_bw
   r["by_host_vs_per_host_full_time"] = r["by_host_full_s"] / r["per_host_full_s"]
   r["by_host_full_vs_lora_time"] = r["by_host_full_s"] / r["by_host_lora_s"]
-  r.update(mb=args.mb, repeats=args.repeats, devices_per_process=4)
+  r["fan_out_4dev_copies_vs_all_gather_time"] = r["fan_out_4dev_copies_s"] / r["fan_out_4dev_all_gather_s"]
+  r.update(mb=args.mb, width=args.width, repeats=args.repeats, rl_steps=args.rl_steps, devices_per_process=4,
+           max_process_rss_mb=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
   harness.report(r, args)
 
 

@@ -89,7 +89,8 @@ def _wait_for_start(should_stop, poll_s: float = 0.5):
 
 
 def run(setup: build_lib.Setup, preemption, say=print, synced_weights_dir: str | None = None) -> dict:
-  """Samples for the learner hosts until they end the run; returns this host's counts.
+  """Samples for the learner hosts until they end the run; returns this host's counts and `busy_frac`
+  (its driver's decode time over its wall clock since the driver started, at the last weight sync).
   `synced_weights_dir`: where every weight sync that arrives is written (mesh.save_synced_weights)."""
   cfg, layout, me = setup.cfg, setup.meshes.hosts, jax.process_index()
   index, count = layout.sampler_hosts.index(me), len(layout.sampler_hosts)
@@ -134,6 +135,7 @@ def run(setup: build_lib.Setup, preemption, say=print, synced_weights_dir: str |
   driver = build_lib.make_driver(setup, engine, scorer, _PublishedStream(stream, index), admission, rewards,
                                  weight_sync.Synced(params, version, 0.0), say=say)
   errors: list[BaseException] = []
+  busy = {"busy_frac": 0.0}  # at the last weight sync: the runtime's sampler/busy_frac on one host
 
   def receive_weights():  # in the order the learner hosts send them, until the run ends
     try:
@@ -142,11 +144,13 @@ def run(setup: build_lib.Setup, preemption, say=print, synced_weights_dir: str |
         if got is None:
           return
         driver.update_params(*got, drain=cfg.rl.sync_mode == "drain")
+        busy["busy_frac"] = driver.stats.busy_time_s / (time.monotonic() - started)
         arrived(got[1])
     except BaseException as e:  # noqa: BLE001 - re-raised by the main loop
       errors.append(e)
 
   receiving = threading.Thread(target=receive_weights, daemon=True, name="weights-receiver")
+  started = time.monotonic()
   driver.start()
   receiving.start()
   asked = False
@@ -176,4 +180,4 @@ def run(setup: build_lib.Setup, preemption, say=print, synced_weights_dir: str |
     scorer.close()
   say(f"sampler host {me}: the learner hosts ended the run; {driver.stats.groups_emitted} groups sent, "
       f"{receiver.received} weight syncs received")
-  return {"preempted": asked, **dataclasses.asdict(driver.stats)}
+  return {"preempted": asked, **dataclasses.asdict(driver.stats), **busy}
