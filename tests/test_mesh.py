@@ -46,6 +46,14 @@ def test_tensor_parallelism_must_give_each_device_whole_heads():
     mesh_lib.check_whole_heads(8, 4, sampler_tensor=4, learner_tensor=3)
 
 
+def test_a_parameter_its_mesh_axis_does_not_divide_names_the_mesh_keys():
+  from tunixlike.models import sharding
+  mesh = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=2).sampler
+  with pytest.raises(sharding.ShardingError, match=r"embed_tokens: dimension 'vocab' of size 83 does not divide "
+                                                   r"mesh axis 'tensor' of size 2.*mesh.sampler_tensor"):
+    sharding.partition_spec((83, 64), ("vocab", "embed"), mesh, mesh_lib.SAMPLER_RULES, what="embed_tokens")
+
+
 def test_per_host_split_takes_first_local_devices_of_each_process():
   # Two fake "hosts" are not available in one process; check the single-process rule on a subset.
   devs = jax.devices()[:6]

@@ -89,13 +89,14 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
   from tunixlike.rl.runtime import NonFiniteLoss
   from tunixlike.hosts import learner_host
   from tunixlike.hosts.kv import HostTimeout
+  from tunixlike.models.sharding import ShardingError
   try:
     trainer.run(cfg, workdir, on_second_interrupt=lambda: interrupted(prog))
   except (NonFiniteLoss, PolicyCollapse, LogWriteError, checkpoint.CheckpointWriteError) as e:
     cli.fail(prog, str(e), status=1)  # the run stopped itself, and says why
   except HostTimeout as e:  # a host died or hangs: exit now (JAX's shutdown would wait for that host)
     cli.exit_now(prog, str(e), 1, before_exit=functools.partial(learner_host.leave_after_fault, str(e), e.host))
-  except (mesh.MeshError, checkpoint.CheckpointError, config_lib.ConfigError, trainer.SetupError) as e:
+  except (mesh.MeshError, ShardingError, checkpoint.CheckpointError, config_lib.ConfigError, trainer.SetupError) as e:
     cli.fail(prog, str(e))
   except KeyboardInterrupt:  # Ctrl-C before the run's own handler was installed
     interrupted(prog)

@@ -20,6 +20,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 Rules = Sequence[tuple[str, Any]]
 
 
+class ShardingError(ValueError):
+  """A parameter dimension that its mesh axis does not divide (the mesh's sizes are config keys)."""
+
+
 def _axis_size(mesh: jax.sharding.Mesh, axis) -> int:
   axes = axis if isinstance(axis, tuple) else (axis,)
   size = 1
@@ -50,8 +54,9 @@ def partition_spec(shape, logical_axes, mesh: jax.sharding.Mesh, rules: Rules, *
       flat = axis if isinstance(axis, tuple) else (axis,)
       if dim % size or used.intersection(flat):
         if strict and dim % size:
-          raise ValueError(f"{what}: dimension {name!r} of size {dim} does not divide mesh axis "
-                           f"{axis!r} of size {size}; change the sharding rules or the mesh")
+          raise ShardingError(f"{what}: dimension {name!r} of size {dim} does not divide mesh axis {axis!r} of "
+                              f"size {size}; choose mesh sizes that divide it (mesh.sampler_tensor, "
+                              "mesh.learner_tensor, mesh.*_devices) or change the sharding rules")
         axis = None
       else:
         used.update(flat)
