@@ -55,6 +55,18 @@ def xla_flags(devices: int, flags: str | None = None) -> str:
   return f"{flags} --xla_force_host_platform_device_count={devices}".strip()
 
 
+def device_env(devices: int, env: dict | None = None) -> dict:
+  """`env` (default: os.environ) for a child process with `devices` virtual CPU devices. XLA:CPU runs
+  every virtual device's collectives on one thread pool sized by the host's cores (NPROC overrides the
+  size); a large program can have one device wait in two collectives at once while the others wait in
+  the first, with no thread left for the last device: a deadlock (a 64K-token row over 4 devices on 2
+  cores). Four threads a device leave room. Other platforms ignore both variables."""
+  env = dict(os.environ if env is None else env)
+  env["XLA_FLAGS"] = xla_flags(devices, env.get("XLA_FLAGS", ""))
+  env.setdefault("NPROC", str(4 * devices))
+  return env
+
+
 def host_devices(devices: int) -> None:
   """This process's virtual CPU devices (set before JAX starts: it reads XLA_FLAGS once)."""
   if "jax" in sys.modules:

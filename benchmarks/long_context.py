@@ -123,12 +123,13 @@ def run_one(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
 
 
 def _child(impl: str, t: int, steps: int, compile_only: bool = False, devices: int = 1) -> dict:
-  env = {**os.environ, "XLA_FLAGS": harness.xla_flags(devices)}
+  env = harness.device_env(devices)
   cmd = [sys.executable, __file__, "--one", f"{impl}:{t}", "--steps", str(steps)] + (
       ["--compile-only"] if compile_only else [])
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
   if proc.returncode:
-    return {"attention": impl, "length": t, "error": proc.stderr.strip().splitlines()[-1:]}
+    lines = [line for line in proc.stderr.strip().splitlines() if not line.lstrip().startswith("@")]
+    return {"attention": impl, "length": t, "error": lines[-1:]}  # the message, not a native stack frame
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -32,6 +32,9 @@ def test_shared_flags_and_the_report(harness, tmp_path, capsys):
 
 def test_host_devices_sets_the_count_before_jax_starts(harness):
   assert harness.xla_flags(2, "--xla_foo=1") == "--xla_foo=1 --xla_force_host_platform_device_count=2"
+  env = harness.device_env(4, {"XLA_FLAGS": "--xla_foo=1"})
+  assert env == {"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=4", "NPROC": "16"}
+  assert harness.device_env(4, {"NPROC": "3"})["NPROC"] == "3"  # the user's setting wins
   with pytest.raises(RuntimeError, match="before importing jax"):
     harness.host_devices(2)  # this test process has imported jax
   code = ("import sys; sys.path.insert(0, 'benchmarks'); import harness; harness.host_devices(3); import jax; "
