@@ -4,7 +4,7 @@
 The same command runs on every process (the JAX_* variables say which one it is); the last
 mesh.sampler_hosts processes only decode, the others only train. Each run costs every process its
 start-up and its compiles (2 CPU cores for all of them here), so each test shares its runs between
-several claims: the default suite's two tests run four jobs in all.
+several claims: the default suite's two tests run three jobs in all, 2 + 2 (twice) and 1 + 3.
 """
 
 import json
@@ -125,13 +125,26 @@ def trained_prompts(workdir, learner_hosts: int, steps: int) -> list[int]:
   return trained
 
 
+def stopped_at(out: str, workdir) -> int:
+  """The step learner host 0 stopped at after a signal, its checkpoint saved there."""
+  stopped = [l for l in out.splitlines() if l.startswith("stopped at step ")]
+  assert len(stopped) == 1 and "checkpoint saved" in stopped[0], out[-3000:]
+  step = int(stopped[0].split()[3].rstrip(";"))
+  assert os.path.isdir(workdir / "checkpoints" / str(step))
+  return step
+
+
 @pytest.mark.multihost
-def test_two_learner_and_two_sampler_hosts_train_survive_a_killed_sampler_host_and_resume(tmp_path):
+def test_two_learner_and_two_sampler_hosts_survive_a_killed_sampler_host_and_a_sigterm_on_a_learner_host(tmp_path):
   """2 learner hosts + 2 sampler hosts. The first run trains until sampler host 3 is killed
-  (SIGKILL): every host stops, naming it and the last checkpoint. The same command resumes and
-  finishes. Over both: every sync reached both sampler hosts exactly, no prompt trained twice."""
-  workdir, steps = tmp_path / "run", 4
-  flags = by_host(2, 2) + ["--config.rl.max_staleness=1", f"--config.rl.num_steps={steps}",
+  (SIGKILL): every host stops, naming it and the last checkpoint. The same command resumes from
+  that checkpoint and trains on until SIGTERM on learner host 1 (not the coordinator's host): the
+  learner hosts agree, save and end the run, the sampler hosts follow. Over both runs: every sync
+  reached both sampler hosts exactly, the weights changed, no prompt was trained twice."""
+  workdir = tmp_path / "run"
+  # 16 decode slots per sampler host (2 groups), as in the 1 + 3 test: prefill and insert programs for 1 and 2
+  # prompts a call, not 3 more.
+  flags = by_host(2, 2) + ["--config.rl.max_staleness=1", "--config.rl.num_steps=20", "--config.sampler.max_concurrent_decodes=32",
                            "--config.mesh.host_timeout_s=10", "--config.mesh.save_synced_weights=true"]
   killed = train(tmp_path, workdir, 4, flags, send=Signal(3, "sampler host 3: weights v2 (model) arrived",
                                                           signal.SIGKILL), name="killed")
@@ -144,13 +157,19 @@ def test_two_learner_and_two_sampler_hosts_train_survive_a_killed_sampler_host_a
   assert killed[2][0] not in (0, None)  # the sampler host that was alive stopped too
   assert ERROR in killed[2][1] and "host 3" in killed[2][1]
   assert [v for v, _ in arrivals(killed[2][1], 2)][:3] == [0, 1, 2]
+  checkpoint = killed[0][1].strip().splitlines()[-1].split("the last checkpoint is ")[1].split(":")[0]
+  restored = int(os.path.basename(checkpoint))
 
-  again = train(tmp_path, workdir, 4, flags, name="again")
+  again = train(tmp_path, workdir, 4, flags, name="again",
+                send=Signal(1, f"sampler host 2: weights v{restored + 2} (model) arrived", signal.SIGTERM, watch=2))
   succeeded(again)
-  assert "resumed from" in again[0][1]
+  assert f"resumed from {checkpoint}" in again[0][1]
+  assert "received SIGTERM" in again[1][1]
+  steps = stopped_at(again[0][1], workdir)
+  assert restored + 2 <= steps < 20
   for s in (2, 3):  # the restored weights first, then one sync per step, each verified
-    versions = [v for v, _ in arrivals(again[s][1], s)]
-    assert versions[-1] == steps and versions == list(range(versions[0], steps + 1)) and versions[0] >= 2
+    assert "the learner hosts ended the run" in again[s][1]
+    assert [v for v, _ in arrivals(again[s][1], s)] == list(range(restored, steps + 1))
   sent = assert_received_exactly(workdir, (2, 3))
   assert {f"v{v}_model.npz" for v in range(steps + 1)} <= set(sent)
   first, last = sent["v0_model.npz"], sent[f"v{steps}_model.npz"]
@@ -162,60 +181,32 @@ def test_two_learner_and_two_sampler_hosts_train_survive_a_killed_sampler_host_a
 
 
 @pytest.mark.multihost
-def test_lora_syncs_adapters_only_and_sigterm_on_any_host_saves_and_stops_every_host(tmp_path):
-  """LoRA, 2 learner hosts + 1 sampler host. SIGTERM on learner host 1 (not the coordinator's
-  host): the learner hosts agree, save and end the run, the sampler host follows. The same command
-  resumes; SIGTERM on the sampler host then does the same. Each sync after the first carries the
-  adapters only, and they arrive exactly."""
+def test_one_learner_host_three_sampler_hosts_lora_adapters_only_and_sigterm_on_a_sampler_host(tmp_path):
+  """LoRA, 1 learner host + 3 sampler hosts. The first sync carries the model, each later one the
+  adapters only, and every one reaches all three sampler hosts exactly. SIGTERM on sampler host 3:
+  the learner host saves and ends the run, every sampler host follows."""
   workdir = tmp_path / "run"
-  flags = by_host(2, 1) + ["--config.lora.rank=4", "--config.rl.num_steps=20", "--config.checkpoint.every_steps=0",
+  flags = by_host(1, 3) + ["--config.lora.rank=4", "--config.rl.num_steps=20", "--config.checkpoint.every_steps=0",
                            "--config.mesh.save_synced_weights=true"]
-  first = train(tmp_path, workdir, 3, flags, name="first",
-                send=Signal(1, "sampler host 2: weights v2 (adapters) arrived", signal.SIGTERM, watch=2))
-  succeeded(first)
-  assert "received SIGTERM" in first[1][1]
-  stopped = [l for l in first[0][1].splitlines() if l.startswith("stopped at step ")]
-  assert len(stopped) == 1 and "checkpoint saved" in stopped[0], first[0][1][-3000:]
-  step = int(stopped[0].split()[3].rstrip(";"))
-  assert 2 <= step < 20 and os.path.isdir(workdir / "checkpoints" / str(step))
-  assert "the learner hosts ended the run" in first[2][1]
-  parts = arrivals(first[2][1], 2)
-  assert parts[0] == (0, "model") and {p for _, p in parts[1:]} == {"adapters"}, parts  # LoRA-only after the first
-  sent = assert_received_exactly(workdir, (2,))
-  adapters = [sent[f"v{v}_adapters.npz"] for v, _ in parts[1:]]
-  assert all(len(a) < len(sent["v0_model.npz"]) for a in adapters)
-  assert any(not np.array_equal(adapters[0][k], adapters[-1][k]) for k in adapters[0])  # they trained
-
-  again = train(tmp_path, workdir, 3, flags, name="again",
-                send=Signal(2, f"sampler host 2: weights v{step + 2} (adapters) arrived", signal.SIGTERM))
-  succeeded(again)
-  out = again[0][1]
-  assert f"resumed from {workdir / 'checkpoints' / str(step)}" in out
-  assert "sampler host 2 received a signal: finishing the current step, saving a checkpoint" in out
-  stopped = [l for l in out.splitlines() if l.startswith("stopped at step ")]
-  assert len(stopped) == 1 and "checkpoint saved" in stopped[0], out[-3000:]
-  resumed_at = int(stopped[0].split()[3].rstrip(";"))
-  assert step + 2 <= resumed_at < 20 and os.path.isdir(workdir / "checkpoints" / str(resumed_at))
-  assert arrivals(again[2][1], 2)[0] == (step, "model")  # the restored weights, whole, then adapters
-  assert_received_exactly(workdir, (2,))
-  trained = trained_prompts(workdir, 2, resumed_at)
-  assert len(trained) == len(set(trained)) == resumed_at * 4
-
-
-@pytest.mark.multihost
-@pytest.mark.multihost_long
-def test_one_learner_host_three_sampler_hosts(tmp_path):
-  workdir, steps = tmp_path / "run", 3
-  results = train(tmp_path, workdir, 4, by_host(1, 3) + ["--config.rl.max_staleness=1",
-                                                         "--config.mesh.save_synced_weights=true"])
+  results = train(tmp_path, workdir, 4, flags, send=Signal(3, "sampler host 3: weights v3 (adapters) arrived",
+                                                           signal.SIGTERM))
   succeeded(results)
   startup_lines(results, learner_hosts=1)
+  assert "sampler host 3 received a signal: finishing the current step, saving a checkpoint" in results[0][1]
+  steps = stopped_at(results[0][1], workdir)
+  assert 3 <= steps < 20
   for s in (1, 2, 3):
-    assert [v for v, _ in arrivals(results[s][1], s)] == list(range(steps + 1))
-  assert_received_exactly(workdir, (1, 2, 3))
+    assert "the learner hosts ended the run" in results[s][1]
+    parts = arrivals(results[s][1], s)
+    assert parts[0] == (0, "model") and {p for _, p in parts[1:]} == {"adapters"}, parts  # LoRA-only after the first
+    assert [v for v, _ in parts] == list(range(len(parts))) and len(parts) >= 4
+  sent = assert_received_exactly(workdir, (1, 2, 3))
+  adapters = [sent[f"v{v}_adapters.npz"] for v in range(1, steps + 1)]
+  assert all(len(a) < len(sent["v0_model.npz"]) for a in adapters)
+  assert any(not np.array_equal(adapters[0][k], adapters[-1][k]) for k in adapters[0])  # they trained
   trained = trained_prompts(workdir, 1, steps)
   assert len(trained) == len(set(trained)) == steps * 4
-  assert {i % 3 for i in trained} == {0, 1, 2}
+  assert {i % 3 for i in trained} == {0, 1, 2}  # every sampler host's shard
 
 
 @pytest.mark.multihost

@@ -36,17 +36,19 @@ LEFT = "tunixlike/run/left"  # each host that exits on a fault -> learner host 0
 LEAVE_WAIT_S = 15.0  # learner host 0's wait for the others to leave: a stuck learner host's watchdog fires in 10 s
 
 
-def end_run(failure: str | None = None) -> None:
-  """Learner host 0: the run is over (`failure`: the one line that says why it stopped). The first
+def end_run(failure: str | None = None, host: int | None = None) -> None:
+  """The run is over (`failure`: the one line that says why it stopped, `host`: the host that died
+  or hangs). Learner host 0 says it at the end of every run; any learner host that stops on a fault
+  says why first (the others, whose collectives with it then fail, exit with its line). The first
   word stays: a failure's cleanup does not overwrite it."""
   try:
-    kv.client().key_value_set_bytes(OVER, json.dumps({"failure": failure}).encode())
+    kv.client().key_value_set_bytes(OVER, json.dumps({"failure": failure, "host": host}).encode())
   except Exception:  # noqa: BLE001 - ALREADY_EXISTS: said before
     pass
 
 
 def run_over() -> dict | None:
-  """None while the run goes on, else `{"failure": None or why it stopped}`."""
+  """None while the run goes on, else `{"failure": None or why it stopped, "host": the host at fault}`."""
   try:
     return json.loads(kv.client().key_value_try_get_bytes(OVER))
   except Exception:  # noqa: BLE001 - NOT_FOUND
@@ -64,7 +66,7 @@ def leave_after_fault(line: str, dead: int | None = None, timeout_s: float = LEA
     if me != 0:
       client.key_value_set_bytes(f"{LEFT}/{me}", b"")
       return
-    end_run(failure=line)
+    end_run(failure=line, host=dead)
     deadline = time.monotonic() + timeout_s
     for host in range(1, jax.process_count()):
       if host != dead:

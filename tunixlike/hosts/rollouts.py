@@ -14,6 +14,11 @@ inbox thread moves both into its queue. The learner publishes `stop` at the end 
 A sampler host that dies or hangs stops sending its heartbeat (written while it admits work, at
 most once a second); the learner host's inbox then fails within `silence_timeout_s`, naming the
 host (`check()`, which the learner's loop calls between steps).
+
+Every read is a round trip to the coordination service (in process 0), which costs CPU on both
+ends: an idle inbox backs off from `poll_s` to `max_poll_s` between reads, heartbeats are read
+twice per `HEARTBEAT_S`, and a sampler host reads a learner host's admission state at most every
+`STATE_MAX_AGE_S` (a state that old only admits less: its `freed` only grows).
 """
 
 from __future__ import annotations
@@ -39,16 +44,18 @@ def _alive_key(sampler: int) -> str:
 
 
 HEARTBEAT_S = 1.0
+STATE_MAX_AGE_S = 0.05
 
 
 class LearnerInbox:
   """Learner host side: sampler hosts' admissions and groups into `queue`; the admission state out."""
 
   def __init__(self, queue: RolloutQueue, learner: int, *, sampler_hosts=(), silence_timeout_s: float = 60.0,
-               poll_s: float = 0.005):
-    self.queue, self.learner, self.poll_s = queue, learner, poll_s
+               poll_s: float = 0.005, max_poll_s: float = 0.04):
+    self.queue, self.learner, self.poll_s, self.max_poll_s = queue, learner, poll_s, max_poll_s
     self.silence_timeout_s = silence_timeout_s
     self._heard: dict[int, tuple[bytes | None, float]] = {h: (None, time.monotonic()) for h in sampler_hosts}
+    self._heartbeats_read = float("-inf")
     self.first_ticket = queue.admitted  # a resumed run: the groups before it are trained or dropped
     self.received = 0
     self._stop = threading.Event()
@@ -86,6 +93,9 @@ class LearnerInbox:
 
   def _check_heartbeats(self, client) -> None:
     now = time.monotonic()
+    if now - self._heartbeats_read < HEARTBEAT_S / 2:
+      return
+    self._heartbeats_read = now
     for host, (beat, since) in self._heard.items():
       try:
         current = client.key_value_try_get_bytes(_alive_key(host))
@@ -98,10 +108,14 @@ class LearnerInbox:
                              "(silence_timeout_s): it died or hangs", host)
 
   def _loop(self):
+    wait = self.poll_s
     while not self._stop.is_set():
       try:
-        if not self.poll():
-          time.sleep(self.poll_s)
+        if self.poll():
+          wait = self.poll_s
+        else:  # nothing came: wait longer before the next read, up to max_poll_s
+          self._stop.wait(wait)
+          wait = min(2 * wait, self.max_poll_s)
       except BaseException as e:  # noqa: BLE001 - surfaced by check()
         self._errors.append(e)
         self.queue.stop_event.set()
@@ -139,6 +153,7 @@ class RemoteAdmission:
     self._finished: set[int] = set()
     self._lock = threading.Lock()
     self._beats, self._last_beat = 0, 0.0
+    self._states: dict[int, tuple[dict, float]] = {}  # learner -> (its admission state, when read)
 
   def heartbeat(self) -> None:
     """Tells the learner hosts this host is alive (`try_admit` calls it; at most once a second)."""
@@ -149,8 +164,13 @@ class RemoteAdmission:
       self._last_beat = now
 
   def _state(self, learner: int) -> dict:
-    return json.loads(kv.get(_state_key(learner), timeout_s=self.timeout_s, host=learner,
-                             what=f"sampler host {self.host}: the learner's admission state"))
+    """Learner host `learner`'s admission state, read at most every STATE_MAX_AGE_S (under the lock)."""
+    state, read = self._states.get(learner, (None, float("-inf")))
+    if time.monotonic() - read >= STATE_MAX_AGE_S:
+      state = json.loads(kv.get(_state_key(learner), timeout_s=self.timeout_s, host=learner,
+                                what=f"sampler host {self.host}: the learner's admission state"))
+      self._states[learner] = state, time.monotonic()
+    return state
 
   def poll_stopped(self) -> bool:
     """Whether every learner host has ended its run (read now, not only when admitting)."""

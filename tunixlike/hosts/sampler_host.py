@@ -97,7 +97,7 @@ def run(setup: build_lib.Setup, preemption, say=print, synced_weights_dir: str |
   model = build_lib.policy_model(setup)
   engine = make_engine(model, build_lib.sampler_config(cfg, setup.tok), mesh=setup.meshes.sampler)
   receiver = build_lib.sampler_hosts_receiver(setup, model, engine, dump_dir=synced_weights_dir)
-  del model  # the learner's weights replace it at the first sync
+  del model  # abstract (`build_lib.build_model`): the weights are the learner's, from the first sync on
   scorer = build_lib.build_scorer(setup)
   stopping = lambda: preemption.requested or learner_host.run_over() is not None
 
@@ -170,6 +170,9 @@ def run(setup: build_lib.Setup, preemption, say=print, synced_weights_dir: str |
         ask_learners_to_stop()  # they save, end the run and tell every sampler host
         asked = True
       time.sleep(0.05)
+    over = learner_host.run_over()
+    if over is not None and over["failure"]:  # the learner hosts ended the run because a host failed
+      raise SamplerHostStopped(over["failure"])
     receiving.join(timeout=cfg.mesh.host_timeout_s)
     if errors:
       raise errors[0]

@@ -138,7 +138,7 @@ class Setup:
   meshes: mesh_lib.Meshes
   tok: tokenizer_lib.Tokenizer
   task: Task
-  model: nnx.Module  # the policy on the learner submesh (warm-started in place)
+  model: nnx.Module  # the policy on the learner submesh (warm-started in place); abstract on a sampler host
   train_pipe: pipeline.PromptPipeline
   eval_records: list  # this process's share of the held-out prompts
   tracer: trace_lib.Tracer
@@ -151,7 +151,8 @@ class Setup:
 
   @property
   def sampler_host(self) -> bool:
-    """This process only decodes (mesh.sampler_hosts); `model` is then on its own sampler mesh."""
+    """This process only decodes (mesh.sampler_hosts); `model` is then abstract (`build_model`), its
+    sharding annotations for its own sampler mesh."""
     return self.meshes.hosts is not None and jax.process_index() in self.meshes.hosts.samplers
 
 
@@ -228,8 +229,11 @@ def agent_function(cfg: Config, agent=None):
   return fn
 
 
-def build_model(cfg: Config, tok, mesh, rules=mesh_lib.LEARNER_RULES) -> nnx.Module:
-  """The policy on `mesh` (the learner's; a sampler host's own with `mesh_lib.SAMPLER_RULES`)."""
+def build_model(cfg: Config, tok, mesh, rules=mesh_lib.LEARNER_RULES, *, abstract: bool = False) -> nnx.Module:
+  """The policy on `mesh` (the learner's; a sampler host's own with `mesh_lib.SAMPLER_RULES`).
+  `abstract`: a built-in model's structure only (`nnx.eval_shape`: shapes, dtypes and sharding
+  annotations; nothing compiled, computed or allocated), for a sampler host, whose weights all come
+  from the learner hosts. A Hugging Face model is loaded either way (which checks its files)."""
   m = cfg.model
   if m.hf_path:
     return transformer.with_attention(models.from_pretrained(hub.resolve(m.hf_path, m.revision), mesh=mesh,
@@ -240,6 +244,8 @@ def build_model(cfg: Config, tok, mesh, rules=mesh_lib.LEARNER_RULES) -> nnx.Mod
   sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(models.ModelConfig) if hasattr(m, f.name)}
   model_cfg = models.ModelConfig(vocab_size=tok.vocab_size, **sizes)
   check_fits(model_cfg, mesh)
+  if abstract:
+    return nnx.eval_shape(lambda: models.Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)))
   return models.create_sharded(model_cfg, mesh, rules, seed=cfg.seed)
 
 
@@ -303,9 +309,10 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   make_env = env_factory(cfg, env)
   agent = agent_function(cfg, agent)
   meshes = make_meshes(cfg)
-  # A sampler host computes only on its own devices: its copy of the policy is born there (the
-  # weights it decodes with come from the learner hosts).
-  model = (build_model(cfg, tok, meshes.sampler, mesh_lib.SAMPLER_RULES) if sampler_host
+  # A sampler host computes only on its own devices, with the weights the learner hosts send: its
+  # policy is only the structure its engine and weight receiver need (compiling and running the
+  # initialiser there would cost every sampler host seconds of start-up for weights never used).
+  model = (build_model(cfg, tok, meshes.sampler, mesh_lib.SAMPLER_RULES, abstract=True) if sampler_host
            else build_model(cfg, tok, meshes.learner))
   mesh_lib.check_whole_heads(model.cfg.num_heads, model.cfg.num_kv_heads, cfg.mesh.sampler_tensor,
                              cfg.mesh.learner_tensor)
@@ -419,9 +426,10 @@ def policy_model(setup: Setup) -> nnx.Module:
   cfg = setup.cfg
   if not cfg.lora.rank:
     return setup.model
-  mesh, rules = ((setup.meshes.sampler, mesh_lib.SAMPLER_RULES) if setup.sampler_host
-                 else (setup.meshes.learner, mesh_lib.LEARNER_RULES))
-  return lora_lib.apply_lora(setup.model, lora_lib.LoRAConfig.from_config(cfg), seed=cfg.seed, mesh=mesh, rules=rules)
+  lora = lora_lib.LoRAConfig.from_config(cfg)
+  if setup.sampler_host:  # abstract adapters too: they arrive with the weights (`sampler_hosts_receiver`)
+    return nnx.eval_shape(lambda model: lora_lib.apply_lora(model, lora, seed=cfg.seed), setup.model)
+  return lora_lib.apply_lora(setup.model, lora, seed=cfg.seed, mesh=setup.meshes.learner, rules=mesh_lib.LEARNER_RULES)
 
 
 def policy_rows(cfg: Config, num_processes: int, share_prompts: bool) -> tuple[int, tuple[int, ...]]:

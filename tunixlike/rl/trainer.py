@@ -278,6 +278,9 @@ def _rl(r: _Run, data: _Data) -> dict[str, Any]:
   except kv_lib.HostTimeout as e:  # a sampler host died or hangs: the learner hosts cannot save without it
     raise kv_lib.HostTimeout(r.fault_line(e), e.host) from None
   except BaseException:
+    fault = r.fault_elsewhere()
+    if fault is not None:  # another learner host stopped on a fault first, and this one's collective with it failed
+      raise fault from None
     if r.multi:  # a save needs every process, and the others may be gone: rely on periodic saves
       r.say(f"run failed on process {r.pid}; not saving (a multi-process save needs every process)")
     else:
@@ -519,14 +522,18 @@ class _Run:
         log.warning(f"while stopping: {type(e).__name__}: {e}")
 
   def fault_line(self, error: BaseException) -> str:
-    """The one line that says a host died or hangs, and where the run resumes from. Learner host 0
-    also tells the sampler hosts that are alive, which stop saying it too."""
+    """The one line that says a host died or hangs, and where the run resumes from; also told to the
+    other hosts (the first learner host to say it is the one heard), which stop saying it too."""
     latest = self.ckpt.latest_step()
     line = (f"{error}; the last checkpoint is {self.ckpt.step_dir(latest) if latest is not None else 'none yet'}: "
             "run the same command again to resume from it")
-    if self.pid == 0:
-      learner_host.end_run(failure=line)
+    learner_host.end_run(failure=line, host=getattr(error, "host", None))
     return line
+
+  def fault_elsewhere(self) -> kv_lib.HostTimeout | None:
+    """Whole sampler hosts: the fault another host stopped the run on (its line), or None."""
+    over = learner_host.run_over() if self.setup.meshes.hosts is not None else None
+    return None if not over or not over["failure"] else kv_lib.HostTimeout(over["failure"], over.get("host"))
 
   def host_fault(self, error: BaseException) -> None:
     """A sampler host failed while this learner host's loop is stuck (`RemoteSampling`): says so, exits."""
