@@ -8,9 +8,9 @@ goes, two sampler hosts fed directly vs through a relay, and the RL step of both
 Part 1, 2 processes on 127.0.0.1 (one jax.distributed job, 4 virtual CPU devices each), each path
 timed on the receiving process (median of --repeats after a warm-up):
   * `by_host`: process 0 is a learner host (FSDP over its 4 devices), process 1 a sampler host
-    (4 replicas): `hosts.transfer.send_across_hosts` with 256 MiB buckets (--bucket-mb); then one
-    more sync with `profile=` gives the seconds of each stage on each side (pack and ack on the
-    learner host; wait_for_pack, transfer, gather, unpack and place on the sampler host);
+    (4 replicas): `hosts.transfer.send_across_hosts` with 256 MiB buckets (--bucket-mb); then
+    --repeats more syncs with `profile=` give the median seconds of each stage on each side (pack
+    and ack on the learner host; wait_for_pack, transfer, gather, unpack and place on the sampler host);
   * `per_host`: the per-host split (2 sampler + 2 learner devices per process, one learner mesh
     over both): `rl.weight_sync.sync`, which all-gathers and copies locally on each host;
   * `socket`: the bytes the by-host sync delivers, sent once over a TCP socket on 127.0.0.1 between
@@ -174,14 +174,19 @@ def pair_worker(args):
         bucket_bytes=_bucket_bytes(args))[0]
     s, result[f"by_host_{kind}_cpu_s"] = time_path(f"by_host/{kind}", sync, make)
     result[f"by_host_{kind}_s"], result[f"by_host_{kind}_bytes_per_s"] = s, nbytes / s
-    if kind == "full":  # one more sync, each stage waited for and timed on both sides
-      client.wait_at_barrier("bench/profile", 120_000)
-      profile = {}
-      jax.block_until_ready(sync(make(), profile))
-      client.key_value_set(f"bench/profile/{me}", json.dumps(profile))
+    if kind == "full":  # --repeats more syncs, each stage waited for and timed on both sides: medians
+      profiles = []
+      for r in range(args.repeats):
+        tree = make()
+        jax.block_until_ready(tree)
+        client.wait_at_barrier(f"bench/profile/{r}", 120_000)
+        profiles.append({})
+        jax.block_until_ready(sync(tree, profiles[-1]))
+      mine = {k: statistics.median(p[k] for p in profiles) for k in profiles[0]}
+      client.key_value_set(f"bench/profile/{me}", json.dumps(mine))
       client.wait_at_barrier("bench/profile/end", 120_000)
       if me == 1:
-        stages = {**json.loads(client.blocking_key_value_get("bench/profile/0", 60_000)), **profile}
+        stages = {**json.loads(client.blocking_key_value_get("bench/profile/0", 60_000)), **mine}
         result["by_host_full_stages_s"] = {k: round(v, 5) for k, v in stages.items()}
     meshes = mesh_lib.make_meshes(4, 4)  # the per-host split: every process both sides
     src = jax.device_put(host_tree, jax.tree.map(
