@@ -239,7 +239,7 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
   its own devices, else None; the version that arrived with it). Raises `kv.HostTimeout` naming the
   host when a peer does not deliver or acknowledge within `timeout_s`. `profile`: a dict to add this
   process's seconds per stage to (learner hosts: pack, ack; sampler hosts: wait_for_pack, transfer
-  until the bytes are there, spread, unpack); it makes every stage wait for the last, so time a sync
+  until the bytes are there, gather, unpack, place); it makes every stage wait for the last, so time a sync
   without it.
   """
   if bucket_bytes <= 0:
