@@ -3,14 +3,14 @@ all-gather path vs a plain socket copy of the same bytes, full weights vs LoRA-o
 goes, two sampler hosts fed directly vs through a relay, and the RL step of both layouts, in one run.
 
   python benchmarks/multihost.py [--out FILE] [--quick] [--mb 64] [--width 1024] [--repeats 5]
-      [--rl-steps 10] [--transfer-size BYTES] [--connections N]
+      [--rl-steps 10] [--transfer-size BYTES] [--connections N] [--bucket-mb MIB] [--parts 1,2,3]
 
 Part 1, 2 processes on 127.0.0.1 (one jax.distributed job, 4 virtual CPU devices each), each path
 timed on the receiving process (median of --repeats after a warm-up):
   * `by_host`: process 0 is a learner host (FSDP over its 4 devices), process 1 a sampler host
-    (4 replicas): `hosts.transfer.send_across_hosts` with the default 256 MiB buckets; then one
-    more sync with `profile=` gives the seconds of each stage on each side (pack on the learner
-    host; transfer, ack, spread to the replicas, unpack on the sampler host);
+    (4 replicas): `hosts.transfer.send_across_hosts` with 256 MiB buckets (--bucket-mb); then
+    --repeats more syncs with `profile=` give the median seconds of each stage on each side (pack
+    and ack on the learner host; wait_for_pack, transfer, gather, unpack and place on the sampler host);
   * `per_host`: the per-host split (2 sampler + 2 learner devices per process, one learner mesh
     over both): `rl.weight_sync.sync`, which all-gathers and copies locally on each host;
   * `socket`: the bytes the by-host sync delivers, sent once over a TCP socket on 127.0.0.1 between
@@ -20,7 +20,7 @@ timed on the receiving process (median of --repeats after a warm-up):
     sends): JAX's transfer alone, without packing, acknowledgement or unpacking;
   * `fan_out_4dev`: on the sampler host alone, the same bytes split over its 4 devices made whole
     on each: an all-gather program (`all_gather`, what the sampler host ran until 2026-11-28) vs
-    `hosts.transfer.unpack`'s device-to-device copies (`copies`, what it runs now).
+    `hosts.transfer.unpack` (`copies`: gathered on one device, cut there, copied to the others).
 Part 2, 3 processes (1 learner host, 2 sampler hosts), the full weights: `direct` (the learner host
 sends to each sampler host) vs `relay` (it sends to the first, which sends on to the second), timed
 until both sampler hosts have them; `fan_out_winner` says which was faster.
@@ -32,6 +32,10 @@ the median time between step records in metrics.jsonl after the first two (compi
 `learner_busy_frac` and `sampler_busy_frac`: the runtime's own fractions (learner step time, the
 driver's decode time, over the RL loop's wall clock) at the last step, on the by-host sampler host
 its driver's at the last weight sync.
+
+Each path's `*_cpu_s`: the median CPU seconds of one sync (one copy), both processes' summed (every
+thread's); other jobs on the machine inflate it far less than the wall clock, so `*_vs_socket_cpu`
+says what a path costs where the bandwidth ratio is mostly the load.
 
 Full weights are synthetic float32 matrices of about --mb MB (a transformer's shapes: [d, 4d] and
 [4d, d] per layer, d = --width); LoRA-only is rank-8 A and B matrices for each of them (d / 10 times
@@ -69,7 +73,9 @@ def _flags(p):
   p.add_argument("--repeats", type=int, default=5, help="timed syncs per path (after one warm-up)")
   p.add_argument("--transfer-size", type=int, default=None, help="JAX's transfer chunk, bytes")
   p.add_argument("--connections", type=int, default=None, help="JAX's transfer data connections")
+  p.add_argument("--bucket-mb", type=float, default=None, help="the by-host sync's bucket, MiB (default: the library's)")
   p.add_argument("--timeout", type=float, default=600, help="seconds each part may take")
+  p.add_argument("--parts", default="1,2,3", help="which parts to run, e.g. 1 for the two-process syncs alone")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "pair", "trio" or "rl", in the subprocesses
   p.add_argument("--layout", default=None, help=argparse.SUPPRESS)  # part 3's workers: "by_host" or "per_host"
   p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)  # part 3's workers
@@ -97,27 +103,41 @@ def _start(args):
   return me, kv.client()
 
 
-def _timer(client, repeats: int):
+def _both_cpu(client, name: str, me: int, cpu_s: float) -> float:
+  """This process's CPU seconds plus the other one's (of 2), through the key-value store."""
+  client.key_value_set(f"bench/{name}/cpu/{me}", repr(cpu_s))
+  return sum(float(client.blocking_key_value_get(f"bench/{name}/cpu/{p}", 60_000)) for p in (0, 1))
+
+
+def _timer(client, repeats: int, me: int):
   """time_path(name, run, prepare): runs `run(prepare())` 1 + repeats times, all processes starting
-  together, the next only when all are done; returns this process's median seconds after the warm-up."""
+  together, the next only when all are done; returns (this process's median seconds after the
+  warm-up, the median CPU seconds of each process summed over both: every thread's, which the
+  other jobs on the machine do not inflate as they do the wall clock)."""
   import jax
 
   def time_path(name, run, prepare=lambda: None):
     print(f"PATH {name}", flush=True)  # where a hang is, in the failure's output
-    times = []
+    times, cpu = [], []
     for r in range(repeats + 1):
       arg = prepare()
       jax.block_until_ready(arg)
       client.wait_at_barrier(f"bench/{name}/{r}", 120_000)
-      t = time.perf_counter()
+      t, c = time.perf_counter(), time.process_time()
       jax.block_until_ready(run(arg))
       times.append(time.perf_counter() - t)
+      cpu.append(time.process_time() - c)
       # the next `prepare` only once every process is done: a learner host making its next copy
       # would otherwise share the cores with the sampler host still unpacking this one
       client.wait_at_barrier(f"bench/{name}/{r}/done", 120_000)
     client.wait_at_barrier(f"bench/{name}/end", 120_000)
-    return statistics.median(times[1:])
+    return statistics.median(times[1:]), _both_cpu(client, name, me, statistics.median(cpu[1:]))
   return time_path
+
+
+def _bucket_bytes(args) -> int:
+  from tunixlike.rl import weight_sync
+  return weight_sync.DEFAULT_BUCKET_BYTES if args.bucket_mb is None else int(args.bucket_mb * 2**20)
 
 
 def _learner_copy(tree, layout, fsdp: bool):
@@ -135,7 +155,7 @@ def pair_worker(args):
   from tunixlike import mesh as mesh_lib
   from tunixlike.hosts import layout as layout_lib, transfer
   from tunixlike.rl import weight_sync
-  time_path = _timer(client, args.repeats)
+  time_path = _timer(client, args.repeats, me)
   full_host, lora_host = _tree(args.mb, args.width, np)
   result = {}
   fresh = lambda tree: jax.tree.map(lambda x: x + 0, tree)  # a new learner copy per sync, as after a step
@@ -150,46 +170,57 @@ def pair_worker(args):
       make = lambda: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host_tree)
     calls = itertools.count()  # every process syncs in the same order: the same key per sync
     sync = lambda t, profile=None: transfer.send_across_hosts(
-        t, spec, layout=layout, version=next(calls), timeout_s=120, tag=f"bench/{kind}", profile=profile)[0]
-    s = time_path(f"by_host/{kind}", sync, make)
+        t, spec, layout=layout, version=next(calls), timeout_s=120, tag=f"bench/{kind}", profile=profile,
+        bucket_bytes=_bucket_bytes(args))[0]
+    s, result[f"by_host_{kind}_cpu_s"] = time_path(f"by_host/{kind}", sync, make)
     result[f"by_host_{kind}_s"], result[f"by_host_{kind}_bytes_per_s"] = s, nbytes / s
-    if kind == "full":  # one more sync, each stage waited for and timed on both sides
-      client.wait_at_barrier("bench/profile", 120_000)
-      profile = {}
-      jax.block_until_ready(sync(make(), profile))
-      client.key_value_set(f"bench/profile/{me}", json.dumps(profile))
+    if kind == "full":  # --repeats more syncs, each stage waited for and timed on both sides: medians
+      profiles = []
+      for r in range(args.repeats):
+        tree = make()
+        jax.block_until_ready(tree)
+        client.wait_at_barrier(f"bench/profile/{r}", 120_000)
+        profiles.append({})
+        jax.block_until_ready(sync(tree, profiles[-1]))
+      mine = {k: statistics.median(p[k] for p in profiles) for k in profiles[0]}
+      client.key_value_set(f"bench/profile/{me}", json.dumps(mine))
       client.wait_at_barrier("bench/profile/end", 120_000)
       if me == 1:
-        stages = {**json.loads(client.blocking_key_value_get("bench/profile/0", 60_000)), **profile}
+        stages = {**json.loads(client.blocking_key_value_get("bench/profile/0", 60_000)), **mine}
         result["by_host_full_stages_s"] = {k: round(v, 5) for k, v in stages.items()}
     meshes = mesh_lib.make_meshes(4, 4)  # the per-host split: every process both sides
     src = jax.device_put(host_tree, jax.tree.map(
         lambda x: NamedSharding(meshes.learner, P("fsdp") if kind == "full" else P()), host_tree))
     targets = jax.tree.map(lambda _: NamedSharding(meshes.sampler, P()), host_tree)
-    s = time_path(f"per_host/{kind}", lambda t: weight_sync.sync(t, targets)[0], lambda: fresh(src))
+    s, result[f"per_host_{kind}_cpu_s"] = time_path(f"per_host/{kind}", lambda t: weight_sync.sync(t, targets)[0],
+                                                    lambda: fresh(src))
     result[f"per_host_{kind}_s"], result[f"per_host_{kind}_bytes_per_s"] = s, nbytes / s
     result[f"{kind}_bytes"] = nbytes
   # socket: the full weights' bytes once from process 0 to process 1
   payload = b"".join(np.ascontiguousarray(x).tobytes() for x in jax.tree.leaves(full_host))
-  times = []
+  times, cpu = [], []
   for r in range(args.repeats + 1):
     if me == 1:
       with socket.create_server(("127.0.0.1", 0)) as srv:
         client.key_value_set(f"bench/socket/{r}", str(srv.getsockname()[1]))
         conn, _ = srv.accept()
         view, got = memoryview(bytearray(len(payload))), 0
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         while got < len(payload):
           got += conn.recv_into(view[got:])
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
         conn.sendall(b"k")
         conn.close()
     else:
       port = int(client.blocking_key_value_get(f"bench/socket/{r}", 60_000))
-      with socket.create_connection(("127.0.0.1", port)) as c:
-        c.sendall(payload)
-        c.recv(1)
+      with socket.create_connection(("127.0.0.1", port)) as conn:
+        c = time.process_time()
+        conn.sendall(payload)
+        conn.recv(1)
+        cpu.append(time.process_time() - c)
     client.wait_at_barrier(f"bench/socket/{r}/end", 60_000)
+  result["socket_full_cpu_s"] = _both_cpu(client, "socket", me, statistics.median(cpu[1:]))
   if me == 1:
     result["socket_full_s"] = statistics.median(times[1:])
     result["socket_full_bytes_per_s"] = len(payload) / result["socket_full_s"]
@@ -200,14 +231,15 @@ def pair_worker(args):
                                P("x")) for p in (0, 1)]
     x = (jax.device_put(np.ones((n,), np.float32), shardings[0]) if me == 0
          else jax.make_array_from_single_device_arrays((n,), shardings[0], [], dtype=np.float32))
-    s = time_path(name, lambda x: jax.device_put(x, shardings[1]), lambda: x)  # x stays alive: the sender's copy
+    # x stays alive: the sender's copy
+    s, result[f"{name}_full_cpu_s"] = time_path(name, lambda x: jax.device_put(x, shardings[1]), lambda: x)
     if me == 1:
       result[f"{name}_full_s"], result[f"{name}_full_bytes_per_s"] = s, len(payload) / s
   if me == 1:  # the sampler host's fan-out of the same bytes to its 4 devices: a collective vs copies
     result.update(_fan_out_on_one_host(n, args.repeats))
     from tunixlike.hosts import transfer_server
     result.update(transfer_size=args.transfer_size or transfer_server.TRANSFER_SIZE,
-                  connections=args.connections or transfer_server.CONNECTIONS)
+                  connections=args.connections or transfer_server.CONNECTIONS, bucket_bytes=_bucket_bytes(args))
     print("RESULT " + json.dumps(result), flush=True)
   client.wait_at_barrier("bench/end", 300_000)
 
@@ -215,7 +247,7 @@ def pair_worker(args):
 def _fan_out_on_one_host(n: int, repeats: int) -> dict:
   """A buffer of n float32 split over this process's 4 devices made whole on each of them: the
   all-gather program the sampler host ran until 2026-11-28 (`jit` to a replicated sharding) vs
-  `transfer.unpack`'s copies (what it runs now). Medians after a warm-up."""
+  `transfer.unpack` (copies and programs of one device, what it runs now). Medians after a warm-up."""
   import jax
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -258,7 +290,7 @@ def trio_worker(args):
       client.wait_at_barrier(f"bench/{name}/{r}", 120_000)
       t = time.perf_counter()
       out = transfer.send_across_hosts(tree, spec, layout=layout, version=next(calls), timeout_s=120,
-                                       tag=f"bench/{name}")[0]
+                                       tag=f"bench/{name}", bucket_bytes=_bucket_bytes(args))[0]
       jax.block_until_ready(out)
       client.key_value_set(f"bench/{name}/{r}/{me}", str(time.perf_counter() - t))
       client.wait_at_barrier(f"bench/{name}/{r}/end", 120_000)
@@ -314,7 +346,8 @@ def _run_job(args, part: str, processes: int, extra: tuple[str, ...] = ()) -> di
   every process's RESULT, merged. All are killed when one fails or the time runs out."""
   argv = [sys.executable, os.path.abspath(__file__), "--worker", part, "--mb", str(args.mb),
           "--width", str(args.width), "--repeats", str(args.repeats), "--rl-steps", str(args.rl_steps), *extra]
-  for flag, value in (("--transfer-size", args.transfer_size), ("--connections", args.connections)):
+  for flag, value in (("--transfer-size", args.transfer_size), ("--connections", args.connections),
+                      ("--bucket-mb", args.bucket_mb)):
     if value is not None:
       argv += [flag, str(value)]
   codes, outs = zip(*local_job.run(argv, processes, devices=4, timeout_s=args.timeout, name=part))
@@ -331,21 +364,32 @@ def main():
     args.mb, args.width, args.repeats, args.rl_steps = 4.0, 256, 2, 5
   if args.worker is not None:
     return {"pair": pair_worker, "trio": trio_worker, "rl": rl_worker}[args.worker](args)
-  r = _run_job(args, "pair", 2)
-  r.update(_run_job(args, "trio", 3))
-  for layout in ("per_host", "by_host"):
-    with tempfile.TemporaryDirectory() as workdir:
-      r.update(_run_job(args, "rl", 2, ("--layout", layout, "--workdir", workdir)))
-  r["rl_by_host_vs_per_host_step_time"] = r["rl_by_host_s_per_step"] / r["rl_per_host_s_per_step"]
-  socket_bw = r["socket_full_bytes_per_s"]
-  r["by_host_vs_socket_bandwidth"] = r["by_host_full_bytes_per_s"] / socket_bw
-  r["per_host_vs_socket_bandwidth"] = r["per_host_full_bytes_per_s"] / socket_bw
-  for name in ("raw_1dev", "raw_4dev"):
-    r[f"{name}_vs_socket_bandwidth"] = r[f"{name}_full_bytes_per_s"] / socket_bw
-  r["by_host_vs_per_host_full_time"] = r["by_host_full_s"] / r["per_host_full_s"]
-  r["by_host_full_vs_lora_time"] = r["by_host_full_s"] / r["by_host_lora_s"]
-  r["fan_out_4dev_copies_vs_all_gather_time"] = r["fan_out_4dev_copies_s"] / r["fan_out_4dev_all_gather_s"]
-  r.update(mb=args.mb, width=args.width, repeats=args.repeats, rl_steps=args.rl_steps, devices_per_process=4,
+  if not set(args.parts.split(",")) <= {"1", "2", "3"}:
+    print(f"--parts {args.parts}: a comma-separated list of 1, 2, 3", file=sys.stderr)
+    raise SystemExit(2)
+  parts = {int(p) for p in args.parts.split(",")}
+  r = {}
+  if 1 in parts:
+    r.update(_run_job(args, "pair", 2))
+    socket_bw = r["socket_full_bytes_per_s"]
+    r["by_host_vs_socket_bandwidth"] = r["by_host_full_bytes_per_s"] / socket_bw
+    r["per_host_vs_socket_bandwidth"] = r["per_host_full_bytes_per_s"] / socket_bw
+    for name in ("raw_1dev", "raw_4dev"):
+      r[f"{name}_vs_socket_bandwidth"] = r[f"{name}_full_bytes_per_s"] / socket_bw
+    for name in ("by_host", "raw_4dev"):  # CPU seconds of both processes per copy of the weights
+      r[f"{name}_vs_socket_cpu"] = r[f"{name}_full_cpu_s"] / r["socket_full_cpu_s"]
+    r["by_host_vs_per_host_full_time"] = r["by_host_full_s"] / r["per_host_full_s"]
+    r["by_host_full_vs_lora_time"] = r["by_host_full_s"] / r["by_host_lora_s"]
+    r["fan_out_4dev_copies_vs_all_gather_time"] = r["fan_out_4dev_copies_s"] / r["fan_out_4dev_all_gather_s"]
+  if 2 in parts:
+    r.update(_run_job(args, "trio", 3))
+  if 3 in parts:
+    for layout in ("per_host", "by_host"):
+      with tempfile.TemporaryDirectory() as workdir:
+        r.update(_run_job(args, "rl", 2, ("--layout", layout, "--workdir", workdir)))
+    r["rl_by_host_vs_per_host_step_time"] = r["rl_by_host_s_per_step"] / r["rl_per_host_s_per_step"]
+  r.update(parts=sorted(parts), mb=args.mb, width=args.width, repeats=args.repeats, rl_steps=args.rl_steps,
+           devices_per_process=4,
            max_process_rss_mb=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
   harness.report(r, args)
 

@@ -34,7 +34,7 @@ def test_one_device_put_delivers_the_learner_hosts_weights_to_each_sampler_host(
     # Each sampler host got exact values, on its own devices, each with the version that was sent.
     # (also through a relay: each sampler host after the first got it from the one before)
     assert _lines(results[s][1], "GOT") == ["full 1", "lora 2", "bf16 3", "relay 4"]
-    assert _lines(results[s][1], "STAGES") == ["spread transfer unpack wait_for_pack"]
+    assert _lines(results[s][1], "STAGES") == ["gather place transfer unpack wait_for_pack"]
   # Nobody acknowledged version 5: each sending learner host names the (first) sampler host it waited for.
   for learner in range(learner_hosts):
     first = min(s for s, sender in senders.items() if sender == learner)

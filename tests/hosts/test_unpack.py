@@ -1,6 +1,6 @@
 """The sampler host's end of a weight transfer on one process: the buffers that arrived split over
-its devices become the sampler's arrays by device-to-device copies and a program whose inputs are all
-replicated, with no collective (on CPU with jax.distributed every collective goes through gloo over TCP)."""
+its devices become the sampler's arrays by device-to-device copies and programs of one device, with
+no collective (on CPU with jax.distributed every collective goes through gloo over TCP)."""
 
 import jax
 import numpy as np
@@ -24,17 +24,21 @@ def test_unpack_cuts_the_split_buffers_into_the_sampler_layout_without_a_collect
   targets = (NamedSharding(sampler, P(None, "tensor")), NamedSharding(sampler, P()), NamedSharding(sampler, P()))
   stages = []
   got = transfer.unpack(flats, shapes, targets, flat_mesh, lap=lambda stage, arrays: stages.append(stage))
-  assert stages == ["spread", "unpack"]
+  assert stages == ["gather", "unpack", "place"]
   for x, want, target in zip(got, (a, b, c), targets):
     assert x.sharding == target
     np.testing.assert_array_equal(np.asarray(x), want)
     for shard in x.addressable_shards:  # each device holds its own part of the exact values
       np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
-  pieces = tuple(transfer._spread(x, flat_mesh) for x in flats)  # each piece whole on every device, in order
-  for flat, wire in zip((packed, c.reshape(-1)), pieces):
-    for k, piece in enumerate(wire):
-      assert piece.sharding.is_fully_replicated and set(piece.devices()) == set(devices)
-      np.testing.assert_array_equal(np.asarray(piece.addressable_shards[3].data), flat[8 * k:8 * k + 8] if
-                                    flat.size == 32 else flat[16 * k:16 * k + 16])
-  hlo = transfer._unpacker(shapes, targets).lower(pieces).compile().as_text()
-  assert not [name for name in COLLECTIVES if name in hlo], hlo
+  # the two buffers are cut on two different devices (the larger first), each by a program of one device
+  assert transfer._lanes([x.nbytes for x in flats], 4) == [1, 0]
+  for flat, shape in zip(flats, shapes):
+    piece = jax.ShapeDtypeStruct((flat.shape[0] // 4,), flat.dtype)
+    hlo = transfer._cutter((shape,)).lower(((piece,) * 4,)).compile().as_text()
+    assert not [name for name in COLLECTIVES if name in hlo], hlo
+
+
+def test_lanes_balance_the_buffers_over_the_devices():
+  assert transfer._lanes([4, 16, 16, 16, 16], 4) == [0, 0, 1, 2, 3]
+  assert transfer._lanes([10, 1, 1, 1], 2) == [0, 1, 1, 1]
+  assert transfer._lanes([5], 1) == [0]

@@ -13,9 +13,10 @@ ones concatenated per dtype):
 2. **transfer**: the sending host's D shards of each buffer are one array on its D devices, and one
    `jax.device_put` moves them to the sampler host's D devices in the same split: D streams in
    parallel (one per device pair), each byte crosses once;
-3. **spread + unpack** (`unpack`): on the sampler host each buffer's pieces are copied device to
-   device onto every one of its devices (the bytes of an all-gather, without a collective), then one
-   program cuts them into the arrays in the sampler's layout (`specs`).
+3. **gather + unpack + place** (`unpack`): on the sampler host each buffer's pieces are copied onto
+   one of its devices (the buffers spread over the devices by size), a program there cuts them into
+   the arrays, and one batched `jax.device_put` copies each array into the sampler's layout (`specs`):
+   a replica per device, or each device its slice. No collective, and each replica is written once.
 
 The sampler host acknowledges each bucket through the coordination service's key-value store; the
 sender frees a bucket only then, and keeps at most two buckets in flight (bucket k+1 is packed and
@@ -110,27 +111,21 @@ def _packer(wires: tuple, dtype: str | None, out_sharding: NamedSharding):
   return jax.jit(pack, out_shardings=[out_sharding] * len(wires))
 
 
-def _spread(flat: jax.Array, mesh: Mesh) -> tuple[jax.Array, ...]:
-  """A buffer split over this host's devices (`FLAT` on `mesh`) -> its pieces in order, each whole on
-  every device (replicated): one batched `jax.device_put` of the D x (D - 1) device-to-device copies,
-  the bytes and the parallel links of an all-gather, without a collective."""
-  devices = list(mesh.devices.flat)
-  shards = sorted(flat.addressable_shards, key=lambda shard: shard.index[0].start or 0)
-  moves = [(shard.data, d) for shard in shards for d in devices if d != shard.device]
-  copies = iter(jax.device_put([x for x, _ in moves], [d for _, d in moves]))
-  replicated = NamedSharding(mesh, PartitionSpec())
-  pieces = []
-  for shard in shards:
-    on = {d: (shard.data if d == shard.device else next(copies)) for d in devices}
-    pieces.append(jax.make_array_from_single_device_arrays(shard.data.shape, replicated, [on[d] for d in devices]))
-  return tuple(pieces)
+def _lanes(nbytes: list[int], devices: int) -> list[int]:
+  """Each wire's lane: the device of the sampler host it is cut on, the largest wire first onto the
+  least loaded device, so that the cutting and the copies out of each device are balanced."""
+  load, lanes = [0] * devices, [0] * len(nbytes)
+  for w in sorted(range(len(nbytes)), key=lambda w: -nbytes[w]):
+    lanes[w] = min(range(devices), key=lambda d: load[d])
+    load[lanes[w]] += nbytes[w]
+  return lanes
 
 
 @functools.lru_cache(maxsize=64)
-def _unpacker(shapes: tuple, out_shardings: tuple):
-  """Each wire's pieces, whole on every device -> the arrays in the sampler's layout (`shapes[w]`:
-  wire w's arrays' shapes). Every input is replicated: each device only concatenates and slices."""
-  def unpack(wires):
+def _cutter(shapes: tuple):
+  """A wire's pieces, all on one device -> its arrays (`shapes[w]`: wire w's arrays' shapes), on that
+  device: a program of one device, no collective."""
+  def cut(wires):
     out = []
     for pieces, wire_shapes in zip(wires, shapes):
       flat = jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
@@ -140,28 +135,49 @@ def _unpacker(shapes: tuple, out_shardings: tuple):
         out.append(flat[at:at + size].reshape(shape))
         at += size
     return out
-  return jax.jit(unpack, out_shardings=list(out_shardings))
+  return jax.jit(cut)
 
 
 def unpack(flats, shapes: tuple, targets: tuple, mesh: Mesh, lap=lambda stage, arrays: None) -> list[jax.Array]:
   """A bucket's buffers as they arrived, each split over this host's devices (`FLAT` on `mesh`) ->
   its arrays in the sampler's layout (`targets`, in wire order; `shapes[w]`: wire w's arrays'
-  shapes), with no collective:
+  shapes), by copies and programs of one device, with no collective:
 
-  1. spread: every piece of every buffer is copied onto each of the host's devices (`_spread`);
-  2. unpack: one program over the host's devices, all of whose inputs are replicated, cuts the
-     arrays out on each device (a tensor-sharded target: each device its own slice).
+  1. gather: each buffer's pieces are copied onto one device, its lane (`_lanes`: the buffers
+     spread over the devices by size), in one batched `jax.device_put`;
+  2. unpack: on each lane one program cuts its buffers into their arrays;
+  3. place: one batched `jax.device_put` puts every array into its target layout: a copy per other
+     device for a replicated one (the lane's own is the array itself), a slice per device for a
+     tensor-sharded one.
 
-  On the CPU backend with jax.distributed started every XLA collective goes through gloo over TCP,
-  even among one process's devices; the all-gather inside the unpack program that this replaced was
-  80% of the sync in one run (load 14-18), a tie with the copies in others. On GPU and TPU the
-  copies run over NVLink / ICI, each device receiving its (D - 1) / D of a bucket in parallel, as
-  in an all-gather. `lap(stage, arrays)`: the profile's clock."""
-  pieces = tuple(_spread(flat, mesh) for flat in flats)
-  lap("spread", pieces)
-  arrays = _unpacker(shapes, targets)(pieces)
+  A replicated array of W bytes costs the host's D devices W (D - 1) / D + W + W (D - 1) bytes
+  written after the transfer's W, against W (D - 1) + W D when every device received every piece and
+  cut its own copy (what ran until 2026-11-28 19:30): 5.75 against 8 times the weights for D = 4, on
+  the CPU backend all in one RAM. On the CPU backend with jax.distributed started every
+  XLA collective goes through gloo over TCP, even among one process's devices, so the all-gather
+  that an unpack program would otherwise use is slower than copies. `lap(stage, arrays)`: the
+  profile's clock."""
+  devices = list(mesh.devices.flat)
+  lanes = [devices[d] for d in _lanes([flat.nbytes for flat in flats], len(devices))]
+  shards = [sorted(flat.addressable_shards, key=lambda shard: shard.index[0].start or 0) for flat in flats]
+  moves = [(shard.data, lane) for wire, lane in zip(shards, lanes) for shard in wire if shard.device != lane]
+  moved = iter(jax.device_put([x for x, _ in moves], [d for _, d in moves]))
+  pieces = [tuple(shard.data if shard.device == lane else next(moved) for shard in wire)
+            for wire, lane in zip(shards, lanes)]
+  lap("gather", pieces)
+  starts = np.cumsum([0] + [len(wire_shapes) for wire_shapes in shapes])  # wire w's arrays: starts[w]:starts[w+1]
+  arrays: list = [None] * int(starts[-1])
+  for lane in dict.fromkeys(lanes):  # each lane's wires, cut by one program on its device
+    wires = [w for w, l in enumerate(lanes) if l == lane]
+    cut = _cutter(tuple(shapes[w] for w in wires))(tuple(pieces[w] for w in wires))
+    at = iter(cut)
+    for w in wires:
+      for i in range(starts[w], starts[w + 1]):
+        arrays[i] = next(at)
   del pieces
   lap("unpack", arrays)
+  arrays = jax.device_put(arrays, list(targets))
+  lap("place", arrays)
   return arrays
 
 
@@ -223,7 +239,7 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
   its own devices, else None; the version that arrived with it). Raises `kv.HostTimeout` naming the
   host when a peer does not deliver or acknowledge within `timeout_s`. `profile`: a dict to add this
   process's seconds per stage to (learner hosts: pack, ack; sampler hosts: wait_for_pack, transfer
-  until the bytes are there, spread, unpack); it makes every stage wait for the last, so time a sync
+  until the bytes are there, gather, unpack, place); it makes every stage wait for the last, so time a sync
   without it.
   """
   if bucket_bytes <= 0:
