@@ -60,7 +60,7 @@ class Completion:
     return len(self.token_ids)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: the queue drops a group by it (arrays have no truth value)
 class RolloutGroup:
   """The G completions of one prompt (a GRPO group), the prompt's dataset columns and rewards."""
 

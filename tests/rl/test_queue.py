@@ -53,6 +53,17 @@ def test_filter_drops_zero_variance_groups():
   assert [g.prompt_id for g in batch] == ["useful"] and q.dropped_filtered == 1
 
 
+def test_filter_drops_a_group_whose_prompt_is_also_queued_again():
+  """A small dataset's next epoch puts the same prompt in the queue twice: dropping one of the two
+  is by identity (comparing the groups' token arrays raised "truth value ... ambiguous")."""
+  q = RolloutQueue(batch_groups=1, max_staleness=1)
+  assert q.try_admit(0) and q.try_admit(0)
+  q.put(group("p", 0, rewards=(0.0, 1.0)))
+  q.put(group("p", 0, rewards=(1.0, 1.0)))
+  batch = q.get_batch(0, timeout_s=1, keep=lambda g: float(np.std(g.rewards)) > 0)
+  assert [list(g.rewards) for g in batch] == [[0.0, 1.0]] and q.dropped_filtered == 1
+
+
 def test_learner_waits_for_the_oldest_running_group_instead_of_rejecting_it():
   """Long tails: a group started at version 0 still decoding must be trained at step 1 (s=1)."""
   q = RolloutQueue(batch_groups=2, max_staleness=1)
