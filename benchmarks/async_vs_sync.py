@@ -130,7 +130,7 @@ def workload_config(name: str, steps: int, quick: bool):
     # Short completions (<= 4 tokens), so generation and training are cheap and the verifier's
     # latency is the larger part of a synchronous step, as with tool calls on a small model.
     return config_lib.replace(
-        cfg, data=dict(digits=2, num_eval_examples=64 if quick else 500),
+        cfg, data=dict(digits=2, num_eval_examples=16 if quick else 500),
         warm_start=dict(max_steps=2 if quick else 1500, eval_every=10 if quick else 20, target_accuracy=0.3),
         sampler=dict(max_concurrent_decodes=16 if quick else 64, warmup=True),
         # Enough reward workers that the verifier's latency, not its throughput, is what a step

@@ -54,6 +54,11 @@ BENCH_MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=1024, num_
 PROMPT_LEN = 32
 
 
+def bench_model(quick: bool) -> dict:
+  """BENCH_MODEL; --quick: two layers (they are unrolled: compiling the step is most of a smoke run, per layer)."""
+  return dict(BENCH_MODEL, num_layers=2) if quick else BENCH_MODEL
+
+
 def _flags(p):
   p.add_argument("--lengths", default="2048,4096,8192,16384,32768", help="row lengths T (comma-separated)")
   p.add_argument("--reference-max", type=int, default=4096, help="longest T the reference attention runs at")
@@ -71,7 +76,7 @@ def _flags(p):
 
 
 def _parse(argv=None):
-  return harness.parse(__doc__, _flags, argv, quick="short rows")
+  return harness.parse(__doc__, _flags, argv, quick="short rows, two layers")
 
 
 def _compiled_gb(learner, state, batch) -> dict:
@@ -81,7 +86,7 @@ def _compiled_gb(learner, state, batch) -> dict:
   return {k: getattr(mem, f"{k}_size_in_bytes") / 2**30 for k in ("argument", "output", "temp")}
 
 
-def run_one(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
+def run_one(impl: str, t: int, steps: int, compile_only: bool = False, quick: bool = False) -> dict:
   """One learner step on one row of T tokens with `impl` attention (`SCHEME_LAYOUT_N`, e.g.
   `ring_zigzag_4`: context parallelism over N devices with that scheme and layout), in this (fresh) process."""
   import jax
@@ -95,7 +100,7 @@ def run_one(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
   rest, _, n = impl.rpartition("_")
   scheme, _, layout = rest.rpartition("_")
   devices = int(n) if scheme in CONTEXT_PARALLEL_SCHEMES else 1
-  cfg = models.ModelConfig(**BENCH_MODEL, max_position_embeddings=max(t, 512),
+  cfg = models.ModelConfig(**bench_model(quick), max_position_embeddings=max(t, 512),
                            attention="blockwise" if devices > 1 else impl,
                            **({"context_parallel_attention": scheme, "context_parallel_layout": layout}
                               if devices > 1 else {}))
@@ -122,10 +127,10 @@ def run_one(impl: str, t: int, steps: int, compile_only: bool = False) -> dict:
           "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
 
 
-def _child(impl: str, t: int, steps: int, compile_only: bool = False, devices: int = 1) -> dict:
+def _child(impl: str, t: int, steps: int, compile_only: bool = False, devices: int = 1, quick: bool = False) -> dict:
   env = harness.device_env(devices)
   cmd = [sys.executable, __file__, "--one", f"{impl}:{t}", "--steps", str(steps)] + (
-      ["--compile-only"] if compile_only else [])
+      ["--compile-only"] if compile_only else []) + (["--quick"] if quick else [])
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
   if proc.returncode:
     lines = [line for line in proc.stderr.strip().splitlines() if not line.lstrip().startswith("@")]
@@ -199,7 +204,7 @@ def main(argv=None):
   args = _parse(argv)
   if args.one:
     impl, t = args.one.split(":")
-    print(json.dumps(run_one(impl, int(t), args.steps, args.compile_only)))
+    print(json.dumps(run_one(impl, int(t), args.steps, args.compile_only, args.quick)))
     return
   lengths = [128, 256] if args.quick else [int(x) for x in args.lengths.split(",") if x]
   cp_lengths = [128] if args.quick else [int(x) for x in args.cp_lengths.split(",") if x]
@@ -211,7 +216,8 @@ def main(argv=None):
       if impl == "reference" and t > ref_max:
         continue
       compile_only = args.run_max is not None and t > args.run_max
-      runs.append(_child(impl, t, steps if t <= 4096 else min(steps, 1), compile_only))  # a 32K step takes minutes here
+      runs.append(_child(impl, t, steps if t <= 4096 else min(steps, 1), compile_only,  # a 32K step takes minutes here
+                         quick=args.quick))
       print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
   n = args.cp_devices
   schemes = [s for s in args.cp_schemes.split(",") if s]
@@ -220,11 +226,11 @@ def main(argv=None):
   for t in cp_lengths:
     compile_only = args.run_max is not None and t > args.run_max
     for _, _, impl in cp:
-      runs.append(_child(impl, t, steps if t <= 4096 else min(steps, 1), compile_only, n))
+      runs.append(_child(impl, t, steps if t <= 4096 else min(steps, 1), compile_only, n, args.quick))
       print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
   by = {(r["attention"], r["length"]): r for r in runs if "error" not in r and not r.get("compile_only")}
   compiled = {(r["attention"], r["length"]): r["compiled_gb"] for r in runs if "compiled_gb" in r}
-  out = {"benchmark": "long_context", "devices": 1, "context_parallel_devices": n, "model": BENCH_MODEL,
+  out = {"benchmark": "long_context", "devices": 1, "context_parallel_devices": n, "model": bench_model(args.quick),
          "loss": "ppo_clip + token TIS, one row", "runs": runs}
   blk = {t: by[("blockwise", t)] for t in lengths if ("blockwise", t) in by}
   if len(blk) >= 2:

@@ -57,7 +57,7 @@ def _flags(p):
   p.add_argument("--learner-devices", type=int, default=4, help="mesh.learner_devices (both policies' learners)")
 
 
-ARGS = harness.parse(__doc__, _flags, quick="tiny model, few steps",
+ARGS = harness.parse(__doc__, _flags, quick="tiny model, no warm start, few steps",
                      seed="config.seed: the warm start's batch order and the sampling noise")
 harness.host_devices(ARGS.sampler_devices + ARGS.learner_devices)  # the two submeshes
 
@@ -74,7 +74,8 @@ def _setup(a):
                            sampler=dict(max_concurrent_decodes=32),
                            mesh=dict(sampler_devices=a.sampler_devices, learner_devices=a.learner_devices))
   setup = build.build(cfg, say=lambda *x: None)
-  build.warm_start(setup, say=lambda *x: None)  # at the main job's lengths (long turns only in RL)
+  if not a.quick:  # a smoke run checks the modes run, not what they learn: no warm start (20 steps, 5 evals)
+    build.warm_start(setup, say=lambda *x: None)  # at the main job's lengths (long turns only in RL)
   # Long-tailed turns padded to the longest cost the learner 5x its work (1.17 s of a 1.87 s
   # synchronous step): two micro-batches, each trimmed to its own longest row, as the library
   # recommends for long-tailed batches (docs/learner.md), in every mode.

@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import ast
 import collections
+import threading
 from fractions import Fraction
 
 MAX_CHARS = 64  # longer answers are wrong: bounds parsing work (the longest solution has 14 characters)
+# CPython 3.11's ast.parse from several threads at once can raise SystemError ("AST constructor
+# recursion depth mismatch") and the reward workers are threads: one parse at a time.
+_PARSE_LOCK = threading.Lock()
 
 _OPS = {
     ast.Add: lambda a, b: a + b,
@@ -39,7 +43,8 @@ def parse(text: str) -> tuple[ast.expr, list[int]] | None:
   if not text or len(text) > MAX_CHARS:
     return None
   try:
-    tree = ast.parse(text, mode="eval").body
+    with _PARSE_LOCK:
+      tree = ast.parse(text, mode="eval").body
   except (SyntaxError, ValueError, MemoryError, RecursionError):
     return None
   literals = []

@@ -70,6 +70,22 @@ def test_shards_are_disjoint_equal_and_cover_the_data(char_tok):
     assert sum(len(p) for p in parts) == 30 and len(set().union(*parts)) == 30
 
 
+def test_resharded_reads_the_rows_another_shard_reads_without_filtering_again(char_tok, tmp_path):
+  rows = [{"prompt": "x" * n, "answer": "a"} for n in (3, 10, 4, 12, 5, 2, 9)]
+  path = tmp_path / "d.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  whole = pipeline.from_file(str(path), char_tok, config=pipe_config(max_prompt_tokens=6, seed=4, num_epochs=1))
+  for i in range(2):
+    fresh = pipeline.from_file(str(path), char_tok, config=pipe_config(max_prompt_tokens=6, seed=4, num_epochs=1,
+                                                                       shard_index=i, shard_count=2))
+    shard = whole.resharded(shard_index=i, shard_count=2)
+    assert [e["id"] for e in shard] == [e["id"] for e in fresh] and len(list(shard)) == 2  # 4 kept over 2 shards
+    assert shard.num_filtered == fresh.num_filtered == 3 and shard.num_examples == fresh.num_examples
+  assert [e["id"] for e in whole] == [e["id"] for e in whole.resharded()]  # the original is unchanged
+  with pytest.raises(ValueError, match=r"not \['max_prompt_tokens'\]"):
+    whole.resharded(max_prompt_tokens=20)
+
+
 def test_long_prompts_are_filtered_and_counted(char_tok, tmp_path):
   rows = [{"prompt": "x" * n, "answer": "a"} for n in (3, 10, 4, 12, 5)]
   path = tmp_path / "d.jsonl"

@@ -12,7 +12,10 @@ def test_calculator_agent_example_trains_a_few_steps_through_the_cli(tmp_path):
   env = {**os.environ}
   out = subprocess.run([sys.executable, "-m", "tunixlike.train", "--config",
                         os.path.join(ROOT, "examples", "calculator_agent", "config.py:size=tiny"),
-                        "--config.log.progress_bar=false", "--workdir", str(tmp_path / "run")],
+                        "--config.log.progress_bar=false", "--workdir", str(tmp_path / "run"),
+                        # What is checked is the agent's episodes through the server, not what the model
+                        # knows: no warm start (20 steps and 5 evals of 64 prompts), 8 held-out prompts.
+                        "--config.warm_start.max_steps=0", "--config.data.num_eval_examples=8"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "agent server: http://127.0.0.1:" in out.stdout

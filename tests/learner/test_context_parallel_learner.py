@@ -1,6 +1,6 @@
 """optim.context_parallel: each row split along its tokens over 4 CPU devices gives the single-device
-learner's loss, gradients and metrics (padded rows and packed shared-prompt rows; ring and all-gather
-attention, model.context_parallel_attention; zigzag and contiguous layouts, model.context_parallel_layout)."""
+learner's loss, gradients and metrics (padded rows and packed shared-prompt rows, the default ring
+attention in the zigzag layout; the other schemes and layouts: tests/models/test_context_parallel.py)."""
 
 import jax
 import numpy as np
@@ -40,13 +40,12 @@ def _groups(n, g=3, seed=1):
   return groups
 
 
-def _step(batch, mesh=None, scheme="ring", layout="zigzag", **optim):
+def _step(batch, mesh=None, **optim):
   """(loss, grads, metrics) of one learner step on `batch`, one device (mesh None) or split over `mesh`."""
   if mesh is None:
     model = models.Transformer(CFG, rngs=nnx.Rngs(0))
   else:
-    model = models.create_sharded(CFG.replace(context_parallel_attention=scheme, context_parallel_layout=layout),
-                                  mesh, mesh_lib.LEARNER_RULES, seed=0)
+    model = models.create_sharded(CFG, mesh, mesh_lib.LEARNER_RULES, seed=0)
   learner = Learner(model, LearnerConfig(algo=ALGO, optim=OptimConfig(**optim)), mesh, mesh_lib.LEARNER_RULES)
   placed = learner.put_batch(batch)
   if mesh is not None:
@@ -56,9 +55,12 @@ def _step(batch, mesh=None, scheme="ring", layout="zigzag", **optim):
   return float(loss), jax.device_get(grads), jax.device_get(metrics)
 
 
-@pytest.mark.parametrize("row_kind, scheme, layout", [("padded", "ring", "zigzag"), ("packed", "ring", "zigzag"),
-                                                  ("packed", "all_gather", "zigzag"), ("packed", "ring", "contiguous")])
-def test_rows_split_along_tokens_train_as_on_one_device(row_kind, scheme, layout):
+# The learner's own code is the row kind (padded rows; packed shared-prompt rows with their segments and
+# prefixes) and the transformer reordering a row into the zigzag layout around its layers; which scheme
+# attends and the contiguous layout (no reordering) are the attention's, checked for every mask, scheme
+# and layout, output and gradients, in tests/models/test_context_parallel.py.
+@pytest.mark.parametrize("row_kind", ["padded", "packed"])
+def test_rows_split_along_tokens_train_as_on_one_device(row_kind):
   mesh = Mesh(np.array(jax.devices()[:4]).reshape(4, 1), mesh_lib.LEARNER_AXES)
   # 9 or 2 rows (not a multiple of the 4 devices), rows of 48 or 200 tokens padded to whole blocks per device
   groups = _groups(3)
@@ -71,7 +73,7 @@ def test_rows_split_along_tokens_train_as_on_one_device(row_kind, scheme, layout
     assert max(map(len, rows)) > 1  # several groups in a row
     batch = prompt_rows.assemble(groups, num_rows=len(rows), seq_buckets=(200,), rows=rows)
   loss_1, grads_1, metrics_1 = _step(batch, **optim)
-  loss_n, grads_n, metrics_n = _step(batch, mesh, scheme, layout, context_parallel=True, **optim)
+  loss_n, grads_n, metrics_n = _step(batch, mesh, context_parallel=True, **optim)
   assert loss_n == pytest.approx(loss_1, rel=1e-5, abs=1e-7)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_1), jax.tree.leaves(grads_n)):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))

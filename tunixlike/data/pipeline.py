@@ -12,6 +12,7 @@ takes its own slice, so shards are disjoint and, after dropping the remainder, e
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import string
 from typing import Any
@@ -83,20 +84,37 @@ class PromptPipeline:
       raise ValueError(f"{source.name}: the dataset is empty")
     self._check_columns()
     self.num_bad_rows = 0  # Rows whose prompt is not text, dropped (skip_bad_rows).
-    kept = self._length_filter()
-    self.num_filtered = len(source) - len(kept) - self.num_bad_rows  # Prompts over max_prompt_tokens.
+    self._kept = self._length_filter()
+    self.num_filtered = len(source) - len(self._kept) - self.num_bad_rows  # Prompts over max_prompt_tokens.
+    self._build_dataset()
+
+  def _build_dataset(self):
+    config, kept = self.config, self._kept
     if len(kept) < config.shard_count:
-      raise ValueError(f"{source.name}: {len(kept)} prompts left after dropping {self.num_filtered} longer than "
-                       f"max_prompt_tokens={config.max_prompt_tokens}; need at least shard_count={config.shard_count}")
+      raise ValueError(f"{self.source.name}: {len(kept)} prompts left after dropping {self.num_filtered} longer "
+                       f"than max_prompt_tokens={config.max_prompt_tokens}; need at least "
+                       f"shard_count={config.shard_count}")
     # Equal shard lengths keep processes in lock step; at most shard_count - 1 prompts are unused.
     kept = kept[: len(kept) - len(kept) % config.shard_count]
-    ds = grain.MapDataset.source(sources.Subset(source, kept))
+    ds = grain.MapDataset.source(sources.Subset(self.source, kept))
     if config.shuffle:
       ds = ds.shuffle(seed=config.seed)
     ds = ds[config.shard_index :: config.shard_count]
     self.num_examples = len(ds)  # Per shard and epoch.
     ds = ds.repeat(config.num_epochs)  # Reseeds the shuffle each epoch.
     self.dataset = ds.map_with_index(self._tokenize)
+
+  def resharded(self, **changes) -> PromptPipeline:
+    """This pipeline's rows with other `shard_index`, `shard_count`, `shuffle` or `num_epochs`, without
+    formatting and tokenizing every prompt again (the length filter: ~0.1 ms a prompt, 5 s for the
+    built-in tasks' 50,000)."""
+    unknown = set(changes) - {"shard_index", "shard_count", "shuffle", "num_epochs"}
+    if unknown:
+      raise ValueError(f"resharded() changes which rows are read and in what order, not {sorted(unknown)}")
+    other = copy.copy(self)
+    other.config = dataclasses.replace(self.config, **changes)
+    other._build_dataset()
+    return other
 
   def _check_columns(self):
     """Every record has the template's columns. A table's rows share its columns; JSONL lines need not."""

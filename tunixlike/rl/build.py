@@ -139,7 +139,7 @@ class Setup:
   tok: tokenizer_lib.Tokenizer
   task: Task
   model: nnx.Module  # the policy on the learner submesh (warm-started in place); abstract on a sampler host
-  train_pipe: pipeline.PromptPipeline
+  train_pipe: pipeline.PromptPipeline | None  # None when built to sample a checkpoint (`build(training=False)`)
   eval_records: list  # this process's share of the held-out prompts
   tracer: trace_lib.Tracer
   reward: rewards_lib.CombinedReward | None = None  # the training reward; its first term is the evals' verifier
@@ -285,7 +285,7 @@ def check_fits(model_cfg: models.ModelConfig, mesh) -> None:
 def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bool = True, dataset=None,
           eval_dataset=None, rewards=None, env=None, agent=None) -> Setup:
   """Meshes, tokenizer, task, data, rewards and the (not yet warm-started) model on the learner submesh.
-  `training=False`: only what sampling a checkpoint needs (no critic, no teacher). `dataset`,
+  `training=False`: only what sampling a checkpoint needs (no critic, no teacher, no training prompts). `dataset`,
   `eval_dataset`, `rewards`, `env` and `agent` are in-memory objects that replace data.train, data.eval,
   rewards, rl.env and rl.agent (see `tunixlike.train`). User code is loaded and checked before the model is built."""
   with_inputs(cfg, dataset=dataset, eval_dataset=eval_dataset, env=env, agent=agent)  # the config's checks
@@ -326,7 +326,8 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
     teacher = distill_lib.Teacher.load(hub.resolve(cfg.model.teacher_path, key="model.teacher_path"), mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
                                        dtype=cfg.model.param_dtype, vocab_size=model.cfg.vocab_size, pad_id=tok.pad_id)
   pipe_cfg = pipeline_config(cfg)
-  train_pipe = pipeline.from_task(task, tok, split="train", config=pipe_cfg)
+  # Not for an eval: the pipeline formats and tokenizes every training prompt up front (5 s for a built-in task).
+  train_pipe = pipeline.from_task(task, tok, split="train", config=pipe_cfg) if training or sampler_host else None
   eval_pipe = pipeline.from_task(task, tok, split="test", config=dataclasses.replace(pipe_cfg, shuffle=False,
                                                                                       num_epochs=1))
   # Each process evaluates its shard; together they cover data.num_eval_examples prompts.
@@ -336,15 +337,16 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   warm_records = None
   if distributed.group_size() > 1 and cfg.warm_start.max_steps and not sampler_host:
     # The warm start is a learner (global) computation: its held-out batch must be the same everywhere.
-    whole = pipeline.from_task(task, tok, split="test", config=dataclasses.replace(
-        pipe_cfg, shuffle=False, num_epochs=1, shard_index=0, shard_count=1))
+    whole = eval_pipe.resharded(shard_index=0, shard_count=1)
     warm_records = list(itertools.islice(iter(whole), cfg.data.num_eval_examples))
-  if train_pipe.num_filtered:
-    say(f"data: {train_pipe.num_filtered} train prompts longer than data.max_prompt_length dropped")
-  if getattr(train_pipe.source, "skipped", 0):
-    say(f"data: {train_pipe.source.skipped} bad lines skipped (data.skip_bad_lines)")
-  if train_pipe.num_bad_rows or eval_pipe.num_bad_rows:
-    say(f"data: {train_pipe.num_bad_rows} train and {eval_pipe.num_bad_rows} held-out rows whose prompt is not "
+  if train_pipe is not None:
+    if train_pipe.num_filtered:
+      say(f"data: {train_pipe.num_filtered} train prompts longer than data.max_prompt_length dropped")
+    if getattr(train_pipe.source, "skipped", 0):
+      say(f"data: {train_pipe.source.skipped} bad lines skipped (data.skip_bad_lines)")
+  train_bad = 0 if train_pipe is None else train_pipe.num_bad_rows
+  if train_bad or eval_pipe.num_bad_rows:
+    say(f"data: {train_bad} train and {eval_pipe.num_bad_rows} held-out rows whose prompt is not "
         "text skipped (data.skip_bad_lines)")
   return Setup(cfg, meshes, tok, task, model, train_pipe, eval_records, trace_lib.Tracer(trace_path), reward=reward,
                make_env=make_env, agent=agent, warm_start_records=warm_records, critic=critic, teacher=teacher)
@@ -371,8 +373,7 @@ def warm_start(setup: Setup, say=print, should_stop=lambda: False, on_step=lambd
   `start_step` with its `optimizer`. Every process trains on the same batches (a learner computation:
   the batch is sharded over the learner mesh), drawn from the whole training set in a seeded order."""
   cfg, tok = setup.cfg, setup.tok
-  pipe = pipeline.from_task(setup.task, tok, split="train",
-                            config=dataclasses.replace(pipeline_config(cfg), shard_index=0, shard_count=1))
+  pipe = setup.train_pipe.resharded(shard_index=0, shard_count=1)
   records = (pipe.dataset[i] for i in itertools.count(start_step * cfg.warm_start.batch_size))
   held_out = setup.eval_records if setup.warm_start_records is None else setup.warm_start_records
   engine = make_engine(setup.model, eval_lib.eval_sampler_config(sampler_config(cfg, tok)), mesh=setup.meshes.sampler)
