@@ -39,6 +39,7 @@ def get_config(arg: str | None = None):
     c.sampler.max_new_tokens = 8
     c.sampler.max_concurrent_decodes = 16
     c.data.num_eval_examples = 8
+    c.data.train_size = 512  # a couple of steps read a few dozen problems
     c.algo.group_size = 4
     c.algo.overlong_buffer = 2
     c.rl.prompts_per_step = 4

@@ -170,6 +170,7 @@ def test_defaults_of_base_match_dataclass_defaults():
     ("optim", "learning_rate", float("inf"), "optim.learning_rate=inf: must be finite"),
     ("rl", "wait_timeout_s", float("nan"), "rl.wait_timeout_s=nan: must be finite"),
     ("data", "path", "/data", "data.path='/data': is only read by data.task='gsm8k'"),
+    ("data", "train_size", 0, "data.train_size=0: must be an int >= 1"),
     # Only colocated sides may give the learner no devices of its own (one GPU: 1 + 0).
     ("mesh", "learner_devices", 0, "mesh.learner_devices=0: must be > 0 (0 only with mesh.layout='colocated'"),
 ])
@@ -206,6 +207,14 @@ def test_a_layout_that_does_not_fit_names_the_key(changes, message):
     with raw.unlocked():
       raw.mesh.layout = "split"  # 4 sampler replicas and 4 learner devices: the same sizes fit
     assert config_lib.from_config_dict(raw).mesh.learner_size == 4
+
+
+def test_train_size_is_for_built_in_tasks_only():
+  raw = config_lib.default_config_dict()
+  with raw.unlocked():
+    raw.data.train, raw.data.train_size = "rows.jsonl", 100
+  with pytest.raises(config_lib.ConfigError, match=r"^data.train_size=100: applies to built-in tasks \(data.train"):
+    config_lib.from_config_dict(raw)
 
 
 def test_unknown_key_and_wrong_type_are_named():

@@ -207,6 +207,7 @@ def test_process_rewards_train_through_the_async_runtime():
                            algo=dict(process_reward="answer_prefix", step_delimiter="", step_every_tokens=1),
                            rl=dict(num_steps=2, prompts_per_step=4))
   setup = build.build(cfg)
+  assert len(setup.train_pipe.source) == cfg.data.train_size == 4096  # the tiny config's generated problems
   rl = build.build_rl(setup)
   assert rl.scorer.advantages.token == tok_adv.TokenAdvantageConfig(process_coef=1.0)
   records = []

@@ -327,7 +327,8 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
                                        dtype=cfg.model.param_dtype, vocab_size=model.cfg.vocab_size, pad_id=tok.pad_id)
   pipe_cfg = pipeline_config(cfg)
   # Not for an eval: the pipeline formats and tokenizes every training prompt up front (5 s for a built-in task).
-  train_pipe = pipeline.from_task(task, tok, split="train", config=pipe_cfg) if training or sampler_host else None
+  train_pipe = pipeline.from_task(task, tok, split="train", size=cfg.data.train_size,
+                                  config=pipe_cfg) if training or sampler_host else None
   eval_pipe = pipeline.from_task(task, tok, split="test", config=dataclasses.replace(pipe_cfg, shuffle=False,
                                                                                       num_epochs=1))
   # Each process evaluates its shard; together they cover data.num_eval_examples prompts.
