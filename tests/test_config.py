@@ -209,14 +209,6 @@ def test_a_layout_that_does_not_fit_names_the_key(changes, message):
     assert config_lib.from_config_dict(raw).mesh.learner_size == 4
 
 
-def test_train_size_is_for_built_in_tasks_only():
-  raw = config_lib.default_config_dict()
-  with raw.unlocked():
-    raw.data.train, raw.data.train_size = "rows.jsonl", 100
-  with pytest.raises(config_lib.ConfigError, match=r"^data.train_size=100: applies to built-in tasks \(data.train"):
-    config_lib.from_config_dict(raw)
-
-
 def test_unknown_key_and_wrong_type_are_named():
   with pytest.raises(config_lib.ConfigError, match="rl.bogus: unknown config key"):
     config_lib.from_config_dict({"rl": {"bogus": 1}})

@@ -188,9 +188,9 @@ class DataSection:
                                    "tunixlike)")
   digits: int = library_setting(AdditionTask, "digits", "addition: operand digits (difficulty)", check=positive)
   max_prompt_length: int = setting(64, "longer prompts are filtered out and counted", check=positive)
-  train_size: int | None = setting(None, "built-in tasks: training problems read (generated tasks make that many, "
-                                         "each formatted and length-checked at start-up, ~0.1 ms apiece; gsm8k: the "
-                                         "file's first N); None: 50,000 generated, or the whole file",
+  train_size: int | None = setting(None, "training prompts read: the first N (a generated task makes that many, "
+                                         "each formatted and length-checked at start-up, ~0.1 ms apiece; a file's "
+                                         "first N after the held-out split is carved); None: all (generated: 50,000)",
                                    check=optional(positive_int))
   shuffle_seed: int = setting(0, "order of the training prompts (reshuffled every epoch) and the carved eval split",
                               check=_seed)
@@ -201,8 +201,6 @@ class DataSection:
     require(self.task == "gsm8k" or self.path is None, "data.path", self.path,
             f"is only read by data.task='gsm8k' (data.task={self.task!r} generates its own data)")
     require(self.eval is None or self.train is not None, "data.eval", self.eval, "needs data.train")
-    require(self.train_size is None or self.train is None, "data.train_size", self.train_size,
-            "applies to built-in tasks (data.train gives its own rows)")
     require(self.messages_field is None or self.train is not None, "data.messages_field", self.messages_field,
             "is read from a user dataset (data.train)")
 

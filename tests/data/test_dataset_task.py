@@ -44,6 +44,8 @@ def test_rows_in_memory_from_a_list_or_a_grain_dataset(char_tok):
     train, test = task.source("train", seed=3), task.source("test", seed=3)
     assert len(train) == 27 and len(test) == 3
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    first = task.source("train", size=5, seed=3)  # data.train_size: the first rows, the held-out split unchanged
+    assert [r["prompt"] for r in first] == [r["prompt"] for r in train][:5]
     e = next(iter(pipeline.PromptPipeline(train, char_tok, pipe_config(shuffle=False))))
     assert e["prompt_text"] == e["prompt"] and "answer" in e
   with pytest.raises(ValueError, match=r"data.train: expected a path, a RecordSource or a sequence of dicts"):
