@@ -151,9 +151,8 @@ def unpack(flats, shapes: tuple, targets: tuple, mesh: Mesh, lap=lambda stage, a
      tensor-sharded one.
 
   A replicated array of W bytes costs the host's D devices W (D - 1) / D + W + W (D - 1) bytes
-  written after the transfer's W, against W (D - 1) + W D when every device received every piece and
-  cut its own copy (what ran until 2026-11-28 19:30): 5.75 against 8 times the weights for D = 4, on
-  the CPU backend all in one RAM. On the CPU backend with jax.distributed started every
+  written after the transfer's W, against W (D - 1) + W D if every device received every piece and
+  cut its own copy: 5.75 against 8 times the weights for D = 4, on the CPU backend all in one RAM. On the CPU backend with jax.distributed started every
   XLA collective goes through gloo over TCP, even among one process's devices, so the all-gather
   that an unpack program would otherwise use is slower than copies. `lap(stage, arrays)`: the
   profile's clock."""
