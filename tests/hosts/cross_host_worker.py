@@ -1,6 +1,6 @@
 """One process of tests/hosts/test_cross_host.py: learner hosts send, sampler hosts receive.
 
-argv: sampler_hosts. Reads JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID. The learner
+argv: sampler_hosts, sampler_tensor. Reads JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID. The learner
 hosts run a jitted step over their FSDP mesh (the sampler hosts take no part), then send its result
 to every sampler host: the full tree in small buckets, a LoRA-like tree (the sampler host asks for
 it 2 s after the learner hosts sent it), a bf16 cast (with a profile of its stages), the full tree
@@ -26,8 +26,9 @@ def expected_full():
           "mlp": {"up": rng.standard_normal((16, 32), np.float32),
                   "down": rng.standard_normal((32, 16), np.float32)},
           "count": np.arange(12, dtype=np.int32).reshape(3, 4),
-          # large enough to travel alone (transfer.SMALL_BYTES), one with a size that needs padding
-          "big": rng.standard_normal((512, 512), np.float32), "odd": rng.standard_normal((1025, 257), np.float32)}
+          # large enough to travel alone (transfer.SMALL_BYTES, also cast to bf16): one split over the
+          # sampler's tensor axis (it travels in that layout), one replicated whose size needs padding
+          "big": rng.standard_normal((512, 1024), np.float32), "odd": rng.standard_normal((1025, 257), np.float32)}
   step = lambda t: {k: (step(v) if isinstance(v, dict) else (v * 2 + 1 if v.dtype == np.float32 else v + 1))
                     for k, v in t.items()}
   return tree, step
@@ -38,7 +39,7 @@ def lora_like():
           for i in range(6)}
 
 
-def main(sampler_hosts: int):
+def main(sampler_hosts: int, sampler_tensor: int):
   from tunixlike import distributed
   from tunixlike.hosts import kv, layout as layout_lib, transfer
   me = int(os.environ["JAX_PROCESS_ID"])
@@ -46,7 +47,7 @@ def main(sampler_hosts: int):
   import jax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  layout = layout_lib.make_host_layout(sampler_hosts, sampler_tensor=2)
+  layout = layout_lib.make_host_layout(sampler_hosts, sampler_tensor=sampler_tensor)
   for line in layout.describe():
     print("LAYOUT " + line, flush=True)
   host_tree, step = expected_full()
@@ -110,4 +111,4 @@ def main(sampler_hosts: int):
 
 
 if __name__ == "__main__":
-  main(int(sys.argv[1]))
+  main(int(sys.argv[1]), int(sys.argv[2]))

@@ -14,13 +14,15 @@ WORKER = os.path.join(ROOT, "tests", "hosts", "cross_host_worker.py")
 
 
 @pytest.mark.multihost
-@pytest.mark.parametrize("learner_hosts,sampler_hosts", [(2, 2), (1, 3)])
+@pytest.mark.parametrize("learner_hosts,sampler_hosts,tensor", [(2, 2, 2), (1, 3, 4)])
 def test_one_device_put_delivers_the_learner_hosts_weights_to_each_sampler_host(tmp_path, learner_hosts,
-                                                                                sampler_hosts):
+                                                                                sampler_hosts, tensor):
   # The first processes are learner hosts (one FSDP mesh over all their devices), the others sampler
   # hosts, each served by a learner host (round robin; with one learner host it sends to all three).
+  # Their sampler mesh: 2 replicas of 2 tensor-parallel devices, or 1 replica over all 4 (the arrays
+  # it splits then cross straight into place: no replica to copy).
   n = learner_hosts + sampler_hosts
-  results = run_processes([sys.executable, WORKER, str(sampler_hosts)], n, tmp_path)
+  results = run_processes([sys.executable, WORKER, str(sampler_hosts), str(tensor)], n, tmp_path)
   for i, (rc, out) in enumerate(results):
     assert rc == 0 and "DONE" in out, f"process {i} failed (exit {rc}):\n{out[-4000:]}"
   layout = _lines(results[0][1], "LAYOUT")
@@ -30,7 +32,7 @@ def test_one_device_put_delivers_the_learner_hosts_weights_to_each_sampler_host(
                             f"over hosts {list(range(learner_hosts))}")
   senders = {s: (s - learner_hosts) % learner_hosts for s in range(learner_hosts, n)}
   for s, sender in senders.items():
-    assert layout[s].endswith(f"mesh {{'replica': 2, 'tensor': 2}}, weights from host {sender}")
+    assert layout[s].endswith(f"mesh {{'replica': {4 // tensor}, 'tensor': {tensor}}}, weights from host {sender}")
     # Each sampler host got exact values, on its own devices, each with the version that was sent.
     # (also through a relay: each sampler host after the first got it from the one before)
     assert _lines(results[s][1], "GOT") == ["full 1", "lora 2", "bf16 3", "relay 4"]

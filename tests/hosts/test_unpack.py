@@ -42,3 +42,13 @@ def test_lanes_balance_the_buffers_over_the_devices():
   assert transfer._lanes([4, 16, 16, 16, 16], 4) == [0, 0, 1, 2, 3]
   assert transfer._lanes([10, 1, 1, 1], 2) == [0, 1, 1, 1]
   assert transfer._lanes([5], 1) == [0]
+
+
+def test_arrays_split_over_the_tensor_axis_alone_travel_in_the_samplers_layout():
+  assert transfer._tensor_split((8, 16), P(None, "tensor"), 4)
+  assert transfer._tensor_split((16, 8), P("tensor"), 4)
+  assert not transfer._tensor_split((8, 16), P(None, "tensor"), 1)  # one device per tensor group: nothing split
+  assert not transfer._tensor_split((8, 16), P(), 4)  # replicated
+  assert not transfer._tensor_split((8, 18), P(None, "tensor"), 4)  # uneven parts
+  assert not transfer._tensor_split((8, 16), P("replica", "tensor"), 2)  # split over the replicas too
+  assert not transfer._tensor_split((8, 16), P(("replica", "tensor")), 2)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import threading
 import time
 from typing import Any
@@ -42,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from tunixlike import mesh as mesh_lib
 from tunixlike.hosts import kv
 from tunixlike.hosts.layout import HostLayout, SAMPLER
 from tunixlike.hosts.transfer_server import enable  # noqa: F401  (this module's entry point too)
@@ -98,17 +100,29 @@ def _wires(leaves, dtypes, group, per_host: int) -> list[_Wire]:
   return out + [_Wire(d, tuple(idx), padded(idx)) for d, idx in small.items()]
 
 
+def _tensor_split(shape: tuple, spec: PartitionSpec, tensor: int) -> bool:
+  """True if `spec` splits an array of `shape` over the sampler's 'tensor' axis (of size `tensor`)
+  evenly and over no other axis: each device of a tensor group then holds a part of its own."""
+  axes = [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
+  if tensor <= 1 or set(axes) != {"tensor"} or len(axes) != 1:
+    return False
+  dim = next(d for d, entry in enumerate(spec) if entry is not None)
+  return shape[dim] % tensor == 0
+
+
 @functools.lru_cache(maxsize=64)
-def _packer(wires: tuple, dtype: str | None, out_sharding: NamedSharding):
-  """Cast + flatten (+ concatenate) into flat buffers, each split over every learner host's devices."""
-  def pack(xs):
+def _packer(wires: tuple, direct_specs: tuple, dtype: str | None, flat: NamedSharding, tensor_mesh: Mesh):
+  """Cast + flatten (+ concatenate) into flat buffers, each split over every learner host's devices;
+  and cast + reshard the arrays that travel in the sampler's layout (`direct_specs`) onto each
+  learner host's devices in that layout (`tensor_mesh`: ('hosts', 'replica', 'tensor'))."""
+  def pack(xs, direct):
     out = []
     for parts, wire in zip(xs, wires):
       parts = weight_sync.cast_floats(list(parts), dtype)
       flat = jnp.concatenate([x.reshape(-1) for x in parts]) if len(parts) > 1 else parts[0].reshape(-1)
       out.append(flat if flat.shape[0] == wire.size else jnp.pad(flat, (0, wire.size - flat.shape[0])))
-    return out
-  return jax.jit(pack, out_shardings=[out_sharding] * len(wires))
+    return out, weight_sync.cast_floats(list(direct), dtype)
+  return jax.jit(pack, out_shardings=([flat] * len(wires), [NamedSharding(tensor_mesh, s) for s in direct_specs]))
 
 
 def _lanes(nbytes: list[int], devices: int) -> list[int]:
@@ -192,6 +206,12 @@ def _host_mesh(layout: HostLayout, process: int) -> Mesh:
   return Mesh(np.array([d for d in mesh.devices.flat if d.process_index == process]), ("local",))
 
 
+def _tensor_group(host: Mesh, tensor: int) -> Mesh:
+  """A host's first `tensor` devices (of its flat mesh `host`) as a sampler mesh of one replica: where
+  the arrays split over the 'tensor' axis cross between hosts."""
+  return Mesh(host.devices[:tensor].reshape(1, tensor), mesh_lib.SAMPLER_AXES)
+
+
 def send_order(layout: HostLayout) -> list[int]:
   """The sampler hosts in an order where each one's sender already has the weights (a learner host,
   or a sampler host earlier in the list)."""
@@ -240,6 +260,13 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
   process's seconds per stage to (learner hosts: pack, ack; sampler hosts: wait_for_pack, transfer
   until the bytes are there, gather, unpack, place); it makes every stage wait for the last, so time a sync
   without it.
+
+  A large array that the sampler's layout splits over its 'tensor' axis (`_tensor_split`) does not
+  travel flat: the pack reshards it to that layout on each learner host, and one transfer delivers
+  each device of the sampler host's first tensor group its own part (`_tensor_group`: the same HLO
+  sharding on both ends, as cross-host device_put requires), which the other replicas copy (none
+  when the tensor axis spans the host). The sampler host then writes each byte once, as a plain copy
+  does, where a replicated array costs it the gather, the cut and a copy per replica (`unpack`).
   """
   if bucket_bytes <= 0:
     raise ValueError(f"weight sync bucket_bytes={bucket_bytes} must be > 0")
@@ -250,9 +277,13 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
   dtypes = [_out_dtype(x, dtype) for x in leaves]
   dtype_name = None if dtype is None else jnp.dtype(dtype).name
   per_host = len(_host_mesh(layout, me).devices)
-  groups = weight_sync.buckets([int(np.prod(x.shape)) * d.itemsize for x, d in zip(leaves, dtypes)],
-                               bucket_bytes)
+  nbytes = [int(np.prod(x.shape)) * d.itemsize for x, d in zip(leaves, dtypes)]
+  groups = weight_sync.buckets(nbytes, bucket_bytes)
+  tensor = next(iter(layout.samplers.values())).shape["tensor"]
+  direct = [n >= SMALL_BYTES and _tensor_split(tuple(x.shape), spec, tensor)
+            for n, x, spec in zip(nbytes, leaves, spec_leaves)]
   host_view = Mesh(layout.learner.devices.reshape(len(layout.learner_hosts), -1), ("hosts", "local"))
+  tensor_view = Mesh(host_view.devices.reshape(len(layout.learner_hosts), -1, tensor), ("hosts", *mesh_lib.SAMPLER_AXES))
   received: list = [None] * len(leaves)
   arrived_version = version
   pending = collections.deque()  # (bucket, [(sampler host, arrays it receives)]) not yet acknowledged
@@ -262,20 +293,27 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
     """Waits for bucket b: a receiver acknowledges it (and unpacks it), a sender for the ack."""
     nonlocal arrived_version
     what = f"weight sync v{version} bucket {b + 1}/{len(groups)}"
-    for s, out in arrivals:
+    for s, (flats, parts) in arrivals:
       key = f"tunixlike/{tag}/{version}/{b}/{s}"
       if s == me:
-        _wait_ready(out, timeout_s=timeout_s, host=layout.senders[s], what=what)
+        _wait_ready((flats, parts), timeout_s=timeout_s, host=layout.senders[s], what=what)
         clock.lap("transfer")
         kv.put(key, b"ok")
         if b == 0:
-          arrived_version = int(np.asarray(out.pop().addressable_shards[0].data)[0])
-        wires = _wires(leaves, dtypes, groups[b], per_host)
-        shapes = tuple(tuple(tuple(leaves[i].shape) for i in w.leaves) for w in wires)
-        targets = tuple(NamedSharding(layout.samplers[me], spec_leaves[i]) for w in wires for i in w.leaves)
-        unpacked = unpack(out, shapes, targets, _host_mesh(layout, me), lap=clock.lap)
-        for i, x in zip([i for w in wires for i in w.leaves], unpacked, strict=True):
-          received[i] = x
+          arrived_version = int(np.asarray(flats.pop().addressable_shards[0].data)[0])
+        wires = _wires(leaves, dtypes, [i for i in groups[b] if not direct[i]], per_host)
+        if wires:
+          shapes = tuple(tuple(tuple(leaves[i].shape) for i in w.leaves) for w in wires)
+          targets = tuple(NamedSharding(layout.samplers[me], spec_leaves[i]) for w in wires for i in w.leaves)
+          unpacked = unpack(flats, shapes, targets, _host_mesh(layout, me), lap=clock.lap)
+          for i, x in zip([i for w in wires for i in w.leaves], unpacked, strict=True):
+            received[i] = x
+        if parts:  # the other replicas' copies of the tensor-split arrays (none if one replica)
+          ids = [i for i in groups[b] if direct[i]]
+          placed = jax.device_put(parts, [NamedSharding(layout.samplers[me], spec_leaves[i]) for i in ids])
+          for i, x in zip(ids, placed, strict=True):
+            received[i] = x
+          clock.lap("place", placed)
       else:  # the sender keeps the bucket alive until the sampler host has it
         kv.get(key, timeout_s=timeout_s, host=s, what=what)
         kv.delete(key)
@@ -286,11 +324,13 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
   packed_key = lambda b, learner: f"tunixlike/{tag}/{version}/{b}/packed/{learner}"
   order = send_order(layout)
   for b, group in enumerate(groups):
-    wires = _wires(leaves, dtypes, group, per_host)
+    wires = _wires(leaves, dtypes, [i for i in group if not direct[i]], per_host)
+    ids = [i for i in group if direct[i]]  # these travel in the sampler's layout
     packed = None
     if not sampler:  # every learner host: the collective packing of this bucket
       xs = tuple(tuple(leaves[i] for i in w.leaves) for w in wires)
-      packed = _packer(tuple(wires), dtype_name, NamedSharding(host_view, FLAT))(xs)
+      packed = _packer(tuple(wires), tuple(spec_leaves[i] for i in ids), dtype_name, NamedSharding(host_view, FLAT),
+                       tensor_view)(xs, [leaves[i] for i in ids])
       clock.lap("pack", packed)
       # A sampler host asks for the bucket only once it is packed: a receive issued before its send
       # made whole syncs 1.1-3.8x slower than the same sync with this wait (JAX 0.10.2, CPU, load 20-36).
@@ -300,34 +340,40 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
       kv.get(packed_key(b, layout.senders[me]), timeout_s=timeout_s,
              host=layout.senders[me], what=f"weight sync v{version} bucket {b + 1}/{len(groups)}")
       clock.lap("wait_for_pack")
-    arrivals, held = [], {}  # held: process -> this bucket's arrays on it (learner hosts: packed)
+    arrivals, held = [], {}  # held: process -> this bucket's (flat buffers, tensor-split arrays) on it
     if packed is not None:
       held[me] = packed
-    # Every process issues every sampler host's transfer, in the same order: JAX pairs the two ends
+    # Every process issues every sampler host's transfers, in the same order: JAX pairs the two ends
     # of a cross-host transfer by the order each process issues them (one learner host sending to
     # two sampler hosts hangs otherwise); where a process holds neither end the call does nothing.
     for s in order:
       sender = layout.senders[s]
       src, dst = _host_mesh(layout, sender), _host_mesh(layout, s)
-      if me == sender:
-        # the learner host's D shards of the packed buffer, as an array on its own devices (no copy)
-        staged = [jax.make_array_from_single_device_arrays(
-            (w.size,), NamedSharding(src, FLAT), [shard.data for shard in x.addressable_shards])
-            for w, x in zip(wires, held[me])] if me in layout.learner_hosts else list(held[me])
-      else:
-        staged = [jax.make_array_from_single_device_arrays((w.size,), NamedSharding(src, FLAT), [], dtype=w.dtype)
-                  for w in wires]
+      flats, parts = held.get(me, ((), ())) if me == sender else ((), ())
+      # the sender's D shards of each flat buffer, as an array on its own devices (no copy)
+      staged = [jax.make_array_from_single_device_arrays(
+          (w.size,), NamedSharding(src, FLAT), [shard.data for shard in x.addressable_shards] if me == sender else [],
+          dtype=w.dtype) for w, x in itertools.zip_longest(wires, flats)]
       if b == 0:  # the version rides in the first bucket, one copy per device: every array of a
         # cross-host device_put call has the same shardings (a call mixing two pairs of device sets hung)
         staged.append(jax.device_put(np.full(per_host, version, np.int32), NamedSharding(src, FLAT)) if me == sender
                       else jax.make_array_from_single_device_arrays((per_host,), NamedSharding(src, FLAT), [],
                                                                     dtype=np.int32))
-      out = jax.device_put(staged, [NamedSharding(dst, FLAT)] * len(staged))
+      out = jax.device_put(staged, [NamedSharding(dst, FLAT)] * len(staged)) if staged else []
+      # the tensor-split arrays: the sender's first tensor group to the receiver's, a second call
+      src_group, dst_group = _tensor_group(src, tensor), _tensor_group(dst, tensor)
+      on_group = set(src_group.devices.flat)
+      staged = [jax.make_array_from_single_device_arrays(
+          leaves[i].shape, NamedSharding(src_group, spec_leaves[i]),
+          [shard.data for shard in x.addressable_shards if shard.device in on_group] if me == sender else [],
+          dtype=dtypes[i]) for i, x in itertools.zip_longest(ids, parts)]
+      out_parts = jax.device_put(staged, [NamedSharding(dst_group, spec_leaves[i]) for i in ids]) if staged else []
+      del staged
       if me == s:
-        held[s] = out[:len(wires)]  # a relay sends on what it received
-        arrivals.append((s, out))
+        held[s] = (out[:len(wires)], out_parts)  # a relay sends on what it received
+        arrivals.append((s, (list(out), list(out_parts))))
       elif me == sender:
-        arrivals.append((s, None))
+        arrivals.append((s, ((), ())))
     pending.append((b, arrivals))
     del packed, held
     if len(pending) >= IN_FLIGHT or profile is not None:
