@@ -160,34 +160,41 @@ def pair_worker(args):
   result = {}
   fresh = lambda tree: jax.tree.map(lambda x: x + 0, tree)  # a new learner copy per sync, as after a step
   layout = layout_lib.make_host_layout(1)
-  for kind, host_tree in (("full", full_host), ("lora", lora_host)):
+  tensor_layout = layout_lib.make_host_layout(1, sampler_tensor=4)
+  # the sampler's tensor-parallel layout of an MLP: up [d, 4d] split by columns, down [4d, d] by rows
+  tensor_spec = {name: {"up": P(None, "tensor"), "down": P("tensor", None)} for name in full_host}
+  variants = (("full", full_host, layout, jax.tree.map(lambda _: P(), full_host)),
+              ("lora", lora_host, layout, jax.tree.map(lambda _: P(), lora_host)),
+              ("tp_full", full_host, tensor_layout, tensor_spec))
+  for kind, host_tree, host_layout, spec in variants:
     nbytes = sum(x.nbytes for x in jax.tree.leaves(host_tree))
-    spec = jax.tree.map(lambda _: P(), host_tree)
     if me == 0:
-      src = _learner_copy(host_tree, layout, fsdp=kind == "full")
+      src = _learner_copy(host_tree, host_layout, fsdp=kind != "lora")
       make = lambda: fresh(src)
     else:
       make = lambda: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host_tree)
     calls = itertools.count()  # every process syncs in the same order: the same key per sync
     sync = lambda t, profile=None: transfer.send_across_hosts(
-        t, spec, layout=layout, version=next(calls), timeout_s=120, tag=f"bench/{kind}", profile=profile,
+        t, spec, layout=host_layout, version=next(calls), timeout_s=120, tag=f"bench/{kind}", profile=profile,
         bucket_bytes=_bucket_bytes(args))[0]
     s, result[f"by_host_{kind}_cpu_s"] = time_path(f"by_host/{kind}", sync, make)
     result[f"by_host_{kind}_s"], result[f"by_host_{kind}_bytes_per_s"] = s, nbytes / s
-    if kind == "full":  # --repeats more syncs, each stage waited for and timed on both sides: medians
+    if kind != "lora":  # --repeats more syncs, each stage waited for and timed on both sides: medians
       profiles = []
       for r in range(args.repeats):
         tree = make()
         jax.block_until_ready(tree)
-        client.wait_at_barrier(f"bench/profile/{r}", 120_000)
+        client.wait_at_barrier(f"bench/profile/{kind}/{r}", 120_000)
         profiles.append({})
         jax.block_until_ready(sync(tree, profiles[-1]))
       mine = {k: statistics.median(p[k] for p in profiles) for k in profiles[0]}
-      client.key_value_set(f"bench/profile/{me}", json.dumps(mine))
-      client.wait_at_barrier("bench/profile/end", 120_000)
+      client.key_value_set(f"bench/profile/{kind}/{me}", json.dumps(mine))
+      client.wait_at_barrier(f"bench/profile/{kind}/end", 120_000)
       if me == 1:
-        stages = {**json.loads(client.blocking_key_value_get("bench/profile/0", 60_000)), **mine}
-        result["by_host_full_stages_s"] = {k: round(v, 5) for k, v in stages.items()}
+        stages = {**json.loads(client.blocking_key_value_get(f"bench/profile/{kind}/0", 60_000)), **mine}
+        result[f"by_host_{kind}_stages_s"] = {k: round(v, 5) for k, v in stages.items()}
+    if kind == "tp_full":
+      continue  # the per-host split below is the replicated sampler's
     meshes = mesh_lib.make_meshes(4, 4)  # the per-host split: every process both sides
     src = jax.device_put(host_tree, jax.tree.map(
         lambda x: NamedSharding(meshes.learner, P("fsdp") if kind == "full" else P()), host_tree))
@@ -373,11 +380,13 @@ def main():
     r.update(_run_job(args, "pair", 2))
     socket_bw = r["socket_full_bytes_per_s"]
     r["by_host_vs_socket_bandwidth"] = r["by_host_full_bytes_per_s"] / socket_bw
+    r["by_host_tp_vs_socket_bandwidth"] = r["by_host_tp_full_bytes_per_s"] / socket_bw
     r["per_host_vs_socket_bandwidth"] = r["per_host_full_bytes_per_s"] / socket_bw
     for name in ("raw_1dev", "raw_4dev"):
       r[f"{name}_vs_socket_bandwidth"] = r[f"{name}_full_bytes_per_s"] / socket_bw
-    for name in ("by_host", "raw_4dev"):  # CPU seconds of both processes per copy of the weights
+    for name in ("by_host", "by_host_tp", "raw_4dev"):  # CPU seconds of both processes per copy of the weights
       r[f"{name}_vs_socket_cpu"] = r[f"{name}_full_cpu_s"] / r["socket_full_cpu_s"]
+    r["by_host_tp_vs_replicated_full_time"] = r["by_host_tp_full_s"] / r["by_host_full_s"]
     r["by_host_vs_per_host_full_time"] = r["by_host_full_s"] / r["per_host_full_s"]
     r["by_host_full_vs_lora_time"] = r["by_host_full_s"] / r["by_host_lora_s"]
     r["fan_out_4dev_copies_vs_all_gather_time"] = r["fan_out_4dev_copies_s"] / r["fan_out_4dev_all_gather_s"]

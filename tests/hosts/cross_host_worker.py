@@ -28,7 +28,10 @@ def expected_full():
           "count": np.arange(12, dtype=np.int32).reshape(3, 4),
           # large enough to travel alone (transfer.SMALL_BYTES, also cast to bf16): one split over the
           # sampler's tensor axis (it travels in that layout), one replicated whose size needs padding
-          "big": rng.standard_normal((512, 1024), np.float32), "odd": rng.standard_normal((1025, 257), np.float32)}
+          "big": rng.standard_normal((512, 1024), np.float32), "odd": rng.standard_normal((1025, 257), np.float32),
+          # split by rows on both sides: with one learner host and sampler_tensor=4 its FSDP shards are
+          # the sampler's parts already, sent without a copy (as long as nothing casts it)
+          "rows": rng.standard_normal((1024, 512), np.float32)}
   step = lambda t: {k: (step(v) if isinstance(v, dict) else (v * 2 + 1 if v.dtype == np.float32 else v + 1))
                     for k, v in t.items()}
   return tree, step
@@ -52,7 +55,7 @@ def main(sampler_hosts: int, sampler_tensor: int):
     print("LAYOUT " + line, flush=True)
   host_tree, step = expected_full()
   specs = {"embed": P(None, None), "mlp": {"up": P(None, "tensor"), "down": P("tensor", None)},
-           "count": P(), "big": P(None, "tensor"), "odd": P()}
+           "count": P(), "big": P(None, "tensor"), "odd": P(), "rows": P("tensor", None)}
   want = step(host_tree)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host_tree)
   sampler = layout.role() == layout_lib.SAMPLER
@@ -60,7 +63,7 @@ def main(sampler_hosts: int, sampler_tensor: int):
     full, lora = abstract, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lora_like())
   else:  # FSDP on the learner hosts only; a jitted step the sampler hosts never join
     fsdp = {"embed": P("fsdp"), "mlp": {"up": P("fsdp"), "down": P("fsdp")}, "count": P(), "big": P("fsdp"),
-            "odd": P()}
+            "odd": P(), "rows": P("fsdp")}
     shardings = jax.tree.map(lambda s: NamedSharding(layout.learner, s), fsdp)
     params = jax.device_put(host_tree, shardings)
     full = jax.jit(step, out_shardings=shardings)(params)

@@ -52,3 +52,15 @@ def test_arrays_split_over_the_tensor_axis_alone_travel_in_the_samplers_layout()
   assert not transfer._tensor_split((8, 18), P(None, "tensor"), 4)  # uneven parts
   assert not transfer._tensor_split((8, 16), P("replica", "tensor"), 2)  # split over the replicas too
   assert not transfer._tensor_split((8, 16), P(("replica", "tensor")), 2)
+
+
+def test_a_learner_array_already_in_the_samplers_layout_is_sent_without_a_copy():
+  devices = np.array(jax.devices()[:4])
+  learner = Mesh(devices.reshape(4, 1), ("fsdp", "tensor"))
+  tensor_view = Mesh(devices.reshape(1, 1, 4), ("hosts", "replica", "tensor"))  # one learner host, tensor 4
+  x = jax.device_put(np.zeros((8, 16), np.float32), NamedSharding(learner, P("fsdp")))  # FSDP: by rows
+  assert transfer._sendable_as_is(x, x.dtype, NamedSharding(tensor_view, P("tensor", None)))
+  assert not transfer._sendable_as_is(x, x.dtype, NamedSharding(tensor_view, P(None, "tensor")))  # by columns
+  assert not transfer._sendable_as_is(x, np.dtype("float16"), NamedSharding(tensor_view, P("tensor", None)))  # a cast
+  two = Mesh(devices.reshape(1, 2, 2), ("hosts", "replica", "tensor"))  # tensor 2: the first group sends halves
+  assert not transfer._sendable_as_is(x, x.dtype, NamedSharding(two, P("tensor", None)))
