@@ -11,6 +11,11 @@ timed on the receiving process (median of --repeats after a warm-up):
     (4 replicas): `hosts.transfer.send_across_hosts` with 256 MiB buckets (--bucket-mb); then
     --repeats more syncs with `profile=` give the median seconds of each stage on each side (pack
     and ack on the learner host; wait_for_pack, transfer, gather, unpack and place on the sampler host);
+  * `by_host_tp`: the same, the sampler host tensor-parallel over its 4 devices (`sampler_tensor=4`:
+    up [d, 4d] split by columns, down [4d, d] by rows): each array crosses in that layout, each
+    device receiving its part (no fan-out: the sampler host writes the bytes once, as the socket
+    copy does); the learner host reshards up (its FSDP rows -> columns) and sends down as it is;
+    also profiled (pack, ack; wait_for_pack, transfer, place);
   * `per_host`: the per-host split (2 sampler + 2 learner devices per process, one learner mesh
     over both): `rl.weight_sync.sync`, which all-gathers and copies locally on each host;
   * `socket`: the bytes the by-host sync delivers, sent once over a TCP socket on 127.0.0.1 between

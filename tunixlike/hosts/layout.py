@@ -8,7 +8,8 @@ computation ever includes a sampler host. Weights reach sampler host j by cross-
 `jax.device_put` from host `senders[j]` (a learner host, round robin; `hosts.transfer` also takes a
 sampler host that already has them, a relay) split evenly over both hosts' devices, since
 cross-process device_put needs the same device count and shard shapes on both sides (JAX
-docs/multi_process.md); sampler host j then spreads it to its replicas locally. Every host must
+docs/multi_process.md); sampler host j then spreads it to its replicas locally (an array its
+tensor-parallel layout splits crosses in that layout instead: `hosts.transfer`). Every host must
 have the same number of devices.
 """
 

@@ -18,6 +18,12 @@ ones concatenated per dtype):
    the arrays, and one batched `jax.device_put` copies each array into the sampler's layout (`specs`):
    a replica per device, or each device its slice. No collective, and each replica is written once.
 
+An array of 1 MiB or more that the sampler's layout splits over its 'tensor' axis skips the flat
+buffers: the pack reshards it to that layout on each learner host (an FSDP shard by rows that is
+already a sampler device's part, uncast, is sent as it is), and its own transfer delivers each
+device of the sampler host's first tensor group its part, which the other replicas (if any) copy.
+With the tensor axis over a whole host the sampler host writes each byte once, as a plain copy does.
+
 The sampler host acknowledges each bucket through the coordination service's key-value store; the
 sender frees a bucket only then, and keeps at most two buckets in flight (bucket k+1 is packed and
 sent while k is acknowledged), so the extra memory is about two buckets. The version is one more
