@@ -54,6 +54,19 @@ def command(tmp_path) -> list[str]:
   return [sys.executable, "-m", "tunixlike.train", "--config", str(config), f"--config.data.train={data}"] + FAST
 
 
+def even_vocab_checkpoint(tmp_path) -> str:
+  """A random tiny checkpoint whose vocabulary (the addition task's characters, padded to an even
+  count) splits over 2 tensor-parallel devices: the task's own model has 83 tokens."""
+  from flax import nnx
+  from tunixlike import models
+  from tunixlike.data import char_tokenizer
+  tok = char_tokenizer.build()
+  model = models.Transformer(models.tiny_config(vocab_size=tok.vocab_size + tok.vocab_size % 2), rngs=nnx.Rngs(0))
+  path = models.save_pretrained(model, tmp_path / "hf")
+  tok.save(str(path))
+  return str(path)
+
+
 def train(tmp_path, workdir, n: int, flags: list[str], devices: int = 2, **kwargs):
   return run_processes(command(tmp_path) + flags + [f"--workdir={workdir}"], n, tmp_path, devices=devices,
                        timeout_s=kwargs.pop("timeout_s", 300), **kwargs)
@@ -182,16 +195,20 @@ def test_two_learner_and_two_sampler_hosts_survive_a_killed_sampler_host_and_a_s
 
 @pytest.mark.multihost
 def test_one_learner_host_three_sampler_hosts_lora_adapters_only_and_sigterm_on_a_sampler_host(tmp_path):
-  """LoRA, 1 learner host + 3 sampler hosts. The first sync carries the model, each later one the
-  adapters only, and every one reaches all three sampler hosts exactly. SIGTERM on sampler host 3:
-  the learner host saves and ends the run, every sampler host follows."""
+  """LoRA, 1 learner host + 3 sampler hosts, each decoding tensor-parallel over its 2 devices. The
+  first sync carries the model, each later one the adapters only, and every one reaches all three
+  sampler hosts exactly. SIGTERM on sampler host 3: the learner host saves and ends the run, every
+  sampler host follows."""
   workdir = tmp_path / "run"
   flags = by_host(1, 3) + ["--config.lora.rank=4", "--config.rl.num_steps=20", "--config.checkpoint.every_steps=0",
-                           "--config.mesh.save_synced_weights=true"]
+                           "--config.mesh.save_synced_weights=true", "--config.mesh.sampler_tensor=2",
+                           f"--config.model.hf_path={even_vocab_checkpoint(tmp_path)}"]
   results = train(tmp_path, workdir, 4, flags, send=Signal(3, "sampler host 3: weights v3 (adapters) arrived",
                                                            signal.SIGTERM))
   succeeded(results)
   startup_lines(results, learner_hosts=1)
+  assert [l.split(", mesh ")[1] for l in results[0][1].splitlines() if l.startswith("host ") and ": sampler," in l] == [
+      "{'replica': 1, 'tensor': 2}, weights from host 0"] * 3  # each sampler host decodes tensor-parallel
   assert "sampler host 3 received a signal: finishing the current step, saving a checkpoint" in results[0][1]
   steps = stopped_at(results[0][1], workdir)
   assert 3 <= steps < 20
