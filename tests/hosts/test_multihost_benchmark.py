@@ -36,7 +36,8 @@ def test_multihost_benchmark_compares_the_three_paths(tmp_path):
   assert set(r["by_host_full_stages_s"]) == {"pack", "ack", "wait_for_pack", "transfer", "gather", "unpack", "place"}
   # a tensor-parallel sampler host receives each device's part in place: nothing to gather or cut
   assert set(r["by_host_tp_full_stages_s"]) == {"pack", "ack", "wait_for_pack", "transfer", "place"}
-  assert r["by_host_tp_vs_socket_bandwidth"] == pytest.approx(r["by_host_tp_full_bytes_per_s"] / r["socket_full_bytes_per_s"])
+  assert r["by_host_tp_vs_socket_bandwidth"] == pytest.approx(r["by_host_tp_full_bytes_per_s"]
+                                                              / r["socket_full_bytes_per_s"])
   assert r["by_host_tp_vs_replicated_full_time"] == pytest.approx(r["by_host_tp_full_s"] / r["by_host_full_s"])
   assert r["fan_out_winner"] == min(("direct", "relay"), key=lambda name: r[f"fan_out_{name}_s"])
   # the same RL job in both layouts, every step measured, with each side's busy fraction

@@ -300,7 +300,8 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
   direct = [n >= SMALL_BYTES and _tensor_split(tuple(x.shape), spec, tensor)
             for n, x, spec in zip(nbytes, leaves, spec_leaves)]
   host_view = Mesh(layout.learner.devices.reshape(len(layout.learner_hosts), -1), ("hosts", "local"))
-  tensor_view = Mesh(host_view.devices.reshape(len(layout.learner_hosts), -1, tensor), ("hosts", *mesh_lib.SAMPLER_AXES))
+  tensor_view = Mesh(host_view.devices.reshape(len(layout.learner_hosts), -1, tensor),
+                     ("hosts", *mesh_lib.SAMPLER_AXES))  # each learner host's devices as a sampler mesh
   received: list = [None] * len(leaves)
   arrived_version = version
   pending = collections.deque()  # (bucket, [(sampler host, arrays it receives)]) not yet acknowledged
