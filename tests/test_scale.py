@@ -52,8 +52,9 @@ def test_async_grpo_steps_through_the_cli_with_a_50m_hf_checkpoint(checkpoint_50
          f"--workdir={tmp_path / 'run'}", f"--config.model.hf_path={checkpoint_50m}", "--config.model.param_dtype=bfloat16",
          "--config.warm_start.max_steps=0", "--config.rl.num_steps=2", "--config.data.num_eval_examples=4",
          "--config.sampler.max_new_tokens=8",
-         # 4 groups of 2 a step (not 8 of 8): the size of the model is what this test is about.
-         "--config.rl.prompts_per_step=4", "--config.algo.group_size=2",
+         # 4 groups of 2 a step (not 8 of 8) in 8 decode slots (not 128): the size of the model is what this
+         # test is about.
+         "--config.rl.prompts_per_step=4", "--config.algo.group_size=2", "--config.sampler.max_concurrent_decodes=8",
          # The model's ChatML template wraps each prompt: longer than the char tokenizer's 16 tokens.
          "--config.data.max_prompt_length=48", "--config.sampler.max_prefill_length=48"]
   proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
