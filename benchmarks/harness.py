@@ -29,6 +29,10 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+# A child's virtual CPU devices (XLA_FLAGS, and NPROC for XLA:CPU's collectives): one definition, the
+# library's, which its own several-process launcher uses.
+from tunixlike.hosts.local_job import device_env, xla_flags  # noqa: F401  (re-exported to the benchmarks)
+
 _LOAD_BEFORE: list[float] = []  # when the flags were parsed: before the benchmark's work
 
 
@@ -46,25 +50,6 @@ def parse(doc: str | None, add_flags: Callable[[argparse.ArgumentParser], Any] |
   args = p.parse_args(argv)
   _LOAD_BEFORE[:] = _load()
   return args
-
-
-def xla_flags(devices: int, flags: str | None = None) -> str:
-  """`flags` (default: $XLA_FLAGS) with `devices` virtual CPU devices; the last flag given wins. Other
-  platforms (GPU, TPU) ignore the flag."""
-  flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
-  return f"{flags} --xla_force_host_platform_device_count={devices}".strip()
-
-
-def device_env(devices: int, env: dict | None = None) -> dict:
-  """`env` (default: os.environ) for a child process with `devices` virtual CPU devices. XLA:CPU runs
-  every virtual device's collectives on one thread pool sized by the host's cores (NPROC overrides the
-  size); a large program can have one device wait in two collectives at once while the others wait in
-  the first, with no thread left for the last device: a deadlock (a 64K-token row over 4 devices on 2
-  cores). Four threads a device leave room. Other platforms ignore both variables."""
-  env = dict(os.environ if env is None else env)
-  env["XLA_FLAGS"] = xla_flags(devices, env.get("XLA_FLAGS", ""))
-  env.setdefault("NPROC", str(4 * devices))
-  return env
 
 
 def host_devices(devices: int) -> None:

@@ -62,20 +62,34 @@ SIZES = {
 }
 
 
+# Each shape flag's default, for the figures and for --quick (a smoke test).
+SHAPES = {
+    "full": dict(size="0.5b", batches="64,256", prompt_len=64, new_tokens=128, train_batch=8, train_seq=512, steps=3,
+                 syncs=5),
+    "quick": dict(size="tiny", batches="8,16", prompt_len=16, new_tokens=16, train_batch=4, train_seq=64, steps=1,
+                  syncs=2),
+}
+
+
+def _shape(name: str, what: str) -> str:
+  return f"{what} (default {SHAPES['full'][name]}; --quick: {SHAPES['quick'][name]})"
+
+
 def _flags(p):
-  p.add_argument("--size", default=None, choices=sorted(SIZES), help="default 0.5b (--quick: tiny)")
+  p.add_argument("--size", default=None, choices=sorted(SIZES), help=_shape("size", "the model's shape"))
   p.add_argument("--layout", default=None, choices=("split", "colocated"),
                  help="default: colocated on one device, else split into halves")
   p.add_argument("--sampler-tensor", type=int, default=1,
                  help="mesh.sampler_tensor: 4 holds one copy of the weights over 4 sampler devices, not one per replica")
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="weights, compute, checkpoint")
-  p.add_argument("--batches", default="64,256", help="decode batch sizes (comma-separated)")
-  p.add_argument("--prompt-len", type=int, default=64)
-  p.add_argument("--new-tokens", type=int, default=128)
-  p.add_argument("--train-batch", type=int, default=8)
-  p.add_argument("--train-seq", type=int, default=512)
-  p.add_argument("--steps", type=int, default=3, help="timed learner steps after the first")
-  p.add_argument("--syncs", type=int, default=5, help="timed weight syncs")
+  # The shapes' defaults are in SHAPES: a flag given explicitly wins over --quick's.
+  p.add_argument("--batches", default=None, help=_shape("batches", "decode batch sizes (comma-separated)"))
+  p.add_argument("--prompt-len", type=int, default=None, help=_shape("prompt_len", "prompt tokens"))
+  p.add_argument("--new-tokens", type=int, default=None, help=_shape("new_tokens", "decoded tokens per prompt"))
+  p.add_argument("--train-batch", type=int, default=None, help=_shape("train_batch", "learner rows"))
+  p.add_argument("--train-seq", type=int, default=None, help=_shape("train_seq", "tokens per learner row"))
+  p.add_argument("--steps", type=int, default=None, help=_shape("steps", "timed learner steps after the first"))
+  p.add_argument("--syncs", type=int, default=None, help=_shape("syncs", "timed weight syncs"))
   p.add_argument("--hf-generate", action="store_true", help="also time transformers' generate (same batches)")
   p.add_argument("--skip-learner-step", action="store_true",
                  help="build the learner (its state is what syncs) but time no train step: on CPU a 0.5B step's "
@@ -87,10 +101,9 @@ def _flags(p):
 
 def _parse(argv=None):
   a = harness.parse(__doc__, _flags, argv, quick="small shapes (and the tiny size unless --size)")
-  if a.quick:
-    a.size = a.size or "tiny"
-    a.batches, a.prompt_len, a.new_tokens, a.train_batch, a.train_seq, a.steps, a.syncs = "8,16", 16, 16, 4, 64, 1, 2
-  a.size = a.size or "0.5b"
+  for name, default in SHAPES["quick" if a.quick else "full"].items():
+    if getattr(a, name) is None:
+      setattr(a, name, default)
   a.batches = [int(b) for b in str(a.batches).split(",")]
   return a
 

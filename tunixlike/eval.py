@@ -38,7 +38,6 @@ from absl import flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from tunixlike import checkpoint as checkpoint_lib
 from tunixlike import cli
 from tunixlike import config as config_lib
 
@@ -68,6 +67,7 @@ class EvalError(ValueError):
 
 def checkpoint_dir(path: str) -> str:
   """WORKDIR/checkpoints when it exists, else `path` (a checkpoint directory given directly)."""
+  from tunixlike import checkpoint as checkpoint_lib  # orbax and jax: not for a command line that is refused
   sub = checkpoint_lib.workdir_checkpoints(path)
   return sub if os.path.isdir(sub) else os.fspath(path)
 
@@ -85,6 +85,7 @@ def evaluate_checkpoint(cfg: config_lib.Config | None, checkpoint: str, *, step:
     raise EvalError(f"temperature={temperature}: must be >= 0")
   if num_examples is not None and num_examples < 1:
     raise EvalError(f"num_examples={num_examples}: must be >= 1")
+  from tunixlike import checkpoint as checkpoint_lib
   directory = checkpoint_dir(checkpoint)
   if not os.path.isdir(directory) and "://" not in directory:
     raise EvalError(f"checkpoint {checkpoint}: no such directory")
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None):
     print(cli.usage(sys.modules[__name__]))
     return
   cfg, kwargs = parse(argv)
+  from tunixlike import checkpoint as checkpoint_lib  # heavy imports only once the flags are known to be good
   # orbax logs a warning per read-only manager option; a user reading one error line needs none of them.
   absl_logging.set_verbosity(absl_logging.ERROR)
   say = lambda message: print(message, file=sys.stderr, flush=True)

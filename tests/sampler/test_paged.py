@@ -224,7 +224,12 @@ def test_resume_prefill_from_parked_kv_equals_a_full_prefill(make_engine, added)
 
 
 def test_nothing_compiles_after_warmup(make_engine):
-  engine = make_engine(temperature=1.0, group_size=2, kv_cache_bytes=None, max_concurrent_decodes=16, **PAGED)
+  # Blocks of 8 and a budget of 32 (of 2,048 bytes: 2 layers x K, V x 2 KV heads x 8 dims x 4 bytes): two pool
+  # sizes to warm up, not four (128 blocks of 4 without a budget), 43 CPU-s instead of 106; the budget bounds
+  # admission, and the 16 slots still narrow from width 16 to 8 with slot moves.
+  engine = make_engine(temperature=1.0, group_size=2, kv_layout="paged", kv_block_size=8, kv_cache_bytes=32 * 2048,
+                       max_concurrent_decodes=16)
+  assert engine.num_blocks == 32 and engine._pool_sizes() == [16, 32]
   params = engine.load_params()
   engine.warmup(params)
   requests = [PromptRequest(prompt_id=i, token_ids=p, max_new_tokens=12 if i % 5 == 3 else 2)

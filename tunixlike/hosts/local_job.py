@@ -5,9 +5,10 @@ devices: how the tests and benchmarks run whole hosts (and the per-host split) w
     for rc, output in results: ...
 
 Process i gets JAX_PROCESS_ID=i, the coordinator on a free port of 127.0.0.1 and `devices` CPU
-devices, the same command as the others (as on real hosts); the children import this same
-tunixlike. Every wait is bounded: when one process fails, or the time runs out, the others are
-killed, so a test or benchmark never hangs on a job that cannot finish.
+devices (`xla_flags`, which the benchmarks' children use too), the same command as the others (as
+on real hosts); the children import this same tunixlike. Every wait is bounded: when one process
+fails, or the time runs out, the others are killed, so a test or benchmark never hangs on a job that
+cannot finish.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from typing import Mapping
 
 import tunixlike
 
@@ -57,9 +59,29 @@ def _free(port: int) -> bool:
       return False
 
 
+def xla_flags(devices: int, flags: str | None = None) -> str:
+  """`flags` (default: $XLA_FLAGS) with `devices` virtual CPU devices in place of any count they set.
+  Other platforms (GPU, TPU) ignore the flag."""
+  flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+  return " ".join([f for f in flags.split() if not f.startswith(_DEVICE_COUNT_FLAG)] + [f"{_DEVICE_COUNT_FLAG}={devices}"])
+
+
+def device_env(devices: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+  """`env` (default: os.environ) for a child process with `devices` virtual CPU devices. XLA:CPU runs
+  every virtual device's collectives on one thread pool sized by the host's cores (NPROC overrides the
+  size); a large program can have one device wait in two collectives at once while the others wait in
+  the first, with no thread left for the last device: a deadlock (a 64K-token row over 4 devices on 2
+  cores). Four threads a device leave room. Other platforms ignore both variables."""
+  env = dict(os.environ if env is None else env)
+  env["XLA_FLAGS"] = xla_flags(devices, env.get("XLA_FLAGS", ""))
+  env.setdefault("NPROC", str(4 * devices))
+  return env
+
+
 def _env(i: int, n: int, port: int, devices: int, extra: dict[str, str]) -> dict[str, str]:
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
-  return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags + [f"{_DEVICE_COUNT_FLAG}={devices}"]),
+  # Not device_env's NPROC: the job's processes run small programs (no deadlock seen) and the larger
+  # pool cost tests/test_multihost.py's two processes 50 -> 58 CPU-s (one run each, 2026-11-28).
+  return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(devices),
           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(i),
           "PYTHONPATH": os.pathsep.join([_PACKAGE_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
           **extra}
