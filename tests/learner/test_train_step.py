@@ -183,3 +183,31 @@ def test_step_with_output_returns_the_step_and_fn_of_its_new_state(tiny_model, h
   assert not hasattr(fused, "fused_output")
   s3, m3 = fused.train_step(s2, fused.put_batch(batch), jax.random.key(0))  # the plain step is unchanged
   assert set(m3) == set(m1)
+
+
+def test_several_updates_per_batch_are_k_clipped_updates_in_one_compiled_step(tiny_model, host_batch):
+  # optim.updates_per_batch=2 equals two K=1 steps that are given the batch-start logprobs as the
+  # proximal ones: the second update's ratio moves, so the clip binds (clip_frac > 0); one RL step.
+  cfg = lambda k: LearnerConfig(algo=AlgoConfig(eps_low=0.02, eps_high=0.02),
+                                optim=OptimConfig(learning_rate=3e-2, updates_per_batch=k), logprob_chunk_size=8)
+  batch = host_batch(8)
+  twice, once = Learner(tiny_model(), cfg(2)), Learner(tiny_model(), cfg(1))
+  with count_traces() as traces:
+    state2, m2 = twice.train_step(twice.state, twice.put_batch(batch), jax.random.key(0))
+    p2 = flat_values(state2.params)
+    state2, _ = twice.train_step(state2, twice.put_batch(host_batch(8, seed=1)), jax.random.key(1))
+  assert traces["_train_step"] == 1 and int(state2.step) == 2  # one compile; a batch's K updates are one step
+  assert float(m2["updates_taken"]) == 2 and float(m2["nonfinite"]) == 0
+  manual = once.put_batch(batch)
+  manual["proximal_logprobs"] = once.token_logprobs(once.state, manual)
+  state1, first = once.train_step(once.state, manual, jax.random.key(0))
+  p1 = flat_values(state1.params)
+  assert float(first["clip_frac"]) == 0.0  # the first update is the K = 1 step: ratio 1
+  state1, second = once.train_step(state1, manual, jax.random.key(0))
+  assert float(second["clip_frac"]) > 0.05
+  for k in ("clip_frac", "loss", "grad_norm"):  # the step reports the mean over its updates
+    np.testing.assert_allclose(float(m2[k]), (float(first[k]) + float(second[k])) / 2, rtol=1e-4, err_msg=k)
+  manual2 = flat_values(state1.params)
+  assert max(np.abs(p2[k] - p1[k]).max() for k in p1) > 1e-3  # not the one-update step ...
+  for k in p2:  # ... but the two updates
+    np.testing.assert_allclose(p2[k], manual2[k], rtol=1e-4, atol=1e-6, err_msg=k)
