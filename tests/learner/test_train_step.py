@@ -211,3 +211,26 @@ def test_several_updates_per_batch_are_k_clipped_updates_in_one_compiled_step(ti
   assert max(np.abs(p2[k] - p1[k]).max() for k in p1) > 1e-3  # not the one-update step ...
   for k in p2:  # ... but the two updates
     np.testing.assert_allclose(p2[k], manual2[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_several_updates_per_batch_resume_exactly(tiny_model, host_batch, tmp_path):
+  # A checkpoint between two K=2 steps holds what the next step needs (optax's count of 2 updates per
+  # step, read at count // K by the warm-up + cosine schedule): the resumed step equals the straight one.
+  from tunixlike import checkpoint as ckpt_lib
+  cfg = LearnerConfig(optim=OptimConfig(learning_rate=1e-2, updates_per_batch=2, schedule="cosine", warmup_steps=1,
+                                        total_steps=3), logprob_chunk_size=8)
+  straight = Learner(tiny_model(), cfg)
+  batches = [straight.put_batch(host_batch(8, seed=s)) for s in (0, 1)]
+  state, _ = straight.train_step(straight.state, batches[0], jax.random.key(0))
+  ck = ckpt_lib.Checkpointer(str(tmp_path / "ck"))
+  ck.save(1, state, {"version": 1}, force=True)
+  ck.wait()
+  state, last = straight.train_step(state, batches[1], jax.random.key(1))
+  resumed = Learner(tiny_model(seed=1), cfg)  # other initial weights: the checkpoint replaces them
+  restored, _ = ck.restore(1, abstract_state=ckpt_lib.abstract_like(resumed.state))
+  ck.close()
+  again, again_metrics = resumed.train_step(restored, resumed.put_batch(host_batch(8, seed=1)), jax.random.key(1))
+  assert int(again.step) == 2 and float(last["learning_rate"]) == float(again_metrics["learning_rate"]) > 0
+  a, b = flat_values(state.params), flat_values(again.params)
+  for k in a:
+    np.testing.assert_array_equal(b[k], a[k], err_msg=k)
