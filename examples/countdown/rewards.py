@@ -117,6 +117,39 @@ def correct(completions: list[str], numbers: list[list[int]], target: list[int])
   return [float(is_correct(c, n, t)) for c, n, t in zip(completions, numbers, target, strict=True)]
 
 
+def one_step_results(a: int, b: int) -> set[int]:
+  """The positive integers one step makes from a and b (+ - * /, either order): the game's rule."""
+  out = {a + b, a * b, abs(a - b)} - {0}
+  out |= {x // y for x, y in ((a, b), (b, a)) if x % y == 0}
+  return out
+
+
+def good_first_step(completions: list[str], numbers: list[list[int]], target: list[int]) -> list[float]:
+  """1.0 if the answer's first step is a right one toward the target, else 0.0: it combines two of
+  the given numbers with one operator into a positive integer, writes that value, and the target is
+  one step from it and the remaining number (whatever the steps after it are).
+
+  Partial credit for the search, the part of a solution the model has to guess: the step is
+  checked for reachability, not closeness to the target, so a first step that cannot lead there
+  earns nothing, and every right solution's first step earns it (a one-expression answer has no
+  first step of two numbers and earns it only through `correct`).
+  """
+  def good(completion: str, given, goal) -> bool:
+    steps = parse_steps(answer(completion))
+    if not steps:
+      return False
+    tree, literals, result = steps[0]
+    rest = collections.Counter(int(n) for n in given)
+    if len(literals) != 2 or collections.Counter(literals) - rest:  # two given numbers, each at most once
+      return False
+    value = evaluate(tree)
+    if value is None or value.denominator != 1 or value <= 0 or (result is not None and value != result):
+      return False
+    (remaining,) = list((rest - collections.Counter(literals)).elements())
+    return int(goal) in one_step_results(int(value), remaining)
+  return [float(good(c, n, t)) for c, n, t in zip(completions, numbers, target, strict=True)]
+
+
 def well_formed(completions: list[str]) -> list[float]:
   """1.0 if the answer is a line of steps (expressions of integers, + - * / and parentheses, each with
   an optional "=integer"), else 0.0.

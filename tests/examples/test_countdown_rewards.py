@@ -107,3 +107,29 @@ def test_shipped_solutions_are_correct():
     assert all(len(r["solution"]) + 1 <= 20 for r in rows)  # + EOS: sampler.max_new_tokens of the config
     scores = rewards.correct([r["solution"] for r in rows], [r["numbers"] for r in rows], [r["target"] for r in rows])
     assert scores == [1.0] * len(rows), name
+
+
+@pytest.mark.parametrize("completion, score", [
+    ("3*5=15,15+7=22", 1.0),   # the solution's first step
+    ("3*5=15,15-7=8", 1.0),    # a right first step, a wrong second: the search was right
+    ("3*5=15", 1.0),           # 22 = 15 + 7 is one step away
+    ("5*3=15,15+7=23", 1.0),   # any order inside the step
+    ("3+5=8,8*7=22", 0.0),     # 22 is not one step from 8 and 7
+    ("3*5=16,16+7=22", 0.0),   # a wrong written result
+    ("3*3=9,9+13=22", 0.0),    # 3 given once
+    ("3*5+7=22", 0.0),         # one expression of three numbers: `correct` scores it
+    ("5-5=0,0+22=22", 0.0),    # 5 given once (and 0 is not a positive result)
+    ("15+7=22", 0.0),          # 15 is not given
+    ("junk", 0.0),
+])
+def test_good_first_step_checks_reachability_not_closeness(completion, score):
+  assert rewards.good_first_step([completion], [NUMBERS], [TARGET]) == [score]
+  # 22 = 7*3 + 1 is close to 7*3=21, but 1 cannot be made from the 5 left: no credit
+  assert rewards.good_first_step(["7*3=21"], [NUMBERS], [TARGET]) == [0.0]
+
+
+def test_every_solution_of_the_data_has_a_good_first_step():
+  rows = [json.loads(line) for line in (COUNTDOWN / "test.jsonl").read_text().splitlines()]
+  got = rewards.good_first_step([r["solution"] for r in rows], [r["numbers"] for r in rows],
+                                [r["target"] for r in rows])
+  assert got == [1.0] * len(rows)

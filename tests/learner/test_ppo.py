@@ -155,3 +155,14 @@ def test_train_step_prepares_an_unprepared_batch(tiny_model, host_batch):
   del host["rewards"]
   with pytest.raises(ValueError, match="'rewards'"):
     learner.put_batch(host)
+
+
+def test_several_updates_per_batch_keep_the_targets_of_the_batch_start(tiny_model, host_batch):
+  # optim.updates_per_batch: GAE targets and proximal logprobs come from the batch's first state, so
+  # the later updates move the ratio (the clip binds) and the whole batch is one step.
+  cfg = LearnerConfig(algo=AlgoConfig(estimator="ppo", eps_low=0.02, eps_high=0.02),
+                      optim=OptimConfig(learning_rate=3e-2, updates_per_batch=3), logprob_chunk_size=8)
+  learner = PPOLearner(PolicyWithValue.create(tiny_model()), cfg)
+  state, metrics = learner.train_step(learner.state, learner.put_batch(host_batch(8)), jax.random.key(0))
+  assert int(state.step) == 1 and float(metrics["updates_taken"]) == 3
+  assert float(metrics["clip_frac"]) > 0.02 and np.isfinite(float(metrics["vf_loss"]))

@@ -183,3 +183,54 @@ def test_step_with_output_returns_the_step_and_fn_of_its_new_state(tiny_model, h
   assert not hasattr(fused, "fused_output")
   s3, m3 = fused.train_step(s2, fused.put_batch(batch), jax.random.key(0))  # the plain step is unchanged
   assert set(m3) == set(m1)
+
+
+def test_several_updates_per_batch_are_k_clipped_updates_in_one_compiled_step(tiny_model, host_batch):
+  # optim.updates_per_batch=2 equals two K=1 steps that are given the batch-start logprobs as the
+  # proximal ones: the second update's ratio moves, so the clip binds (clip_frac > 0); one RL step.
+  cfg = lambda k: LearnerConfig(algo=AlgoConfig(eps_low=0.02, eps_high=0.02),
+                                optim=OptimConfig(learning_rate=3e-2, updates_per_batch=k), logprob_chunk_size=8)
+  batch = host_batch(8)
+  twice, once = Learner(tiny_model(), cfg(2)), Learner(tiny_model(), cfg(1))
+  with count_traces() as traces:
+    state2, m2 = twice.train_step(twice.state, twice.put_batch(batch), jax.random.key(0))
+    p2 = flat_values(state2.params)
+    state2, _ = twice.train_step(state2, twice.put_batch(host_batch(8, seed=1)), jax.random.key(1))
+  assert traces["_train_step"] == 1 and int(state2.step) == 2  # one compile; a batch's K updates are one step
+  assert float(m2["updates_taken"]) == 2 and float(m2["nonfinite"]) == 0
+  manual = once.put_batch(batch)
+  manual["proximal_logprobs"] = once.token_logprobs(once.state, manual)
+  state1, first = once.train_step(once.state, manual, jax.random.key(0))
+  p1 = flat_values(state1.params)
+  assert float(first["clip_frac"]) == 0.0  # the first update is the K = 1 step: ratio 1
+  state1, second = once.train_step(state1, manual, jax.random.key(0))
+  assert float(second["clip_frac"]) > 0.05
+  for k in ("clip_frac", "loss", "grad_norm"):  # the step reports the mean over its updates
+    np.testing.assert_allclose(float(m2[k]), (float(first[k]) + float(second[k])) / 2, rtol=1e-4, err_msg=k)
+  manual2 = flat_values(state1.params)
+  assert max(np.abs(p2[k] - p1[k]).max() for k in p1) > 1e-3  # not the one-update step ...
+  for k in p2:  # ... but the two updates
+    np.testing.assert_allclose(p2[k], manual2[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_several_updates_per_batch_resume_exactly(tiny_model, host_batch, tmp_path):
+  # A checkpoint between two K=2 steps holds what the next step needs (optax's count of 2 updates per
+  # step, read at count // K by the warm-up + cosine schedule): the resumed step equals the straight one.
+  from tunixlike import checkpoint as ckpt_lib
+  cfg = LearnerConfig(optim=OptimConfig(learning_rate=1e-2, updates_per_batch=2, schedule="cosine", warmup_steps=1,
+                                        total_steps=3), logprob_chunk_size=8)
+  straight = Learner(tiny_model(), cfg)
+  batches = [straight.put_batch(host_batch(8, seed=s)) for s in (0, 1)]
+  state, _ = straight.train_step(straight.state, batches[0], jax.random.key(0))
+  ck = ckpt_lib.Checkpointer(str(tmp_path / "ck"))
+  ck.save(1, state, {"version": 1}, force=True)
+  ck.wait()
+  state, last = straight.train_step(state, batches[1], jax.random.key(1))
+  resumed = Learner(tiny_model(seed=1), cfg)  # other initial weights: the checkpoint replaces them
+  restored, _ = ck.restore(1, abstract_state=ckpt_lib.abstract_like(resumed.state))
+  ck.close()
+  again, again_metrics = resumed.train_step(restored, resumed.put_batch(host_batch(8, seed=1)), jax.random.key(1))
+  assert int(again.step) == 2 and float(last["learning_rate"]) == float(again_metrics["learning_rate"]) > 0
+  a, b = flat_values(state.params), flat_values(again.params)
+  for k in a:
+    np.testing.assert_array_equal(b[k], a[k], err_msg=k)

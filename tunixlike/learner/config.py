@@ -147,6 +147,10 @@ class OptimConfig:
   b2: float = setting(0.99, "faster than 0.999: RL gradients are non-stationary", check=_b)
   eps: float = setting(1e-8, "Adam denominator epsilon", check=positive)
   micro_batches: int = setting(1, "exact token-weighted gradient accumulation", check=positive_int)
+  updates_per_batch: int = setting(
+      1, "K optimizer updates on each sampled batch, one RL step (TRL num_iterations, verl ppo_epochs): the "
+      "proximal logprobs are fixed before the first, so from the second on the ratio moves and eps_low / eps_high "
+      "clip; the schedule still counts RL steps", check=positive_int)
   group_by_length: int = setting(
       0, "N > 0: rows sorted by length, each micro-batch runs at the shortest of N prefix lengths (T*k/N) that "
       "holds its rows, so a long tail pads one micro-batch, not all", check=non_negative)

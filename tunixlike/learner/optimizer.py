@@ -22,8 +22,12 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+  """With optim.updates_per_batch = K, optax counts K updates per RL step: the schedule (warm-up,
+  cosine end) is read at count // K, so it stays in RL steps."""
   parts = []
   if cfg.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-  parts.append(optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+  schedule, k = make_schedule(cfg), cfg.updates_per_batch
+  lr = schedule if k == 1 else (lambda count: schedule(count // k))
+  parts.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
   return optax.chain(*parts)

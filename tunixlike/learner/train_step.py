@@ -382,24 +382,61 @@ class Learner:
     lengths = prefix_lengths(mb["tokens"].shape[1], self.cfg.optim.group_by_length)
     return jax.lax.switch(branch, [at(n) for n in lengths], mb)
 
-  def _train_step(self, state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
-    del rng  # the objective is deterministic; kept in the signature for dropout-style extensions
-    mask_all = _next(batch["loss_mask"]).astype(jnp.float32)  # [M, b, T]
-    t = mask_all.shape[-1]
-    n_tokens = jnp.maximum(mask_all.sum(), 1.0)
+  def _update(self, state: TrainState, batch):
+    """One optimizer update on the whole batch: (params, opt_state, finite, metrics before the per-token means)."""
     grads, loss, sums = self._accumulate(state, batch)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt = self.tx.update(grads, state.opt_state, state.params)
     new_params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), state.params, updates)
+    return new_params, new_opt, finite, {"loss": loss, "grad_norm": grad_norm, **sums}
+
+  def _updates(self, state: TrainState, batch):
+    """optim.updates_per_batch = K updates on one batch (TRL's num_iterations, verl's ppo_epochs):
+    (params, opt_state, whether the first was finite, metrics averaged over the updates taken).
+
+    The trust region of every update is the policy that started the batch: its logprobs are the
+    proximal ones (`_off_policy`), so the first update is the K = 1 step and from the second on the
+    ratio moves and the clip binds. A non-finite update is not applied, nor is any after it; the
+    step counts (the version advances) when the first one was applied."""
+    k = self.cfg.optim.updates_per_batch
+    if self.cfg.algo.decoupled and "proximal_logprobs" not in batch:
+      batch = {**batch, "proximal_logprobs": jax.lax.stop_gradient(self._token_logprobs(state, batch))}
+
+    def one(carry, _):
+      params, opt_state, ok = carry
+      new_params, new_opt, finite, out = self._update(state.replace(params=params, opt_state=opt_state), batch)
+      take = ok & finite
+      keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(take, n, o), new, old)
+      return (keep(new_params, params), keep(new_opt, opt_state), take), (out, take)
+
+    (params, opt_state, _), (outs, taken) = jax.lax.scan(one, (state.params, state.opt_state, jnp.bool_(True)),
+                                                         None, length=k)
+    n = taken.sum()
+    w = jnp.where(n > 0, taken / jnp.maximum(n, 1), jnp.arange(k) == 0).astype(jnp.float32)  # none taken: the first's
+    out = {key: v.max() if key.endswith("_max") else (v * w).sum() for key, v in outs.items()}
+    return params, opt_state, taken[0], {**out, "updates_taken": n.astype(jnp.float32)}
+
+  def _train_step(self, state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
+    del rng  # the objective is deterministic; kept in the signature for dropout-style extensions
+    mask_all = _next(batch["loss_mask"]).astype(jnp.float32)  # [M, b, T]
+    t = mask_all.shape[-1]
+    n_tokens = jnp.maximum(mask_all.sum(), 1.0)
+    if self.cfg.optim.updates_per_batch == 1:
+      new_params, new_opt, finite, sums = self._update(state, batch)
+    else:
+      new_params, new_opt, finite, sums = self._updates(state, batch)
     # A non-finite step leaves the state as it was; the runtime counts `nonfinite` and stops.
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     new_state = state.replace(step=state.step + finite.astype(jnp.int32), params=keep(new_params, state.params),
                               opt_state=keep(new_opt, state.opt_state))
 
-    metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.float32),
+    metrics = {"loss": sums.pop("loss"), "grad_norm": sums.pop("grad_norm"),
+               "nonfinite": (~finite).astype(jnp.float32),
                "learning_rate": jnp.asarray(self.schedule(state.step), jnp.float32), "num_tokens": n_tokens,
                "pg_loss": sums.pop("pg_loss")}
+    if "updates_taken" in sums:
+      metrics["updates_taken"] = sums.pop("updates_taken")
     for k, v in sums.items():
       metrics[k] = v if k.endswith("_max") else v / n_tokens
     if "is_weight" in metrics:

@@ -144,7 +144,8 @@ _eval_nll = nnx.jit(_nll)
 def make_optimizer(model, learning_rate: float, optim: OptimConfig = OptimConfig()) -> nnx.Optimizer:
   """The learner's optax chain (gradient clip, AdamW with the optim section's betas and decay) at a
   constant `learning_rate`."""
-  sft = dataclasses.replace(optim, learning_rate=learning_rate, schedule="constant", warmup_steps=0)
+  sft = dataclasses.replace(optim, learning_rate=learning_rate, schedule="constant", warmup_steps=0,
+                            updates_per_batch=1)
   return nnx.Optimizer(model, optimizer_lib.make_optimizer(sft), wrt=nnx.Param)
 
 
