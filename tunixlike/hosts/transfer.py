@@ -24,10 +24,18 @@ already a sampler device's part, uncast, is sent as it is), and its own transfer
 device of the sampler host's first tensor group its part, which the other replicas (if any) copy.
 With the tensor axis over a whole host the sampler host writes each byte once, as a plain copy does.
 
+A packed buffer under 4 MiB (`WHOLE_BYTES`: LoRA adapters, norms) is not split: it crosses whole
+from the sending host's first device to the sampler host's first device, is copied to its other
+devices in one call, and one program cuts each device's copy into place (`_placer`): three steps
+where a split buffer takes five (transfer, gather, cut, place), each of which costs a dispatch of a
+millisecond or more on a loaded host. The version rides in that call of the first bucket: it
+travels with the weights.
+
 The sampler host acknowledges each bucket through the coordination service's key-value store; the
 sender frees a bucket only then, and keeps at most two buckets in flight (bucket k+1 is packed and
-sent while k is acknowledged), so the extra memory is about two buckets. The version is one more
-array of the first bucket: it travels with the weights.
+sent while k is acknowledged), so the extra memory is about two buckets. A sampler host asks for a
+bucket once the learner host says it is packed (a "packed" flag in the store), except a bucket of
+whole buffers alone (a LoRA-only sync), asked for at once.
 
 A sampler host's weights come from `layout.senders[s]`: a learner host, or a sampler host that
 already has them (a relay); every process calls `send_across_hosts` for each version, in the same
