@@ -48,11 +48,11 @@ says what a path costs where the bandwidth ratio is mostly the load.
 Full weights are synthetic float32 matrices of about --mb MB (a transformer's shapes: [d, 4d] and
 [4d, d] per layer, d = --width); LoRA-only is rank-8 A and B matrices for each of them (d / 10 times
 fewer bytes); `--mb 256` is the largest model recorded in docs/benchmarks.md (8 layers; about 4 GB
-of peak memory in each of the two processes). bytes/s counts one copy of the weights per sync (the sampler host also spreads it to
-its 4 replicas). --transfer-size and --connections set JAX's transfer chunk size and the number of
-its data connections (`hosts.transfer_server.enable`; default: the library's). All processes share
-the machine's cores, so this compares paths, not a network. `max_process_rss_mb`: the largest
-worker's peak memory.
+of peak memory in each of the two processes). bytes/s counts one copy of the weights per sync (the
+sampler host also spreads it to its 4 replicas). --transfer-size and --connections set JAX's
+transfer chunk size and the number of its data connections (`hosts.transfer_server.enable`; default:
+the library's). All processes share the machine's cores, so this compares paths, not a network.
+`max_process_rss_mb`: the largest worker's peak memory.
 """
 
 from __future__ import annotations

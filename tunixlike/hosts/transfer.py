@@ -120,7 +120,8 @@ def _wires(leaves, dtypes, group, per_host: int) -> list[_Wire]:
       small[dtypes[i]].append(i)
   for d, idx in small.items():
     n = sum(int(np.prod(leaves[i].shape)) for i in idx)
-    out.append(_Wire(d, tuple(idx), n, whole=True) if n * d.itemsize < WHOLE_BYTES else _Wire(d, tuple(idx), padded(idx)))
+    whole = n * d.itemsize < WHOLE_BYTES
+    out.append(_Wire(d, tuple(idx), n if whole else padded(idx), whole=whole))
   return out
 
 
@@ -137,8 +138,9 @@ def _tensor_split(shape: tuple, spec: PartitionSpec, tensor: int) -> bool:
 @functools.lru_cache(maxsize=64)
 def _packer(wires: tuple, direct_specs: tuple, dtype: str | None, host_view: Mesh, tensor_mesh: Mesh):
   """Cast + flatten (+ concatenate) into flat buffers, each split over every learner host's devices
-  (`host_view`: ('hosts', 'local')) or, if `whole`, a copy on each; and cast + reshard the arrays that travel in the sampler's layout (`direct_specs`) onto each
-  learner host's devices in that layout (`tensor_mesh`: ('hosts', 'replica', 'tensor'))."""
+  (`host_view`: ('hosts', 'local')) or, if `whole`, a copy on each; and cast + reshard the arrays
+  that travel in the sampler's layout (`direct_specs`) onto each learner host's devices in that
+  layout (`tensor_mesh`: ('hosts', 'replica', 'tensor'))."""
   def pack(xs, direct):
     out = []
     for parts, wire in zip(xs, wires):
