@@ -65,7 +65,7 @@ from tunixlike.rl import weight_sync
 
 IN_FLIGHT = 2  # buckets sent before the oldest one's acknowledgement is awaited
 SMALL_BYTES = 2**20  # arrays under this travel packed together (`_wires`)
-WHOLE_BYTES = 4 * 2**20  # a packed buffer under this crosses whole to every device (`_Wire.whole`)
+WHOLE_BYTES = 4 * 2**20  # a packed buffer under this crosses whole, not split (`_Wire.whole`)
 FLAT = PartitionSpec("local")
 WHOLE = PartitionSpec()
 
@@ -105,9 +105,9 @@ def _wires(leaves, dtypes, group, per_host: int) -> list[_Wire]:
   buffer split over a host's devices moves nothing, where concatenating it with others would copy it
   (on CPU, 5 ms against 480 ms for 32 MB in 32 arrays). Small ones travel packed per dtype: a
   transfer costs a fixed overhead. A packed buffer under WHOLE_BYTES (LoRA adapters, norms) crosses
-  whole to every device: the sampler host then cuts it into place with one program and no copy
-  between its devices, where a split one costs a gather, a cut and the copies of `unpack` (on CPU
-  3 + 0.3 + 3 ms for 256 KiB of LoRA adapters, against 0.4 ms for the extra bytes)."""
+  whole, first device to first device: the sampler host copies it to its other devices in one call
+  and cuts it into place with one program, where a split one costs a gather, a cut and a copy per
+  array per replica (`unpack`; on this 2-core CPU 3-6, 0.3 and 3-6 ms for 256 KiB of LoRA adapters)."""
   def padded(idx):
     n = sum(int(np.prod(leaves[i].shape)) for i in idx)
     return -(-n // per_host) * per_host
