@@ -16,6 +16,9 @@ timed on the receiving process (median of --repeats after a warm-up):
     device receiving its part (no fan-out: the sampler host writes the bytes once, as the socket
     copy does); the learner host reshards up (its FSDP rows -> columns) and sends down as it is;
     also profiled (pack, ack; wait_for_pack, transfer, place);
+  * `by_host_lora`: the LoRA adapters alone, to the replicated sampler host (they are small: one whole
+    buffer, the same in either layout), profiled too (pack, ack; transfer, place: no "packed" flag);
+    `by_host_full_vs_lora_time` and `by_host_tp_full_vs_lora_time` compare it with each full sync;
   * `per_host`: the per-host split (2 sampler + 2 learner devices per process, one learner mesh
     over both): `rl.weight_sync.sync`, which all-gathers and copies locally on each host;
   * `socket`: the bytes the by-host sync delivers, sent once over a TCP socket on 127.0.0.1 between
@@ -44,11 +47,12 @@ says what a path costs where the bandwidth ratio is mostly the load.
 
 Full weights are synthetic float32 matrices of about --mb MB (a transformer's shapes: [d, 4d] and
 [4d, d] per layer, d = --width); LoRA-only is rank-8 A and B matrices for each of them (d / 10 times
-fewer bytes). bytes/s counts one copy of the weights per sync (the sampler host also spreads it to
-its 4 replicas). --transfer-size and --connections set JAX's transfer chunk size and the number of
-its data connections (`hosts.transfer_server.enable`; default: the library's). All processes share
-the machine's cores, so this compares paths, not a network. `max_process_rss_mb`: the largest
-worker's peak memory.
+fewer bytes); `--mb 256` is the largest model recorded in docs/benchmarks.md (8 layers; about 4 GB
+of peak memory in each of the two processes). bytes/s counts one copy of the weights per sync (the
+sampler host also spreads it to its 4 replicas). --transfer-size and --connections set JAX's
+transfer chunk size and the number of its data connections (`hosts.transfer_server.enable`; default:
+the library's). All processes share the machine's cores, so this compares paths, not a network.
+`max_process_rss_mb`: the largest worker's peak memory.
 """
 
 from __future__ import annotations
@@ -184,20 +188,20 @@ def pair_worker(args):
         bucket_bytes=_bucket_bytes(args))[0]
     s, result[f"by_host_{kind}_cpu_s"] = time_path(f"by_host/{kind}", sync, make)
     result[f"by_host_{kind}_s"], result[f"by_host_{kind}_bytes_per_s"] = s, nbytes / s
-    if kind != "lora":  # --repeats more syncs, each stage waited for and timed on both sides: medians
-      profiles = []
-      for r in range(args.repeats):
-        tree = make()
-        jax.block_until_ready(tree)
-        client.wait_at_barrier(f"bench/profile/{kind}/{r}", 120_000)
-        profiles.append({})
-        jax.block_until_ready(sync(tree, profiles[-1]))
-      mine = {k: statistics.median(p[k] for p in profiles) for k in profiles[0]}
-      client.key_value_set(f"bench/profile/{kind}/{me}", json.dumps(mine))
-      client.wait_at_barrier(f"bench/profile/{kind}/end", 120_000)
-      if me == 1:
-        stages = {**json.loads(client.blocking_key_value_get(f"bench/profile/{kind}/0", 60_000)), **mine}
-        result[f"by_host_{kind}_stages_s"] = {k: round(v, 5) for k, v in stages.items()}
+    # --repeats more syncs, each stage waited for and timed on both sides: medians
+    profiles = []
+    for r in range(args.repeats):
+      tree = make()
+      jax.block_until_ready(tree)
+      client.wait_at_barrier(f"bench/profile/{kind}/{r}", 120_000)
+      profiles.append({})
+      jax.block_until_ready(sync(tree, profiles[-1]))
+    mine = {k: statistics.median(p[k] for p in profiles) for k in profiles[0]}
+    client.key_value_set(f"bench/profile/{kind}/{me}", json.dumps(mine))
+    client.wait_at_barrier(f"bench/profile/{kind}/end", 120_000)
+    if me == 1:
+      stages = {**json.loads(client.blocking_key_value_get(f"bench/profile/{kind}/0", 60_000)), **mine}
+      result[f"by_host_{kind}_stages_s"] = {k: round(v, 5) for k, v in stages.items()}
     if kind == "tp_full":
       continue  # the per-host split below is the replicated sampler's
     meshes = mesh_lib.make_meshes(4, 4)  # the per-host split: every process both sides
@@ -393,7 +397,9 @@ def main():
       r[f"{name}_vs_socket_cpu"] = r[f"{name}_full_cpu_s"] / r["socket_full_cpu_s"]
     r["by_host_tp_vs_replicated_full_time"] = r["by_host_tp_full_s"] / r["by_host_full_s"]
     r["by_host_vs_per_host_full_time"] = r["by_host_full_s"] / r["per_host_full_s"]
+    # LoRA-only against each full sync: the replicated sampler host's and the tensor-parallel one's
     r["by_host_full_vs_lora_time"] = r["by_host_full_s"] / r["by_host_lora_s"]
+    r["by_host_tp_full_vs_lora_time"] = r["by_host_tp_full_s"] / r["by_host_lora_s"]
     r["fan_out_4dev_copies_vs_all_gather_time"] = r["fan_out_4dev_copies_s"] / r["fan_out_4dev_all_gather_s"]
   if 2 in parts:
     r.update(_run_job(args, "trio", 3))

@@ -30,12 +30,16 @@ def test_multihost_benchmark_compares_the_three_paths(tmp_path):
     assert math.isfinite(r[key]) and r[key] > 0, key
   assert r["by_host_vs_socket_bandwidth"] == pytest.approx(r["by_host_full_bytes_per_s"] / r["socket_full_bytes_per_s"])
   assert r["by_host_vs_socket_cpu"] == pytest.approx(r["by_host_full_cpu_s"] / r["socket_full_cpu_s"])
+  # LoRA-only against both full syncs (replicated and tensor-parallel sampler host), side by side
   assert r["by_host_full_vs_lora_time"] == pytest.approx(r["by_host_full_s"] / r["by_host_lora_s"])
+  assert r["by_host_tp_full_vs_lora_time"] == pytest.approx(r["by_host_tp_full_s"] / r["by_host_lora_s"])
   assert r["lora_bytes"] < r["full_bytes"] == 4 * 2**20
   # where the time went, on both sides of the profiled sync
   assert set(r["by_host_full_stages_s"]) == {"pack", "ack", "wait_for_pack", "transfer", "gather", "unpack", "place"}
   # a tensor-parallel sampler host receives each device's part in place: nothing to gather or cut
   assert set(r["by_host_tp_full_stages_s"]) == {"pack", "ack", "wait_for_pack", "transfer", "place"}
+  # the adapters cross as one whole buffer, asked for at once: no "packed" flag, no gather or cut
+  assert set(r["by_host_lora_stages_s"]) == {"pack", "ack", "transfer", "place"}
   assert r["by_host_tp_vs_socket_bandwidth"] == pytest.approx(r["by_host_tp_full_bytes_per_s"]
                                                               / r["socket_full_bytes_per_s"])
   assert r["by_host_tp_vs_replicated_full_time"] == pytest.approx(r["by_host_tp_full_s"] / r["by_host_full_s"])

@@ -64,3 +64,22 @@ def test_a_learner_array_already_in_the_samplers_layout_is_sent_without_a_copy()
   assert not transfer._sendable_as_is(x, np.dtype("float16"), NamedSharding(tensor_view, P("tensor", None)))  # a cast
   two = Mesh(devices.reshape(1, 2, 2), ("hosts", "replica", "tensor"))  # tensor 2: the first group sends halves
   assert not transfer._sendable_as_is(x, x.dtype, NamedSharding(two, P("tensor", None)))
+
+
+def test_a_whole_buffer_is_cut_into_the_sampler_layout_by_one_program_without_a_collective():
+  # small arrays (LoRA adapters, norms) cross as one buffer whole on each device; each device slices
+  # its own copy: a replicated array and one split over the sampler's tensor axis
+  devices = jax.devices()[:4]
+  flat_mesh = Mesh(np.array(devices), ("local",))
+  sampler = Mesh(np.array(devices).reshape(2, 2), ("replica", "tensor"))
+  a = np.arange(24, dtype=np.float32).reshape(4, 6)
+  b = -np.arange(7, dtype=np.float32)
+  whole = jax.device_put(np.concatenate([a.reshape(-1), b]), NamedSharding(flat_mesh, P()))
+  targets = (NamedSharding(sampler, P(None, "tensor")), NamedSharding(sampler, P()))
+  placer = transfer._placer((((4, 6), (7,)),), targets)
+  for x, want, target in zip(placer((whole,)), (a, b), targets):
+    assert x.sharding == target
+    for shard in x.addressable_shards:
+      np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+  hlo = placer.lower((whole,)).compile().as_text()
+  assert not [name for name in COLLECTIVES if name in hlo], hlo

@@ -24,10 +24,18 @@ already a sampler device's part, uncast, is sent as it is), and its own transfer
 device of the sampler host's first tensor group its part, which the other replicas (if any) copy.
 With the tensor axis over a whole host the sampler host writes each byte once, as a plain copy does.
 
+A packed buffer under 4 MiB (`WHOLE_BYTES`: LoRA adapters, norms) is not split: it crosses whole
+from the sending host's first device to the sampler host's first device, is copied to its other
+devices in one call, and one program cuts each device's copy into place (`_placer`): three steps
+where a split buffer takes five (transfer, gather, cut, place), each of which costs a dispatch of a
+millisecond or more on a loaded host. The version rides in that call of the first bucket: it
+travels with the weights.
+
 The sampler host acknowledges each bucket through the coordination service's key-value store; the
 sender frees a bucket only then, and keeps at most two buckets in flight (bucket k+1 is packed and
-sent while k is acknowledged), so the extra memory is about two buckets. The version is one more
-array of the first bucket: it travels with the weights.
+sent while k is acknowledged), so the extra memory is about two buckets. A sampler host asks for a
+bucket once the learner host says it is packed (a "packed" flag in the store), except a bucket of
+whole buffers alone (a LoRA-only sync), asked for at once.
 
 A sampler host's weights come from `layout.senders[s]`: a learner host, or a sampler host that
 already has them (a relay); every process calls `send_across_hosts` for each version, in the same
@@ -57,7 +65,9 @@ from tunixlike.rl import weight_sync
 
 IN_FLIGHT = 2  # buckets sent before the oldest one's acknowledgement is awaited
 SMALL_BYTES = 2**20  # arrays under this travel packed together (`_wires`)
+WHOLE_BYTES = 4 * 2**20  # a packed buffer under this crosses whole, not split (`_Wire.whole`)
 FLAT = PartitionSpec("local")
+WHOLE = PartitionSpec()
 
 
 def _wait_ready(arrays, *, timeout_s: float, host: int, what: str) -> None:
@@ -81,18 +91,23 @@ def _wait_ready(arrays, *, timeout_s: float, host: int, what: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Wire:
-  """One flat buffer of a bucket, padded to a multiple of the devices per host: one large array
-  alone, or the small arrays of one dtype concatenated."""
+  """One flat buffer of a bucket: one large array alone, or the small arrays of one dtype
+  concatenated. Split over a host's devices (padded to a multiple of their count), or, if `whole`,
+  a copy on each device."""
   dtype: np.dtype
   leaves: tuple[int, ...]
-  size: int  # elements, padded
+  size: int  # elements, padded when split
+  whole: bool = False
 
 
 def _wires(leaves, dtypes, group, per_host: int) -> list[_Wire]:
   """A large array travels alone: flattening an array sharded along its first axis (FSDP) into a
   buffer split over a host's devices moves nothing, where concatenating it with others would copy it
   (on CPU, 5 ms against 480 ms for 32 MB in 32 arrays). Small ones travel packed per dtype: a
-  transfer costs a fixed overhead."""
+  transfer costs a fixed overhead. A packed buffer under WHOLE_BYTES (LoRA adapters, norms) crosses
+  whole, first device to first device: the sampler host copies it to its other devices in one call
+  and cuts it into place with one program, where a split one costs a gather, a cut and a copy per
+  array per replica (`unpack`; on this 2-core CPU 3-6, 0.3 and 3-6 ms for 256 KiB of LoRA adapters)."""
   def padded(idx):
     n = sum(int(np.prod(leaves[i].shape)) for i in idx)
     return -(-n // per_host) * per_host
@@ -103,7 +118,11 @@ def _wires(leaves, dtypes, group, per_host: int) -> list[_Wire]:
       out.append(_Wire(dtypes[i], (i,), padded([i])))
     else:
       small[dtypes[i]].append(i)
-  return out + [_Wire(d, tuple(idx), padded(idx)) for d, idx in small.items()]
+  for d, idx in small.items():
+    n = sum(int(np.prod(leaves[i].shape)) for i in idx)
+    whole = n * d.itemsize < WHOLE_BYTES
+    out.append(_Wire(d, tuple(idx), n if whole else padded(idx), whole=whole))
+  return out
 
 
 def _tensor_split(shape: tuple, spec: PartitionSpec, tensor: int) -> bool:
@@ -117,10 +136,11 @@ def _tensor_split(shape: tuple, spec: PartitionSpec, tensor: int) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _packer(wires: tuple, direct_specs: tuple, dtype: str | None, flat: NamedSharding, tensor_mesh: Mesh):
-  """Cast + flatten (+ concatenate) into flat buffers, each split over every learner host's devices;
-  and cast + reshard the arrays that travel in the sampler's layout (`direct_specs`) onto each
-  learner host's devices in that layout (`tensor_mesh`: ('hosts', 'replica', 'tensor'))."""
+def _packer(wires: tuple, direct_specs: tuple, dtype: str | None, host_view: Mesh, tensor_mesh: Mesh):
+  """Cast + flatten (+ concatenate) into flat buffers, each split over every learner host's devices
+  (`host_view`: ('hosts', 'local')) or, if `whole`, a copy on each; and cast + reshard the arrays
+  that travel in the sampler's layout (`direct_specs`) onto each learner host's devices in that
+  layout (`tensor_mesh`: ('hosts', 'replica', 'tensor'))."""
   def pack(xs, direct):
     out = []
     for parts, wire in zip(xs, wires):
@@ -128,7 +148,8 @@ def _packer(wires: tuple, direct_specs: tuple, dtype: str | None, flat: NamedSha
       flat = jnp.concatenate([x.reshape(-1) for x in parts]) if len(parts) > 1 else parts[0].reshape(-1)
       out.append(flat if flat.shape[0] == wire.size else jnp.pad(flat, (0, wire.size - flat.shape[0])))
     return out, weight_sync.cast_floats(list(direct), dtype)
-  return jax.jit(pack, out_shardings=([flat] * len(wires), [NamedSharding(tensor_mesh, s) for s in direct_specs]))
+  wire_shardings = [NamedSharding(host_view, WHOLE if w.whole else FLAT) for w in wires]
+  return jax.jit(pack, out_shardings=(wire_shardings, [NamedSharding(tensor_mesh, s) for s in direct_specs]))
 
 
 def _lanes(nbytes: list[int], devices: int) -> list[int]:
@@ -141,6 +162,16 @@ def _lanes(nbytes: list[int], devices: int) -> list[int]:
   return lanes
 
 
+def _cut(flat, shapes) -> list:
+  """A flat buffer -> its arrays, of `shapes`, in order."""
+  at, out = 0, []
+  for shape in shapes:
+    size = int(np.prod(shape))
+    out.append(flat[at:at + size].reshape(shape))
+    at += size
+  return out
+
+
 @functools.lru_cache(maxsize=64)
 def _cutter(shapes: tuple):
   """A wire's pieces, all on one device -> its arrays (`shapes[w]`: wire w's arrays' shapes), on that
@@ -148,14 +179,18 @@ def _cutter(shapes: tuple):
   def cut(wires):
     out = []
     for pieces, wire_shapes in zip(wires, shapes):
-      flat = jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-      at = 0
-      for shape in wire_shapes:
-        size = int(np.prod(shape))
-        out.append(flat[at:at + size].reshape(shape))
-        at += size
+      out += _cut(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0], wire_shapes)
     return out
   return jax.jit(cut)
+
+
+@functools.lru_cache(maxsize=64)
+def _placer(shapes: tuple, targets: tuple):
+  """Whole buffers (each a copy on every device of the sampler host; `shapes[w]`: buffer w's arrays'
+  shapes) -> their arrays in the sampler's layout (`targets`, in order): one program in which each
+  device slices its own copy: no collective, no copy between devices."""
+  return jax.jit(lambda wholes: [x for flat, wire_shapes in zip(wholes, shapes) for x in _cut(flat, wire_shapes)],
+                 out_shardings=list(targets))
 
 
 def unpack(flats, shapes: tuple, targets: tuple, mesh: Mesh, lap=lambda stage, arrays: None) -> list[jax.Array]:
@@ -200,6 +235,11 @@ def unpack(flats, shapes: tuple, targets: tuple, mesh: Mesh, lap=lambda stage, a
   return arrays
 
 
+def _shapes(leaves, wires) -> tuple:
+  """Each wire's arrays' shapes."""
+  return tuple(tuple(tuple(leaves[i].shape) for i in w.leaves) for w in wires)
+
+
 def _out_dtype(x, dtype) -> np.dtype:
   if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
     return jnp.dtype(dtype)
@@ -221,6 +261,11 @@ def _sendable_as_is(x: jax.Array, dtype, target: NamedSharding) -> bool:
   have, want = x.sharding.devices_indices_map(x.shape), target.devices_indices_map(x.shape)
   norm = lambda index: tuple(s.indices(n) for s, n in zip(index, x.shape))
   return all(d in have and norm(have[d]) == norm(want[d]) for d in target.mesh.devices[:, 0, :].flat)
+
+
+def _first(host: Mesh) -> Mesh:
+  """A host's first device (of its flat mesh `host`): where the whole buffers cross between hosts."""
+  return Mesh(host.devices[:1], ("local",))
 
 
 def _tensor_group(host: Mesh, tensor: int) -> Mesh:
@@ -311,21 +356,28 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
     """Waits for bucket b: a receiver acknowledges it (and unpacks it), a sender for the ack."""
     nonlocal arrived_version
     what = f"weight sync v{version} bucket {b + 1}/{len(groups)}"
-    for s, (flats, parts) in arrivals:
+    for s, (flats, wholes, parts) in arrivals:
       key = f"tunixlike/{tag}/{version}/{b}/{s}"
       if s == me:
-        _wait_ready((flats, parts), timeout_s=timeout_s, host=layout.senders[s], what=what)
+        _wait_ready((flats, wholes, parts), timeout_s=timeout_s, host=layout.senders[s], what=what)
         clock.lap("transfer")
         kv.put(key, b"ok")
         if b == 0:
-          arrived_version = int(np.asarray(flats.pop().addressable_shards[0].data)[0])
+          arrived_version = int(np.asarray(wholes.pop().addressable_shards[0].data)[0])
         wires = _wires(leaves, dtypes, [i for i in groups[b] if not direct[i]], per_host)
-        if wires:
-          shapes = tuple(tuple(tuple(leaves[i].shape) for i in w.leaves) for w in wires)
-          targets = tuple(NamedSharding(layout.samplers[me], spec_leaves[i]) for w in wires for i in w.leaves)
-          unpacked = unpack(flats, shapes, targets, _host_mesh(layout, me), lap=clock.lap)
-          for i, x in zip([i for w in wires for i in w.leaves], unpacked, strict=True):
+        split, whole = [w for w in wires if not w.whole], [w for w in wires if w.whole]
+        target = lambda i: NamedSharding(layout.samplers[me], spec_leaves[i])
+        if split:
+          arrays = unpack(flats, _shapes(leaves, split), tuple(target(i) for w in split for i in w.leaves),
+                          _host_mesh(layout, me), lap=clock.lap)
+          for i, x in zip([i for w in split for i in w.leaves], arrays, strict=True):
             received[i] = x
+        if whole:  # a copy on each device (one call), which cuts its own into place (one program)
+          wholes = jax.device_put(wholes, [NamedSharding(_host_mesh(layout, me), WHOLE)] * len(wholes))
+          arrays = _placer(_shapes(leaves, whole), tuple(target(i) for w in whole for i in w.leaves))(tuple(wholes))
+          for i, x in zip([i for w in whole for i in w.leaves], arrays, strict=True):
+            received[i] = x
+          clock.lap("place", arrays)
         if parts:  # the other replicas' copies of the tensor-split arrays (none if one replica)
           ids = [i for i in groups[b] if direct[i]]
           placed = jax.device_put(parts, [NamedSharding(layout.samplers[me], spec_leaves[i]) for i in ids])
@@ -336,34 +388,41 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
         kv.get(key, timeout_s=timeout_s, host=s, what=what)
         kv.delete(key)
         clock.lap("ack")
-    if not sampler:
+    if not sampler and flagged(b):
       kv.delete(packed_key(b, me))
 
   packed_key = lambda b, learner: f"tunixlike/{tag}/{version}/{b}/packed/{learner}"
+  # A sampler host asks for a bucket only once it is packed (the "packed" flag): a receive issued
+  # before its send made whole syncs 1.1-3.8x slower than the same sync with this wait (JAX 0.10.2,
+  # CPU, load 20-36). A bucket of whole buffers alone (LoRA adapters) is packed in a millisecond,
+  # where the flag's round trip costs as much: it is asked for at once.
+  flagged = lambda b: any(direct[i] or not w.whole
+                          for w in _wires(leaves, dtypes, groups[b], per_host) for i in w.leaves)
   order = send_order(layout)
   for b, group in enumerate(groups):
     wires = _wires(leaves, dtypes, [i for i in group if not direct[i]], per_host)
     ids = [i for i in group if direct[i]]  # these travel in the sampler's layout
+    split, whole = [w for w in wires if not w.whole], [w for w in wires if w.whole]
     packed = None
     if not sampler:  # every learner host: the collective packing of this bucket
       xs = tuple(tuple(leaves[i] for i in w.leaves) for w in wires)
       # an array the learner holds in the sampler's layout already (no cast) is sent as it is: no copy
       as_is = {i for i in ids if _sendable_as_is(leaves[i], dtypes[i], NamedSharding(tensor_view, spec_leaves[i]))}
       reshard = [i for i in ids if i not in as_is]
-      flats, parts = _packer(tuple(wires), tuple(spec_leaves[i] for i in reshard), dtype_name,
-                             NamedSharding(host_view, FLAT), tensor_view)(xs, [leaves[i] for i in reshard])
+      out, parts = _packer(tuple(wires), tuple(spec_leaves[i] for i in reshard), dtype_name, host_view,
+                           tensor_view)(xs, [leaves[i] for i in reshard])
       parts = iter(parts)
-      packed = (flats, [leaves[i] if i in as_is else next(parts) for i in ids])
+      packed = ([x for w, x in zip(wires, out) if not w.whole], [x for w, x in zip(wires, out) if w.whole],
+                [leaves[i] if i in as_is else next(parts) for i in ids])
       clock.lap("pack", packed)
-      # A sampler host asks for the bucket only once it is packed: a receive issued before its send
-      # made whole syncs 1.1-3.8x slower than the same sync with this wait (JAX 0.10.2, CPU, load 20-36).
-      jax.block_until_ready(packed)
-      kv.put(packed_key(b, me), b"ok")
-    elif layout.senders[me] in layout.learner_hosts:
+      if flagged(b):
+        jax.block_until_ready(packed)
+        kv.put(packed_key(b, me), b"ok")
+    elif layout.senders[me] in layout.learner_hosts and flagged(b):
       kv.get(packed_key(b, layout.senders[me]), timeout_s=timeout_s,
              host=layout.senders[me], what=f"weight sync v{version} bucket {b + 1}/{len(groups)}")
       clock.lap("wait_for_pack")
-    arrivals, held = [], {}  # held: process -> this bucket's (flat buffers, tensor-split arrays) on it
+    arrivals, held = [], {}  # held: process -> this bucket's (split buffers, whole buffers, tensor-split arrays) on it
     if packed is not None:
       held[me] = packed
     # Every process issues every sampler host's transfers, in the same order: JAX pairs the two ends
@@ -372,18 +431,23 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
     for s in order:
       sender = layout.senders[s]
       src, dst = _host_mesh(layout, sender), _host_mesh(layout, s)
-      flats, parts = held.get(me, ((), ())) if me == sender else ((), ())
-      # the sender's D shards of each flat buffer, as an array on its own devices (no copy)
-      staged = [jax.make_array_from_single_device_arrays(
-          (w.size,), NamedSharding(src, FLAT), [shard.data for shard in x.addressable_shards] if me == sender else [],
-          dtype=w.dtype) for w, x in itertools.zip_longest(wires, flats)]
-      if b == 0:  # the version rides in the first bucket, one copy per device: every array of a
-        # cross-host device_put call has the same shardings (a call mixing two pairs of device sets hung)
-        staged.append(jax.device_put(np.full(per_host, version, np.int32), NamedSharding(src, FLAT)) if me == sender
-                      else jax.make_array_from_single_device_arrays((per_host,), NamedSharding(src, FLAT), [],
-                                                                    dtype=np.int32))
-      out = jax.device_put(staged, [NamedSharding(dst, FLAT)] * len(staged)) if staged else []
-      # the tensor-split arrays: the sender's first tensor group to the receiver's, a second call
+      flats, wholes, parts = held.get(me, ((), (), ())) if me == sender else ((), (), ())
+      # the sender's D shards of each split buffer, and its first device's copy of each whole one, as
+      # arrays on its own devices (no copy); one call per pair of device sets: every array of a
+      # cross-host device_put call has the same shardings (a call mixing two pairs of them hung)
+      on_src = lambda ws, xs, mesh, spec: [jax.make_array_from_single_device_arrays(
+          (w.size,), NamedSharding(mesh, spec),
+          [shard.data for shard in x.addressable_shards if shard.device in mesh.devices.flat] if me == sender else [],
+          dtype=w.dtype) for w, x in itertools.zip_longest(ws, xs)]
+      put = lambda xs, mesh, spec: jax.device_put(xs, [NamedSharding(mesh, spec)] * len(xs)) if xs else []
+      out = put(on_src(split, flats, src, FLAT), dst, FLAT)
+      out_whole = on_src(whole, wholes, _first(src), WHOLE)
+      if b == 0:  # the version rides in the first bucket with the whole buffers
+        out_whole.append(jax.device_put(np.full(1, version, np.int32), NamedSharding(_first(src), WHOLE))
+                         if me == sender else jax.make_array_from_single_device_arrays(
+                             (1,), NamedSharding(_first(src), WHOLE), [], dtype=np.int32))
+      out_whole = put(out_whole, _first(dst), WHOLE)
+      # the tensor-split arrays: the sender's first tensor group to the receiver's, a third call
       src_group, dst_group = _tensor_group(src, tensor), _tensor_group(dst, tensor)
       on_group = set(src_group.devices.flat)
       staged = [jax.make_array_from_single_device_arrays(
@@ -393,10 +457,10 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
       out_parts = jax.device_put(staged, [NamedSharding(dst_group, spec_leaves[i]) for i in ids]) if staged else []
       del staged
       if me == s:
-        held[s] = (out[:len(wires)], out_parts)  # a relay sends on what it received
-        arrivals.append((s, (list(out), list(out_parts))))
+        held[s] = (out, out_whole[:len(whole)], out_parts)  # a relay sends on what it received
+        arrivals.append((s, (list(out), list(out_whole), list(out_parts))))
       elif me == sender:
-        arrivals.append((s, ((), ())))
+        arrivals.append((s, ((), (), ())))
     pending.append((b, arrivals))
     del packed, held
     if len(pending) >= IN_FLIGHT or profile is not None:
