@@ -125,6 +125,33 @@ def _wires(leaves, dtypes, group, per_host: int) -> list[_Wire]:
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Bucket:
+  """One bucket's arrays by how they cross: flat buffers split over a host's devices, packed buffers
+  that cross whole, and the ids of the arrays that cross in the sampler's tensor layout."""
+  split: tuple[_Wire, ...]
+  whole: tuple[_Wire, ...]
+  direct: tuple[int, ...]
+
+  @property
+  def wires(self) -> tuple[_Wire, ...]:
+    return self.split + self.whole
+
+  @property
+  def flagged(self) -> bool:
+    """A sampler host waits for the "packed" flag of this bucket: a bucket of whole buffers alone
+    (LoRA adapters) is packed in a millisecond, where the flag's round trip costs as much."""
+    return bool(self.split or self.direct)
+
+
+def _staged(shape, sharding: NamedSharding, x, dtype, mine: bool) -> jax.Array:
+  """The sender's shards of `x` on `sharding`'s devices as one array (no copy); on the other end of
+  the transfer (`mine` False) the empty array of the same shape that `jax.device_put` pairs it with."""
+  on = set(sharding.mesh.devices.flat)
+  shards = [shard.data for shard in x.addressable_shards if shard.device in on] if mine else []
+  return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=dtype)
+
+
 def _tensor_split(shape: tuple, spec: PartitionSpec, tensor: int) -> bool:
   """True if `spec` splits an array of `shape` over the sampler's 'tensor' axis (of size `tensor`)
   evenly and over no other axis: each device of a tensor group then holds a part of its own."""
@@ -207,9 +234,10 @@ def unpack(flats, shapes: tuple, targets: tuple, mesh: Mesh, lap=lambda stage, a
 
   A replicated array of W bytes costs the host's D devices W (D - 1) / D + W + W (D - 1) bytes
   written after the transfer's W, against W (D - 1) + W D if every device received every piece and
-  cut its own copy: 5.75 against 8 times the weights for D = 4, on the CPU backend all in one RAM. On the CPU backend with jax.distributed started every
-  XLA collective goes through gloo over TCP, even among one process's devices, so the all-gather
-  that an unpack program would otherwise use is slower than copies. `lap(stage, arrays)`: the
+  cut its own copy: 5.75 against 8 times the weights for D = 4, on the CPU backend all in one RAM.
+  On the CPU backend with jax.distributed started every XLA collective goes through gloo over TCP,
+  even among one process's devices, so the all-gather that an unpack program would otherwise use
+  is slower than copies. `lap(stage, arrays)`: the
   profile's clock."""
   devices = list(mesh.devices.flat)
   lanes = [devices[d] for d in _lanes([flat.nbytes for flat in flats], len(devices))]
@@ -347,6 +375,11 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
   host_view = Mesh(layout.learner.devices.reshape(len(layout.learner_hosts), -1), ("hosts", "local"))
   tensor_view = Mesh(host_view.devices.reshape(len(layout.learner_hosts), -1, tensor),
                      ("hosts", *mesh_lib.SAMPLER_AXES))  # each learner host's devices as a sampler mesh
+  def plan(group) -> _Bucket:
+    wires = _wires(leaves, dtypes, [i for i in group if not direct[i]], per_host)
+    return _Bucket(tuple(w for w in wires if not w.whole), tuple(w for w in wires if w.whole),
+                   tuple(i for i in group if direct[i]))
+  plans = [plan(group) for group in groups]
   received: list = [None] * len(leaves)
   arrived_version = version
   pending = collections.deque()  # (bucket, [(sampler host, arrays it receives)]) not yet acknowledged
@@ -364,8 +397,7 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
         kv.put(key, b"ok")
         if b == 0:
           arrived_version = int(np.asarray(wholes.pop().addressable_shards[0].data)[0])
-        wires = _wires(leaves, dtypes, [i for i in groups[b] if not direct[i]], per_host)
-        split, whole = [w for w in wires if not w.whole], [w for w in wires if w.whole]
+        split, whole = plans[b].split, plans[b].whole
         target = lambda i: NamedSharding(layout.samplers[me], spec_leaves[i])
         if split:
           arrays = unpack(flats, _shapes(leaves, split), tuple(target(i) for w in split for i in w.leaves),
@@ -379,46 +411,39 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
             received[i] = x
           clock.lap("place", arrays)
         if parts:  # the other replicas' copies of the tensor-split arrays (none if one replica)
-          ids = [i for i in groups[b] if direct[i]]
-          placed = jax.device_put(parts, [NamedSharding(layout.samplers[me], spec_leaves[i]) for i in ids])
-          for i, x in zip(ids, placed, strict=True):
+          placed = jax.device_put(parts, [target(i) for i in plans[b].direct])
+          for i, x in zip(plans[b].direct, placed, strict=True):
             received[i] = x
           clock.lap("place", placed)
       else:  # the sender keeps the bucket alive until the sampler host has it
         kv.get(key, timeout_s=timeout_s, host=s, what=what)
         kv.delete(key)
         clock.lap("ack")
-    if not sampler and flagged(b):
+    if not sampler and plans[b].flagged:
       kv.delete(packed_key(b, me))
 
   packed_key = lambda b, learner: f"tunixlike/{tag}/{version}/{b}/packed/{learner}"
-  # A sampler host asks for a bucket only once it is packed (the "packed" flag): a receive issued
-  # before its send made whole syncs 1.1-3.8x slower than the same sync with this wait (JAX 0.10.2,
-  # CPU, load 20-36). A bucket of whole buffers alone (LoRA adapters) is packed in a millisecond,
-  # where the flag's round trip costs as much: it is asked for at once.
-  flagged = lambda b: any(direct[i] or not w.whole
-                          for w in _wires(leaves, dtypes, groups[b], per_host) for i in w.leaves)
+  # A sampler host asks for a bucket only once it is packed (the "packed" flag, `_Bucket.flagged`):
+  # a receive issued before its send made whole syncs 1.1-3.8x slower than the same sync with this
+  # wait (JAX 0.10.2, CPU, load 20-36).
   order = send_order(layout)
-  for b, group in enumerate(groups):
-    wires = _wires(leaves, dtypes, [i for i in group if not direct[i]], per_host)
-    ids = [i for i in group if direct[i]]  # these travel in the sampler's layout
-    split, whole = [w for w in wires if not w.whole], [w for w in wires if w.whole]
+  for b, bucket in enumerate(plans):
+    wires, split, whole, ids = bucket.wires, bucket.split, bucket.whole, bucket.direct
     packed = None
     if not sampler:  # every learner host: the collective packing of this bucket
       xs = tuple(tuple(leaves[i] for i in w.leaves) for w in wires)
       # an array the learner holds in the sampler's layout already (no cast) is sent as it is: no copy
       as_is = {i for i in ids if _sendable_as_is(leaves[i], dtypes[i], NamedSharding(tensor_view, spec_leaves[i]))}
       reshard = [i for i in ids if i not in as_is]
-      out, parts = _packer(tuple(wires), tuple(spec_leaves[i] for i in reshard), dtype_name, host_view,
+      out, parts = _packer(wires, tuple(spec_leaves[i] for i in reshard), dtype_name, host_view,
                            tensor_view)(xs, [leaves[i] for i in reshard])
       parts = iter(parts)
-      packed = ([x for w, x in zip(wires, out) if not w.whole], [x for w, x in zip(wires, out) if w.whole],
-                [leaves[i] if i in as_is else next(parts) for i in ids])
+      packed = (out[:len(split)], out[len(split):], [leaves[i] if i in as_is else next(parts) for i in ids])
       clock.lap("pack", packed)
-      if flagged(b):
+      if bucket.flagged:
         jax.block_until_ready(packed)
         kv.put(packed_key(b, me), b"ok")
-    elif layout.senders[me] in layout.learner_hosts and flagged(b):
+    elif layout.senders[me] in layout.learner_hosts and bucket.flagged:
       kv.get(packed_key(b, layout.senders[me]), timeout_s=timeout_s,
              host=layout.senders[me], what=f"weight sync v{version} bucket {b + 1}/{len(groups)}")
       clock.lap("wait_for_pack")
@@ -435,10 +460,8 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
       # the sender's D shards of each split buffer, and its first device's copy of each whole one, as
       # arrays on its own devices (no copy); one call per pair of device sets: every array of a
       # cross-host device_put call has the same shardings (a call mixing two pairs of them hung)
-      on_src = lambda ws, xs, mesh, spec: [jax.make_array_from_single_device_arrays(
-          (w.size,), NamedSharding(mesh, spec),
-          [shard.data for shard in x.addressable_shards if shard.device in mesh.devices.flat] if me == sender else [],
-          dtype=w.dtype) for w, x in itertools.zip_longest(ws, xs)]
+      on_src = lambda ws, xs, mesh, spec: [_staged((w.size,), NamedSharding(mesh, spec), x, w.dtype, me == sender)
+                                           for w, x in itertools.zip_longest(ws, xs)]
       put = lambda xs, mesh, spec: jax.device_put(xs, [NamedSharding(mesh, spec)] * len(xs)) if xs else []
       out = put(on_src(split, flats, src, FLAT), dst, FLAT)
       out_whole = on_src(whole, wholes, _first(src), WHOLE)
@@ -449,11 +472,8 @@ def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int
       out_whole = put(out_whole, _first(dst), WHOLE)
       # the tensor-split arrays: the sender's first tensor group to the receiver's, a third call
       src_group, dst_group = _tensor_group(src, tensor), _tensor_group(dst, tensor)
-      on_group = set(src_group.devices.flat)
-      staged = [jax.make_array_from_single_device_arrays(
-          leaves[i].shape, NamedSharding(src_group, spec_leaves[i]),
-          [shard.data for shard in x.addressable_shards if shard.device in on_group] if me == sender else [],
-          dtype=dtypes[i]) for i, x in itertools.zip_longest(ids, parts)]
+      staged = [_staged(leaves[i].shape, NamedSharding(src_group, spec_leaves[i]), x, dtypes[i], me == sender)
+                for i, x in itertools.zip_longest(ids, parts)]
       out_parts = jax.device_put(staged, [NamedSharding(dst_group, spec_leaves[i]) for i in ids]) if staged else []
       del staged
       if me == s:
