@@ -226,8 +226,6 @@ def test_interrupted_save_is_never_loaded(run, run_dir, caplog):
   ck.close()
 
 
-# tensorstore may finish a failed read's callbacks after orbax closed its event loop (harmless).
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
 @pytest.mark.parametrize("digest", [True, False], ids=["digest", "no_digest"])
 def test_corrupted_checkpoint(run, run_dir, damage, digest, caplog):
@@ -252,6 +250,8 @@ def test_corrupted_checkpoint(run, run_dir, damage, digest, caplog):
   assert meta["policy_version"] == 1
   assert_restored(restored, saved[1], target)
   assert f"{root / '2'}: checkpoint unreadable" in caplog.text
+  if not digest:  # read by tensorstore alone before orbax is asked: no read of orbax's fails halfway
+    assert f"{root / '2'}: checkpoint unreadable (reading " in caplog.text
   # With nothing older to fall back on, the error names the damaged directory.
   ck.close()
   shutil.rmtree(root / "1")

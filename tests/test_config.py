@@ -40,7 +40,8 @@ def test_every_key_is_a_field_with_a_why_and_run_values_are_not_keys():
 @functools.cache
 def _library_configs():
   """Every dataclass of the package that is not a section of the run's config tree: the `*Config`s and
-  the other library inputs (`SamplingParams`, the tasks, `ExampleFormat`, ...)."""
+  the other library inputs (`SamplingParams`, the tasks, `ExampleFormat`, ...). A module of an optional
+  extra that is not installed is left out, once its ImportError has said which extra to install."""
   package = pathlib.Path(config_lib.__file__).parent
   sections, stack = set(), [config_lib.Config]
   while stack:
@@ -52,7 +53,12 @@ def _library_configs():
     name = ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__")
     if name in ("tunixlike.train", "tunixlike.sft", "tunixlike.eval", "tunixlike.export", "tunixlike.__main__"):
       continue  # the commands define absl flags on import; they declare no config classes
-    for obj in vars(importlib.import_module(name)).values():
+    try:
+      module = importlib.import_module(name)
+    except ImportError as e:  # a module of an optional extra: as a user without the extra meets it
+      assert "pip install 'tunixlike[" in str(e), f"{name} needs a package that is not installed: {e}"
+      continue
+    for obj in vars(module).values():
       if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == name and obj not in sections:
         found[f"{name}.{obj.__name__}"] = obj
   return found

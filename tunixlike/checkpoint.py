@@ -23,8 +23,10 @@ writes it when the next save starts (on a thread of its own, off the learner's p
 changed or went missing makes the checkpoint unreadable, and restore(step=None) falls back to the
 next older one, as it does when orbax cannot read a file. A checkpoint without a digest (the
 process was killed between the save and the next save/wait/close, or it was written by an older
-version of this module) is restored unverified, with a warning: rejecting it would throw away the
-newest state of every run stopped by SIGKILL. The check costs one extra read of each checkpoint in
+version of this module) is restored with a warning after one plain read of every key of its array
+store: rejecting it would throw away the newest state of every run stopped by SIGKILL, and a file
+that is missing or cut short then fails that read, before orbax reads it (orbax closes its event
+loop on the first failed read while tensorstore still finishes the others' callbacks into it). The check costs one extra read of each checkpoint in
 the background (process 0) and one at each restore (every process). Any changed byte fails it, also
 in bytes orbax would not read.
 
@@ -53,6 +55,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from etils import epath
 
 log = logging.getLogger("tunixlike")
@@ -519,6 +522,7 @@ class Checkpointer:
     if not path.exists():
       log.warning(f"checkpoint: {root} has no {DIGEST_FILE} (its process stopped before the next save, wait or "
                   "close wrote it): restoring it without a content check")
+      _read_every_key(root / "state")
       return
     try:
       digest = json.loads(path.read_text())
@@ -570,6 +574,23 @@ class Checkpointer:
 
 class _Unreadable(CheckpointError):
   """A finalized checkpoint whose files cannot be read (the only case `restore` falls back on)."""
+
+
+def _read_every_key(state_dir: epath.Path) -> None:
+  """Reads each key of an OCDBT array store once (synchronously, tensorstore only); raises _Unreadable
+  naming the key or the store when a file is missing or cut short."""
+  if not (state_dir / "manifest.ocdbt").exists():
+    return  # not an OCDBT store (or its manifest is gone): orbax's own read reports it
+  base = os.fspath(state_dir)
+  key = None
+  try:
+    store = ts.KvStore.open({"driver": "ocdbt", "base": (base if "://" in base else f"file://{base}") + "/"}).result()
+    for key in store.list().result():
+      store.read(key).result()
+  except Exception as e:
+    what = f"key {key.decode()!r} of {state_dir}" if key is not None else f"the array store {state_dir}"
+    raise _Unreadable(f"{state_dir.parent}: checkpoint unreadable (reading {what}: {type(e).__name__}: "
+                      f"{_first_line(e)})") from e
 
 
 def _first_line(e: Exception) -> str:

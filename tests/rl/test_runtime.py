@@ -156,8 +156,9 @@ def test_lora_run_with_sampler_warmup_compiles_nothing_and_syncs_prepacked_adapt
 
 @rewards.registry.register("overflowing_for_tests")
 def _overflowing(prompts, completions, **columns):
-  """Half the samples score 3e38: the group's reward variance overflows float32, so the loss is not finite
-  (with algo.reward_clip opened to float32's range: the default clip keeps rewards from doing this)."""
+  """Half the samples score 3e38: under dr_grpo (no std division) the advantages are +-1.5e38, and the
+  loss and gradient norm summed over tokens overflow float32 (with algo.reward_clip opened to float32's
+  range: the default clip keeps rewards from doing this)."""
   return [3e38 if i % 2 else 0.0 for i in range(len(completions))]
 
 
@@ -167,7 +168,7 @@ def test_non_finite_steps_stop_the_run_at_any_staleness():
   the sampler running out of admissions and the learner timing out on an empty queue."""
   from tunixlike.rl.runtime import NonFiniteLoss
   cfg = config_lib.replace(tiny_config(max_staleness=1, max_nonfinite_steps=3, wait_timeout_s=60.0),
-                           rl=dict(num_steps=6), algo=dict(reward_clip=(-3.4e38, 3.4e38)))
+                           rl=dict(num_steps=6), algo=dict(reward_clip=(-3.4e38, 3.4e38), advantage="dr_grpo"))
   records = []
   setup = build.build(cfg)
   rl = build.build_rl(setup, reward=rewards.CombinedReward(["overflowing_for_tests"]))

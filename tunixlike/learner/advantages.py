@@ -18,7 +18,9 @@ STD_EPS = 1e-6
 
 
 def _check_groups(rewards_ng: np.ndarray, name: str, min_size: int) -> np.ndarray:
-  rewards_ng = np.asarray(rewards_ng, dtype=np.float32)
+  """The rewards in float64: sums of float32 rewards near float32's limits (`algo.reward_clip` opened that
+  far) would overflow the group mean; the advantages go back to float32."""
+  rewards_ng = np.asarray(rewards_ng, dtype=np.float64)
   if rewards_ng.ndim < 1 or rewards_ng.shape[-1] < min_size:
     raise ValueError(
         f"advantage estimator {name!r} needs groups of at least {min_size} completions, "
@@ -74,7 +76,7 @@ def distill(rewards_ng: np.ndarray) -> np.ndarray:
   teacher's reverse-KL reward log p_teacher(y_t) - log p_student(y_t) (`token_advantages.distill`).
   The outcome rewards are still computed and logged, they just do not train the policy."""
   r = _check_groups(rewards_ng, "distill", 1)
-  return np.zeros_like(r)
+  return np.zeros(r.shape, np.float32)
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "distill": distill}

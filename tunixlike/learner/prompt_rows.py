@@ -100,7 +100,9 @@ def assemble(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets: Sequ
     start, segment = 0, 0
     for gi in members:
       start, segment = _put_group(batch, row, start, segment, groups[gi])
-    batch["advantages"][row] = float(np.mean(np.concatenate([np.abs(groups[gi].advantages) for gi in members])))
+    # float64: the mean of float32 advantages near float32's limits must not overflow
+    batch["advantages"][row] = np.mean(np.concatenate([np.abs(groups[gi].advantages) for gi in members]),
+                                       dtype=np.float64)
   return batch
 
 

@@ -194,7 +194,7 @@ class AsyncRuntime:
     wall = time.monotonic() - self._t_start
     stats = self.driver.stats
     lags = np.array([version - g.min_version for g in groups])
-    rewards = np.concatenate([g.rewards for g in groups])
+    rewards = np.concatenate([g.rewards for g in groups]).astype(np.float64)  # float32's sums can overflow
     metrics.update({
         "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
         # GRPO's advantages are 0 in a group whose rewards are all equal: no gradient from it.
