@@ -59,15 +59,28 @@ def test_eval_restores_the_checkpoint_and_reports_accuracy_and_pass_at_k(trained
 
 
 @pytest.mark.slow
+def test_best_evaluates_the_checkpoint_with_the_best_held_out_accuracy(trained):
+  evals = {r["step"]: r["eval/accuracy"] for r in map(json.loads, open(trained / "metrics.jsonl")) if "eval/accuracy" in r}
+  assert set(evals) == {0, 1}  # the run's evals before and after its one RL step, both checkpointed
+  best = max(evals.items(), key=lambda item: (item[1], item[0]))[0]  # the newest of equal ones, as orbax keeps
+  out = run("tunixlike.eval", "--checkpoint", str(trained), "--best", "--num_examples=16", timeout=120)
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads(out.stdout)
+  assert result["step"] == best and result["accuracy"] == evals[best]
+  one_error_line(run("tunixlike.eval", "--checkpoint", str(trained), "--best", "--step=0", timeout=60),
+                 "--best and --step name two checkpoints")
+
+
+@pytest.mark.slow
 def test_a_missing_step_is_one_clear_line(trained):
   out = run("tunixlike.eval", "--checkpoint", str(trained), "--step=7", timeout=60)
-  one_error_line(out, "step=7: no complete checkpoint at that step")
+  one_error_line(out, "no complete checkpoint at step 7")
 
 
 def test_help_explains_every_flag():
   out = run("tunixlike.eval", "--help", timeout=60)
   assert out.returncode == 0, out.stderr
-  for flag in ("--config", "--checkpoint", "--step", "--split", "--num_examples", "--samples", "--temperature",
+  for flag in ("--config", "--checkpoint", "--step", "--best", "--split", "--num_examples", "--samples", "--temperature",
                "--out", "pass@"):
     assert flag in out.stdout, flag
 
@@ -76,7 +89,7 @@ def test_help_explains_every_flag():
     (["--config", "configs/addition_grpo.py"], "--checkpoint is required"),
     (["--config", "configs/addition_grpo.py", "--checkpoint", "/nonexistent/run"], "/nonexistent/run: no such"),
     (["--config", "configs/addition_grpo.py", "--config.rl.bogus=1", "--checkpoint", "/tmp"],
-     "unknown config key 'bogus' in --config.rl.bogus=1"),
+     "unknown config key 'rl.bogus' in --config.rl.bogus=1"),
     (["--config", "configs/addition_grpo.py", "--config.rl.num_steps=-3", "--checkpoint", "/tmp"],
      "rl.num_steps=-3: must be >= 0"),
     (["--config", "configs/addition_grpo.py", "--split=dev", "--checkpoint", "/tmp"], "--split"),

@@ -98,6 +98,29 @@ def test_export_matches_transformers(mesh4, tmp_path, use_lora):
   assert (theirs.pad_token_id, theirs.bos_token_id) == (tok.pad_id, tok.bos_id) == (0, 1)
 
 
+@pytest.fixture
+def umask():
+  """Sets the process umask for the test (to one that differs from a private 0600 and from 0644)."""
+  old = os.umask(0o002)
+  yield 0o002
+  os.umask(old)
+
+
+def test_exported_files_get_the_mode_of_any_new_file(mesh4, tmp_path, umask):
+  """A shared machine's other users can read the export as they can any file its user writes."""
+  learner = Learner(models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0), LearnerConfig(),
+                    mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
+  save_run(tmp_path / "run", learner, learner.state, TINY)
+  out = export_lib.export(tmp_path / "run", tmp_path / "hf")
+  with open(tmp_path / "plain.txt", "w") as f:
+    f.write("x")
+  plain = os.stat(tmp_path / "plain.txt").st_mode & 0o777
+  assert plain == 0o666 & ~umask
+  modes = {name: oct(os.stat(out / name).st_mode & 0o777) for name in sorted(os.listdir(out))}
+  assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(modes)  # no probe file left
+  assert modes == dict.fromkeys(modes, oct(plain))
+
+
 def test_export_ppo_checkpoint_keeps_the_policy_and_drops_the_value_head(mesh4, tmp_path):
   policy = models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0)
   learner = PPOLearner(PolicyWithValue.create(policy, seed=1), LearnerConfig(), mesh=mesh4,
@@ -154,6 +177,33 @@ def test_cli_help_and_errors(mesh4, tmp_path):
   assert (tmp_path / "hf" / "model.safetensors").is_file()
   np.testing.assert_allclose(np.asarray(hf.from_pretrained(tmp_path / "hf")(jnp.arange(6)[None])),
                              np.asarray(learner.model(learner.state)(jnp.arange(6)[None])), atol=1e-5)
+
+
+def test_best_exports_the_checkpoint_with_the_best_held_out_accuracy(mesh4, tmp_path):
+  learner = Learner(models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0), LearnerConfig(),
+                    mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
+  save_run(tmp_path / "run", learner, learner.state, TINY, step=3)  # saved without a metric
+  with pytest.raises(ckpt_lib.CheckpointError, match="no checkpoint saved with a 'eval/accuracy' metric"):
+    export_lib.export(tmp_path / "run", tmp_path / "hf", best=True)
+  states = {4: perturb_params(learner.state, 1), 5: perturb_params(learner.state, 2)}
+  with ckpt_lib.Checkpointer(ckpt_lib.workdir_checkpoints(tmp_path / "run"), keep=1,
+                             best_metric=ckpt_lib.RUN_BEST_METRIC) as ck:
+    for step, acc in ((4, 0.6), (5, 0.1)):  # the newest (5) is worse than 4
+      meta = {"policy_version": step, "config": {"seed": 0, "algo": {"estimator": "grpo_family"}},
+              "model": dataclasses.asdict(TINY), "lora": None}
+      assert ck.save(step, states[step], meta, metrics={ckpt_lib.RUN_BEST_METRIC: acc}, force=True)
+  out = export_lib.export(tmp_path / "run", tmp_path / "hf", best=True)
+  tokens = jnp.arange(6)[None]
+  np.testing.assert_allclose(np.asarray(hf.from_pretrained(out)(tokens)),
+                             np.asarray(learner.model(states[4])(tokens)), atol=1e-5)
+  assert not np.allclose(np.asarray(learner.model(states[4])(tokens)), np.asarray(learner.model(states[5])(tokens)))
+
+
+def perturb_params(state, seed):
+  leaves, treedef = jax.tree_util.tree_flatten(state.params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  new = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+  return state.replace(params=jax.tree_util.tree_unflatten(treedef, new))
 
 
 def test_bad_meta_names_the_problem(mesh4, tmp_path):

@@ -174,6 +174,44 @@ def test_tensorboard_events_hold_every_scalar(tmp_path):
   assert scalars[1][2] == 0.25 and scalars[2][2] == 1.0
 
 
+def _strict_json(text: str):
+  def reject(token):
+    raise ValueError(f"{token} is not JSON")
+  return json.loads(text, parse_constant=reject)
+
+
+def test_a_nan_metric_is_null_and_every_reader_takes_it(tmp_path):
+  """JSON has no NaN: a metric with no value (the warm start's loss before its first step) is null,
+  which strict JSON readers and pandas read, and so do the run's own readers (resume, plot)."""
+  import numpy as np
+  import pandas as pd
+  from tunixlike.rl import resume
+
+  logger = metrics.MetricsLogger(str(tmp_path), progress_bar=False)
+  logger.write(0, {"warm_start/loss": float("nan"), "warm_start/accuracy": 0.25}, advance=False)
+  logger.write(0, {"eval/accuracy": 0.25}, advance=False)
+  logger.write(1, {"loss": np.float32("nan"), "reward/mean": float("inf"), "kl": np.array([0.5, np.nan])})
+  logger.write(2, {"loss": 0.5, "reward/mean": 0.75})
+  logger.close()
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  records = [_strict_json(line) for line in lines]
+  assert '"warm_start/loss": null' in lines[0] and records[0]["warm_start/loss"] is None
+  assert (records[2]["loss"], records[2]["reward/mean"], records[2]["kl"]) == (None, None, [0.5, None])
+  assert metrics.read_jsonl(tmp_path / "metrics.jsonl") == records
+  frame = pd.read_json(tmp_path / "metrics.jsonl", lines=True)
+  assert frame["warm_start/loss"].isna().all() and frame["loss"].isna().tolist() == [True, True, True, False]
+  assert frame["loss"].dtype == frame["reward/mean"].dtype == np.float64
+  # TensorBoard gets the numbers only (no value is no event), as it did for NaN before.
+  scalars = [(e.step, v.tag) for e in _events(tmp_path / "tensorboard")[1:] for v in e.summary.value]
+  assert (0, "warm_start/loss") not in scalars and (1, "loss") not in scalars and (1, "reward/mean") not in scalars
+  assert (0, "warm_start/accuracy") in scalars and (2, "loss") in scalars
+
+  out = metrics.plot(tmp_path / "metrics.jsonl", tmp_path / "reward.png")
+  assert os.path.getsize(out) > 0
+  assert resume.cut_logs(str(tmp_path), 2) == records[2]["time_s"]  # a resume to step 2 keeps the null records
+  assert metrics.read_jsonl(tmp_path / "metrics.jsonl") == records[:3]
+
+
 def _write_lines(path, *lines: str, end: str = "\n"):
   with open(path, "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + end)

@@ -250,3 +250,43 @@ def test_the_data_may_come_from_python_and_must_come_from_somewhere(tmp_path):
     tunixlike.load_config(TINY, {"data.task": None, "data.train": "x.jsonl", "warm_start.max_steps": 5})
   with pytest.raises(ValueError, match=r"warm_start.max_steps=5: .*set data.answer_field"):
     build_lib.build(tunixlike.load_config(cfg, {"warm_start.max_steps": 5}), dataset=_rows())
+
+
+@pytest.mark.slow
+def test_a_reward_sees_the_completion_text_without_its_end_of_sequence_token(tmp_path):
+  """What docs/own_data.md says of `completions`: decoded with the special tokens skipped, the
+  end-of-sequence token counted in `completion_lengths` only."""
+  from tunixlike.data import char_tokenizer
+  seen = []
+
+  def record(completions, finish_reasons, completion_lengths):
+    seen.extend(zip(completions, finish_reasons, completion_lengths))
+    return [0.0] * len(completions)
+
+  # Random weights, 32 tokens each: some completions sample <eos> (and other special tokens).
+  cfg = tunixlike.load_config(TINY, {**FAST, "data.prompt_field": "question", "rl.num_steps": 1,
+                                     "sampler.max_new_tokens": 32})
+  tunixlike.train(cfg, str(tmp_path / "run"), dataset=_rows(), rewards=[dict(fn=record)])
+  tok = char_tokenizer.build()
+  sampled = [s for s in seen if s[2] > 0]  # not the start-up check's empty completions
+  assert any(finish == "eos" for _, finish, _ in sampled)
+  for text, finish, length in sampled:
+    assert not any(special in text for special in char_tokenizer.SPECIAL_TOKENS), text
+    assert len(tok.encode(text, add_special_tokens=False)) <= length - (finish == "eos")
+
+
+def test_the_page_loads_configs_as_the_readme_does_and_names_each_variant_with_its_file():
+  """docs/own_data.md runs a config the README's way (the command, or tunixlike.load_config from
+  Python), and a variant such as `:size=tiny` only with the file that defines it."""
+  import re
+  page = open(os.path.join(ROOT, "docs", "own_data.md"), encoding="utf-8").read()
+  for other_way in ("config_lib.load(", "from_config_dict("):
+    assert other_way not in page, other_way
+  assert "python -m tunixlike.train --config path/to/config.py --workdir DIR" in page
+  for prefix in re.findall(r"(\S*):size=", page):
+    assert prefix.strip("`\"'").endswith(".py"), f"a variant without its config file: {prefix!r}:size="
+  specs = re.findall(r"--config (\S+\.py(?::[\w=,]+)?)", page) + re.findall(r'load_config\("([^"]+)"', page)
+  assert "examples/countdown/config.py:size=tiny" in specs
+  for spec in specs:  # each names a file, and a variant that file defines
+    if spec.startswith(("examples/", "configs/")):
+      tunixlike.load_config(os.path.join(ROOT, spec))

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -113,6 +114,9 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
   assert proc.returncode == 0, out[-3000:]
   assert f"at step {reached}" in out
   assert [r["step"] for r in steps_in(f"{workdir}/prompts.jsonl")] == list(range(reached + 2))
+  # The final line's time is the run's clock (time_s), and says how much of it this session took.
+  final = next(line for line in out.splitlines() if line.startswith("held-out accuracy"))
+  assert re.search(r" in (\d+) s \((\d+) s in this session, the rest before the resume\); the best was ", final), final
 
 
 @pytest.mark.slow

@@ -84,6 +84,7 @@ logging.getLogger("absl").addFilter(_BackgroundFailures())
 FORMAT = 1
 CHECKPOINT_SUBDIR = "checkpoints"  # <workdir>/checkpoints: where the trainer writes and export reads
 _ITEM_FILES = {"state": "_METADATA", "meta": "metadata", "layout": "metadata"}
+RUN_BEST_METRIC = "eval/accuracy"  # what a training run ranks its checkpoints by: held-out accuracy
 DIGEST_FILE = "digest.json"  # in each step directory: {"algorithm": "sha256", "files": {relpath: hex}}
 _HASH_CHUNK = 8 << 20
 
@@ -293,6 +294,22 @@ class Checkpointer:
     if step is None or not math.isfinite(self._metric_value(self._manager.metrics(step))):
       return None
     return step
+
+  def pick_step(self, step: int | None = None, *, best: bool = False) -> int:
+    """`step` if it is complete; with `best`, the best checkpoint's (see `best_step`); else the newest.
+    Raises CheckpointError naming the directory and the steps there."""
+    steps = self.all_steps()
+    if not steps:
+      raise CheckpointError(f"{self.directory}: no complete checkpoint found")
+    if best:
+      found = self.best_step()
+      if found is None:
+        raise CheckpointError(f"{self.directory}: no checkpoint saved with a {self.best_metric!r} metric to pick the "
+                              f"best by (steps: {steps})")
+      return found
+    if step is not None and step not in steps:
+      raise CheckpointError(f"{self.step_dir(step)}: no complete checkpoint at step {step} (steps: {steps})")
+    return steps[-1] if step is None else step
 
   def _metric_value(self, metrics) -> float:
     """The ranking key orbax sorts by; a checkpoint lacking the metric (saved under another

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Mapping
@@ -42,14 +43,40 @@ def exit_now(prog: str, message: str, status: int, before_exit: Callable[[], Non
   os._exit(status)
 
 
+# What ml_collections says of an override it cannot apply: a close key, or a value that is not a section.
+_CLOSE_KEY = re.compile(r'Did you mean "([^"]+)" instead of')
+_UNDER_A_VALUE = re.compile(r"Attempting to lookup: (\S+)")
+
+
+def _unknown_key(e: BaseException, argv: list[str]) -> str:
+  """One line for a `--config.a.b=v` of a key the config lacks, naming the full key and the flag, e.g.
+  `unknown config key 'rl.num_step' in --config.rl.num_step=3 (did you mean 'num_steps'?)`.
+  ml_collections puts its suggestion after a newline inside the KeyError's text, nested in an AttributeError."""
+  while e.args and isinstance(e.args[0], KeyError):
+    e = e.args[0]
+  text = str(e.args[0]) if e.args else "?"
+  under = _UNDER_A_VALUE.search(text)
+  if under:  # --config.rl.num_steps.x=3: a key below a value
+    key = under.group(1)
+    given = [a for a in argv if a.partition("=")[0] == f"--config.{key}"]
+    return (f"unknown config key {key!r} in {' '.join(given) or 'the config file'} "
+            f"({key.rpartition('.')[0]} is a value, not a section)")
+  name = text.split("\n", 1)[0].strip("'\"")
+  close = _CLOSE_KEY.search(text)
+  hint = f" (did you mean {close.group(1)!r}?)" if close else ""
+  given, key = [], name
+  for arg in argv:
+    parts = arg.partition("=")[0].removeprefix("--config.").split(".")
+    if arg.startswith("--config.") and name in parts:
+      given.append(arg)
+      key = ".".join(parts[:len(parts) - parts[::-1].index(name)])  # up to the unknown part (its last mention)
+  return f"unknown config key {key!r} in {' '.join(given) or 'the config file'}{hint}"
+
+
 def config_error(e: BaseException, argv: list[str]) -> str:
   """One line for a config that failed to load: the offending key / file, not the loader's traceback."""
   if isinstance(e, (KeyError, AttributeError)):  # ml_collections: an override of a key the config lacks
-    while e.args and isinstance(e.args[0], KeyError):
-      e = e.args[0]
-    key = str(e.args[0]).strip("'\"") if e.args else "?"
-    bad = [a for a in argv if a.startswith("--config.") and key in a.split("=")[0].split(".")]
-    return f"unknown config key {key!r} in {' '.join(bad) or 'the config file'}"
+    return _unknown_key(e, argv)
   lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()]
   if any(l.startswith("Traceback") for l in lines):  # the config file itself raised
     head = lines[0].split("Error whilst parsing")[0].strip(" :")

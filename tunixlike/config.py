@@ -280,7 +280,13 @@ class EvalSection:
   SECTION: ClassVar[str] = "eval"
   RESUMABLE: ClassVar[bool] = True
 
-  every_steps: int = setting(0, "0 = only before and after RL", check=non_negative)
+  every_steps: int = setting(20, "held-out accuracy every this many RL steps, besides before and after RL (each "
+                             "evaluated state is checkpointed, and the unlearning guard reads them); 0 = only "
+                             "before and after", check=non_negative)
+  unlearn_margin: float = setting(0.05, "held-out accuracy this far below the RL stage's start counts as unlearning "
+                                  "(0.05 = 5 points)", check=in_range(0.0, 1.0))
+  unlearn_evals: int = setting(2, "stop the run when this many evals in a row fall below the start by more than "
+                               "eval.unlearn_margin; 0 = never", check=non_negative)
   timeout_s: float = setting(3600.0, "a held-out evaluation (every prompt's greedy completion, up to "
                              "sampler.max_new_tokens each) that takes longer stops with an error naming this key: "
                              "raise it for long completions on slow devices", check=positive)

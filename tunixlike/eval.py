@@ -50,6 +50,7 @@ _CONFIG = cli.refuse_none(config_flags.DEFINE_config_file(
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "The run's --workdir (WORKDIR/checkpoints is read) or a "
                                   "checkpoint directory holding numbered step directories. Required.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest complete one).")
+_BEST = flags.DEFINE_bool("best", False, "Evaluate the checkpoint with the best held-out accuracy (not with --step).")
 _SPLIT = flags.DEFINE_enum("split", "test", SPLITS, "Dataset split to evaluate on.")
 _NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None, "Number of prompts (the split's first N in file "
                                      "order). Default: data.num_eval_examples of the config.")
@@ -73,10 +74,10 @@ def checkpoint_dir(path: str) -> str:
 
 
 def evaluate_checkpoint(cfg: config_lib.Config | None, checkpoint: str, *, step: int | None = None,
-                        split: str = "test", num_examples: int | None = None, samples: int = 1,
+                        best: bool = False, split: str = "test", num_examples: int | None = None, samples: int = 1,
                         temperature: float = 1.0, say=print) -> dict[str, Any]:
-  """Restores `checkpoint` into the parts built from `cfg` (None: the checkpoint's own config) and
-  returns {"accuracy", "num_prompts", ..., and with samples > 1 "pass@K", "sampled_accuracy"}."""
+  """Restores `checkpoint` (at `step`, default the newest; `best`: the one with the best held-out accuracy)
+  into the parts built from `cfg` (None: the checkpoint's own config) and returns {"accuracy", "num_prompts", ..., and with samples > 1 "pass@K", "sampled_accuracy"}."""
   if split not in SPLITS:
     raise EvalError(f"split={split!r}: must be one of {list(SPLITS)}")
   if samples < 1:
@@ -89,14 +90,9 @@ def evaluate_checkpoint(cfg: config_lib.Config | None, checkpoint: str, *, step:
   directory = checkpoint_dir(checkpoint)
   if not os.path.isdir(directory) and "://" not in directory:
     raise EvalError(f"checkpoint {checkpoint}: no such directory")
-  ckpt = checkpoint_lib.Checkpointer(directory, read_only=True)
+  ckpt = checkpoint_lib.Checkpointer(directory, read_only=True, best_metric=checkpoint_lib.RUN_BEST_METRIC)
   try:
-    if ckpt.latest_step() is None:
-      raise checkpoint_lib.CheckpointError(f"{directory}: no complete checkpoint found")
-    if step is not None and step not in ckpt.all_steps():
-      raise EvalError(f"step={step}: no complete checkpoint at that step in {directory} "
-                      f"(steps: {ckpt.all_steps()})")
-    step = ckpt.latest_step() if step is None else step
+    step = ckpt.pick_step(step, best=best)
     if cfg is None:
       meta = ckpt.read_meta(step)
       if "config" not in meta:
@@ -177,7 +173,9 @@ def parse(argv: list[str]) -> tuple[config_lib.Config | None, dict[str, Any]]:
   cfg = cli.parse_config(PROG, argv, _CONFIG)
   if _CHECKPOINT.value is None:
     cli.fail(PROG, "--checkpoint is required (the run's --workdir or its checkpoints/ directory)")
-  return cfg, dict(checkpoint=_CHECKPOINT.value, step=_STEP.value, split=_SPLIT.value,
+  if _BEST.value and _STEP.value is not None:
+    cli.fail(PROG, "--best and --step name two checkpoints: give one")
+  return cfg, dict(checkpoint=_CHECKPOINT.value, step=_STEP.value, best=_BEST.value, split=_SPLIT.value,
                    num_examples=_NUM_EXAMPLES.value, samples=_SAMPLES.value, temperature=_TEMPERATURE.value)
 
 

@@ -1,6 +1,6 @@
 """Export a run's checkpoint as a Hugging Face model directory (LoRA merged into the weights).
 
-    python -m tunixlike.export --workdir DIR --out HF_DIR [--step N]
+    python -m tunixlike.export --workdir DIR --out HF_DIR [--step N | --best]
 
 Reads the checkpoint in DIR/checkpoints (or DIR itself), rebuilds the model from the checkpoint's
 `meta["model"]` (the ModelConfig fields), restores only the weights (not the optimizer state)
@@ -118,14 +118,13 @@ def _save_tokenizer(meta: dict, out: pathlib.Path) -> str:
   return "char tokenizer"
 
 
-def export(workdir, out, step: int | None = None) -> pathlib.Path:
-  """Writes the checkpoint of run `workdir` at `step` (default: newest) as an HF directory `out`."""
+def export(workdir, out, step: int | None = None, *, best: bool = False) -> pathlib.Path:
+  """Writes the checkpoint of run `workdir` at `step` (default: newest; `best`: the one with the best
+  held-out accuracy) as an HF directory `out`."""
   directory = find_checkpoints(workdir)
   cpu = jax.local_devices(backend="cpu")[0]
-  with ckpt_lib.Checkpointer(directory, read_only=True) as ck:
-    if ck.latest_step() is None:
-      raise ckpt_lib.CheckpointError(f"{directory}: no complete checkpoint found")
-    step = ck.latest_step() if step is None else step
+  with ckpt_lib.Checkpointer(directory, read_only=True, best_metric=ckpt_lib.RUN_BEST_METRIC) as ck:
+    step = ck.pick_step(step, best=best)
     where = ck.step_dir(step)
     meta = ck.read_meta(step)
     if "model" not in meta:
@@ -167,10 +166,12 @@ def main(argv=None) -> int:
                   "adapters are merged into the base weights.")
   parser.add_argument("--workdir", required=True, help="the run's --workdir (its checkpoints/ subdirectory is read)")
   parser.add_argument("--out", required=True, help="output directory for the Hugging Face checkpoint")
-  parser.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the newest)")
+  which = parser.add_mutually_exclusive_group()
+  which.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the newest)")
+  which.add_argument("--best", action="store_true", help="export the checkpoint with the best held-out accuracy")
   args = parser.parse_args(argv)
   try:
-    out = export(args.workdir, args.out, step=args.step)
+    out = export(args.workdir, args.out, step=args.step, best=args.best)
   except (ckpt_lib.CheckpointError, ExportError, hf.CheckpointError, OSError) as e:
     print("export: error: " + " ".join(str(e).split()), file=sys.stderr)
     return 2

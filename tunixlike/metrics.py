@@ -47,10 +47,14 @@ def _write_error(failures: list[tuple[str, str, OSError]]) -> LogWriteError:
 
 
 def _plain(value: Any) -> Any:
+  """`value` as JSON: numpy as Python numbers and lists, NaN / inf (no value, e.g. a loss before the
+  first step) as None."""
   if isinstance(value, (np.generic, np.ndarray)):
     value = value.item() if np.ndim(value) == 0 else value.tolist()
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
   if isinstance(value, float) and not math.isfinite(value):
-    return str(value)  # JSON has no NaN / inf
+    return None  # JSON has no NaN / inf; null is its missing number (pandas reads NaN), not a string
   return value
 
 
@@ -174,6 +178,7 @@ class MetricsLogger:
   Appends to an existing metrics.jsonl, so a resumed run continues the same file (opened at the first
   write). A log that fails to write raises `LogWriteError` once and is dropped: the other logs go on.
   `outputs` names where the logs go: "metrics", and "tensorboard" / "wandb" when they are on.
+  A NaN / inf metric (no value yet) is null in metrics.jsonl and left out of TensorBoard and W&B.
   The console shows one progress bar per stage (`progress`), none before the first stage starts.
   """
 
@@ -186,7 +191,8 @@ class MetricsLogger:
       raise _write_error([(workdir, "metrics logger", e)]) from e
     self.workdir = workdir
     self.path = os.path.join(workdir, "metrics.jsonl")
-    self._start = time.monotonic() - time_offset_s
+    self._session_start = time.monotonic()
+    self._start = self._session_start - time_offset_s
     resume = os.path.exists(self.path) and os.path.getsize(self.path) > 0  # before the first write
     self._writers: list = [_JsonlWriter(self.path)]
     self.outputs = {"metrics": self.path}
@@ -207,7 +213,13 @@ class MetricsLogger:
 
   @property
   def elapsed_s(self) -> float:
+    """The run's wall clock: this session's time plus the earlier sessions' of a resumed run."""
     return time.monotonic() - self._start
+
+  @property
+  def session_s(self) -> float:
+    """This process's time since the logger was made (a resumed run's own session)."""
+    return time.monotonic() - self._session_start
 
   def progress(self, desc: str, total: int, initial: int = 0):
     """Shows the progress bar of a stage (closing the one before); `write` advances it by a step and
@@ -400,8 +412,8 @@ def plot(metrics_path: str, out_path: str) -> str:
   fig = Figure(figsize=(7, 4))
   FigureCanvasAgg(fig)
   ax = fig.subplots()
-  train = [(r["time_s"], r["reward/mean"]) for r in records if "reward/mean" in r]
-  evals = [(r["time_s"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
+  train = [(r["time_s"], r["reward/mean"]) for r in records if _is_scalar(r.get("reward/mean"))]  # null: no value
+  evals = [(r["time_s"], r["eval/accuracy"]) for r in records if _is_scalar(r.get("eval/accuracy"))]
   if train:
     ax.plot(*zip(*train), label="train reward (mean)", color="tab:blue", alpha=0.8)
   if evals:

@@ -98,3 +98,9 @@ class RolloutGroup:
   @property
   def num_tokens(self) -> int:
     return sum(c.num_tokens for c in self.completions)
+
+
+def truncated_share(groups) -> float:
+  """The share of the groups' completions cut at their token limit (finish reason "length")."""
+  reasons = [c.finish_reason for g in groups for c in g.completions]
+  return float(np.mean([r == "length" for r in reasons])) if reasons else 0.0

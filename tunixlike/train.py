@@ -6,6 +6,8 @@
 `--config` is a Python file with `get_config(arg)` (`file.py:arg` selects a variant); any key can be
 overridden with `--config.section.key=value`. Running again with the same --workdir resumes.
 A bad flag, unknown key, wrong type or invalid value prints one line naming it and exits with status 2.
+`--check_only` stops there, after also checking the run's inputs (`tunixlike.preflight`): the data files, the
+columns the config names, the prompts' lengths and one call of each reward.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ _CONFIG = cli.refuse_none(config_flags.DEFINE_config_file("config", None, "Confi
                                                            lock_config=True))
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics.jsonl, TensorBoard "
                                "events and plots. Reusing it resumes the run.")
-_CHECK_ONLY = flags.DEFINE_bool("check_only", False, "Parse and validate the config, then exit.")
+_CHECK_ONLY = flags.DEFINE_bool("check_only", False, "Validate the config, read the first rows of the data and call "
+                                "each reward once on one (no JAX backend, no model), then exit.")
 
 
 PROG = "tunixlike.train"
@@ -73,7 +76,12 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
   if complaint:
     cli.fail(prog, complaint)
   if _CHECK_ONLY.value:
-    print("config OK")
+    from tunixlike import preflight  # noqa: PLC0415 (reads the data and loads the rewards: only when asked)
+    try:
+      checked = preflight.check(cfg)
+    except preflight.PreflightError as e:
+      cli.fail(prog, str(e))
+    print(f"config OK; {checked}")
     return
   if workdir is None:
     cli.fail(prog, "--workdir is required")
@@ -86,13 +94,14 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
   sys.unraisablehook = _without_closed_loops
   from tunixlike.metrics import LogWriteError
   from tunixlike.rl.collapse import PolicyCollapse
+  from tunixlike.rl.unlearning import Unlearning
   from tunixlike.rl.runtime import NonFiniteLoss
   from tunixlike.hosts import learner_host
   from tunixlike.hosts.kv import HostTimeout
   from tunixlike.models.sharding import ShardingError
   try:
     trainer.run(cfg, workdir, on_second_interrupt=lambda: interrupted(prog))
-  except (NonFiniteLoss, PolicyCollapse, LogWriteError, checkpoint.CheckpointWriteError) as e:
+  except (NonFiniteLoss, PolicyCollapse, Unlearning, LogWriteError, checkpoint.CheckpointWriteError) as e:
     cli.fail(prog, str(e), status=1)  # the run stopped itself, and says why
   except HostTimeout as e:  # a host died or hangs: exit now (JAX's shutdown would wait for that host)
     cli.exit_now(prog, str(e), 1, before_exit=functools.partial(learner_host.leave_after_fault, str(e), e.host))

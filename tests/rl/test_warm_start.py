@@ -111,3 +111,22 @@ def test_sft_alone_on_rows_from_python_then_rl_continues_from_it(tmp_path):
   records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert [r["step"] for r in records if "loss" in r] == [0]
   assert len([r for r in records if "warm_start/steps" in r]) == 1
+
+
+@pytest.mark.slow
+def test_answers_cut_at_the_token_limit_are_counted_and_warned_with_the_limit_that_fits(tmp_path, capsys):
+  """2-digit answers (2 tokens and the end) cannot fit in sampler.max_new_tokens=2."""
+  overrides = {"data.task": None, "data.prompt_field": "question", "data.answer_field": "total",
+               "sampler.max_new_tokens": 2, "warm_start.max_steps": 2, "warm_start.eval_every": 2,
+               "warm_start.batch_size": 8, "warm_start.target_accuracy": 1.0, "rl.num_steps": 0,
+               "data.num_eval_examples": 8, "log.progress_bar": False, "log.tensorboard": False}
+  workdir = str(tmp_path / "run")
+  tunixlike.train(tunixlike.load_config(TINY, overrides), workdir, dataset=_rows(), rewards=[_reversed_sum])
+  records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  evals = [r for r in records if "warm_start/step" in r]
+  assert all(r["warm_start/truncated"] > 0.05 and r["warm_start/rows_cut"] >= 0 for r in evals)
+  assert [r["eval/truncated"] for r in records if "eval/truncated" in r] == [evals[-1]["warm_start/truncated"]]
+  warnings = [line for line in capsys.readouterr().out.splitlines() if "hit sampler.max_new_tokens" in line]
+  assert len(warnings) == 1, warnings  # once per run
+  assert warnings[0].startswith("warning: ") and "of the held-out answers of the supervised stage's evaluation" in warnings[0]
+  assert "the data's longest answer is 3 tokens with its end: set sampler.max_new_tokens=5" in warnings[0]

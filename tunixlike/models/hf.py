@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pathlib
+import uuid
 from typing import Any
 
 import jax
@@ -230,5 +232,20 @@ def save_pretrained(model: Transformer, path) -> pathlib.Path:
     for name, part in zip(names, arr if stacked else [arr]):
       tensors[name] = np.ascontiguousarray(part.T if transpose else part)
   save_file(tensors, str(root / SINGLE_FILE), metadata={"format": "pt"})
+  # safetensors writes a private temporary file (0600) and renames it into place: give the file the
+  # mode every other file gets, so other users of a shared machine can read the model.
+  os.chmod(root / SINGLE_FILE, _new_file_mode(root))
   (root / "config.json").write_text(json.dumps(model.cfg.to_hf_config(), indent=2) + "\n")
   return root
+
+
+def _new_file_mode(directory: pathlib.Path) -> int:
+  """The permission bits a file created in `directory` gets (0666 less the umask, or the directory's
+  default ACL). Read from a probe file: reading the umask means setting it, for every thread."""
+  probe = directory / f".mode-probe-{uuid.uuid4().hex}"
+  fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+  try:
+    return os.fstat(fd).st_mode & 0o777
+  finally:
+    os.close(fd)
+    os.remove(probe)

@@ -26,6 +26,8 @@ import sys
 from typing import Any, Callable, Iterable, Mapping
 
 ROLLOUT_FIELDS = ("prompts", "completions", "completion_lengths", "finish_reasons", "prompt_ids")
+# A prompt record's fields that are no reward columns: the request carries them itself (`rl.prompts`).
+NOT_COLUMNS = ("prompt_token_ids", "prompt_text", "id", "prompt")
 
 
 class LoadError(ValueError):

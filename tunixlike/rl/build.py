@@ -368,6 +368,15 @@ def example_format(cfg: Config) -> warm_start_lib.ExampleFormat:
   return warm_start_lib.ExampleFormat(answer_field=d.answer_field or "answer")
 
 
+def longest_answer(setup: Setup) -> int | None:
+  """The token length (with its end) of the longest answer among the held-out rows, or None when they
+  have no answer column: what sampler.max_new_tokens must fit for the evaluations to be whole."""
+  fmt = example_format(setup.cfg)
+  records = setup.eval_records if setup.warm_start_records is None else setup.warm_start_records
+  lengths = [n for r in records if (n := warm_start_lib.answer_length(r, setup.tok, fmt)) is not None]
+  return max(lengths, default=None)
+
+
 def warm_start(setup: Setup, say=print, should_stop=lambda: False, on_step=lambda step, metrics: None,
                on_eval=lambda metrics: None, optimizer=None, start_step: int = 0) -> dict[str, float]:
   """The supervised stage on `setup.model` (`warm_start_lib`); an interrupted one continues from
@@ -380,14 +389,14 @@ def warm_start(setup: Setup, say=print, should_stop=lambda: False, on_step=lambd
   engine = make_engine(setup.model, eval_lib.eval_sampler_config(sampler_config(cfg, tok)), mesh=setup.meshes.sampler)
   correctness = correctness_reward(setup)
 
-  def accuracy() -> float:  # greedy decoding scored by the first reward's verifier, as the RL evals
+  def evaluate_held_out() -> dict:  # greedy decoding scored by the first reward's verifier, as the RL evals
     params, _ = weight_sync.sync(nnx.state(setup.model), engine.param_shardings, dtype=cfg.rl.sync_dtype)
-    return evaluate_params(setup, engine, params, correctness)["eval/accuracy"]
+    return evaluate_params(setup, engine, params, correctness)
 
   stage = warm_start_lib.SupervisedStage(setup.model, tok, cfg.warm_start, example_format(cfg),
                                          length=cfg.data.max_prompt_length + cfg.sampler.max_new_tokens,
                                          mesh=setup.meshes.learner, optimizer=optimizer, optim=cfg.optim)
-  return stage.run(records, held_out, accuracy, start_step=start_step, log=say, should_stop=should_stop,
+  return stage.run(records, held_out, evaluate_held_out, start_step=start_step, log=say, should_stop=should_stop,
                    on_step=on_step, on_eval=on_eval)
 
 

@@ -75,8 +75,15 @@ class RuntimeConfig:
                                       check=positive)
   episode_timeout_s: float = setting(300.0, "an agent episode longer than this is aborted (and counted)",
                                      check=positive)
-  no_signal_warn_steps: int = setting(10, "warn after this many steps in a row where every group's rewards were "
-                                      "equal (no gradient signal); 0 = never", check=non_negative, resumable=True)
+  no_signal_warn_steps: int = setting(10, "the window of steps the no-signal warning looks at (groups whose rewards "
+                                      "are all equal give no gradient); 0 = never warn", check=non_negative,
+                                      resumable=True)
+  no_signal_warn_share: float = setting(0.6, "warn when at least this share of the window's groups had no reward "
+                                        "variance (the warning says whether they all failed, were all solved or "
+                                        "scored alike)", check=in_range(0.0, 1.0), resumable=True)
+  truncated_warn_share: float = setting(0.05, "warn once when more than this share of an evaluation's or a step's "
+                                        "completions hit sampler.max_new_tokens; 0 = never", check=in_range(0.0, 1.0),
+                                        resumable=True)
   dynamic_sampling: bool = run_value(False, "algo.dynamic_sampling: drop groups whose rewards have no variance, "
                                      "refill")
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from tunixlike.rewards.groups import score_groups
-from tunixlike.rollout import RolloutGroup
+from tunixlike.rollout import RolloutGroup, truncated_share
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.sampler.driver import DriverError, DriverTimeout, PromptRequest, RolloutDriver
 from tunixlike.sampler.engine import Engine
@@ -47,6 +47,7 @@ def evaluate(engine: Engine, params, requests: Sequence[PromptRequest], reward, 
 
   `eval/reward_failures` counts completions the verifier failed on (raised or timed out): they
   score 0, so an accuracy next to many failures measures the verifier, not the policy.
+  `eval/truncated` is the share of completions cut at sampler.max_new_tokens (finish reason "length").
   `examples`: a list that gets one dict per completion (prompt, completion, score, finish reason).
   """
   groups = generate(engine, params, requests, version=version, detokenize=tokenizer.decode, timeout_s=timeout_s)
@@ -57,7 +58,8 @@ def evaluate(engine: Engine, params, requests: Sequence[PromptRequest], reward, 
   k = correct_ng.shape[1]
   out = {"eval/accuracy": float(correct_ng.mean()), "eval/num_prompts": len(groups),
          "eval/reward_failures": int(sum(v for name, v in metrics.items() if name.endswith("/failures"))),
-         "eval/mean_completion_tokens": float(np.mean([c.num_tokens for g in groups for c in g.completions]))}
+         "eval/mean_completion_tokens": float(np.mean([c.num_tokens for g in groups for c in g.completions])),
+         "eval/truncated": truncated_share(groups)}
   if k > 1:
     out[f"eval/pass@{k}"] = float(correct_ng.any(axis=1).mean())
   return out

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tunixlike.rewards.loader import NOT_COLUMNS  # a record's own fields: the request carries them itself
 from tunixlike.rollout import RolloutGroup
 from tunixlike.sampler.driver import PromptRequest
 
@@ -63,9 +64,6 @@ class PromptStream:
   def state(self) -> dict[str, Any]:
     with self._lock:
       return {"position": self.position, "outstanding": sorted(self.outstanding | set(self._replay))}
-
-
-NOT_COLUMNS = ("prompt_token_ids", "prompt_text", "id", "prompt")  # the request carries these itself
 
 
 def request_for(record: dict, **extra) -> PromptRequest:

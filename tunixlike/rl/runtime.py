@@ -28,7 +28,7 @@ from tunixlike.rl.config import RuntimeConfig
 from tunixlike.rl.hooks import Hooks, StepInfo
 from tunixlike.rl import loop
 from tunixlike.rl.queue import RolloutQueue
-from tunixlike.rollout import RolloutGroup
+from tunixlike.rollout import RolloutGroup, truncated_share
 
 if TYPE_CHECKING:
   from tunixlike.rl.policy import Policy
@@ -52,6 +52,12 @@ class NonFiniteLoss(FloatingPointError):
 
 def _has_variance(group: RolloutGroup) -> bool:
   return float(np.ptp(group.rewards)) > 1e-6
+
+
+def _all_solved(group: RolloutGroup) -> bool:
+  """Every completion correct by the first reward (its group mean, `accuracy`, is 1) and nothing else
+  tells them apart: a solved prompt, no gradient."""
+  return group.reward_metrics.get("accuracy", 0.0) >= 1.0 and not _has_variance(group)
 
 
 class RewardStage:
@@ -200,6 +206,8 @@ class AsyncRuntime:
         # GRPO's advantages are 0 in a group whose rewards are all equal: no gradient from it.
         "frac_reward_zero_std": float(np.mean([not _has_variance(g) for g in groups])),
         "groups/all_zero_reward": int(sum(not np.any(g.rewards) for g in groups)),
+        "groups/all_solved": int(sum(_all_solved(g) for g in groups)),
+        "completions/truncated": truncated_share(groups),
         "staleness/min": int(lags.min()), "staleness/mean": float(lags.mean()),
         "staleness/max": int(lags.max()), "learner/step_s": train_s, "learner/wait_s": wait_s,
         "learner/busy_frac": self.learner_busy_s / wall,

@@ -38,7 +38,7 @@ from tunixlike.config import Config
 from tunixlike.data import tasks as tasks_lib
 from tunixlike.hosts import kv as kv_lib, learner_host
 from tunixlike.rl import build as build_lib, collapse as collapse_lib, resume as resume_lib
-from tunixlike.rl import completions_log, signal_guard, warm_start as warm_start_lib
+from tunixlike.rl import completions_log, signal_guard, truncation_guard, unlearning, warm_start as warm_start_lib
 from tunixlike.rl import hooks as hooks_lib
 from tunixlike.rl.hooks import StepInfo
 from tunixlike.rl.preemption import Preemption
@@ -175,6 +175,10 @@ def _warm_start(r: _Run) -> bool:
                                     {"config": dataclasses.asdict(r.cfg)}, force=True)
     every = r.cfg.checkpoint.every_steps
 
+    def on_eval(metrics: dict):
+      r.logger.write(0, metrics, advance=False)
+      r.truncation.check(metrics["warm_start/truncated"], "the held-out answers of the supervised stage's evaluation")
+
     def on_step(step: int, metrics: dict):
       r.logger.progress_to(step)
       r.logger.show(metrics)
@@ -183,7 +187,7 @@ def _warm_start(r: _Run) -> bool:
 
     r.logger.progress("warm start", total=ws.max_steps, initial=start)
     summary = build_lib.warm_start(setup, say=r.say, should_stop=r.stop_requested, on_step=on_step,
-                                   on_eval=lambda metrics: r.logger.write(0, metrics, advance=False),
+                                   on_eval=on_eval,
                                    optimizer=optimizer, start_step=start)
     r.logger.progress_to(summary["warm_start/steps"])
     if summary["warm_start/interrupted"]:
@@ -270,6 +274,8 @@ def _rl(r: _Run, data: _Data) -> dict[str, Any]:
   r.logger.progress("rl", total=cfg.rl.num_steps, initial=r.version)
   try:
     summary = runtime.run()
+  except unlearning.Unlearning:
+    raise
   except collapse_lib.PolicyCollapse:
     best = r.ckpt.best_step()
     r.say("policy collapsed: the collapsed state is not saved; "
@@ -311,14 +317,20 @@ def _finish(r: _Run, acc_after: float) -> dict[str, Any]:
   """The final line of accuracy, then where the run's outputs are (also in the summary, None when off)."""
   acc_before = r.evals[min(r.evals)] if r.evals else float("nan")
   logs, elapsed_s, latest = r.logger.outputs, r.logger.elapsed_s, r.ckpt.latest_step()
+  best_step, best_acc = unlearning.best(r.evals) or (None, float("nan"))
+  session_s = r.logger.session_s
+  took = (f"in {elapsed_s:.0f} s" if elapsed_s - session_s < 1.0 else
+          f"in {elapsed_s:.0f} s ({session_s:.0f} s in this session, the rest before the resume)")
   r.say(f"held-out accuracy {acc_before:.3f} -> {acc_after:.3f} ({100 * (acc_after - acc_before):+.1f} points) "
-        f"in {elapsed_s:.0f} s")
+        f"{took}; the best was {best_acc:.3f} at step {best_step}")
   r.close()  # the trace and the logs are complete from here
-  outputs = {"checkpoint": None if latest is None else r.ckpt.step_dir(latest), "metrics": logs["metrics"],
+  outputs = {"checkpoint": None if latest is None else r.ckpt.step_dir(latest),
+             "best": None if best_step is None else r.ckpt.step_dir(best_step), "metrics": logs["metrics"],
              "plot": metrics_lib.plot(logs["metrics"], os.path.join(r.dir, "reward.png")) if r.pid == 0 else None,
              "tensorboard": logs.get("tensorboard"), "trace": r.trace_path, "wandb": logs.get("wandb")}
   r.say("outputs:" + "".join(f"\n  {key:<12}{path}" for key, path in outputs.items() if path is not None))
-  return {"eval/accuracy_before": acc_before, "eval/accuracy_after": acc_after, **outputs,
+  return {"eval/accuracy_before": acc_before, "eval/accuracy_after": acc_after, "eval/best_accuracy": best_acc,
+          "eval/best_step": best_step, **outputs,
           "wall_s_total": elapsed_s, **r.counters}
 
 
@@ -416,6 +428,9 @@ class _Run:
     self.prompts_log = os.path.join(self.dir, "prompts.jsonl")
     self.counters = {"groups_trained": 0, "groups_dropped": 0, "groups_regenerated": 0}
     self.evals: dict[int, float] = {}  # version -> held-out accuracy measured at it
+    self.truncation = truncation_guard.TruncationGuard(
+        cfg.sampler.max_new_tokens, cfg.rl.truncated_warn_share, lambda line: self.say(line),
+        longest_answer=build_lib.longest_answer(self.setup))
 
   @property
   def version(self) -> int:
@@ -556,6 +571,7 @@ class _Run:
     version = self.version
     out = build_lib.evaluate(self.setup, self.rl)
     self.logger.write(version, out, advance=False)
+    self.truncation.check(out["eval/truncated"], f"the held-out answers at step {version}")
     failures = out.get("eval/reward_failures", 0)
     self.say(f"eval at step {version}: accuracy {out['eval/accuracy']:.3f} on {out['eval/num_prompts']} "
              f"held-out prompts" + (f" ({failures} completions the verifier failed on)" if failures else ""))
@@ -586,7 +602,9 @@ class _Run:
       runtime.hooks.add(fn, every=every)
     runtime.hooks.add(self.log_metrics)
     if self.cfg.rl.no_signal_warn_steps:
-      runtime.hooks.add(signal_guard.NoSignalGuard(self.cfg.rl.no_signal_warn_steps, lambda m: self.say(m)))
+      runtime.hooks.add(signal_guard.NoSignalGuard(self.cfg.rl.no_signal_warn_steps, self.cfg.rl.no_signal_warn_share,
+                                                   lambda m: self.say(m)))
+    runtime.hooks.add(self.truncation)
     if self.cfg.log.completions_every and self.pid == 0:
       runtime.hooks.add(self.log_completions, every=self.cfg.log.completions_every)
     if self.cfg.rl.stop_on_collapse:
@@ -625,6 +643,14 @@ class _Run:
   def periodic_eval(self, info: StepInfo):
     if info.version < self.cfg.rl.num_steps:  # the last step's eval is the final one
       self.eval()  # the sampler keeps decoding meanwhile; only the learner waits
+      problem = unlearning.check(self.evals, margin=self.cfg.eval.unlearn_margin, patience=self.cfg.eval.unlearn_evals)
+      if problem:  # the unlearned state is not saved: the best one is what to go on from
+        step, acc = unlearning.best(self.evals)
+        raise unlearning.Unlearning(
+            f"{problem}: stopped. The best held-out accuracy was {acc:.3f} at step {step} "
+            f"({self.ckpt.step_dir(step)}): export it with `python -m tunixlike.export --workdir {self.workdir} --best "
+            "--out DIR` and start again from it with model.hf_path=DIR and a lower optim.learning_rate "
+            "(eval.unlearn_evals=0 turns this guard off)")
 
   def periodic_save(self, info: StepInfo, data: _Data):
     if info.version < self.cfg.rl.num_steps:  # the last step's checkpoint is saved after the final eval

@@ -103,20 +103,27 @@ class ExampleFormat:
       raise ExampleError(f"supervised stage: {where} {e}") from None
 
 
+def answer_length(record: Mapping[str, Any], tokenizer, fmt: ExampleFormat) -> int | None:
+  """Tokens of a row's answer with its end-of-sequence token, as the policy must write it (rows with an
+  answer column; None for chat rows and rows without an answer)."""
+  answer = record.get(fmt.answer_field) if fmt.answer_field is not None else None
+  return None if answer is None else len(tokenizer.encode(str(answer), add_special_tokens=False)) + 1
+
+
 def encode(records: Sequence[Mapping[str, Any]], tokenizer, length: int, fmt: ExampleFormat
            ) -> tuple[np.ndarray, np.ndarray, int]:
-  """(tokens [N, L], mask [N, L], rows truncated): right padded with pad_id; mask[t] = 1 where token
+  """(tokens [N, L], mask [N, L], rows cut): right padded with pad_id; mask[t] = 1 where token
   t+1 is a target, i.e. where the model must predict it. Rows longer than `length` are cut there."""
   tokens = np.full((len(records), length), tokenizer.pad_id, np.int32)
   mask = np.zeros((len(records), length), np.float32)
-  truncated = 0
+  cut = 0
   for i, r in enumerate(records):
     seq, targets = fmt.example(r, tokenizer)
-    truncated += len(seq) > length
+    cut += len(seq) > length
     seq, targets = seq[:length], targets[:length]
     tokens[i, :len(seq)] = seq
     mask[i, :len(seq) - 1] = targets[1:]
-  return tokens, mask, truncated
+  return tokens, mask, cut
 
 
 def _nll(model, tokens_bt, mask_bt):
@@ -158,7 +165,7 @@ class SupervisedStage:
     self.mesh = mesh
     self.sharding = NamedSharding(mesh, P("fsdp")) if mesh is not None else None
     self.optimizer = optimizer or make_optimizer(model, cfg.learning_rate, optim)
-    self.truncated = 0
+    self.rows_cut = 0
 
   def _put(self, x):
     return jax.device_put(x, self.sharding) if self.sharding is not None else jnp.asarray(x)
@@ -169,8 +176,8 @@ class SupervisedStage:
     return np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]) if pad else x
 
   def step(self, records: Sequence[Mapping[str, Any]]) -> float:
-    tokens, mask, truncated = encode(records, self.tokenizer, self.length, self.fmt)
-    self.truncated += truncated
+    tokens, mask, cut = encode(records, self.tokenizer, self.length, self.fmt)
+    self.rows_cut += cut
     with sharding_lib.activation_rules(self.mesh, mesh_lib.LEARNER_RULES):  # traced with the batch kept sharded
       return float(_train_step(self.model, self.optimizer, self._put(tokens), self._put(mask)))
 
@@ -181,12 +188,13 @@ class SupervisedStage:
     return float(total / jnp.maximum(count, 1.0))
 
   def run(self, records: Iterator[Mapping[str, Any]], held_out: Sequence[Mapping[str, Any]],
-          accuracy: Callable[[], float], *, start_step: int = 0, log: Callable[[str], None] = print,
+          evaluate_held_out: Callable[[], Mapping[str, float]], *, start_step: int = 0, log: Callable[[str], None] = print,
           should_stop: Callable[[], bool] = lambda: False,
           on_step: Callable[[int, dict], None] = lambda step, metrics: None,
           on_eval: Callable[[dict], None] = lambda metrics: None) -> dict[str, float]:
     """Steps from `start_step` until held-out accuracy >= target or max_steps; `records` continue
-    after the batches already used. Returns the summary; `warm_start/interrupted` is 1 when
+    after the batches already used. `evaluate_held_out()` returns the greedy evaluation's
+    `eval/accuracy` and `eval/truncated` (the share of answers cut at sampler.max_new_tokens). Returns the summary; `warm_start/interrupted` is 1 when
     `should_stop()` (a preemption, asked before every step) ended it early. `on_step(step, metrics)`
     follows every step (the progress bar), `on_eval(metrics)` every evaluation (the logs)."""
     cfg = self.cfg
@@ -194,8 +202,9 @@ class SupervisedStage:
     held = [r for r in held_out if self._has_answer(r)]  # an eval file may lack the answer column
 
     def evaluate() -> dict[str, float]:
-      out = {"warm_start/step": step, "warm_start/loss": loss, "warm_start/accuracy": accuracy(),
-             "warm_start/truncated": self.truncated}
+      greedy = evaluate_held_out()
+      out = {"warm_start/step": step, "warm_start/loss": loss, "warm_start/accuracy": greedy["eval/accuracy"],
+             "warm_start/truncated": greedy["eval/truncated"], "warm_start/rows_cut": self.rows_cut}
       if held:
         out["warm_start/eval_loss"] = self.held_out_loss(held)
       on_eval(out)

@@ -1,0 +1,136 @@
+"""`--check_only` checks the run's inputs, not only the config tree: a user's data file, its columns, its
+prompts' lengths and the reward functions, each mistake one line and status 2 (`tunixlike.preflight`).
+
+Every run here has JAX_PLATFORMS set to a platform that does not exist: a check that started a JAX backend
+would fail on it, so passing proves that none starts (and no model is built), which keeps these runs at
+seconds each.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PREFIX = "tunixlike.train: error: "
+CALL_LIMIT_S = 120  # one check: ~2 s alone; a hang, not a slow machine, should fail it
+
+
+def check(*args):
+  env = {**os.environ, "JAX_PLATFORMS": "no_such_platform"}
+  return subprocess.run([sys.executable, "-m", "tunixlike.train", *args, "--check_only"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=CALL_LIMIT_S)
+
+
+def error_line(out) -> str:
+  assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(PREFIX), out.stderr
+  return lines[0].removeprefix(PREFIX)
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+  """A user's task as docs/own_data.md describes it: a JSONL file, a rewards file and a config beside them."""
+  d = tmp_path_factory.mktemp("my_task")
+  rows = [{"question": f"{a}+{b}=", "total": a + b, "level": "easy"} for a in range(1, 10) for b in range(1, 10)]
+  (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (d / "long.jsonl").write_text("".join(json.dumps({**r, "question": r["question"] * 4}) + "\n" for r in rows[:5]))
+  (d / "rewards.py").write_text(textwrap.dedent('''
+      def reversed_sum(completions, total):
+        return [float(c.strip() == str(t)[::-1]) for c, t in zip(completions, total)]
+
+      def wants_solution(completions, solution):  # the data has no 'solution' column
+        return [0.0] * len(completions)
+
+      def one_score(completions):  # one score for the whole batch
+        return [1.0]
+
+      def not_finite(completions, **_):
+        return [float("nan")] * len(completions)
+
+      def text_total(completions, total):  # 'total' holds numbers, not text
+        return [float(c.strip() == t.strip()) for c, t in zip(completions, total)]
+  '''))
+  (d / "config.py").write_text(textwrap.dedent('''
+      from tunixlike import config
+
+      def get_config(arg=None):
+        variant = config.parse_arg(arg, reward="reversed_sum")
+        c = config.default_config_dict()
+        c.data.task = None
+        c.data.train = "./train.jsonl"
+        c.data.prompt_field = "question"
+        c.data.answer_field = "total"
+        c.data.max_prompt_length = 8  # "9+9=" is 5 tokens with <bos>
+        c.sampler.max_prefill_length = 8
+        c.rewards = [dict(fn="./rewards.py:" + variant.reward), dict(fn="stopped", weight=0.1)]
+        return c
+  '''))
+  return d
+
+
+def test_a_good_own_data_config_passes_and_says_what_it_checked(task):
+  out = check("--config", str(task / "config.py"))
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == ("config OK; data.train: 81 rows read (first 8 checked); prompts 5 tokens "
+                                "(data.max_prompt_length=8); rewards: reversed_sum=1, stopped=1 called on one row's "
+                                "'total'")
+
+
+def test_the_countdown_example_passes_and_says_what_it_checked():
+  out = check("--config", "examples/countdown/config.py")
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == ("config OK; data.train: 1725 rows read (first 8 checked); data.eval: 200 rows read "
+                                "(first 8 checked); prompts 12 to 13 tokens (data.max_prompt_length=24); rewards: "
+                                "correct=1, well_formed=1 called on one row's 'solution'")
+
+
+def test_a_prompt_column_the_data_does_not_have(task):
+  line = error_line(check("--config", str(task / "config.py"), "--config.data.prompt_field=prompt"))
+  assert line == (f"data.prompt_field='prompt': data.train has no such column ({task}/train.jsonl:1 has "
+                  "['question', 'total', 'level'])")
+
+
+def test_a_reward_file_that_does_not_exist(task):
+  line = error_line(check("--config", str(task / "config.py"),
+                          f"--config.rewards=({{'fn': '{task}/my_rewards.py:score'}},)"))
+  assert line == f"rewards[0].fn='{task}/my_rewards.py:score': no such file {task}/my_rewards.py"
+
+
+def test_a_reward_whose_signature_does_not_fit_the_columns(task):
+  line = error_line(check("--config", f"{task}/config.py:reward=wants_solution"))
+  assert line == ("rewards[0].fn: wants_solution(completions, solution) needs ['solution'], which the batch does not "
+                  "have: the dataset's columns are ['level', 'question', 'total'], the rollout's fields ['prompts', "
+                  "'completions', 'completion_lengths', 'finish_reasons', 'prompt_ids']")
+
+
+@pytest.mark.parametrize("reward,expected", [
+    ("one_score", "rewards[0].fn: one_score returned 1 scores for 2 completions: return one float (or None) per "
+                  "completion"),
+    ("not_finite", "rewards[0].fn: not_finite returned nan for the completion '2' of {task}/train.jsonl:1: return "
+                   "a finite float (or None) per completion"),
+    ("text_total", "rewards[0].fn: text_total raised AttributeError: 'int' object has no attribute 'strip' (called "
+                   "on {task}/train.jsonl:1 with its 'total' '2' as the completion)"),
+], ids=["too_few", "nan", "raises"])
+def test_a_reward_that_does_not_return_one_finite_score_per_completion(task, reward, expected):
+  line = error_line(check("--config", f"{task}/config.py:reward={reward}"))
+  assert line == expected.format(task=task)
+
+
+def test_prompts_longer_than_data_max_prompt_length(task):
+  line = error_line(check("--config", str(task / "config.py"), f"--config.data.train={task}/long.jsonl"))
+  assert line == (f"data.max_prompt_length=8: all 5 prompts checked in data.train are longer (the shortest, "
+                  f"{task}/long.jsonl:1, has 17 tokens); the run drops longer prompts")
+
+
+@pytest.mark.parametrize("flag,expected", [
+    ("--config.warm_start.max_step=3",
+     "unknown config key 'warm_start.max_step' in --config.warm_start.max_step=3 (did you mean 'max_steps'?)"),
+    ("--config.rl.max_step=3", "unknown config key 'rl.max_step' in --config.rl.max_step=3"),  # nothing close in rl
+], ids=["close_key", "no_close_key"])
+def test_a_key_typo_names_the_flag_and_the_key_it_resembles(flag, expected):
+  assert error_line(check("--config", "configs/addition_grpo.py", flag)) == expected
