@@ -56,7 +56,10 @@ def test_held_out_set_of_any_size_on_four_learner_devices(tmp_path):
   assert "warm start: 100%" in out.stderr
   # The run ends by naming its outputs.
   lines = out.stdout.splitlines()
+  evals = {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}
+  best = max(evals.items(), key=lambda item: (item[1], item[0]))[0]
   assert lines[lines.index("outputs:") + 1:] == [f"  checkpoint  {tmp_path}/checkpoints/1",
+                                                 f"  best        {tmp_path}/checkpoints/{best}",
                                                  f"  metrics     {tmp_path}/metrics.jsonl",
                                                  f"  plot        {tmp_path}/reward.png"]
 

@@ -46,7 +46,10 @@ class _Prompt:
 
 def check(cfg: Config) -> str:
   """Checks the run's data and rewards (see the module docstring); returns one line of what was checked."""
-  task = _task(cfg)
+  try:
+    task = tasks.for_run(cfg.data)
+  except ValueError as e:
+    raise PreflightError(str(e)) from None
   tok, untokenized = _tokenizer(cfg)
   said, prompts = [], {}
   for key, source, read in _sources(cfg, task):
@@ -60,17 +63,6 @@ def check(cfg: Config) -> str:
     raise PreflightError(f"{key}: none of the first {ROWS} rows has a text prompt (data.skip_bad_lines skips them)")
   said.append(_check_rewards(cfg, task, tok, train[0]))
   return "; ".join(said)
-
-
-def _task(cfg: Config):
-  """The run's task: the user's dataset (data.train) or a built-in task, as `rl.build.build_task` makes it."""
-  d = cfg.data
-  if d.train is not None:
-    preset = tasks.TASKS[d.task].default_rewards if d.task is not None else ()
-    return tasks.DatasetTask(d.train, d.eval, prompt_field=d.prompt_field, holdout=d.num_eval_examples,
-                             skip_bad_lines=d.skip_bad_lines, default_rewards=preset)
-  kwargs = {"digits": d.digits} if d.task == "addition" else {"path": d.path} if d.task == "gsm8k" else {}
-  return tasks.get(d.task, **kwargs)
 
 
 def _tokenizer(cfg: Config) -> tuple[tokenizer_lib.Tokenizer | None, str | None]:

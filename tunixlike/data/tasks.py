@@ -257,3 +257,20 @@ def get(name: str, **kwargs):
   if name not in TASKS:
     raise ValueError(f"unknown task {name!r}; known: {sorted(TASKS)}")
   return TASKS[name](**kwargs)
+
+
+def for_run(data, dataset=None, eval_dataset=None):
+  """The run's task from its config's data section: the user's dataset (data.train, or rows given in
+  memory as `dataset` / `eval_dataset`) with data.task's rewards as its default, else the built-in
+  task data.task."""
+  if data.train is not None or dataset is not None:
+    preset = TASKS[data.task].default_rewards if data.task is not None else ()
+    return DatasetTask(dataset if dataset is not None else data.train,
+                       eval_dataset if eval_dataset is not None else data.eval,
+                       prompt_field=data.prompt_field, holdout=data.num_eval_examples,
+                       skip_bad_lines=data.skip_bad_lines, default_rewards=preset)
+  if data.task is None:
+    raise ValueError("data.task=None: needs a dataset instead: set data.train to a file, a glob or a directory "
+                     "(or pass dataset= to tunixlike.train)")
+  kwargs = {"digits": data.digits} if data.task == "addition" else {"path": data.path} if data.task == "gsm8k" else {}
+  return get(data.task, **kwargs)

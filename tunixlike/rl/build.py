@@ -177,25 +177,13 @@ def build_task(cfg: Config, dataset=None, eval_dataset=None):
   else:
     tok = char_tokenizer.build()
   d = cfg.data
-  own = d.train is not None or dataset is not None
-  if not own and d.task is None:
-    raise ValueError("data.task=None: needs a dataset instead: set data.train to a file, a glob or a directory "
-                     "(or pass dataset= to tunixlike.train)")
-  if own:
-    preset = tasks.TASKS[d.task].default_rewards if d.task is not None else ()
-    task = tasks.DatasetTask(dataset if dataset is not None else d.train,
-                             eval_dataset if eval_dataset is not None else d.eval,
-                             prompt_field=d.prompt_field, holdout=d.num_eval_examples,
-                             skip_bad_lines=d.skip_bad_lines, default_rewards=preset)
+  task = tasks.for_run(d, dataset, eval_dataset)
+  if isinstance(task, tasks.DatasetTask):
     key, field = ("data.messages_field", d.messages_field) if d.messages_field else ("data.prompt_field", d.prompt_field)
     if field not in task.columns():  # said plainly, before the prompt template would say it its own way
       where = f"data.train={d.train!r}" if dataset is None else "the dataset given to tunixlike.train"
       raise ValueError(f"{key}={field!r}: {where} has no such column; its columns are {list(task.columns())}")
-    return tok, task
-  kwargs = {"digits": d.digits} if d.task == "addition" else {}
-  if d.task == "gsm8k":
-    kwargs = {"path": d.path}
-  return tok, tasks.get(d.task, **kwargs)
+  return tok, task
 
 
 def reward_terms(cfg: Config, task, rewards=None) -> tuple:
