@@ -18,9 +18,11 @@ STD_EPS = 1e-6
 
 
 def _check_groups(rewards_ng: np.ndarray, name: str, min_size: int) -> np.ndarray:
-  """The rewards in float64: sums of float32 rewards near float32's limits (`algo.reward_clip` opened that
-  far) would overflow the group mean; the advantages go back to float32."""
-  rewards_ng = np.asarray(rewards_ng, dtype=np.float64)
+  """The rewards as float32 (the rollout contract's type) computed in float64: sums of rewards near
+  float32's limits (`algo.reward_clip` opened that far) would overflow the group mean, while a sum of G
+  equal float32 values is exact in float64 (equal rewards give advantages of exactly 0). The
+  advantages go back to float32."""
+  rewards_ng = np.asarray(rewards_ng, dtype=np.float32).astype(np.float64)
   if rewards_ng.ndim < 1 or rewards_ng.shape[-1] < min_size:
     raise ValueError(
         f"advantage estimator {name!r} needs groups of at least {min_size} completions, "
