@@ -78,7 +78,8 @@ def test_a_good_own_data_config_passes_and_says_what_it_checked(task):
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == ("config OK; data.train: 81 rows read (first 8 checked); prompts 5 tokens "
                                 "(data.max_prompt_length=8); rewards: reversed_sum=1, stopped=1 called on one row's "
-                                "'total'")
+                                "'total'; sampler.max_new_tokens=5: the longest answer in data.answer_field 'total' "
+                                "is 3 tokens with its end, plus room (set sampler.max_new_tokens to choose)")
 
 
 def test_the_countdown_example_passes_and_says_what_it_checked():
@@ -86,7 +87,16 @@ def test_the_countdown_example_passes_and_says_what_it_checked():
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == ("config OK; data.train: 1725 rows read (first 8 checked); data.eval: 200 rows read "
                                 "(first 8 checked); prompts 12 to 13 tokens (data.max_prompt_length=24); rewards: "
-                                "correct=1, well_formed=1 called on one row's 'solution'")
+                                "correct=1, well_formed=1 called on one row's 'solution'; sampler.max_new_tokens=20")
+
+
+def test_data_without_answers_leaves_nothing_to_size_the_completions_from(task):
+  line = error_line(check("--config", str(task / "config.py"), "--config.data.answer_field=None"))
+  assert line == ("sampler.max_new_tokens is not set and the data has no answer column to size it from: set "
+                  "sampler.max_new_tokens (or data.answer_field)")
+  out = check("--config", str(task / "config.py"), "--config.data.answer_field=None",
+              "--config.sampler.max_new_tokens=6")
+  assert out.returncode == 0 and out.stdout.strip().endswith("; sampler.max_new_tokens=6"), out.stderr
 
 
 def test_a_prompt_column_the_data_does_not_have(task):

@@ -41,6 +41,7 @@ def _user_task(tmp_path, hf_dir=None):
   lines = ["from tunixlike import config", "", "def get_config(arg=None):",
            "  c = config.default_config_dict()", "  c.data.task = None", "  c.data.train = './train.jsonl'",
            "  c.data.prompt_field = 'question'",
+           "  c.sampler.max_new_tokens = 8  # no answer column to size it from",
            "  c.rewards = [dict(fn='./my_rewards.py:reversed_sum'), dict(fn='stopped', weight=0.1)]"]
   if hf_dir is not None:
     lines += [f"  c.model.hf_path = {str(hf_dir)!r}",

@@ -11,6 +11,7 @@ import pytest
 import tunixlike
 from tunixlike import checkpoint as ckpt_lib
 from tunixlike.rl import build as build_lib
+from tunixlike.rl.trainer import SetupError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "addition_grpo.py:size=tiny")
@@ -250,6 +251,51 @@ def test_the_data_may_come_from_python_and_must_come_from_somewhere(tmp_path):
     tunixlike.load_config(TINY, {"data.task": None, "data.train": "x.jsonl", "warm_start.max_steps": 5})
   with pytest.raises(ValueError, match=r"warm_start.max_steps=5: .*set data.answer_field"):
     build_lib.build(tunixlike.load_config(cfg, {"warm_start.max_steps": 5}), dataset=_rows())
+
+
+# ---- sampler.max_new_tokens left unset: sized from the data's answers --------------------------------
+def _worked(n=120):
+  """Rows whose answer is worked out: "11+11=22" is 8 tokens, 9 with its end."""
+  return [{**r, "solution": f"{r['question']}{r['total']}"} for r in _rows(n)]
+
+
+def _solved(completions, solution):
+  return [float(c.strip() == s) for c, s in zip(completions, solution)]
+
+
+SIZED = ("sampler.max_new_tokens=11: the longest answer in data.answer_field 'solution' is 9 tokens with its end, "
+         "plus room (set sampler.max_new_tokens to choose)")
+
+
+def test_an_unset_token_limit_is_sized_from_the_answers_said_and_saved_and_a_resume_agrees(tmp_path, capsys):
+  overrides = {**FAST, "data.task": None, "data.prompt_field": "question", "data.answer_field": "solution",
+               "sampler.max_new_tokens": None, "rl.num_steps": 0}
+  cfg = tunixlike.load_config(TINY, overrides)
+  workdir = str(tmp_path / "run")
+  tunixlike.train(cfg, workdir, dataset=_worked(), rewards=[_solved])
+  assert SIZED in capsys.readouterr().out.splitlines()
+  with ckpt_lib.Checkpointer(ckpt_lib.workdir_checkpoints(workdir), read_only=True) as ck:
+    assert ck.read_meta(ck.latest_step())["config"]["sampler"]["max_new_tokens"] == 11
+  # Again on the same workdir: sized alike, so the resume's config check finds nothing changed.
+  tunixlike.train(cfg, workdir, dataset=_worked(), rewards=[_solved])
+  assert "is finished" in capsys.readouterr().out
+
+
+def test_data_without_answers_refuses_an_unset_token_limit(tmp_path):
+  cfg = tunixlike.load_config(TINY, {**FAST, "data.task": None, "data.prompt_field": "question",
+                                     "sampler.max_new_tokens": None})
+  refusal = ("sampler.max_new_tokens is not set and the data has no answer column to size it from: set "
+             "sampler.max_new_tokens (or data.answer_field)")
+  with pytest.raises(ValueError) as e:  # the rows have 'total', no answer column
+    build_lib.build(cfg, dataset=_rows(), rewards=[dict(fn="stopped")])
+  assert str(e.value) == refusal
+  with pytest.raises(SetupError) as e:
+    tunixlike.train(cfg, str(tmp_path / "run"), dataset=_rows(), rewards=[dict(fn="stopped")])
+  assert str(e.value) == refusal
+  # The limit set, or an answer column named, and the same data builds.
+  sized = build_lib.build(tunixlike.load_config(cfg, {"data.answer_field": "total"}), dataset=_rows(),
+                          rewards=[dict(fn="stopped")])
+  assert sized.cfg.sampler.max_new_tokens == 5  # "22" and its end, plus 2
 
 
 @pytest.mark.slow

@@ -131,6 +131,7 @@ def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -
 
   start = time.monotonic()
   setup = build.build(cfg, say=say, training=False)
+  cfg = setup.cfg  # with what build resolved (a sampler.max_new_tokens sized from the data)
   model, meta = state_lib.restore_policy_weights(ckpt, step, build.policy_model(setup), lora=bool(cfg.lora.rank),
                                                  ppo=cfg.algo.estimator == "ppo")
   version = int(meta.get("version", step))

@@ -6,7 +6,9 @@ config's own checks, in seconds, with no JAX backend and no model.
     first rows, whose prompts format as the run formats them and fit data.max_prompt_length in the run's
     tokenizer;
   * each reward (`rewards`, else the task's own) loads, its parameters are columns the batch has, and one
-    call on one row (its answer and an empty completion) returns one finite score (or None) per completion.
+    call on one row (its answer and an empty completion) returns one finite score (or None) per completion;
+  * the sampler.max_new_tokens the run will use: the config's, or sized from the data's answers as the run
+    sizes it (refused, as the run refuses it, when the data has none).
 
 The run checks the same at start-up, but only after JAX has started and the model is built. A problem
 raises `PreflightError`: one line naming the config key, the file and the line.
@@ -62,6 +64,7 @@ def check(cfg: Config) -> str:
   if not train:
     raise PreflightError(f"{key}: none of the first {ROWS} rows has a text prompt (data.skip_bad_lines skips them)")
   said.append(_check_rewards(cfg, task, tok, train[0]))
+  said.append(_completion_limit(cfg, task, tok))
   return "; ".join(said)
 
 
@@ -150,6 +153,20 @@ def _check_lengths(cfg: Config, prompts: dict[str, list[_Prompt]]) -> str:
   low, high = min(lengths, default=0), max(lengths, default=0)
   return (f"prompts {low}{'' if low == high else f' to {high}'} tokens (data.max_prompt_length={m}"
           + (f"; {over} of {len(lengths)} longer, which the run drops)" if over else ")"))
+
+
+def _completion_limit(cfg: Config, task, tok) -> str:
+  """The sampler.max_new_tokens the run will use: the config's, or sized from the data as the run sizes it
+  (the same rows and tokenizer), and refused as the run refuses it when the data has no answers."""
+  if cfg.sampler.max_new_tokens is not None:
+    return f"sampler.max_new_tokens={cfg.sampler.max_new_tokens}"
+  if tok is None:
+    return "sampler.max_new_tokens sized from the data at start-up (no tokenizer here to count with)"
+  from tunixlike.rl import build  # noqa: PLC0415 (the run's own sizing, for a config that leaves it to the data)
+  try:
+    return build.sized_completions(cfg, tok, task)[1]
+  except ValueError as e:
+    raise PreflightError(str(e)) from None
 
 
 def _answer(cfg: Config, record: dict[str, Any]) -> tuple[str | None, str]:

@@ -16,6 +16,7 @@ def get_config(arg: str | None = None):
   c.data.digits = 2  # the main job's task (configs/addition_grpo.py), asked by an agent
   c.data.max_prompt_length = 16
   c.sampler.max_prefill_length = 64  # a conversation grows by a turn and a tool result per request
+  c.sampler.max_new_tokens = 8  # = max_tokens of agent.py's requests (the server clamps a request to this limit)
   c.rl.agent = "./agent.py:run_episode"
   c.rl.env_max_turns = 3  # requests per episode, = MAX_TURNS in agent.py
   c.warm_start.max_steps = 1500  # as configs/addition_grpo.py: the agent starts from a model that can add

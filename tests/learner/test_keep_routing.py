@@ -189,7 +189,7 @@ def test_dense_sampler_refuses_to_record_routing():
   dense = models.Transformer(models.tiny_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, head_dim=8),
                              rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="record_routing=True needs a mixture-of-experts model"):
-    Engine(dense, SamplerConfig(max_concurrent_decodes=2, record_routing=True))
+    Engine(dense, SamplerConfig(max_concurrent_decodes=2, max_new_tokens=8, record_routing=True))
 
 
 def test_config_keys():

@@ -65,6 +65,27 @@ def test_rl_prompts_from_messages_leave_out_the_last_assistant_turn(tmp_path):
   assert next(iter(pipe))["prompt_text"] == "user: 1+2=\nassistant: "
 
 
+def test_a_chat_rows_answer_is_its_last_assistant_turn_and_sizes_an_unset_token_limit():
+  from tunixlike.data import tasks
+  tok = _chat_tokenizer()
+
+  def row(*turns):
+    return {"chat": [{"role": role, "content": content} for role, content in turns]}
+
+  two_turns = row(("user", "1+2="), ("assistant", "3"), ("user", "and 20+99="), ("assistant", "911"))
+  fmt = warm_start_lib.ExampleFormat(messages_field="chat")
+  assert warm_start_lib.answer_length(two_turns, tok, fmt) == 4  # the last turn, "911" and its end of turn
+  assert warm_start_lib.answer_length(row(("user", "1+2=")), tok, fmt) is None  # no answer to learn or fit
+  cfg = tunixlike.load_config(TINY, {"data.task": None, "data.train": "chat.jsonl", "data.messages_field": "chat",
+                                     "sampler.max_new_tokens": None})
+  task = tasks.DatasetTask([two_turns, row(("user", "1+1="), ("assistant", "2"))] * 5)
+  assert build.sized_completions(cfg, tok, task) == (
+      6, "sampler.max_new_tokens=6: the longest answer in the last assistant turns of data.messages_field 'chat' is "
+         "4 tokens with its end, plus room (set sampler.max_new_tokens to choose)")
+  with pytest.raises(ValueError, match=r"^sampler.max_new_tokens is not set and the data has no answer column"):
+    build.sized_completions(cfg, tok, tasks.DatasetTask([row(("user", "1+2="))] * 10))
+
+
 @pytest.mark.slow
 def test_the_warm_start_learns_and_its_accuracy_is_the_rl_eval():
   cfg = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py", "size=tiny"))

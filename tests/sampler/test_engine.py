@@ -138,7 +138,9 @@ def test_bad_prompts_get_clear_errors(make_engine):
 
 def test_bad_config_gets_clear_errors(tiny_model):
   with pytest.raises(ValueError, match=r"eos_ids=\(5, 500\).*\[500\]"):
-    Engine(tiny_model, SamplerConfig(eos_ids=(5, 500)))
+    Engine(tiny_model, SamplerConfig(max_new_tokens=8, eos_ids=(5, 500)))
+  with pytest.raises(ValueError, match=r"^sampler.max_new_tokens is None: an engine needs"):
+    Engine(tiny_model, SamplerConfig())  # None is for a run, which sizes it from the data
   with pytest.raises(ValueError, match="group_size=9"):
     SamplerConfig(max_concurrent_decodes=8, group_size=9)
   with pytest.raises(ValueError, match="max_new_tokens"):

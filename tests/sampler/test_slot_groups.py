@@ -58,7 +58,7 @@ def test_slot_groups_compile_nothing_new_on_a_repeat(make_engine):
 
 def test_slot_group_errors(tiny_model, mesh_1x1, make_engine):
   with pytest.raises(ValueError, match="slot_groups=3"):
-    Engine(tiny_model, SamplerConfig(max_concurrent_decodes=4, slot_groups=3), mesh_1x1)
+    Engine(tiny_model, SamplerConfig(max_concurrent_decodes=4, max_new_tokens=8, slot_groups=3), mesh_1x1)
   with pytest.raises(ValueError, match="slot_groups"):
     SamplerConfig(slot_groups=0)
   engine = make_engine(temperature=0.0, max_concurrent_decodes=4, slot_groups=2)

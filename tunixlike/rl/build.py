@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
 import jax
 import numpy as np
@@ -33,7 +33,7 @@ from tunixlike.models import hub, lora as lora_lib, transformer
 from tunixlike.rewards import loader, process as process_lib
 from tunixlike.rewards.envs import Env
 from tunixlike.rl import distill as distill_lib, evaluate as eval_lib, scoring, warm_start as warm_start_lib
-from tunixlike.rl import weight_sync
+from tunixlike.rl import truncation_guard, weight_sync
 from tunixlike.agents.driver import AgentConfig, AgentDriver
 from tunixlike.rl.collapse import CollapseConfig, CollapseDetector
 from tunixlike.rl import policy as policy_lib
@@ -275,7 +275,8 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   """Meshes, tokenizer, task, data, rewards and the (not yet warm-started) model on the learner submesh.
   `training=False`: only what sampling a checkpoint needs (no critic, no teacher, no training prompts). `dataset`,
   `eval_dataset`, `rewards`, `env` and `agent` are in-memory objects that replace data.train, data.eval,
-  rewards, rl.env and rl.agent (see `tunixlike.train`). User code is loaded and checked before the model is built."""
+  rewards, rl.env and rl.agent (see `tunixlike.train`). User code is loaded and checked before the model is built.
+  A sampler.max_new_tokens left None is sized from the data (`sized_completions`): `Setup.cfg` holds it."""
   with_inputs(cfg, dataset=dataset, eval_dataset=eval_dataset, env=env, agent=agent)  # the config's checks
   distributed.initialize(cfg.distributed, cross_host_transfers=cfg.mesh.sampler_hosts > 0)
   check_process_split(cfg, jax.process_count())
@@ -283,6 +284,10 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   if cfg.mesh.sampler_hosts:  # the learner hosts' collectives leave the sampler hosts out
     distributed.set_process_group(range(jax.process_count() - cfg.mesh.sampler_hosts))
   tok, task = build_task(cfg, dataset, eval_dataset)
+  if cfg.sampler.max_new_tokens is None:  # sized once, here: the engines, the learner and the checkpoints take it
+    limit, line = sized_completions(cfg, tok, task)
+    say(line)
+    cfg = config_lib.replace(cfg, sampler=dict(max_new_tokens=limit))
   sampler_config(cfg, tok)  # this process's share of the decode slots holds a group: checked before the model
   terms = reward_terms(cfg, task, rewards)
   # What a reward can name besides the rollout's fields (`PromptStream` passes every other column).
@@ -356,13 +361,41 @@ def example_format(cfg: Config) -> warm_start_lib.ExampleFormat:
   return warm_start_lib.ExampleFormat(answer_field=d.answer_field or "answer")
 
 
+def longest_answer_in(cfg: Config, tok, records: Iterable[Mapping[str, Any]]) -> int | None:
+  """The token length (with its end) of the longest answer (`example_format`'s) among `records`, or None
+  when none has one."""
+  fmt = example_format(cfg)
+  return max((n for r in records if (n := warm_start_lib.answer_length(r, tok, fmt)) is not None), default=None)
+
+
 def longest_answer(setup: Setup) -> int | None:
-  """The token length (with its end) of the longest answer among the held-out rows, or None when they
-  have no answer column: what sampler.max_new_tokens must fit for the evaluations to be whole."""
-  fmt = example_format(setup.cfg)
+  """The longest answer among the held-out rows (`longest_answer_in`): what sampler.max_new_tokens must
+  fit for the evaluations to be whole."""
   records = setup.eval_records if setup.warm_start_records is None else setup.warm_start_records
-  lengths = [n for r in records if (n := warm_start_lib.answer_length(r, setup.tok, fmt)) is not None]
-  return max(lengths, default=None)
+  return longest_answer_in(setup.cfg, setup.tok, records)
+
+
+NO_ANSWERS = ("sampler.max_new_tokens is not set and the data has no answer column to size it from: set "
+              "sampler.max_new_tokens (or data.answer_field)")
+
+
+def sized_completions(cfg: Config, tok, task: Task) -> tuple[int, str]:
+  """(sampler.max_new_tokens, the line that says why) for a config that leaves it None: the longest
+  answer with its end (data.answer_field, a built-in task's 'answer', or the last assistant turn of
+  data.messages_field) among every training and held-out row the run reads, plus room
+  (`fitting_limit`). Every row, not this process's shard: every process sizes alike. Refuses, naming
+  the key, when no row has an answer."""
+  d = cfg.data
+  splits = (task.source("train", size=d.train_size, seed=d.shuffle_seed), task.source("test", seed=d.shuffle_seed))
+  longest = longest_answer_in(cfg, tok, (rows[i] for rows in splits for i in range(len(rows))))
+  if longest is None:
+    raise ValueError(NO_ANSWERS)
+  limit = truncation_guard.fitting_limit([longest])
+  column = (f"data.answer_field {d.answer_field!r}" if d.answer_field is not None
+            else f"the last assistant turns of data.messages_field {d.messages_field!r}" if d.messages_field
+            else "the 'answer' column")
+  return limit, (f"sampler.max_new_tokens={limit}: the longest answer in {column} is {longest} tokens with its "
+                 "end, plus room (set sampler.max_new_tokens to choose)")
 
 
 def warm_start(setup: Setup, say=print, should_stop=lambda: False, on_step=lambda step, metrics: None,

@@ -413,8 +413,9 @@ class _Run:
     except (ValueError, OSError, models.CheckpointError) as e:
       raise SetupError(str(e)) from e
     self.data_fingerprints = resume_lib.data_fingerprints(self.setup.task)  # kept in every checkpoint
-    # What the checkpoints record (and a resume compares): the config as trained.
-    self.cfg = cfg = as_trained(cfg, self.setup, user)
+    # What the checkpoints record (and a resume compares): the config as trained, with what build resolved
+    # (a sampler.max_new_tokens sized from the data).
+    self.cfg = cfg = as_trained(self.setup.cfg, self.setup, user)
     self.setup = dataclasses.replace(self.setup, cfg=cfg)
     # Whole sampler hosts (mesh.sampler_hosts) take no part in checkpoints: the learner hosts write them.
     self.ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), keep=cfg.checkpoint.keep,

@@ -19,6 +19,7 @@ memorises stops exploring, and RL then collapses: measured on the addition task)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
@@ -104,10 +105,22 @@ class ExampleFormat:
 
 
 def answer_length(record: Mapping[str, Any], tokenizer, fmt: ExampleFormat) -> int | None:
-  """Tokens of a row's answer with its end-of-sequence token, as the policy must write it (rows with an
-  answer column; None for chat rows and rows without an answer)."""
-  answer = record.get(fmt.answer_field) if fmt.answer_field is not None else None
-  return None if answer is None else len(tokenizer.encode(str(answer), add_special_tokens=False)) + 1
+  """Tokens of a row's answer with its end, as the policy must write it: the answer column's text and
+  the end-of-sequence token, or a chat row's last assistant turn as the chat template writes it, up to
+  its end-of-turn token. None for a row without one (no answer; chat messages that do not end with an
+  assistant turn, or that the template cannot split into turns)."""
+  if fmt.messages_field is None:
+    answer = record.get(fmt.answer_field)
+    return None if answer is None else len(tokenizer.encode(str(answer), add_special_tokens=False)) + 1
+  messages = record.get(fmt.messages_field)
+  if not (isinstance(messages, (list, tuple)) and messages and isinstance(messages[-1], Mapping)
+          and messages[-1].get("role") == "assistant"):
+    return None
+  try:
+    _, targets = chat_example(messages, tokenizer, system=fmt.system_prompt)
+  except ExampleError:
+    return None
+  return [len(list(run)) for target, run in itertools.groupby(targets) if target][-1]  # the last turn's targets
 
 
 def encode(records: Sequence[Mapping[str, Any]], tokenizer, length: int, fmt: ExampleFormat

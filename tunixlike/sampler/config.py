@@ -29,6 +29,14 @@ def _power_of_two(v) -> str | None:
 KV_LAYOUTS = ("contiguous", "paged")
 
 
+def check_sized(config: SamplerConfig) -> None:
+  """Refuses a config whose completion limit was never set: a run sizes it from the data (`rl.build.build`);
+  an engine built any other way must be given one."""
+  if config.max_new_tokens is None:
+    raise ValueError("sampler.max_new_tokens is None: an engine needs a completion length limit (a run sizes it "
+                     "from the data's answers at start-up; elsewhere set it, e.g. SamplerConfig(max_new_tokens=8))")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
   SECTION: ClassVar[str] = "sampler"
@@ -38,8 +46,9 @@ class SamplerConfig:
       check=positive_int, resumable=True)
   max_prefill_length: int = setting(64, "longest prompt; prefill compiles once per power-of-two bucket",
                                     check=positive_int)
-  max_new_tokens: int = setting(8, "completion length limit (finish_reason 'length'; a request may ask for fewer)",
-                                check=positive_int)
+  max_new_tokens: int | None = setting(None, "completion length limit (finish_reason 'length'; a request may ask "
+                                       "for fewer); None: sized at the start of the run from the data's longest "
+                                       "tokenized answer, plus room", check=optional(positive_int))
   temperature: float = library_setting(SamplingParams, "temperature",
                                        "0 = greedy; the learner scores tokens at the same temperature")
   top_k: int = library_setting(SamplingParams, "top_k", "0 = off")
@@ -131,6 +140,7 @@ class SamplerConfig:
   @property
   def cache_length(self) -> int:
     """Most KV positions per slot: the longest prompt plus the longest completion, bucket-aligned."""
+    check_sized(self)
     need = max(self.prefill_buckets[-1], self.max_prefill_length + self.max_new_tokens)
     return -(-need // self.attend_bucket) * self.attend_bucket
 

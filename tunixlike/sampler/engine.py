@@ -59,7 +59,7 @@ from tunixlike.models import kv_cache as kv_cache_lib
 from tunixlike.models import sharding as sharding_lib
 from tunixlike.sampler import params as params_lib
 from tunixlike.sampler import sampling
-from tunixlike.sampler.config import SamplerConfig
+from tunixlike.sampler.config import SamplerConfig, check_sized
 
 def _key_data(key) -> np.ndarray:
   """A PRNG key (typed or raw uint32 data, on device or host) as host uint32 data."""
@@ -134,6 +134,7 @@ class Engine:
                rules=mesh_lib.SAMPLER_RULES):
     if not isinstance(config, SamplerConfig):
       raise TypeError(f"Engine config must be a SamplerConfig, got {type(config).__name__}")
+    check_sized(config)
     self.config = config
     self.model_config = model.cfg
     if config.record_routing and not model.cfg.is_moe:
