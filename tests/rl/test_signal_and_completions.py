@@ -66,8 +66,8 @@ def test_the_truncation_warning_says_once_what_limit_would_fit():
   guard = truncation_guard.TruncationGuard(8, 0.05, said.append, longest_answer=11)
   guard.check(0.05, "the held-out answers")  # not more than the share
   assert said == []
-  guard.check(13 / 60, "the held-out answers of the supervised stage's evaluation")
-  assert said == ["warning: 22% of the held-out answers of the supervised stage's evaluation hit "
+  guard.check(13 / 60, "the held-out answers at step 0")
+  assert said == ["warning: 22% of the held-out answers at step 0 hit "
                   "sampler.max_new_tokens=8 (finish reason 'length'): they were cut before they ended and score "
                   "as wrong; the data's longest answer is 11 tokens with its end: set sampler.max_new_tokens=13 "
                   "(rl.truncated_warn_share=0 silences this)"]
@@ -77,6 +77,10 @@ def test_the_truncation_warning_says_once_what_limit_would_fit():
   rl_guard(StepInfo(3, 4, {"completions/truncated": 0.5}, [], []))
   assert said[-1].startswith("warning: 50% of the completions of RL step 3 hit sampler.max_new_tokens=8")
   assert "raise sampler.max_new_tokens (e.g. to 16)" in said[-1]
+  fits = truncation_guard.TruncationGuard(18, 0.05, said.append, longest_answer=15)
+  fits.check(1.0, "the held-out answers at step 0")
+  assert said[-1].startswith("warning: 100% of the held-out answers at step 0 hit sampler.max_new_tokens=18")
+  assert "the data's longest answer (15 tokens with its end) fits, so these completions run on" in said[-1]
   assert truncation_guard.fitting_limit([3, 11, 7]) == 13 and truncation_guard.fitting_limit([40]) == 50
   assert truncation_guard.fitting_limit([]) is None
 

@@ -149,5 +149,5 @@ def test_answers_cut_at_the_token_limit_are_counted_and_warned_with_the_limit_th
   assert [r["eval/truncated"] for r in records if "eval/truncated" in r] == [evals[-1]["warm_start/truncated"]]
   warnings = [line for line in capsys.readouterr().out.splitlines() if "hit sampler.max_new_tokens" in line]
   assert len(warnings) == 1, warnings  # once per run
-  assert warnings[0].startswith("warning: ") and "of the held-out answers of the supervised stage's evaluation" in warnings[0]
+  assert warnings[0].startswith("warning: ") and "of the held-out answers at step 0 hit" in warnings[0]
   assert "the data's longest answer is 3 tokens with its end: set sampler.max_new_tokens=5" in warnings[0]

@@ -175,10 +175,6 @@ def _warm_start(r: _Run) -> bool:
                                     {"config": dataclasses.asdict(r.cfg)}, force=True)
     every = r.cfg.checkpoint.every_steps
 
-    def on_eval(metrics: dict):
-      r.logger.write(0, metrics, advance=False)
-      r.truncation.check(metrics["warm_start/truncated"], "the held-out answers of the supervised stage's evaluation")
-
     def on_step(step: int, metrics: dict):
       r.logger.progress_to(step)
       r.logger.show(metrics)
@@ -187,7 +183,7 @@ def _warm_start(r: _Run) -> bool:
 
     r.logger.progress("warm start", total=ws.max_steps, initial=start)
     summary = build_lib.warm_start(setup, say=r.say, should_stop=r.stop_requested, on_step=on_step,
-                                   on_eval=on_eval,
+                                   on_eval=lambda metrics: r.logger.write(0, metrics, advance=False),
                                    optimizer=optimizer, start_step=start)
     r.logger.progress_to(summary["warm_start/steps"])
     if summary["warm_start/interrupted"]:

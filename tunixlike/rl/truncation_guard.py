@@ -3,7 +3,9 @@
 A cut completion (finish reason "length") cannot be a whole answer: a verifier scores it 0 and the
 policy learns that long answers fail. Counted in every step's metrics (`completions/truncated`) and
 every evaluation's (`eval/truncated`, `warm_start/truncated`); past `rl.truncated_warn_share` the run
-warns once, with the limit that would fit the data's answers when the data has an answer column.
+warns once, from the RL stage's first evaluation on (the supervised stage's result; its earlier
+evaluations see a model that has not learned to stop yet), with the limit that would fit the data's
+answers when the data has an answer column, or saying that they fit and the completions do not stop.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ class TruncationGuard:
     if self.longest_answer is not None and self.longest_answer > self.max_new_tokens:
       fix = (f"the data's longest answer is {self.longest_answer} tokens with its end: set "
              f"sampler.max_new_tokens={fitting_limit([self.longest_answer])}")
+    elif self.longest_answer is not None:
+      fix = (f"the data's longest answer ({self.longest_answer} tokens with its end) fits, so these completions "
+             "run on past an answer: a supervised warm start on the answers (warm_start.max_steps) teaches the end "
+             "token; if right answers can be longer than the data's, raise sampler.max_new_tokens")
     else:
       fix = f"raise sampler.max_new_tokens (e.g. to {2 * self.max_new_tokens})"
     self.say(f"warning: {truncated:.0%} of {what} hit sampler.max_new_tokens={self.max_new_tokens} (finish reason "
