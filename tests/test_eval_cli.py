@@ -80,7 +80,7 @@ def test_a_missing_step_is_one_clear_line(trained):
 def test_help_explains_every_flag():
   out = run("tunixlike.eval", "--help", timeout=60)
   assert out.returncode == 0, out.stderr
-  for flag in ("--config", "--checkpoint", "--step", "--best", "--split", "--num_examples", "--samples", "--temperature",
+  for flag in ("--config", "--checkpoint", "--step", "--[no]best", "--split", "--num_examples", "--samples", "--temperature",
                "--out", "pass@"):
     assert flag in out.stdout, flag
 
