@@ -35,7 +35,7 @@ def _flags(p):
   p.add_argument("--repeats", type=int, default=5)
 
 
-ARGS = harness.parse(__doc__, _flags)
+ARGS = harness.parse(__doc__, _flags, quick="4 prompts x 8 samples of 16 tokens, 1 repeat, a one-layer model")
 harness.host_devices(1)
 
 import jax  # noqa: E402
@@ -102,8 +102,10 @@ def main():
   prompts, tokens = (4, 16) if ARGS.quick else (ARGS.prompts, ARGS.tokens)
   repeats = 1 if ARGS.quick else ARGS.repeats
   tok = char_tokenizer.build()
+  # --quick: one layer (unrolled: compiling the decode programs is most of a smoke run; no EOS, so both modes
+  # decode the same tokens whatever the weights)
   cfg = models.tiny_config(vocab_size=tok.vocab_size, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
-                           intermediate_size=1024, num_layers=4)
+                           intermediate_size=1024, num_layers=1 if ARGS.quick else 4)
   model = models.Transformer(cfg, rngs=nnx.Rngs(ARGS.seed))
   slots = ARGS.slots
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("replica", "tensor"))
@@ -142,7 +144,8 @@ def main():
       endpoint_vs_inprocess=round(med["endpoint"] / med["inprocess"], 3), runs=runs,
       workload=dict(prompts=prompts, samples_per_prompt=G, new_tokens=tokens, agents=ARGS.agents, slots=slots,
                     requests_per_run=prompts * G, quick=ARGS.quick, repeats=repeats),
-      model=dict(layers=4, hidden=256, ffn=1024, heads=4, kv_heads=2, vocab=tok.vocab_size)), ARGS, indent=2)
+      model=dict(layers=cfg.num_layers, hidden=256, ffn=1024, heads=4, kv_heads=2, vocab=tok.vocab_size)), ARGS,
+      indent=2)
 
 
 if __name__ == "__main__":

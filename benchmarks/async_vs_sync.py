@@ -107,7 +107,12 @@ def bench_slow_exact_match(prompts, completions, *, answer, prompt_ids, **kw):
 
 def workload_config(name: str, steps: int, quick: bool):
   cfg = config_lib.from_config_dict(config_lib.load(CONFIGS / "addition_grpo.py"))
+  # quick: 1,024 training prompts, not 50,000 (each formatted and length-checked at every build: about
+  # 4 CPU-s per build, five builds); a quick run samples a few dozen of them
+  size = dict(train_size=1024) if quick else {}
   common = dict(seed=ARGS.seed, log=dict(progress_bar=False, tensorboard=False, trace=False),
+                # quick: one layer (the layers are unrolled: compiling is most of a smoke run, per layer)
+                **(dict(model=dict(num_layers=1)) if quick else {}),
                 eval=dict(every_steps=0),
                 mesh=dict(sampler_devices=ARGS.sampler_devices, learner_devices=ARGS.learner_devices))
   if name == "long_tail":
@@ -119,7 +124,7 @@ def workload_config(name: str, steps: int, quick: bool):
     # past 200 tokens, so async could start little new work while stragglers ran (1.1x at G=8).
     new = 24 if quick else 320
     return config_lib.replace(
-        cfg, data=dict(task="reverse", num_eval_examples=8, max_prompt_length=16),
+        cfg, data=dict(task="reverse", num_eval_examples=8, max_prompt_length=16, **size),
         warm_start=dict(max_steps=0),
         sampler=dict(max_concurrent_decodes=16 if quick else 32, max_new_tokens=new, max_prefill_length=16,
                      steps_per_call=8, warmup=True),
@@ -130,7 +135,7 @@ def workload_config(name: str, steps: int, quick: bool):
     # Short completions (<= 4 tokens), so generation and training are cheap and the verifier's
     # latency is the larger part of a synchronous step, as with tool calls on a small model.
     return config_lib.replace(
-        cfg, data=dict(digits=2, num_eval_examples=16 if quick else 500),
+        cfg, data=dict(digits=2, num_eval_examples=16 if quick else 500, **size),
         warm_start=dict(max_steps=2 if quick else 1500, eval_every=10 if quick else 20, target_accuracy=0.3),
         sampler=dict(max_concurrent_decodes=16 if quick else 64, warmup=True),
         # Enough reward workers that the verifier's latency, not its throughput, is what a step

@@ -35,7 +35,7 @@ def _flags(p):
   p.add_argument("--steps", type=int, default=3, help="timed steps (best of them is reported)")
 
 
-ARGS = harness.parse(__doc__, _flags, quick="small shapes, two layers per model")
+ARGS = harness.parse(__doc__, _flags, quick="small shapes, one layer per model")
 harness.host_devices(ARGS.devices)
 
 import jax  # noqa: E402
@@ -99,7 +99,7 @@ def main():
   results = {}
   for name, sizes in MODELS.items():
     if ARGS.quick:  # the layers are unrolled: compiling the step is most of a smoke run, per layer
-      sizes = dict(sizes, num_layers=2)
+      sizes = dict(sizes, num_layers=1)
     results[name] = bench_model(name, sizes, mesh, batch, seq, steps)
     peaks.append(peak_matmul_flops(devices, n=n))
   peak = max(peaks, key=lambda p: p["peak"])

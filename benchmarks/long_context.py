@@ -55,8 +55,8 @@ PROMPT_LEN = 32
 
 
 def bench_model(quick: bool) -> dict:
-  """BENCH_MODEL; --quick: two layers (they are unrolled: compiling the step is most of a smoke run, per layer)."""
-  return dict(BENCH_MODEL, num_layers=2) if quick else BENCH_MODEL
+  """BENCH_MODEL; --quick: one layer (they are unrolled: compiling the step is most of a smoke run, per layer)."""
+  return dict(BENCH_MODEL, num_layers=1) if quick else BENCH_MODEL
 
 
 def _flags(p):
@@ -76,7 +76,7 @@ def _flags(p):
 
 
 def _parse(argv=None):
-  return harness.parse(__doc__, _flags, argv, quick="short rows, two layers")
+  return harness.parse(__doc__, _flags, argv, quick="short rows, one layer")
 
 
 def _compiled_gb(learner, state, batch) -> dict:

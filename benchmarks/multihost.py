@@ -34,8 +34,9 @@ sends to each sampler host) vs `relay` (it sends to the first, which sends on to
 until both sampler hosts have them; `fan_out_winner` says which was faster.
 Part 3, the same RL job twice on 2 processes of 4 devices (4 sampler + 4 learner devices in all):
 `trainer.run` (what `python -m tunixlike.train` runs) on the tiny addition model, --rl-steps async
-GRPO steps (`rl.max_staleness=1`, 8 prompts x 8 samples per step), `per_host` (each process 2 + 2
-devices) vs `by_host` (`mesh.sampler_hosts=1`: process 0 trains, process 1 decodes). `s_per_step`:
+GRPO steps (`rl.max_staleness=1`, 8 prompts x 8 samples per step; --quick: 4 x 4 in 32 decode slots,
+one layer, 4 held-out prompts), `per_host` (each process 2 + 2 devices) vs `by_host`
+(`mesh.sampler_hosts=1`: process 0 trains, process 1 decodes). `s_per_step`:
 the median time between step records in metrics.jsonl after the first two (compilation);
 `learner_busy_frac` and `sampler_busy_frac`: the runtime's own fractions (learner step time, the
 driver's decode time, over the RL loop's wall clock) at the last step, on the by-host sampler host
@@ -334,6 +335,10 @@ def rl_worker(args):
   c.mesh.sampler_devices = c.mesh.learner_devices = 4
   c.mesh.sampler_hosts = 1 if by_host else 0
   c.rl.num_steps = args.rl_steps
+  if args.quick:  # a smoke test: one layer, 4 prompts x 4 samples a step in 32 slots, 4 held-out prompts
+    c.model.num_layers = 1
+    c.rl.prompts_per_step, c.algo.group_size, c.sampler.max_concurrent_decodes = 4, 4, 32
+    c.data.num_eval_examples = 4
   cfg = config_lib.from_config_dict(c)
   summary = trainer.run(cfg, args.workdir)
   me, name = int(os.environ["JAX_PROCESS_ID"]), f"rl_{args.layout}"
@@ -361,7 +366,8 @@ def _run_job(args, part: str, processes: int, extra: tuple[str, ...] = ()) -> di
   """`processes` workers of `part` (with the flags `extra`) as one jax.distributed job on 127.0.0.1;
   every process's RESULT, merged. All are killed when one fails or the time runs out."""
   argv = [sys.executable, os.path.abspath(__file__), "--worker", part, "--mb", str(args.mb),
-          "--width", str(args.width), "--repeats", str(args.repeats), "--rl-steps", str(args.rl_steps), *extra]
+          "--width", str(args.width), "--repeats", str(args.repeats), "--rl-steps", str(args.rl_steps), *extra,
+          *(["--quick"] if args.quick else [])]
   for flag, value in (("--transfer-size", args.transfer_size), ("--connections", args.connections),
                       ("--bucket-mb", args.bucket_mb)):
     if value is not None:

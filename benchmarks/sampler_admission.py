@@ -34,7 +34,8 @@ def _flags(p):
   p.add_argument("--lengths", choices=("answer", "model"), default="answer")
 
 
-ARGS = harness.parse(__doc__, _flags, quick="2 RL steps, 1 repeat", seed="config.seed (the model's weights)")
+ARGS = harness.parse(__doc__, _flags, quick="2 RL steps, 1 repeat, a one-layer model",
+                     seed="config.seed (the model's weights)")
 harness.host_devices(8)
 
 import jax  # noqa: E402
@@ -101,6 +102,8 @@ def main():
   a = ARGS
   rl_steps, repeats = (2, 1) if a.quick else (a.rl_steps, a.repeats)
   cfg = config_lib.replace(config_lib.from_config_dict(config_lib.load(CONFIG)), seed=a.seed)
+  if a.quick:  # one layer: compiling every program at warm-up is most of a smoke run (the same calls are counted)
+    cfg = config_lib.replace(cfg, model=dict(num_layers=1))
   tok, task = build.build_task(cfg)
   meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices)
   model = build.build_model(cfg, tok, meshes.learner)

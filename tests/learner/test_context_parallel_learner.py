@@ -15,7 +15,9 @@ from tunixlike.learner.batch import assemble_batch
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.settings import ConfigError
 
-CFG = models.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+# One layer: the row enters the zigzag layout before the layers and leaves it after them whatever their number,
+# and each (unrolled) layer's ring attention on the mesh is most of the compilation, forward and backward.
+CFG = models.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
                          num_kv_heads=2, head_dim=8, max_position_embeddings=256)
 ALGO = AlgoConfig(loss="ppo_clip", aggregation="seq_mean_token_mean", is_mode="tis", kl_coef=0.1)
 
