@@ -185,10 +185,10 @@ def _answer(cfg: Config, record: dict[str, Any]) -> tuple[str | None, str]:
 def _check_rewards(cfg: Config, task, tok, prompt: _Prompt) -> str:
   """Loads the rewards as the run does (import, signature against the columns), then calls each once on
   `prompt`'s row with its answer and an empty completion, as the run's reward stage calls them."""
-  terms = tuple(cfg.rewards or task.default_rewards)
-  if not terms:
-    raise PreflightError("rewards: a dataset without data.task needs reward functions: set rewards=[{fn, weight}] "
-                         "in the config")
+  try:
+    terms = tasks.reward_terms(cfg.rewards, task)
+  except ValueError as e:
+    raise PreflightError(str(e)) from None
   columns = [c for c in task.columns() if c not in NOT_COLUMNS] if isinstance(task, tasks.DatasetTask) else None
   try:
     reward = CombinedReward(terms, timeout_s=cfg.rl.reward_timeout_s, columns=columns)

@@ -274,3 +274,12 @@ def for_run(data, dataset=None, eval_dataset=None):
                      "(or pass dataset= to tunixlike.train)")
   kwargs = {"digits": data.digits} if data.task == "addition" else {"path": data.path} if data.task == "gsm8k" else {}
   return get(data.task, **kwargs)
+
+
+def reward_terms(configured, task, rewards=None) -> tuple:
+  """The run's reward terms: `rewards` given in Python, else the config's (`configured`), else the task's own."""
+  terms = tuple(rewards if rewards is not None else configured or task.default_rewards)
+  if not terms:
+    raise ValueError("rewards: a dataset without data.task needs reward functions: set rewards=[{fn, weight}] in "
+                     "the config (or pass rewards=[...] to tunixlike.train)")
+  return terms

@@ -186,15 +186,6 @@ def build_task(cfg: Config, dataset=None, eval_dataset=None):
   return tok, task
 
 
-def reward_terms(cfg: Config, task, rewards=None) -> tuple:
-  """The reward's terms: `rewards` given in Python, else the config's, else the task's own."""
-  terms = tuple(rewards if rewards is not None else cfg.rewards or task.default_rewards)
-  if not terms:
-    raise ValueError("rewards: a dataset without data.task needs reward functions: set rewards=[{fn, weight}] in "
-                     "the config (or pass rewards=[...] to tunixlike.train)")
-  return terms
-
-
 def env_factory(cfg: Config, env=None):
   """What builds one environment per episode: `env` given in Python, or rl.env (built in or an import path)."""
   spec = env if env is not None else cfg.rl.env
@@ -289,7 +280,7 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
     say(line)
     cfg = config_lib.replace(cfg, sampler=dict(max_new_tokens=limit))
   sampler_config(cfg, tok)  # this process's share of the decode slots holds a group: checked before the model
-  terms = reward_terms(cfg, task, rewards)
+  terms = tasks.reward_terms(cfg.rewards, task, rewards)
   # What a reward can name besides the rollout's fields (`PromptStream` passes every other column).
   columns = ([c for c in task.columns() if c not in prompts_lib.NOT_COLUMNS] if isinstance(task, tasks.DatasetTask)
              else None)
