@@ -173,7 +173,8 @@ def main():
   seq = PROMPT_LEN + a.new_tokens
 
   learners = {keep: Learner(learner_model(), LearnerConfig(
-      algo=AlgoConfig(keep_sampling_mask=keep, sampling_temperature=a.temperature), logprob_chunk_size=64))
+      algo=AlgoConfig(keep_sampling_mask=keep, sampling_temperature=a.temperature),
+      optim=OptimConfig(learning_rate=a.lr), logprob_chunk_size=64))
               for keep in (False, True)}
   t0 = time.perf_counter()
   settings = {}

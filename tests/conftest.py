@@ -24,6 +24,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the default 1 s leaves half the time out
+# The commands' own cache (tunixlike/compilation_cache.py) is off in tests: a run that drops the variable
+# above compiles everything, as a first run does, and no test writes ~/.cache/tunixlike/jax.
+os.environ.setdefault("TUNIXLIKE_COMPILATION_CACHE", "off")
 # On CPU most of a test's time is LLVM optimising programs that then run a few times: without its
 # optimisation passes (XLA's backend level 0, which changes no result the tests check) the suite
 # takes about half the CPU time. An environment variable, not XLA_FLAGS, so the runs that tests and

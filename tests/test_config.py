@@ -263,7 +263,8 @@ def test_the_cosine_warm_up_is_checked_by_the_optim_section():
   with pytest.raises(config_lib.ConfigError, match=message):
     OptimConfig(schedule="cosine", warmup_steps=10, total_steps=10)
   # The supervised stage alone (rl.num_steps=0) still builds a learner: its never-used schedule is valid.
-  sft = config_lib.replace(config_lib.Config(), optim=dict(schedule="cosine", warmup_steps=10), rl=dict(num_steps=0))
+  sft = config_lib.replace(config_lib.Config(), optim=dict(schedule="cosine", warmup_steps=10, learning_rate=1e-3),
+                              rl=dict(num_steps=0))
   optimizer.make_schedule(build.learner_config(sft).optim)
 
 

@@ -18,7 +18,7 @@ from tunixlike import export as export_lib
 from tunixlike import mesh as mesh_lib
 from tunixlike import models
 from tunixlike.data import char_tokenizer, tokenizer as tokenizer_lib
-from tunixlike.learner.config import LearnerConfig
+from tunixlike.learner.config import LearnerConfig, OptimConfig
 from tunixlike.learner.ppo import PPOLearner
 from tunixlike.learner.train_step import Learner
 from tunixlike.learner.value import PolicyWithValue
@@ -34,6 +34,7 @@ transformers = pytest.importorskip("transformers")
 TINY = models.tiny_config(vocab_size=128, hidden_size=32, intermediate_size=64, head_dim=8, init_std=0.3,
                           eos_token_ids=(2,))
 LORA = lora.LoRAConfig.from_config(RUN, rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
+LEARNER_CONFIG = LearnerConfig(optim=OptimConfig(learning_rate=1e-3))
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -78,7 +79,7 @@ def test_export_matches_transformers(mesh4, tmp_path, use_lora):
   model = models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0)
   if use_lora:
     model = lora.apply_lora(model, LORA, seed=1, mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
-  learner = Learner(model, LearnerConfig(), mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
+  learner = Learner(model, LEARNER_CONFIG, mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
   state = perturb_adapters(learner.state) if use_lora else learner.state
   save_run(tmp_path / "run", learner, state, TINY, lora_cfg=LORA if use_lora else None)
 
@@ -108,7 +109,7 @@ def umask():
 
 def test_exported_files_get_the_mode_of_any_new_file(mesh4, tmp_path, umask):
   """A shared machine's other users can read the export as they can any file its user writes."""
-  learner = Learner(models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0), LearnerConfig(),
+  learner = Learner(models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0), LEARNER_CONFIG,
                     mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
   save_run(tmp_path / "run", learner, learner.state, TINY)
   out = export_lib.export(tmp_path / "run", tmp_path / "hf")
@@ -123,7 +124,7 @@ def test_exported_files_get_the_mode_of_any_new_file(mesh4, tmp_path, umask):
 
 def test_export_ppo_checkpoint_keeps_the_policy_and_drops_the_value_head(mesh4, tmp_path):
   policy = models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0)
-  learner = PPOLearner(PolicyWithValue.create(policy, seed=1), LearnerConfig(), mesh=mesh4,
+  learner = PPOLearner(PolicyWithValue.create(policy, seed=1), LEARNER_CONFIG, mesh=mesh4,
                        rules=mesh_lib.LEARNER_RULES)
   save_run(tmp_path / "run", learner, learner.state, TINY, estimator="ppo")
   out = export_lib.export(tmp_path / "run", tmp_path / "hf")
@@ -136,7 +137,7 @@ def test_export_lora_over_hf_base_without_saved_base(mesh4, tmp_path):
   char_tokenizer.build().save(str(base_dir))  # the run's tokenizer lives in its HF directory
   model = hf.from_pretrained(base_dir, mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
   model = lora.apply_lora(model, LORA, seed=1, mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
-  learner = Learner(model, LearnerConfig(), mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
+  learner = Learner(model, LEARNER_CONFIG, mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
   state = perturb_adapters(learner.state)
   save_run(tmp_path / "run", learner, state, model.cfg, lora_cfg=LORA, hf_path=base_dir, save_frozen=False)
   with ckpt_lib.Checkpointer(ckpt_lib.workdir_checkpoints(tmp_path / "run"), read_only=True) as ck:
@@ -164,7 +165,7 @@ def test_cli_help_and_errors(mesh4, tmp_path):
   assert r.stderr.strip().splitlines()[-1] == f"export: error: {tmp_path / 'empty'}: no complete checkpoint found"
   assert not (tmp_path / "empty").exists() and not (tmp_path / "hf").exists()
 
-  learner = Learner(models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0), LearnerConfig(),
+  learner = Learner(models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0), LEARNER_CONFIG,
                     mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
   save_run(tmp_path / "run", learner, learner.state, TINY)
   r = run_cli("--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--step", "7")
@@ -180,7 +181,7 @@ def test_cli_help_and_errors(mesh4, tmp_path):
 
 
 def test_best_exports_the_checkpoint_with_the_best_held_out_accuracy(mesh4, tmp_path):
-  learner = Learner(models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0), LearnerConfig(),
+  learner = Learner(models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0), LEARNER_CONFIG,
                     mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
   save_run(tmp_path / "run", learner, learner.state, TINY, step=3)  # saved without a metric
   with pytest.raises(ckpt_lib.CheckpointError, match="no checkpoint saved with a 'eval/accuracy' metric"):
@@ -207,7 +208,7 @@ def perturb_params(state, seed):
 
 
 def test_bad_meta_names_the_problem(mesh4, tmp_path):
-  learner = Learner(models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0), LearnerConfig(),
+  learner = Learner(models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0), LEARNER_CONFIG,
                     mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
   with ckpt_lib.Checkpointer(tmp_path / "a") as ck:
     ck.save(1, learner.state, {"config": {}}, force=True)

@@ -261,7 +261,9 @@ class WarmStartSection:
 
   SECTION: ClassVar[str] = "warm_start"
 
-  max_steps: int = setting(0, "supervised steps; 0 = no supervised stage", check=non_negative, resumable=True)
+  max_steps: int | None = setting(None, "supervised steps (0 = no supervised stage); None: 2000 (stopped at "
+                                  "target_accuracy) when the built-in model starts from random weights and the data "
+                                  "have answers, else 0", check=optional(non_negative), resumable=True)
   batch_size: int = setting(64, "rows per supervised step (sharded over the learner fsdp devices)", check=positive)
   learning_rate: float = setting(1e-3, "supervised steps tolerate a larger rate than RL (the rest of the optax "
                                  "chain is optim.*'s)", check=positive)

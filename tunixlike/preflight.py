@@ -8,7 +8,9 @@ config's own checks, in seconds, with no JAX backend and no model.
   * each reward (`rewards`, else the task's own) loads, its parameters are columns the batch has, and one
     call on one row (its answer and an empty completion) returns one finite score (or None) per completion;
   * the sampler.max_new_tokens the run will use: the config's, or sized from the data's answers as the run
-    sizes it (refused, as the run refuses it, when the data has none).
+    sizes it (refused, as the run refuses it, when the data has none);
+  * optim.learning_rate and warm_start.max_steps where the config leaves them None, as the run chooses them
+    (`rl.starting_point`).
 
 The run checks the same at start-up, but only after JAX has started and the model is built. A problem
 raises `PreflightError`: one line naming the config key, the file and the line.
@@ -27,6 +29,7 @@ from tunixlike.data import char_tokenizer, pipeline, sources, tasks, tokenizer a
 from tunixlike.rewards import CombinedReward
 from tunixlike.rewards.loader import NOT_COLUMNS
 from tunixlike.rewards.safe import as_score
+from tunixlike.rl import starting_point
 
 ROWS = 8  # rows checked of each source: a misnamed column or an overlong template shows in the first
 CALL_TIMEOUT_S = 10.0  # a slower reward (a remote grader) is left unchecked rather than waited for
@@ -65,7 +68,7 @@ def check(cfg: Config) -> str:
     raise PreflightError(f"{key}: none of the first {ROWS} rows has a text prompt (data.skip_bad_lines skips them)")
   said.append(_check_rewards(cfg, task, tok, train[0]))
   said.append(_completion_limit(cfg, task, tok))
-  return "; ".join(said)
+  return "; ".join(said + starting_point.resolved(cfg)[1])
 
 
 def _tokenizer(cfg: Config) -> tuple[tokenizer_lib.Tokenizer | None, str | None]:

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import sys
 
+from tunixlike.rl import starting_point
 from tunixlike.train import main as train_main  # the module (tunixlike.train is also the function)
 
 PROG = "tunixlike.sft"
 
 
 def _check(cfg) -> str | None:
-  if not cfg.warm_start.max_steps:
-    return "warm_start.max_steps=0: nothing to train; set --config.warm_start.max_steps to the supervised steps"
+  steps, why = ((cfg.warm_start.max_steps, "") if cfg.warm_start.max_steps is not None
+                else starting_point.supervised_steps(cfg))
+  if not steps:
+    return (f"warm_start.max_steps=0{f' ({why})' if why else ''}: nothing to train; set "
+            "--config.warm_start.max_steps to the supervised steps")
   return None
 
 

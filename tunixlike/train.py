@@ -20,7 +20,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from tunixlike import cli, config as config_lib
+from tunixlike import cli, compilation_cache, config as config_lib
 
 _CONFIG = cli.refuse_none(config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).",
                                                            lock_config=True))
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
     return
   if workdir is None:
     cli.fail(prog, "--workdir is required")
+  compilation_cache.enable()  # before any compile: a second start loads its programs (TUNIXLIKE_COMPILATION_CACHE)
   from tunixlike import checkpoint, mesh
   from tunixlike.rl import trainer  # heavy imports only once the config is known to be good
   # Orbax's async writes leave failed asyncio tasks behind when a save fails (a full disk): their

@@ -22,6 +22,7 @@ def get_config(arg: str | None = None):
   c.warm_start.max_steps = 1500  # as configs/addition_grpo.py: the agent starts from a model that can add
   c.warm_start.eval_every = 5
   c.optim.schedule = "cosine"
+  c.optim.learning_rate = 5e-4  # configs/addition_grpo.py's tuned rate
   c.rl.num_steps = 300
   c.eval.every_steps = 100
   if variant.size == "tiny":  # the end-to-end test: a couple of steps only

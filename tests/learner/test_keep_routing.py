@@ -178,7 +178,8 @@ def test_batch_checks_routing():
 
 def test_learner_needs_routing_when_asked(host_batch):
   learner = Learner(models.Transformer(CFG, rngs=nnx.Rngs(0)),
-                    LearnerConfig(algo=AlgoConfig(keep_routing=True), logprob_chunk_size=8))
+                    LearnerConfig(algo=AlgoConfig(keep_routing=True), optim=OptimConfig(learning_rate=1e-3),
+                                  logprob_chunk_size=8))
   with pytest.raises(ValueError, match="keep_routing=True but the batch has no 'routing'"):
     learner.token_logprobs(learner.state, learner.put_batch(host_batch(8)))
   with pytest.raises(ValueError, match="algo.keep_routing"):

@@ -38,7 +38,7 @@ def _group(rng, i, g=4, token_advantages=False):
 
 def _learner(attention="auto", **algo):
   model = models.Transformer(CFG.replace(attention=attention), rngs=nnx.Rngs(0))
-  return Learner(model, LearnerConfig(algo=AlgoConfig(**algo), optim=OptimConfig()))
+  return Learner(model, LearnerConfig(algo=AlgoConfig(**algo), optim=OptimConfig(learning_rate=1e-3)))
 
 
 def test_a_row_holds_the_prompt_once_then_each_answer_at_its_own_positions():

@@ -144,7 +144,8 @@ def test_batch_checks_masks():
 
 def test_learner_needs_the_mask_when_asked(host_batch):
   learner = Learner(models.Transformer(CFG, rngs=nnx.Rngs(0)),
-                    LearnerConfig(algo=AlgoConfig(keep_sampling_mask=True), logprob_chunk_size=8))
+                    LearnerConfig(algo=AlgoConfig(keep_sampling_mask=True), optim=OptimConfig(learning_rate=1e-3),
+                                  logprob_chunk_size=8))
   with pytest.raises(ValueError, match="keep_sampling_mask=True but the batch has no 'sampling_mask'"):
     learner.token_logprobs(learner.state, learner.put_batch(host_batch(8)))
   bad = dict(host_batch(8), sampling_mask=np.zeros((8, 16), np.uint8))

@@ -152,7 +152,7 @@ def test_config_errors_name_the_key():
   with pytest.raises(ValueError, match="optim.micro_batches=0"):
     OptimConfig(micro_batches=0)
   with pytest.raises(ValueError, match="rl.num_steps"):  # a run value: checked once the schedule is built
-    optimizer.make_schedule(OptimConfig(schedule="cosine"))
+    optimizer.make_schedule(OptimConfig(learning_rate=1e-3, schedule="cosine"))
   assert AlgoConfig(loss="dapo").eps_high_value == 0.28
   assert AlgoConfig(loss="dapo", eps_high=0.3).eps_high_value == 0.3
 

@@ -13,7 +13,7 @@ from flax import nnx
 from tunixlike import config as config_lib, models, trace
 from tunixlike.data import char_tokenizer
 from tunixlike.learner import batch as batch_lib, token_advantages as tok_adv
-from tunixlike.learner.config import AlgoConfig, LearnerConfig
+from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
 from tunixlike.learner.train_step import Learner
 from tunixlike.rewards import process
 from tunixlike.rollout import Completion, RolloutGroup
@@ -172,7 +172,8 @@ def test_a_learner_step_consumes_per_token_process_advantages():
   c0.step_ends, c0.step_rewards = np.array([1, 3], np.int32), np.array([1.0, 0.0], np.float32)
   c1.step_ends, c1.step_rewards = np.array([0, 3], np.int32), np.array([0.0, 1.0], np.float32)
   group = RolloutGroup("p", np.array([1, 2, 3], np.int32), [c0, c1], rewards=np.array([1.0, 1.0], np.float32))
-  learner = Learner(models.Transformer(cfg, rngs=nnx.Rngs(0)), LearnerConfig(algo=AlgoConfig()))
+  learner = Learner(models.Transformer(cfg, rngs=nnx.Rngs(0)),
+                    LearnerConfig(algo=AlgoConfig(), optim=OptimConfig(learning_rate=1e-3)))
   losses = {}
   for name, tcfg in (("outcome", None), ("process", tok_adv.TokenAdvantageConfig(process_coef=1.0))):
     host = batch_lib.assemble_batch([group], num_rows=2, seq_buckets=(8,), token_advantages=tcfg)

@@ -7,7 +7,7 @@ import math
 from typing import ClassVar
 
 from tunixlike.learner import advantages, is_correction, kl, losses
-from tunixlike.settings import (ConfigError, check_fields, in_range, non_negative, one_of, positive,
+from tunixlike.settings import (ConfigError, check_fields, in_range, non_negative, one_of, optional, positive,
                                 positive_int, require, run_value, setting)
 
 ESTIMATORS = ("grpo_family", "ppo")
@@ -137,7 +137,10 @@ def _b(v) -> str | None:
 class OptimConfig:
   SECTION: ClassVar[str] = "optim"
 
-  learning_rate: float = setting(5e-4, "1e-3 collapsed in probes of the addition task", check=positive)
+  learning_rate: float | None = setting(
+      None, "peak rate; None: chosen at the start of a run by what it starts from: 1e-6 for a pretrained "
+      "model.hf_path (TRL's GRPO default; 1e-5 with LoRA), 2e-4 for the built-in model (after its supervised "
+      "stage)", check=optional(positive))
   warmup_steps: int = setting(0, "linear warm-up of the learning rate", check=non_negative)
   schedule: str = setting("constant", "constant | cosine (decays to 0 at the last RL step)",
                           check=one_of(*SCHEDULES))

@@ -9,6 +9,9 @@ from tunixlike.learner.config import OptimConfig
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:
   """Linear warmup (0 -> lr over warmup_steps), then constant or cosine to 0 at total_steps."""
+  if cfg.learning_rate is None:
+    raise ValueError("optim.learning_rate is None: a run chooses it at start-up by what it starts from "
+                     "(`rl.starting_point`); elsewhere set it, e.g. OptimConfig(learning_rate=2e-4)")
   if cfg.schedule == "cosine":
     if not cfg.total_steps:  # a run value (OptimConfig checks it against warmup_steps once it is set)
       raise ValueError("rl.num_steps: the cosine schedule decays to 0 at the run's last step, but "

@@ -39,6 +39,7 @@ from tunixlike.rl.collapse import CollapseConfig, CollapseDetector
 from tunixlike.rl import policy as policy_lib
 from tunixlike.rl.policy import Policy
 from tunixlike.rl import prompts as prompts_lib
+from tunixlike.rl import starting_point
 from tunixlike.rl.prompts import PromptStream, requests_for
 from tunixlike.rl.config import AGENT_API_KEY_ENV, BUILT_IN_ENVS
 from tunixlike.rl.queue import RolloutQueue
@@ -267,7 +268,8 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   `training=False`: only what sampling a checkpoint needs (no critic, no teacher, no training prompts). `dataset`,
   `eval_dataset`, `rewards`, `env` and `agent` are in-memory objects that replace data.train, data.eval,
   rewards, rl.env and rl.agent (see `tunixlike.train`). User code is loaded and checked before the model is built.
-  A sampler.max_new_tokens left None is sized from the data (`sized_completions`): `Setup.cfg` holds it."""
+  A sampler.max_new_tokens left None is sized from the data (`sized_completions`), an optim.learning_rate or
+  warm_start.max_steps left None chosen by what the run starts from (`starting_point`): `Setup.cfg` holds them."""
   with_inputs(cfg, dataset=dataset, eval_dataset=eval_dataset, env=env, agent=agent)  # the config's checks
   distributed.initialize(cfg.distributed, cross_host_transfers=cfg.mesh.sampler_hosts > 0)
   check_process_split(cfg, jax.process_count())
@@ -275,6 +277,9 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   if cfg.mesh.sampler_hosts:  # the learner hosts' collectives leave the sampler hosts out
     distributed.set_process_group(range(jax.process_count() - cfg.mesh.sampler_hosts))
   tok, task = build_task(cfg, dataset, eval_dataset)
+  cfg, lines = starting_point.resolved(cfg)
+  for line in lines:
+    say(line)
   if cfg.sampler.max_new_tokens is None:  # sized once, here: the engines, the learner and the checkpoints take it
     limit, line = sized_completions(cfg, tok, task)
     say(line)

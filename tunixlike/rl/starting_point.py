@@ -1,0 +1,57 @@
+"""The settings a config leaves None that depend on what the run starts from.
+
+A pretrained checkpoint (model.hf_path) already answers: RL only reweighs what it says, in small
+steps, the field's defaults for GRPO (TRL's), with no supervised stage. The built-in model starts from
+random weights: it needs a supervised stage on the data's answers before RL can find a reward, and its
+128k parameters take (and need) much larger steps. A user who sets a key gets that value; the line this
+returns says what was chosen and why.
+"""
+
+from __future__ import annotations
+
+from tunixlike import config as config_lib
+
+PRETRAINED_LEARNING_RATE = 1e-6  # TRL's GRPOConfig default, for a pretrained model's full weights
+# LoRA adapters start at zero and are scaled by alpha / rank: the field's LoRA GRPO recipes use 1e-5 and more.
+PRETRAINED_LORA_LEARNING_RATE = 1e-5
+# The built-in model after its supervised stage: 5e-4 unlearned countdown's warm start before it
+# relearned, 2e-4 rose steadily (benchmarks/defaults.py measures it on three tasks: docs/benchmarks.md).
+BUILT_IN_LEARNING_RATE = 2e-4
+# Stops at warm_start.target_accuracy long before on the tasks measured (50-950 steps).
+SUPERVISED_STEPS = 2000
+
+
+def learning_rate(cfg: config_lib.Config) -> tuple[float, str]:
+  """optim.learning_rate for a config that leaves it None, and why."""
+  if cfg.model.hf_path is None:
+    return BUILT_IN_LEARNING_RATE, "the built-in model, trained from random weights"
+  if cfg.lora.rank:
+    return PRETRAINED_LORA_LEARNING_RATE, "LoRA adapters on the pretrained model.hf_path"
+  return PRETRAINED_LEARNING_RATE, "the pretrained model.hf_path (TRL's GRPO default)"
+
+
+def supervised_steps(cfg: config_lib.Config) -> tuple[int, str]:
+  """warm_start.max_steps for a config that leaves it None, and why: a stage on the data's answers when
+  the built-in model starts from random weights, none from a pretrained checkpoint or without answers."""
+  d = cfg.data
+  answers = d.answer_field or d.messages_field
+  if cfg.model.hf_path is None and answers:
+    return SUPERVISED_STEPS, (f"the built-in model starts from random weights: a supervised stage on {answers!r} "
+                              f"until held-out accuracy reaches warm_start.target_accuracy={cfg.warm_start.target_accuracy}")
+  return 0, ("the pretrained model.hf_path answers already" if cfg.model.hf_path is not None
+             else "no data.answer_field or data.messages_field to learn from")
+
+
+def resolved(cfg: config_lib.Config) -> tuple[config_lib.Config, list[str]]:
+  """`cfg` with optim.learning_rate and warm_start.max_steps chosen where they are None, and one line
+  for each chosen (set the key to choose)."""
+  changes, lines = {}, []
+  if cfg.optim.learning_rate is None:
+    rate, why = learning_rate(cfg)
+    changes["optim"] = dict(learning_rate=rate)
+    lines.append(f"optim.learning_rate={rate:g}: {why} (set optim.learning_rate to choose)")
+  if cfg.warm_start.max_steps is None:
+    steps, why = supervised_steps(cfg)
+    changes["warm_start"] = dict(max_steps=steps)
+    lines.append(f"warm_start.max_steps={steps}: {why} (set warm_start.max_steps to choose)")
+  return (config_lib.replace(cfg, **changes) if changes else cfg), lines
