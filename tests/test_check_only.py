@@ -81,7 +81,9 @@ def test_a_good_own_data_config_passes_and_says_what_it_checked(task):
                                 "'total'; sampler.max_new_tokens=5: the longest answer in data.answer_field 'total' "
                                 "is 3 tokens with its end, plus room (set sampler.max_new_tokens to choose); "
                                 "optim.learning_rate=0.0002: the built-in model, trained from random weights (set "
-                                "optim.learning_rate to choose); warm_start.max_steps=2000: the built-in model starts "
+                                "optim.learning_rate to choose); sampler.temperature=0.7: the built-in model: its "
+                                "samples at 1.0 rarely end right after a supervised stage (set sampler.temperature to "
+                                "choose); warm_start.max_steps=2000: the built-in model starts "
                                 "from random weights: a supervised stage on 'total' until held-out accuracy reaches "
                                 "warm_start.target_accuracy=0.2 (set warm_start.max_steps to choose)")
 
@@ -99,7 +101,8 @@ def test_data_without_answers_leaves_nothing_to_size_the_completions_from(task):
   assert line == ("sampler.max_new_tokens is not set and the data has no answer column to size it from: set "
                   "sampler.max_new_tokens (or data.answer_field)")
   out = check("--config", str(task / "config.py"), "--config.data.answer_field=None",
-              "--config.sampler.max_new_tokens=6", "--config.optim.learning_rate=1e-3")
+              "--config.sampler.max_new_tokens=6", "--config.optim.learning_rate=1e-3",
+              "--config.sampler.temperature=1.0")
   assert out.returncode == 0 and out.stdout.strip().endswith(
       "; sampler.max_new_tokens=6; warm_start.max_steps=0: no data.answer_field or data.messages_field to learn from "
       "(set warm_start.max_steps to choose)"), out.stderr

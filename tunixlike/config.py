@@ -460,7 +460,8 @@ class Config:
     require(self.rl.env is None, "rl.env", self.rl.env, f"{what} is single-turn only")
     require(self.rl.agent is None, "rl.agent", self.rl.agent, f"{what} is single-turn only")
     if distill:  # the sampler's logprobs must be the student's own distribution for r_t to be the reverse KL
-      require(s.temperature == 1.0, "sampler.temperature", s.temperature, "distillation samples at temperature 1")
+      require(s.temperature in (None, 1.0), "sampler.temperature", s.temperature,
+              "distillation samples at temperature 1")
       require(s.top_k == 0 and s.top_p == 1.0, "sampler.top_k" if s.top_k else "sampler.top_p",
               s.top_k or s.top_p, "distillation samples the full distribution (top_k=0, top_p=1)")
 

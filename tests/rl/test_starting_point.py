@@ -13,7 +13,12 @@ OWN_DATA = {"data.task": None, "data.train": "train.jsonl", "data.prompt_field":
 
 def resolved(overrides):
   cfg, lines = starting_point.resolved(tunixlike.load_config(tunixlike.Config(), overrides))
-  return cfg.optim.learning_rate, cfg.warm_start.max_steps, lines
+  return cfg.optim.learning_rate, cfg.warm_start.max_steps, [l for l in lines if "temperature" not in l]
+
+
+def temperature(overrides) -> tuple[float, list[str]]:
+  cfg, lines = starting_point.resolved(tunixlike.load_config(tunixlike.Config(), overrides))
+  return cfg.sampler.temperature, [l for l in lines if l.startswith("sampler.temperature")]
 
 
 def test_the_built_in_model_with_answers_gets_a_supervised_stage_and_its_rate():
@@ -43,8 +48,18 @@ def test_data_without_answers_gets_no_supervised_stage():
 
 
 def test_keys_the_user_sets_are_kept_and_not_announced():
-  rate, steps, lines = resolved({**OWN_DATA, "optim.learning_rate": 5e-4, "warm_start.max_steps": 10})
-  assert (rate, steps, lines) == (5e-4, 10, [])
+  overrides = {**OWN_DATA, "optim.learning_rate": 5e-4, "warm_start.max_steps": 10, "sampler.temperature": 1.0}
+  cfg, lines = starting_point.resolved(tunixlike.load_config(tunixlike.Config(), overrides))
+  assert (cfg.optim.learning_rate, cfg.warm_start.max_steps, cfg.sampler.temperature, lines) == (5e-4, 10, 1.0, [])
+
+
+def test_the_sampling_temperature_is_lower_for_the_built_in_model_than_the_fields():
+  assert temperature(OWN_DATA) == (0.7, ["sampler.temperature=0.7: the built-in model: its samples at 1.0 rarely "
+                                         "end right after a supervised stage (set sampler.temperature to choose)"])
+  assert temperature({**OWN_DATA, "model.hf_path": "org/model"})[0] == 1.0
+  distill = {"algo.advantage": "distill", "model.teacher_path": "teacher"}
+  value, lines = temperature(distill)
+  assert value == 1.0 and "distillation samples at temperature 1" in lines[0]
 
 
 def test_a_library_optimizer_without_a_rate_is_refused_naming_the_key():

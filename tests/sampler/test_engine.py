@@ -52,7 +52,7 @@ def test_logprobs_and_mask_equal_processed_full_forward(tiny_model, make_engine,
   prompts = random_prompts(4, seed=1)
   keys = [jax.random.PRNGKey(10 + i) for i in range(4)]
   toks, lps, masks = _decode_all(engine, params, prompts, keys)
-  sp = SamplingParams(**kw)
+  sp = SamplingParams(**{"temperature": 1.0, **kw})
   for p, t, lp, m in zip(prompts, toks, lps, masks):
     seq = np.concatenate([p, t])
     logits = tiny_model(jnp.asarray(seq[None]))[0, len(p) - 1:-1]

@@ -91,4 +91,4 @@ def test_jittable_and_no_nan_with_extreme_logits():
     (dict(top_k=-1), "top_k"), (dict(top_k=1.5), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p")])
 def test_bad_params_name_the_field(kw, field):
   with pytest.raises(ValueError, match=field):
-    SamplingParams(**kw)
+    SamplingParams(**{"temperature": 1.0, **kw})

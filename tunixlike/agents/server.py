@@ -129,7 +129,7 @@ class AgentServer:
     self._authorization = f"Bearer {api_key}".encode()
     self.max_body_bytes = max_body_bytes
     cfg = driver.engine.config
-    self._temperature, self._top_p, self._max_new = cfg.temperature, cfg.top_p, cfg.max_new_tokens
+    self._temperature, self._top_p, self._max_new = cfg.sampling.temperature, cfg.top_p, cfg.max_new_tokens
     tok = driver.tokenizer
     self._template = tok.chat_template or PLAIN_CHAT_TEMPLATE
     self._special = {k: v for k, v in tok.special_tokens.items() if v is not None}

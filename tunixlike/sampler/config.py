@@ -27,6 +27,7 @@ def _power_of_two(v) -> str | None:
 
 
 KV_LAYOUTS = ("contiguous", "paged")
+OUTSIDE_A_RUN_TEMPERATURE = 1.0  # an engine built without a run (which chooses sampler.temperature) samples the model as is
 
 
 def check_sized(config: SamplerConfig) -> None:
@@ -49,8 +50,10 @@ class SamplerConfig:
   max_new_tokens: int | None = setting(None, "completion length limit (finish_reason 'length'; a request may ask "
                                        "for fewer); None: sized at the start of the run from the data's longest "
                                        "tokenized answer, plus room", check=optional(positive_int))
-  temperature: float = library_setting(SamplingParams, "temperature",
-                                       "0 = greedy; the learner scores tokens at the same temperature")
+  temperature: float | None = setting(
+      None, "0 = greedy; the learner scores tokens at the same temperature; None: chosen at the start of a run by "
+      "what it starts from: 1.0 for a pretrained model.hf_path (TRL's GRPO default) and for distillation, 0.7 for "
+      "the built-in model (an engine built outside a run samples at 1.0)")
   top_k: int = library_setting(SamplingParams, "top_k", "0 = off")
   top_p: float = library_setting(SamplingParams, "top_p", "1 = off; with < 1 consider algo.keep_sampling_mask",
                                  check=in_range(0, 1, low_open=True))
@@ -112,7 +115,8 @@ class SamplerConfig:
 
   @property
   def sampling(self) -> SamplingParams:
-    return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+    temperature = OUTSIDE_A_RUN_TEMPERATURE if self.temperature is None else self.temperature
+    return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p)
 
   @property
   def prefill_buckets(self) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ import numpy as np
 class SamplingParams:
   """Static sampling settings (hashable: they select a compiled program)."""
 
-  temperature: float = 1.0  # 0 = greedy
+  temperature: float  # 0 = greedy (no default: a run chooses sampler.temperature by what it starts from)
   top_k: int = 0  # 0 = off
   top_p: float = 1.0  # 1 = off
 
