@@ -37,6 +37,8 @@ import harness
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COUNTDOWN = os.path.join(REPO, "examples", "countdown")
+# The lines in which the run says what it chose for the keys the config leaves None.
+CHOSEN = ("optim.learning_rate=", "sampler.temperature=", "warm_start.max_steps=", "sampler.max_new_tokens=")
 WORDS = "zero one two three four five six seven eight nine".split()
 
 EXACT_REWARD = '''\
@@ -141,7 +143,7 @@ def run_task(name: str, folder: str, config_path: str, args) -> dict:
   last = points[-1] if points else (None, None)
   best = max(points, key=lambda p: p[1]) if points else (None, None)
   return {"command": shlex.join(cmd), "exit_code": rc, "wall_s": round(wall, 1),
-          "sized": [l for l in lines if l.startswith(("sampler.max_new_tokens=", "optim.learning_rate="))],
+          "chosen": [l for l in lines if l.startswith(CHOSEN)],
           "supervised_accuracy": start_acc, "final_step": last[0], "final_accuracy": last[1],
           "gain_points": None if start_acc is None or last[1] is None else round(100 * (last[1] - start_acc), 1),
           "best_step": best[0], "best_accuracy": best[1], "evals": points,

@@ -242,3 +242,17 @@ def test_long_context_benchmark(tmp_path):
     work = r[f"ring_work_per_device_{layout}_4_512"]
     assert len(work["seconds"]) == 4 and min(work["seconds"]) > 0
   assert len(set(r["ring_work_per_device_zigzag_4_512"]["block_pairs"])) == 1
+
+
+@pytest.mark.slow
+def test_defaults_benchmark_runs_a_config_of_data_answer_and_reward_only(tmp_path):
+  r = run_benchmark("defaults", tmp_path, "--tasks", "sort", "--workdir-root", str(tmp_path / "tasks"))
+  sort = r["tasks"]["sort"]
+  assert sort["stopped_by"] == "end" and sort["final_step"] == 2, sort
+  assert 0 <= sort["supervised_accuracy"] <= 1 and [s for s, _ in sort["evals"]] == [0, 2]
+  assert [line.split("=")[0] for line in sort["chosen"]] == ["optim.learning_rate", "sampler.temperature",
+                                                             "sampler.max_new_tokens"]
+  config_text = (tmp_path / "tasks" / "sort" / "config.py").read_text()
+  keys = {line.split("=")[0].strip() for line in config_text.splitlines() if line.strip().startswith("c.")}
+  assert keys == {"c.data.task", "c.data.train", "c.data.eval", "c.data.prompt_field", "c.data.answer_field",
+                  "c.data.num_eval_examples", "c.rewards"}
