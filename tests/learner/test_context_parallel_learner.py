@@ -48,7 +48,8 @@ def _step(batch, mesh=None, **optim):
     model = models.Transformer(CFG, rngs=nnx.Rngs(0))
   else:
     model = models.create_sharded(CFG, mesh, mesh_lib.LEARNER_RULES, seed=0)
-  learner = Learner(model, LearnerConfig(algo=ALGO, optim=OptimConfig(**optim)), mesh, mesh_lib.LEARNER_RULES)
+  learner = Learner(model, LearnerConfig(algo=ALGO, optim=OptimConfig(**{"learning_rate": 1e-3, **optim})), mesh,
+                    mesh_lib.LEARNER_RULES)
   placed = learner.put_batch(batch)
   if mesh is not None:
     assert placed["tokens"].sharding.spec == P(None, None, "fsdp")  # [M, b, T]: T over the 4 devices
