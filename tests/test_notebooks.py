@@ -47,9 +47,9 @@ def execute(name, where, **params):
                                                 "display_name": KERNEL, "language": "python"}))
   cwd = where / "content"  # Colab's /content: no checkout around it
   cwd.mkdir()
-  env_before = dict(os.environ)
+  env_before, env = dict(os.environ), fresh_install.install_env(JUPYTER_PATH=str(where / "jupyter"))
   os.environ.clear()
-  os.environ.update(fresh_install.install_env(JUPYTER_PATH=str(where / "jupyter")))  # inherited by the kernel
+  os.environ.update(env)  # inherited by the kernel
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   try:
     nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name=KERNEL,
