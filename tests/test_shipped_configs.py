@@ -68,3 +68,6 @@ def test_list_configs_names_each_with_its_summary():
   names = [line.split()[0] for line in lines[1:]]
   assert names == list(shipped_configs.paths())
   assert any(l.split(None, 1)[1].startswith("Async GRPO on Countdown") for l in lines[1:] if l.split()[0] == "countdown")
+  sft = subprocess.run([sys.executable, "-m", "tunixlike.sft", "--list_configs"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+  assert sft.returncode == 0 and sft.stdout == out.stdout, sft.stderr  # train's flags, its own command
