@@ -53,8 +53,8 @@ def fresh_venv(path: pathlib.Path) -> pathlib.Path:
   python = path / "bin" / "python"
   site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                         capture_output=True, text=True, check=True, env=install_env()).stdout.strip()
-  outer = [p for p in sys.path if p and os.path.isdir(p) and not os.path.isfile(os.path.join(p, "tunixlike", "__init__.py"))
-           and not pathlib.Path(p).resolve().is_relative_to(ROOT)]
+  outer = [p for p in sys.path if p and os.path.isdir(p) and not pathlib.Path(p).resolve().is_relative_to(ROOT)
+           and not os.path.isfile(os.path.join(p, "tunixlike", "__init__.py"))]
   pathlib.Path(site, "outer_packages.pth").write_text("\n".join(outer) + "\n")
   return python
 

@@ -43,8 +43,8 @@ def execute(name, where, **params):
   python = fresh_install.fresh_venv(where / "venv")
   spec = where / "jupyter" / "kernels" / KERNEL
   spec.mkdir(parents=True)
-  (spec / "kernel.json").write_text(json.dumps({"argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-                                                "display_name": KERNEL, "language": "python"}))
+  argv = [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+  (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": KERNEL, "language": "python"}))
   cwd = where / "content"  # Colab's /content: no checkout around it
   cwd.mkdir()
   env_before, env = dict(os.environ), fresh_install.install_env(JUPYTER_PATH=str(where / "jupyter"))

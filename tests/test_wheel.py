@@ -37,8 +37,9 @@ def test_the_installed_wheel_trains_evaluates_and_exports_by_config_name(tmp_pat
   files = set(zipfile.ZipFile(wheel).namelist())
   modules = {p.relative_to(source).as_posix() for p in (source / "tunixlike").rglob("*.py")}
   assert modules <= files, sorted(modules - files)  # a folder without __init__.py would be left out
-  assert {"tunixlike/configs/addition_grpo.py", "tunixlike/data/gsm8k/test.jsonl", "tunixlike/examples/countdown/train.jsonl",
-          "tunixlike/examples/countdown/rewards.py", "tunixlike/examples/calculator_agent/agent.py"} <= files
+  assert {"tunixlike/configs/addition_grpo.py", "tunixlike/data/gsm8k/test.jsonl",
+          "tunixlike/examples/countdown/train.jsonl", "tunixlike/examples/countdown/rewards.py",
+          "tunixlike/examples/calculator_agent/agent.py"} <= files
   shutil.rmtree(source)  # nothing below can read the tree the wheel came from
 
   venv = tmp_path / "venv"
@@ -52,10 +53,14 @@ def test_the_installed_wheel_trains_evaluates_and_exports_by_config_name(tmp_pat
   assert str(package.parent / "configs") in listed.splitlines()[0]
   assert {"addition_grpo", "countdown", "calculator_agent"} <= {l.split()[0] for l in listed.splitlines()[1:]}
 
-  for example in ("countdown", "calculator_agent"):  # their files beside the installed config: ./train.jsonl ...
-    out = run(python, elsewhere, "-m", "tunixlike.train", "--config", f"{example}:size=tiny", "--check_only")
-    assert out.stdout.startswith("config OK"), out.stdout
-  out = run(python, elsewhere, "-m", "tunixlike.train", "--config", "addition_grpo:size=tiny", *SMALL, "--workdir", "run")
+  # The examples' files beside their installed configs: countdown's ./train.jsonl and ./rewards.py (read and
+  # called by --check_only), calculator_agent's ./agent.py (loaded as the run loads it).
+  out = run(python, elsewhere, "-m", "tunixlike.train", "--config", "countdown:size=tiny", "--check_only")
+  assert out.stdout.startswith("config OK; data.train: 1725 rows read") and "rewards: correct=" in out.stdout
+  agent = run(python, elsewhere, "-c", "import inspect; from tunixlike import config; from tunixlike.rewards import "
+              "loader; print(inspect.getsourcefile(loader.load(config.load('calculator_agent').rl.agent, key='rl.agent')))")
+  assert pathlib.Path(agent.stdout.strip()) == package.parent / "examples" / "calculator_agent" / "agent.py"
+  run(python, elsewhere, "-m", "tunixlike.train", "--config", "addition_grpo:size=tiny", *SMALL, "--workdir", "run")
   records = [json.loads(line) for line in open(elsewhere / "run" / "metrics.jsonl")]
   assert [r["step"] for r in records if "loss" in r] == [0]
 

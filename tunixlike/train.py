@@ -62,7 +62,8 @@ def device_count_error(raw) -> str | None:
 
 
 def parse(argv: list[str], prog: str = PROG) -> tuple[config_lib.Config | None, str | None]:
-  """Parses flags into a validated Config (None only with --list_configs); exits with status 2 and one clear line on bad input."""
+  """Parses flags into a validated Config (None only with --list_configs); exits with status 2 and one
+  clear line on bad input."""
   cfg = cli.parse_config(prog, argv, _CONFIG, first_check=device_count_error)
   if cfg is None and not _LIST_CONFIGS.value:
     cli.fail(prog, "--config is required (e.g. --config addition_grpo; --list_configs names the shipped ones)")
