@@ -57,8 +57,10 @@ def test_the_installed_wheel_trains_evaluates_and_exports_by_config_name(tmp_pat
   # called by --check_only), calculator_agent's ./agent.py (loaded as the run loads it).
   out = run(python, elsewhere, "-m", "tunixlike.train", "--config", "countdown:size=tiny", "--check_only")
   assert out.stdout.startswith("config OK; data.train: 1725 rows read") and "rewards: correct=" in out.stdout
-  agent = run(python, elsewhere, "-c", "import inspect; from tunixlike import config; from tunixlike.rewards import "
-              "loader; print(inspect.getsourcefile(loader.load(config.load('calculator_agent').rl.agent, key='rl.agent')))")
+  load_agent = ("import inspect; from tunixlike import config; from tunixlike.rewards import loader; "
+                "agent = loader.load(config.load('calculator_agent').rl.agent, key='rl.agent'); "
+                "print(inspect.getsourcefile(agent))")
+  agent = run(python, elsewhere, "-c", load_agent)
   assert pathlib.Path(agent.stdout.strip()) == package.parent / "examples" / "calculator_agent" / "agent.py"
   run(python, elsewhere, "-m", "tunixlike.train", "--config", "addition_grpo:size=tiny", *SMALL, "--workdir", "run")
   records = [json.loads(line) for line in open(elsewhere / "run" / "metrics.jsonl")]
