@@ -1,16 +1,32 @@
 """tunixlike: asynchronous RL post-training for LLMs in JAX (TPU / GPU; CPU for development)."""
 
+import os
+
 from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+README = os.path.join(HERE, "README.md")
+# The examples that ship inside the package (tunixlike/examples/<name>/: config, data, rewards, agent).
+EXAMPLES = sorted(d for d in os.listdir(os.path.join(HERE, "examples"))
+                  if os.path.isfile(os.path.join(HERE, "examples", d, "config.py")))
 
 setup(
     name="tunixlike",
     version="0.1.0",
     description="Async GRPO-family RL for LLMs in JAX: sampler and learner submeshes, bounded staleness.",
-    long_description=open("README.md", encoding="utf-8").read(),
+    # A source tree without the README (a partial copy) still builds.
+    long_description=open(README, encoding="utf-8").read() if os.path.isfile(README) else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["tunixlike", "tunixlike.*"]),
-    package_data={"tunixlike.data": ["gsm8k/*.jsonl", "gsm8k/LICENSE"]},  # GSM8K (MIT), openai/grade-school-math
+    # configs/ and examples/ stay at the top of the repository, where a reader finds them; installed, they
+    # are tunixlike/configs/ and tunixlike/examples/, which `--config NAME` finds (tunixlike/shipped_configs.py).
+    packages=find_packages(include=["tunixlike", "tunixlike.*"]) + ["tunixlike.configs"]
+    + [f"tunixlike.examples.{name}" for name in EXAMPLES],
+    package_dir={"tunixlike.configs": "configs", "tunixlike.examples": "examples"},
+    package_data={
+        "tunixlike.data": ["gsm8k/*.jsonl", "gsm8k/LICENSE"],  # GSM8K (MIT), openai/grade-school-math
+        **{f"tunixlike.examples.{name}": ["*.jsonl", "*.md"] for name in EXAMPLES},
+    },
     install_requires=[
         # The JAX stack: ranges, so that an existing TPU VM, GPU container or Colab keeps its own JAX.
         # Lower bounds: the oldest versions tested (constraints.txt is the exact tested set); upper

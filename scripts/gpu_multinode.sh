@@ -24,14 +24,15 @@
 #       scripts/gpu_multinode.sh --coordinator=10.0.0.1:12345 --num-processes=2 --process-id=1
 #
 # Settings (environment variables):
-#   CONFIG         config file[:variant] (default: configs/addition_grpo.py)
+#   CONFIG         a shipped config's name[:variant] (python -m tunixlike.train --list_configs) or a
+#                  config file, relative to the directory the script is started from (default: addition_grpo)
 #   WORKDIR        work directory, on storage every node sees (NFS / Lustre / gs://) since each
 #                  host writes its own shards of the orbax checkpoint (default under SLURM:
 #                  runs/<config>-<job id>; required otherwise, so all nodes agree on it)
 #   GPUS_PER_NODE  GPUs per node (default: SLURM_GPUS_ON_NODE, else 8)
 #   NNODES         nodes, SLURM mode (default: SLURM_JOB_NUM_NODES, else 2)
 #   PORT           coordinator port, SLURM mode (default: 12345)
-#   PYTHON         interpreter (default: python3)
+#   PYTHON         an interpreter with tunixlike installed on every node (default: python3)
 #   SAMPLER_HOSTS  nodes that only decode (default 0: every node both, the per-host split)
 #   COORDINATOR, NUM_PROCESSES, PROCESS_ID  same as the explicit flags
 #   Arguments after `--` are passed on to `python -m tunixlike.train` (config overrides).
@@ -75,13 +76,12 @@ if [[ -n "${COORDINATOR:-}${NUM_PROCESSES:-}${PROCESS_ID:-}" ]]; then
   SLURM_MODE=0  # explicit settings win over an enclosing allocation
 fi
 
-CONFIG="${CONFIG:-configs/addition_grpo.py}"
+CONFIG="${CONFIG:-addition_grpo}"
 PYTHON="${PYTHON:-python3}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
 [[ "$GPUS_PER_NODE" =~ ^[1-9][0-9]*$ ]] || die "GPUS_PER_NODE='$GPUS_PER_NODE' is not a positive integer"
 LOCAL_DEVICE_IDS="$(seq -s, 0 $((GPUS_PER_NODE - 1)))"
 by_host_layout
-cd "$HERE/.."  # config paths are relative to the repository
 
 if [[ "$SLURM_MODE" == 1 ]]; then
   NNODES="${NNODES:-${SLURM_JOB_NUM_NODES:-2}}"

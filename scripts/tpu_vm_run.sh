@@ -18,12 +18,13 @@
 #
 # Usage:
 #   BUCKET=my-bucket scripts/tpu_vm_run.sh [--dry-run] [-- --config.rl.max_staleness=2 ...]
-#   CONFIG=configs/gsm8k_grpo.py:size=small RUN_NAME=gsm8k-1 BUCKET=my-bucket scripts/tpu_vm_run.sh
+#   CONFIG=gsm8k_grpo RUN_NAME=gsm8k-1 BUCKET=my-bucket scripts/tpu_vm_run.sh -- --config.model.hf_path=...
 #
 # Settings (environment variables):
 #   PROJECT, ZONE, TPU_NAME  as for tpu_vm_create.sh
 #   BUCKET      GCS bucket for the work directory (required unless WORKDIR is set)
-#   CONFIG      config file[:variant] relative to the repository (default: configs/addition_grpo.py)
+#   CONFIG      a shipped config's name[:variant] (python -m tunixlike.train --list_configs), or a config
+#               file relative to the repository's copy in REMOTE_DIR (default: addition_grpo)
 #   RUN_NAME    run name (default: <config name>-<UTC time>)
 #   WORKDIR     work directory (default: gs://$BUCKET/tunixlike/$RUN_NAME)
 #   LOG_DIR     local directory for the per-worker logs (default: logs/$RUN_NAME)
@@ -41,7 +42,7 @@ parse_common_args "$@"
 
 ZONE="${ZONE:-us-central2-b}"
 TPU_NAME="${TPU_NAME:-tunixlike-tpu}"
-CONFIG="${CONFIG:-configs/addition_grpo.py}"
+CONFIG="${CONFIG:-addition_grpo}"
 CONFIG_NAME="$(basename "${CONFIG%%:*}" .py)"
 RUN_NAME="${RUN_NAME:-$CONFIG_NAME-$(date -u +%Y%m%d-%H%M%S)}"
 if [[ -z "${WORKDIR:-}" ]]; then
@@ -57,7 +58,9 @@ by_host_layout
 PORT="${PORT:-8482}"
 [[ "$PORT" =~ ^[1-9][0-9]*$ ]] || die "PORT='$PORT' is not a port number"
 
-TRAIN=("$VENV/bin/python" -m tunixlike.train --config="$CONFIG" --workdir="$WORKDIR" "${EXTRA_ARGS[@]}")
+# From REMOTE_DIR, so that a config file's path is relative to the repository's copy; -P keeps that
+# directory off sys.path, so the installed package runs, not the copy's tunixlike/.
+TRAIN=("$VENV/bin/python" -P -m tunixlike.train --config="$CONFIG" --workdir="$WORKDIR" "${EXTRA_ARGS[@]}")
 TRAIN_LINE=""
 for word in "${TRAIN[@]}"; do
   case "$word" in

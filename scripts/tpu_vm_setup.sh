@@ -4,7 +4,10 @@
 # the same code and packages, and the TPU runtime only comes up when all hosts start together.
 #
 # The code comes either from git (REPO_URL) or, by default, from this checkout: it is packed into
-# a tarball (without .git, runs/ and caches) and copied to every worker with `tpu-vm scp`.
+# a tarball (without .git, runs/ and caches) and copied to every worker with `tpu-vm scp`. Either
+# way it lands in REMOTE_DIR and is installed from there as a package (not editable): the run
+# imports the installed tunixlike, with its shipped configs (`CONFIG=addition_grpo`), and
+# REMOTE_DIR keeps the repository's files for configs and data of your own.
 # The TPU VM images ship Python 3.10 and tunixlike needs >= 3.11, so a venv is built with
 # python$PYTHON_VERSION (from the deadsnakes PPA when the image lacks it).
 #
@@ -57,13 +60,13 @@ else
   run "${SSH[@]}" --command="set -e; mkdir -p $REMOTE_DIR && tar -xzf ~/tunixlike-src.tgz -C $REMOTE_DIR"
 fi
 
-# 2. Python >= 3.11 venv, tunixlike and JAX for TPU (jax[tpu] pulls the matching libtpu).
+# 2. Python >= 3.11 venv, the tunixlike package and JAX for TPU (jax[tpu] pulls the matching libtpu).
 PY="python$PYTHON_VERSION"
 FIND_LINKS=""
 if [[ -n "$JAX_TPU_INDEX" ]]; then
   FIND_LINKS=" -f $JAX_TPU_INDEX"
 fi
-run "${SSH[@]}" --command="set -e; if ! command -v $PY >/dev/null; then sudo apt-get update -qq && sudo apt-get install -y -qq software-properties-common && sudo add-apt-repository -y ppa:deadsnakes/ppa && sudo apt-get update -qq && sudo apt-get install -y -qq $PY $PY-venv; fi; [ -x $VENV/bin/python ] || $PY -m venv $VENV; $VENV/bin/pip install -q -U pip; cd $REMOTE_DIR && $VENV/bin/pip install -e . \"jax[tpu]\"$FIND_LINKS $EXTRA_PIP"
+run "${SSH[@]}" --command="set -e; if ! command -v $PY >/dev/null; then sudo apt-get update -qq && sudo apt-get install -y -qq software-properties-common && sudo add-apt-repository -y ppa:deadsnakes/ppa && sudo apt-get update -qq && sudo apt-get install -y -qq $PY $PY-venv; fi; [ -x $VENV/bin/python ] || $PY -m venv $VENV; $VENV/bin/pip install -q -U pip; $VENV/bin/pip install $REMOTE_DIR \"jax[tpu]\"$FIND_LINKS $EXTRA_PIP"
 
 # 3. Every worker must see every chip of the slice (device_count is global, local is per host).
 run "${SSH[@]}" --command="$VENV/bin/python -c \"import jax; print(jax.process_index(), 'devices', jax.device_count(), 'local', jax.local_device_count())\""

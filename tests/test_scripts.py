@@ -89,8 +89,9 @@ def test_setup_runs_everything_on_all_workers(tmp_path):
   remote = [_flags(c)["command"] for c in ssh]
   assert "tar -xzf ~/tunixlike-src.tgz -C ~/tunixlike" in remote[0]
   install = remote[1]
-  assert ('pip install -e . "jax[tpu]" -f https://storage.googleapis.com/jax-releases/libtpu_releases.html'
-          in install)
+  assert ('pip install ~/tunixlike "jax[tpu]" -f https://storage.googleapis.com/jax-releases/libtpu_releases.html'
+          in install)  # the package, not an editable checkout
+  assert "pip install -e" not in install
   assert "python3.11 -m venv ~/tunixlike-venv" in install
   assert "import jax" in remote[2] and "jax.device_count()" in remote[2]
   # A git checkout instead of the tarball; libtpu from PyPI only.
@@ -113,12 +114,13 @@ def test_run_on_all_workers_with_gs_workdir_and_per_worker_logs(tmp_path):
   remote = shlex.split(flags["command"])  # what each worker's shell runs
   assert remote[:3] == ["cd", "~/tunixlike", "&&"]
   train = remote[3:remote.index("2>&1")]
-  assert train[:3] == ["~/tunixlike-venv/bin/python", "-m", "tunixlike.train"]
+  assert train[:4] == ["~/tunixlike-venv/bin/python", "-P", "-m", "tunixlike.train"]  # -P: the installed package
   assert _flags(train) == {"config": "configs/addition_grpo.py:size=tiny", "workdir": "gs://my-bucket/tunixlike/r1",
                            "config.rl.max_staleness": "2", "config.data.name": "a b"}
   # Default run name from the config and the time; an explicit WORKDIR needs no bucket.
   (_, ssh) = _commands(_run("tpu_vm_run.sh", "--dry-run", env={"WORKDIR": "gs://b/w"}, cwd=tmp_path))
   assert "--workdir=gs://b/w" in shlex.split(_flags(ssh)["command"])
+  assert "--config=addition_grpo" in shlex.split(_flags(ssh)["command"])  # a shipped config, by name
   assert _flags(ssh)["output-directory"].startswith("logs/addition_grpo-")
   bad = _run("tpu_vm_run.sh", "--dry-run", cwd=tmp_path)
   assert bad.returncode == 2 and "BUCKET is not set" in bad.stderr
@@ -168,7 +170,7 @@ def test_gpu_slurm_task_line_runs_with_each_tasks_ids(tmp_path):
   for procid, lines in enumerate(outputs):
     assert lines == ["JAX_COORDINATOR_ADDRESS=gpu-a:23456", "JAX_LOCAL_DEVICE_IDS=0,1", "JAX_NUM_PROCESSES=3",
                      f"JAX_PROCESS_ID={procid}",
-                     "ARGS -m tunixlike.train --config=configs/addition_grpo.py "
+                     "ARGS -m tunixlike.train --config=addition_grpo "
                      "--workdir=runs/addition_grpo-42 --config.rl.max_staleness=1"]
 
 

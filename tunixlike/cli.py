@@ -18,7 +18,7 @@ from typing import Callable
 import ml_collections
 from absl import flags
 
-from tunixlike import config as config_lib
+from tunixlike import config as config_lib, shipped_configs
 
 HELP_FLAGS = ("--help", "-h", "--helpshort", "-help")
 
@@ -87,12 +87,16 @@ def config_error(e: BaseException, argv: list[str]) -> str:
 
 
 def config_path(argv: list[str]) -> str | None:
-  """The file of `--config FILE[:variant]` as given on the command line."""
+  """The file of `--config FILE[:variant]` (or of a shipped config's NAME) given on the command line."""
   for i, arg in enumerate(argv):
     name, eq, value = arg.partition("=")
     if name in ("--config", "-config"):
       value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-      return value.split(":", 1)[0] or None
+      path = value.split(":", 1)[0]
+      try:
+        return shipped_configs.find(path) if path else None
+      except FileNotFoundError:
+        return path  # the flag's parser says so
   return None
 
 
@@ -140,7 +144,8 @@ def config_file_error(e: BaseException, path: str | None) -> str | None:
 
 
 class NoConfigError(Exception):
-  """get_config returned None. Not a ValueError: absl would fold it into an opaque flag value error."""
+  """No config: an unknown shipped name, or a get_config that returned None. Not a ValueError: absl would
+  fold it into an opaque flag value error."""
 
 
 @contextlib.contextmanager
@@ -155,16 +160,21 @@ def _quiet_absl():
 
 
 def refuse_none(holder: flags.FlagHolder) -> flags.FlagHolder:
-  """Makes a `config_flags.DEFINE_config_file` flag refuse a get_config that returns None or anything
-  but a ConfigDict (a plain dict), before any override is applied to it (ml_collections only logs a
-  warning, then fails on the first override as if the key were unknown)."""
+  """Makes a `config_flags.DEFINE_config_file` flag take a shipped config's name as well as a file, and
+  refuse a get_config that returns None or anything but a ConfigDict (a plain dict), before any override
+  is applied to it (ml_collections only logs a warning, then fails on the first override as if the key
+  were unknown)."""
   parser = flags.FLAGS[holder.name].parser
   load = parser.parse
 
   def parse(argument):
+    path, colon, variant = argument.partition(":")
+    try:
+      path = shipped_configs.find(path)  # a shipped config's name: its file
+    except FileNotFoundError as e:
+      raise NoConfigError(str(e)) from None
     with _quiet_absl():  # the warning would be a second line next to the error
-      config = load(argument)
-    path = argument.split(":", 1)[0]
+      config = load(path + colon + variant)
     if config is None or not isinstance(config, ml_collections.ConfigDict):
       got = "None" if config is None else f"a {type(config).__name__}"
       raise NoConfigError(f"get_config of {path} returned {got} instead of a ConfigDict (start from "

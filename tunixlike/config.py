@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Mapping
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from tunixlike import mesh as mesh_lib
+from tunixlike import mesh as mesh_lib, shipped_configs
 from tunixlike.data.tasks import TASKS, AdditionTask, DatasetTask
 from tunixlike.distributed import DistributedConfig
 from tunixlike.learner.config import OFFLOAD_COMPONENTS, PPO_LOSSES, AlgoConfig, OptimConfig
@@ -537,10 +537,12 @@ def parse_arg(arg: str | None, **spec) -> ml_collections.ConfigDict:
 
 
 def load(path: str | os.PathLike, arg: str | None = None) -> ml_collections.ConfigDict:
-  """`get_config(arg)` of the config file at `path` (from any directory; `path:arg` also works)."""
+  """`get_config(arg)` of the config file at `path` (from any directory; `path:arg` also works), or of
+  the shipped config of that name (`load("addition_grpo", "size=tiny")`, tunixlike/shipped_configs.py)."""
   path = os.fspath(path)
   if arg is None and ":" in os.path.basename(path):
     path, arg = path.rsplit(":", 1)
+  path = shipped_configs.find(path)
   name = "tunixlike_config_" + os.path.splitext(os.path.basename(path))[0]
   spec = importlib.util.spec_from_file_location(name, path)
   if spec is None:

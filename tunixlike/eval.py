@@ -45,7 +45,8 @@ PROG = "tunixlike.eval"
 SPLITS = ("train", "test")
 
 _CONFIG = cli.refuse_none(config_flags.DEFINE_config_file(
-    "config", None, "Config file (configs/*.py[:variant]); any key can then be overridden with "
+    "config", None, "Config file (configs/*.py[:variant]) or a shipped config's name (addition_grpo[:variant]); any "
+    "key can then be overridden with "
     "--config.section.key=value. Default: the config saved with the checkpoint.", lock_config=True))
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "The run's --workdir (WORKDIR/checkpoints is read) or a "
                                   "checkpoint directory holding numbered step directories. Required.")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 
+from tunixlike import cli
 from tunixlike.rl import starting_point
 from tunixlike.train import main as train_main  # the module (tunixlike.train is also the function)
 
@@ -34,8 +35,11 @@ def _check(cfg) -> str | None:
 
 def main(argv: list[str] | None = None):
   # Last, so it wins over the config file and any flag before it. ml_collections finds `--config.*`
-  # overrides in sys.argv itself, so the flag goes there.
-  sys.argv = list(sys.argv if argv is None else argv) + ["--config.rl.num_steps=0"]
+  # overrides in sys.argv itself, so the flag goes there; with no --config (--list_configs, or the
+  # missing flag's error) there is nothing to override.
+  sys.argv = list(sys.argv if argv is None else argv)
+  if cli.config_path(sys.argv) is not None:
+    sys.argv.append("--config.rl.num_steps=0")
   train_main(sys.argv, prog=PROG, module=sys.modules[__name__], check=_check)
 
 

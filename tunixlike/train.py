@@ -1,10 +1,12 @@
 """Train with async RL.
 
   python -m tunixlike.train --config configs/addition_grpo.py --workdir runs/addition
-  python -m tunixlike.train --config configs/gsm8k_grpo.py:size=tiny --config.rl.max_staleness=2 --workdir DIR
+  python -m tunixlike.train --config gsm8k_grpo:size=tiny --config.rl.max_staleness=2 --workdir DIR
+  python -m tunixlike.train --list_configs
 
-`--config` is a Python file with `get_config(arg)` (`file.py:arg` selects a variant); any key can be
-overridden with `--config.section.key=value`. Running again with the same --workdir resumes.
+`--config` is a Python file with `get_config(arg)` (`file.py:arg` selects a variant), or the name of one
+that ships with tunixlike (`--list_configs`), which works from any directory once tunixlike is installed;
+any key can be overridden with `--config.section.key=value`. Running again with the same --workdir resumes.
 A bad flag, unknown key, wrong type or invalid value prints one line naming it and exits with status 2.
 `--check_only` stops there, after also checking the run's inputs (`tunixlike.preflight`): the data files, the
 columns the config names, the prompts' lengths and one call of each reward.
@@ -20,12 +22,15 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from tunixlike import cli, compilation_cache, config as config_lib
+from tunixlike import cli, compilation_cache, config as config_lib, shipped_configs
 
-_CONFIG = cli.refuse_none(config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).",
-                                                           lock_config=True))
+_CONFIG = cli.refuse_none(config_flags.DEFINE_config_file(
+    "config", None, "Config file (configs/*.py[:variant]) or a shipped config's name (addition_grpo[:variant]; "
+    "--list_configs).", lock_config=True))
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics.jsonl, TensorBoard "
                                "events and plots. Reusing it resumes the run.")
+_LIST_CONFIGS = flags.DEFINE_bool("list_configs", False, "Print the configs that ship with tunixlike (the names "
+                                   "--config takes) and where their files are, then exit.")
 _CHECK_ONLY = flags.DEFINE_bool("check_only", False, "Validate the config, read the first rows of the data and call "
                                 "each reward once on one (no JAX backend, no model), then exit.")
 
@@ -56,11 +61,12 @@ def device_count_error(raw) -> str | None:
   return None
 
 
-def parse(argv: list[str], prog: str = PROG) -> tuple[config_lib.Config, str | None]:
-  """Parses flags into a validated Config; exits with status 2 and one clear line on bad input."""
+def parse(argv: list[str], prog: str = PROG) -> tuple[config_lib.Config | None, str | None]:
+  """Parses flags into a validated Config (None only with --list_configs); exits with status 2 and one
+  clear line on bad input."""
   cfg = cli.parse_config(prog, argv, _CONFIG, first_check=device_count_error)
-  if cfg is None:
-    cli.fail(prog, "--config is required (e.g. --config configs/addition_grpo.py)")
+  if cfg is None and not _LIST_CONFIGS.value:
+    cli.fail(prog, "--config is required (e.g. --config addition_grpo; --list_configs names the shipped ones)")
   return cfg, _WORKDIR.value
 
 
@@ -72,6 +78,9 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
     print(cli.usage(module or sys.modules[__name__]))
     return
   cfg, workdir = parse(argv, prog)
+  if _LIST_CONFIGS.value:
+    print(shipped_configs.table())
+    return
   complaint = check(cfg)
   if complaint:
     cli.fail(prog, complaint)
