@@ -49,9 +49,13 @@ def test_trl_settings_follow_the_run(vs_trl, task):
   assert trl["beta"] == cfg.algo.kl_coef == 0.0 and trl["scale_rewards"] == "group"
   assert trl["loss_type"] == vs_trl.LOSS_TYPES[cfg.algo.resolved_aggregation]
   assert trl["bf16"] is False and trl["use_vllm"] is False
-  # The config's own rate when none is given.
-  own = vs_trl.rl_overrides(vs_trl.TASKS[task], "/start", vs_trl.parse([]))["optim.learning_rate"]
-  assert own == vs_trl.resolved(vs_trl.TASKS[task], {}).optim.learning_rate
+  # Without --learning-rate, the rate and temperature of the task config's own job (the built-in model after
+  # its supervised stage), not those a model.hf_path run would choose for a pretrained model.
+  from tunixlike.rl import starting_point
+  own, _ = starting_point.resolved(vs_trl.resolved(vs_trl.TASKS[task], {}))
+  theirs = vs_trl.rl_overrides(vs_trl.TASKS[task], "/start", vs_trl.parse([]))
+  assert theirs["optim.learning_rate"] == own.optim.learning_rate
+  assert theirs["sampler.temperature"] == own.sampler.temperature == trl["temperature"]
 
 
 def test_gain_ratio(vs_trl):
