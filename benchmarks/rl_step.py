@@ -174,7 +174,7 @@ def main(argv=None):
         out["grid"] = _grid(pathlib.Path(tmp), layouts, args.steps or 14, 4 if args.skip_steps is None else args.skip_steps)
       if args.seeds:
         out["seeds"] = [_seed_run(pathlib.Path(tmp), int(s), layout) for s in args.seeds.split(",") for layout in layouts]
-        out["seeds_all_pass"] = all(r["gain_points"] >= 50 and r["wall_s"] <= 150 for r in out["seeds"])
+        out["seeds_all_pass"] = all(r["gain_points"] >= 55 and r["wall_s"] <= 90 for r in out["seeds"])
     out["settings"] = args.set
     harness.report(out, args, indent=2)
     return

@@ -272,6 +272,9 @@ class WarmStartSection:
                                    check=in_range(0, 1, low_open=True), resumable=True)
   eval_every: int = setting(25, "held-out loss and accuracy (greedy, scored by the first reward) this often",
                             check=positive, resumable=True)
+  screen_prompts: int = setting(64, "held-out prompts decoded first at each evaluation: while their accuracy is "
+                                "under half of target_accuracy the rest are not (0 = every prompt every time)",
+                                check=non_negative, resumable=True)
 
   def __post_init__(self):
     check_fields(self)

@@ -23,6 +23,7 @@ def get_config(arg: str | None = None):
   c.warm_start.eval_every = 5
   c.optim.schedule = "cosine"
   c.optim.learning_rate = 5e-4  # configs/addition_grpo.py's tuned rate
+  c.sampler.temperature = 1.0  # tuned here too (the library's 0.7 is for any user's task)
   c.rl.num_steps = 300
   c.eval.every_steps = 100
   if variant.size == "tiny":  # the end-to-end test: a couple of steps only

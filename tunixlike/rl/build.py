@@ -406,9 +406,9 @@ def warm_start(setup: Setup, say=print, should_stop=lambda: False, on_step=lambd
   engine = make_engine(setup.model, eval_lib.eval_sampler_config(sampler_config(cfg, tok)), mesh=setup.meshes.sampler)
   correctness = correctness_reward(setup)
 
-  def evaluate_held_out() -> dict:  # greedy decoding scored by the first reward's verifier, as the RL evals
+  def evaluate_held_out(limit: int | None) -> dict:  # greedy, scored by the first reward's verifier, as the RL evals
     params, _ = weight_sync.sync(nnx.state(setup.model), engine.param_shardings, dtype=cfg.rl.sync_dtype)
-    return evaluate_params(setup, engine, params, correctness)
+    return evaluate_params(setup, engine, params, correctness, limit=limit)
 
   stage = warm_start_lib.SupervisedStage(setup.model, tok, cfg.warm_start, example_format(cfg),
                                          length=cfg.data.max_prompt_length + cfg.sampler.max_new_tokens,
@@ -565,11 +565,15 @@ def evaluate(setup: Setup, rl: RLStack) -> dict[str, Any]:
     return evaluate_params(setup, rl.eval_engine, params, rl.correctness, version=version)
 
 
-def evaluate_params(setup: Setup, engine, params, correctness, *, version: int = 0) -> dict[str, Any]:
-  """Greedy completions of the held-out prompts scored by `correctness`; on several processes each
-  evaluates its shard and the numbers are combined (weighted by prompts), so every process reports
-  the same result."""
-  out = eval_lib.evaluate(engine, params, requests_for(setup.eval_records), correctness, setup.tok, version=version,
+def evaluate_params(setup: Setup, engine, params, correctness, *, version: int = 0,
+                    limit: int | None = None) -> dict[str, Any]:
+  """Greedy completions of the held-out prompts (the first `limit` of them; None: all) scored by
+  `correctness`; on several processes each evaluates its shard and the numbers are combined (weighted
+  by prompts), so every process reports the same result."""
+  records = setup.eval_records
+  if limit is not None:
+    records = records[:max(1, limit // distributed.group_size())]
+  out = eval_lib.evaluate(engine, params, requests_for(records), correctness, setup.tok, version=version,
                           timeout_s=setup.cfg.eval.timeout_s)
   if distributed.group_size() == 1:
     return out

@@ -206,8 +206,9 @@ class SupervisedStage:
           on_step: Callable[[int, dict], None] = lambda step, metrics: None,
           on_eval: Callable[[dict], None] = lambda metrics: None) -> dict[str, float]:
     """Steps from `start_step` until held-out accuracy >= target or max_steps; `records` continue
-    after the batches already used. `evaluate_held_out()` returns the greedy evaluation's
-    `eval/accuracy` and `eval/truncated` (the share of answers cut at sampler.max_new_tokens). Returns the summary; `warm_start/interrupted` is 1 when
+    after the batches already used. `evaluate_held_out(limit)` returns the greedy evaluation's
+    `eval/accuracy`, `eval/truncated` (the share of answers cut at sampler.max_new_tokens) and
+    `eval/num_prompts` on the first `limit` held-out prompts (None: all; warm_start.screen_prompts). Returns the summary; `warm_start/interrupted` is 1 when
     `should_stop()` (a preemption, asked before every step) ended it early. `on_step(step, metrics)`
     follows every step (the progress bar), `on_eval(metrics)` every evaluation (the logs)."""
     cfg = self.cfg
@@ -215,9 +216,14 @@ class SupervisedStage:
     held = [r for r in held_out if self._has_answer(r)]  # an eval file may lack the answer column
 
     def evaluate() -> dict[str, float]:
-      greedy = evaluate_held_out()
+      # Far from the target a few prompts tell as much as all of them: the whole set is decoded only
+      # near it (and at the last step), so a long stage is not mostly evaluation.
+      greedy = evaluate_held_out(cfg.screen_prompts) if cfg.screen_prompts and step < cfg.max_steps else None
+      if greedy is None or greedy["eval/accuracy"] >= cfg.target_accuracy / 2:
+        greedy = evaluate_held_out(None)
       out = {"warm_start/step": step, "warm_start/loss": loss, "warm_start/accuracy": greedy["eval/accuracy"],
-             "warm_start/truncated": greedy["eval/truncated"], "warm_start/rows_cut": self.rows_cut}
+             "warm_start/truncated": greedy["eval/truncated"], "warm_start/rows_cut": self.rows_cut,
+             "warm_start/eval_prompts": greedy["eval/num_prompts"]}
       if held:
         out["warm_start/eval_loss"] = self.held_out_loss(held)
       on_eval(out)
