@@ -54,7 +54,9 @@ def perturb_adapters(state, seed=0):
 
 def save_run(workdir, learner, state, cfg, *, lora_cfg=None, hf_path=None, save_frozen=True, step=3,
              estimator="grpo_family"):
-  meta = {"policy_version": step, "config": {"seed": 0, "algo": {"estimator": estimator}},
+  run = {"seed": 0, "algo": {"estimator": estimator}, "optim": {"learning_rate": 3e-4},
+         "sampler": {"temperature": 0.7}, "lora": {"rank": 0 if lora_cfg is None else lora_cfg.rank}}
+  meta = {"policy_version": step, "config": run,
           "model": dataclasses.asdict(cfg),
           "lora": None if lora_cfg is None else {"rank": lora_cfg.rank, "alpha": lora_cfg.alpha,
                                                  "targets": list(lora_cfg.targets)}}
@@ -97,6 +99,10 @@ def test_export_matches_transformers(mesh4, tmp_path, use_lora):
   # transformers' generate pads with config.json's pad_token_id: the tokenizer's, kept.
   theirs = transformers.AutoConfig.from_pretrained(str(out))
   assert (theirs.pad_token_id, theirs.bos_token_id) == (tok.pad_id, tok.bos_id) == (0, 1)
+  # A run from this directory goes on at the exporting run's temperature and (full weights) learning rate.
+  recorded = json.loads((out / "config.json").read_text())["tunixlike_run"]
+  assert recorded == ({"sampler.temperature": 0.7} if use_lora else
+                      {"sampler.temperature": 0.7, "optim.learning_rate": 3e-4})
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from tunixlike.data import tokenizer as tokenizer_lib
 from tunixlike.models import hf, hub, lora as lora_lib
 from tunixlike.models.config import ModelConfig, RopeScaling
 from tunixlike.models.transformer import Transformer
+from tunixlike.rl import starting_point
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -155,7 +156,22 @@ def export(workdir, out, step: int | None = None, *, best: bool = False) -> path
       hf.save_pretrained(model, out)
       _save_tokenizer(meta, out)
       _token_ids(hf_path, out)
+      _record_run(meta.get("config", {}), out)
   return out
+
+
+def _record_run(run: dict, out: pathlib.Path):
+  """Writes the run's sampling temperature and (for full weights: a LoRA run's rate was for its adapters) its
+  learning rate into config.json: a run that starts from this directory continues with them, not with the
+  defaults for a pretrained model (`rl.starting_point`)."""
+  settings = {"sampler.temperature": run.get("sampler", {}).get("temperature")}
+  if not run.get("lora", {}).get("rank"):
+    settings["optim.learning_rate"] = run.get("optim", {}).get("learning_rate")
+  settings = {k: v for k, v in settings.items() if v is not None}
+  if settings:
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    config[starting_point.RUN_KEY] = settings
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def main(argv=None) -> int:

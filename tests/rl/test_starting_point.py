@@ -1,6 +1,8 @@
 """A config that leaves optim.learning_rate and warm_start.max_steps None gets them by what the run starts
 from (`rl.starting_point`): the built-in model from random weights, or a pretrained model.hf_path."""
 
+import json
+
 import pytest
 
 import tunixlike
@@ -65,3 +67,18 @@ def test_the_sampling_temperature_is_lower_for_the_built_in_model_than_the_field
 def test_a_library_optimizer_without_a_rate_is_refused_naming_the_key():
   with pytest.raises(ValueError, match=r"optim.learning_rate is None: a run chooses it"):
     optimizer.make_schedule(OptimConfig())
+
+
+def test_tunixlikes_own_export_goes_on_with_the_settings_its_run_recorded(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", starting_point.RUN_KEY: {
+      "optim.learning_rate": 3e-4, "sampler.temperature": 0.7}}))
+  cfg, lines = starting_point.resolved(tunixlike.load_config(tunixlike.Config(), {**OWN_DATA,
+                                                                                   "model.hf_path": str(tmp_path)}))
+  assert (cfg.optim.learning_rate, cfg.sampler.temperature, cfg.warm_start.max_steps) == (3e-4, 0.7, 0)
+  assert lines[:2] == ["optim.learning_rate=0.0003: the run that exported model.hf_path (its config.json) (set "
+                       "optim.learning_rate to choose)",
+                       "sampler.temperature=0.7: the run that exported model.hf_path (its config.json) (set "
+                       "sampler.temperature to choose)"]
+  lora, _ = starting_point.resolved(tunixlike.load_config(tunixlike.Config(), {
+      **OWN_DATA, "model.hf_path": str(tmp_path), "lora.rank": 8}))
+  assert (lora.optim.learning_rate, lora.sampler.temperature) == (1e-5, 0.7)  # adapters start afresh

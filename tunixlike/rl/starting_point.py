@@ -3,11 +3,15 @@
 A pretrained checkpoint (model.hf_path) already answers: RL only reweighs what it says, in small
 steps, the field's defaults for GRPO (TRL's), with no supervised stage. The built-in model starts from
 random weights: it needs a supervised stage on the data's answers before RL can find a reward, and its
-128k parameters take (and need) much larger steps. A user who sets a key gets that value; the line this
-returns says what was chosen and why.
+128k parameters take (and need) much larger steps. A checkpoint that `tunixlike.export` wrote goes on
+with the learning rate and temperature its run trained with (recorded in its config.json). A user who
+sets a key gets that value; the line this returns says what was chosen and why.
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 from tunixlike import config as config_lib
 
@@ -21,14 +25,32 @@ BUILT_IN_LEARNING_RATE = 2e-4
 # two tasks where greedy decoding was right 60% of the time) and RL unlearned; at 0.7 they did.
 BUILT_IN_TEMPERATURE = 0.7
 FIELD_TEMPERATURE = 1.0  # TRL's GRPO default; distillation's reverse KL is to the teacher at 1
+RUN_KEY = "tunixlike_run"  # config.json's record of the settings the exporting run trained with (`tunixlike.export`)
 # Stops at warm_start.target_accuracy long before on the tasks measured (50-950 steps).
 SUPERVISED_STEPS = 2000
+
+
+def exported_run(cfg: config_lib.Config) -> dict:
+  """The settings recorded in model.hf_path's config.json by `tunixlike.export` (RUN_KEY; {} for any other
+  checkpoint, or a Hub model not downloaded yet): a run that goes on from tunixlike's own export keeps them."""
+  from tunixlike.models import hub
+  path = cfg.model.hf_path
+  if path is None:
+    return {}
+  path = hub.cached(path, cfg.model.revision) if hub.is_hub_name(path) else path
+  config_file = os.path.join(path or "", "config.json")
+  if not path or not os.path.isfile(config_file):
+    return {}
+  with open(config_file, encoding="utf-8") as f:
+    return json.load(f).get(RUN_KEY) or {}
 
 
 def learning_rate(cfg: config_lib.Config) -> tuple[float, str]:
   """optim.learning_rate for a config that leaves it None, and why."""
   if cfg.model.hf_path is None:
     return BUILT_IN_LEARNING_RATE, "the built-in model, trained from random weights"
+  if "optim.learning_rate" in (run := exported_run(cfg)) and not cfg.lora.rank:
+    return run["optim.learning_rate"], "the run that exported model.hf_path (its config.json)"
   if cfg.lora.rank:
     return PRETRAINED_LORA_LEARNING_RATE, "LoRA adapters on the pretrained model.hf_path"
   return PRETRAINED_LEARNING_RATE, "the pretrained model.hf_path (TRL's GRPO default)"
@@ -38,6 +60,8 @@ def temperature(cfg: config_lib.Config) -> tuple[float, str]:
   """sampler.temperature for a config that leaves it None, and why."""
   if cfg.algo.advantage == "distill":
     return FIELD_TEMPERATURE, "distillation samples at temperature 1"
+  if "sampler.temperature" in (run := exported_run(cfg)):
+    return run["sampler.temperature"], "the run that exported model.hf_path (its config.json)"
   if cfg.model.hf_path is not None:
     return FIELD_TEMPERATURE, "the pretrained model.hf_path (TRL's GRPO default)"
   return BUILT_IN_TEMPERATURE, "the built-in model: its samples at 1.0 rarely end right after a supervised stage"

@@ -646,10 +646,9 @@ class _Run:
         raise unlearning.Unlearning(
             f"{problem}: stopped. The best held-out accuracy was {acc:.3f} at step {step} "
             f"({self.ckpt.step_dir(step)}): export it with `python -m tunixlike.export --workdir {self.workdir} --best "
-            f"--out DIR` and start again from it with model.hf_path=DIR, a lower optim.learning_rate (this run's: "
-            f"{self.cfg.optim.learning_rate:g}) and this run's sampler.temperature={self.cfg.sampler.temperature:g} "
-            "(a model.hf_path run otherwise takes TRL's defaults, made for pretrained models) "
-            "(eval.unlearn_evals=0 turns this guard off)")
+            f"--out DIR` and start again from it with model.hf_path=DIR and a lower optim.learning_rate than this "
+            f"run's {self.cfg.optim.learning_rate:g} (the export records it and sampler.temperature, which a run "
+            "from DIR otherwise keeps) (eval.unlearn_evals=0 turns this guard off)")
 
   def periodic_save(self, info: StepInfo, data: _Data):
     if info.version < self.cfg.rl.num_steps:  # the last step's checkpoint is saved after the final eval
