@@ -30,10 +30,10 @@ import shlex
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import harness
+from tunixlike.metrics import read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COUNTDOWN = os.path.join(REPO, "examples", "countdown")
@@ -113,16 +113,10 @@ def write_task(name: str, folder: str, rng: random.Random, num_eval: int) -> str
 
 def evals(metrics_path: str) -> list[tuple[int, float]]:
   """(RL step, held-out accuracy) of every RL eval in a metrics.jsonl."""
-  out = []
-  with open(metrics_path) as f:
-    for line in f:
-      r = json.loads(line)
-      if "eval/accuracy" in r:
-        out.append((r["step"], r["eval/accuracy"]))
-  return out
+  return [(r["step"], r["eval/accuracy"]) for r in read_jsonl(metrics_path) if "eval/accuracy" in r]
 
 
-def run_task(name: str, folder: str, config_path: str, args) -> dict:
+def run_task(folder: str, config_path: str, args) -> dict:
   workdir = os.path.join(folder, "run")
   cmd = [sys.executable, "-m", "tunixlike.train", "--config", config_path, "--workdir", workdir,
          "--config.log.progress_bar=false", *(f"--config.{o}" for o in args.override)]
@@ -167,7 +161,7 @@ def main():
   for name in args.tasks.split(","):
     folder = os.path.join(root, name)
     config_path = write_task(name, folder, rng, num_eval=16 if args.quick else 200)
-    results[name] = run_task(name, folder, config_path, args)
+    results[name] = run_task(folder, config_path, args)
   gains = [r["gain_points"] for r in results.values()]
   harness.report({"tasks": results, "target_points": 10.0, "timeout_s": args.timeout_s,
                   "met": all(g is not None and g >= 10.0 for g in gains), "workdir_root": root}, args)

@@ -9,8 +9,8 @@ config's own checks, in seconds, with no JAX backend and no model.
     call on one row (its answer and an empty completion) returns one finite score (or None) per completion;
   * the sampler.max_new_tokens the run will use: the config's, or sized from the data's answers as the run
     sizes it (refused, as the run refuses it, when the data has none);
-  * optim.learning_rate and warm_start.max_steps where the config leaves them None, as the run chooses them
-    (`rl.starting_point`).
+  * optim.learning_rate, sampler.temperature and warm_start.max_steps where the config leaves them None, as
+    the run chooses them (`rl.starting_point`).
 
 The run checks the same at start-up, but only after JAX has started and the model is built. A problem
 raises `PreflightError`: one line naming the config key, the file and the line.

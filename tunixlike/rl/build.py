@@ -268,8 +268,9 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   `training=False`: only what sampling a checkpoint needs (no critic, no teacher, no training prompts). `dataset`,
   `eval_dataset`, `rewards`, `env` and `agent` are in-memory objects that replace data.train, data.eval,
   rewards, rl.env and rl.agent (see `tunixlike.train`). User code is loaded and checked before the model is built.
-  A sampler.max_new_tokens left None is sized from the data (`sized_completions`), an optim.learning_rate or
-  warm_start.max_steps left None chosen by what the run starts from (`starting_point`): `Setup.cfg` holds them."""
+  A sampler.max_new_tokens left None is sized from the data (`sized_completions`), an optim.learning_rate,
+  sampler.temperature or warm_start.max_steps left None chosen by what the run starts from (`starting_point`):
+  `Setup.cfg` holds them."""
   with_inputs(cfg, dataset=dataset, eval_dataset=eval_dataset, env=env, agent=agent)  # the config's checks
   distributed.initialize(cfg.distributed, cross_host_transfers=cfg.mesh.sampler_hosts > 0)
   check_process_split(cfg, jax.process_count())

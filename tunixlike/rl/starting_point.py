@@ -45,22 +45,22 @@ def exported_run(cfg: config_lib.Config) -> dict:
     return json.load(f).get(RUN_KEY) or {}
 
 
-def learning_rate(cfg: config_lib.Config) -> tuple[float, str]:
-  """optim.learning_rate for a config that leaves it None, and why."""
+def learning_rate(cfg: config_lib.Config, run: dict) -> tuple[float, str]:
+  """optim.learning_rate for a config that leaves it None, and why (`run`: `exported_run(cfg)`)."""
   if cfg.model.hf_path is None:
     return BUILT_IN_LEARNING_RATE, "the built-in model, trained from random weights"
-  if "optim.learning_rate" in (run := exported_run(cfg)) and not cfg.lora.rank:
-    return run["optim.learning_rate"], "the run that exported model.hf_path (its config.json)"
   if cfg.lora.rank:
     return PRETRAINED_LORA_LEARNING_RATE, "LoRA adapters on the pretrained model.hf_path"
+  if "optim.learning_rate" in run:
+    return run["optim.learning_rate"], "the run that exported model.hf_path (its config.json)"
   return PRETRAINED_LEARNING_RATE, "the pretrained model.hf_path (TRL's GRPO default)"
 
 
-def temperature(cfg: config_lib.Config) -> tuple[float, str]:
-  """sampler.temperature for a config that leaves it None, and why."""
+def temperature(cfg: config_lib.Config, run: dict) -> tuple[float, str]:
+  """sampler.temperature for a config that leaves it None, and why (`run`: `exported_run(cfg)`)."""
   if cfg.algo.advantage == "distill":
     return FIELD_TEMPERATURE, "distillation samples at temperature 1"
-  if "sampler.temperature" in (run := exported_run(cfg)):
+  if "sampler.temperature" in run:
     return run["sampler.temperature"], "the run that exported model.hf_path (its config.json)"
   if cfg.model.hf_path is not None:
     return FIELD_TEMPERATURE, "the pretrained model.hf_path (TRL's GRPO default)"
@@ -73,8 +73,9 @@ def supervised_steps(cfg: config_lib.Config) -> tuple[int, str]:
   d = cfg.data
   answers = d.answer_field or d.messages_field
   if cfg.model.hf_path is None and answers:
+    target = cfg.warm_start.target_accuracy
     return SUPERVISED_STEPS, (f"the built-in model starts from random weights: a supervised stage on {answers!r} "
-                              f"until held-out accuracy reaches warm_start.target_accuracy={cfg.warm_start.target_accuracy}")
+                              f"until held-out accuracy reaches warm_start.target_accuracy={target}")
   return 0, ("the pretrained model.hf_path answers already" if cfg.model.hf_path is not None
              else "no data.answer_field or data.messages_field to learn from")
 
@@ -83,12 +84,13 @@ def resolved(cfg: config_lib.Config) -> tuple[config_lib.Config, list[str]]:
   """`cfg` with optim.learning_rate, sampler.temperature and warm_start.max_steps chosen where they are
   None, and one line for each chosen (set the key to choose)."""
   changes, lines = {}, []
+  run = exported_run(cfg) if cfg.optim.learning_rate is None or cfg.sampler.temperature is None else {}
   if cfg.optim.learning_rate is None:
-    rate, why = learning_rate(cfg)
+    rate, why = learning_rate(cfg, run)
     changes["optim"] = dict(learning_rate=rate)
     lines.append(f"optim.learning_rate={rate:g}: {why} (set optim.learning_rate to choose)")
   if cfg.sampler.temperature is None:
-    value, why = temperature(cfg)
+    value, why = temperature(cfg, run)
     changes["sampler"] = dict(temperature=value)
     lines.append(f"sampler.temperature={value:g}: {why} (set sampler.temperature to choose)")
   if cfg.warm_start.max_steps is None:

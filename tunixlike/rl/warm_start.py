@@ -208,9 +208,10 @@ class SupervisedStage:
     """Steps from `start_step` until held-out accuracy >= target or max_steps; `records` continue
     after the batches already used. `evaluate_held_out(limit)` returns the greedy evaluation's
     `eval/accuracy`, `eval/truncated` (the share of answers cut at sampler.max_new_tokens) and
-    `eval/num_prompts` on the first `limit` held-out prompts (None: all; warm_start.screen_prompts). Returns the summary; `warm_start/interrupted` is 1 when
-    `should_stop()` (a preemption, asked before every step) ended it early. `on_step(step, metrics)`
-    follows every step (the progress bar), `on_eval(metrics)` every evaluation (the logs)."""
+    `eval/num_prompts` on the first `limit` held-out prompts (None: all; warm_start.screen_prompts).
+    Returns the summary; `warm_start/interrupted` is 1 when `should_stop()` (a preemption, asked before
+    every step) ended it early. `on_step(step, metrics)` follows every step (the progress bar),
+    `on_eval(metrics)` every evaluation (the logs)."""
     cfg = self.cfg
     step, loss, interrupted = start_step, float("nan"), False
     held = [r for r in held_out if self._has_answer(r)]  # an eval file may lack the answer column

@@ -27,7 +27,8 @@ def _power_of_two(v) -> str | None:
 
 
 KV_LAYOUTS = ("contiguous", "paged")
-OUTSIDE_A_RUN_TEMPERATURE = 1.0  # an engine built without a run (which chooses sampler.temperature) samples the model as is
+# An engine built without a run (which chooses sampler.temperature) samples the model as is.
+OUTSIDE_A_RUN_TEMPERATURE = 1.0
 
 
 def check_sized(config: SamplerConfig) -> None:
