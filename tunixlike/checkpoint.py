@@ -327,12 +327,14 @@ class Checkpointer:
       return True
     return bool(self.save_every_seconds) and self._clock() - self._last_save_time >= self.save_every_seconds
 
-  def save(self, step: int, state: Any, meta: dict, *, metrics: dict | None = None, force: bool = False) -> bool:
+  def save(self, step: int, state: Any, meta: dict, *, metrics: dict | None = None, force: bool = False,
+           extra: dict[str, dict] | None = None) -> bool:
     """Starts an asynchronous save of `state` (a pytree of jax.Arrays) and `meta` (JSON) at `step`.
 
     metrics: {name: number} ranking this checkpoint for `best_metric` (which it must then hold);
       recorded only when the Checkpointer has a best_metric. A non-finite value is left out with a
       warning; without a finite best_metric the checkpoint is never kept as the best.
+    extra: more JSON items by name, read back with `read_item` (e.g. a deterministic run's rollouts).
     Returns False without saving when the step is not due (`should_save`, unless force=True) or
     already saved. Returns once the arrays are copied off the devices: the caller may donate them.
     Waits for the previous save first and hands its digest to a background thread. A background
@@ -361,7 +363,8 @@ class Checkpointer:
       state = jax.device_get(state)
     layout = {"format": FORMAT, "frozen_saved": self.save_frozen}
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
-                              layout=ocp.args.JsonSave(layout))
+                              layout=ocp.args.JsonSave(layout),
+                              **{name: ocp.args.JsonSave(item) for name, item in (extra or {}).items()})
     try:
       saved = self._manager.save(step, args=args, metrics=metrics, force=True)
     except Exception as e:
@@ -445,6 +448,10 @@ class Checkpointer:
     """The meta dict saved at `step` (default: the newest complete checkpoint)."""
     step = self._resolve(step)
     return self._read_json(step, "meta")
+
+  def read_item(self, step: int, name: str) -> dict:
+    """A JSON item saved with `save(extra={name: ...})` at `step`."""
+    return self._read_json(self._resolve(step), name)
 
   def layout(self, step: int | None = None) -> dict:
     """How `step` was saved: {"format": int, "frozen_saved": bool}."""

@@ -398,6 +398,9 @@ class Config:
                                                 and self.algo.estimator != "ppo"),
             "sampler.record_routing", True, "is supported for single-turn GRPO-family runs only (not rl.env or "
             "rl.agent episodes, whose environment tokens the decode loop never routes, nor algo.estimator='ppo')")
+    require(not self.rl.deterministic or (self.rl.env is None and self.rl.agent is None and not self.mesh.sampler_hosts),
+            "rl.deterministic", True, "covers single-turn rollouts on one host's sampler: rl.env and rl.agent episodes "
+            "take their turns when an outside program answers, and mesh.sampler_hosts decode on other hosts' clocks")
     # Sections whose run values come from other sections, checked by their own rules with those values.
     dataclasses.replace(self.sampler, group_size=self.algo.group_size)  # a group fits the decode slots
     dataclasses.replace(self.optim, total_steps=self.rl.num_steps)  # the cosine warm-up ends before the last step

@@ -7,6 +7,7 @@ Every completion that leaves the sampler carries, per token, the id, the logprob
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from typing import Any
 
@@ -80,6 +81,9 @@ class RolloutGroup:
   # The sampler's version when the group was admitted, where its first token may come later (an
   # agent's first request); None: the version of its oldest token.
   start_version: int | None = None
+  # The sampler's start order of this group in the run (`RolloutDriver`; None elsewhere): it seeds the
+  # group's noise, and a deterministic run takes its batches in this order.
+  seq: int | None = None
 
   @property
   def group_size(self) -> int:
@@ -104,3 +108,43 @@ def truncated_share(groups) -> float:
   """The share of the groups' completions cut at their token limit (finish reason "length")."""
   reasons = [c.finish_reason for g in groups for c in g.completions]
   return float(np.mean([r == "length" for r in reasons])) if reasons else 0.0
+
+
+def groups_to_json(groups) -> list:
+  """Groups as plain JSON (arrays as base64 of their bytes, bit for bit), for a checkpoint."""
+  return [_to_json(g) for g in groups]
+
+
+def groups_from_json(items) -> list[RolloutGroup]:
+  return [_from_json(item) for item in items]
+
+
+_TYPES = {"RolloutGroup": RolloutGroup, "Completion": Completion}
+
+
+def _to_json(x):
+  if isinstance(x, (np.ndarray, np.generic)):
+    a = np.asarray(x)
+    return {"__array__": a.dtype.str, "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}
+  if isinstance(x, (RolloutGroup, Completion)):
+    return {"__type__": type(x).__name__, **{f.name: _to_json(getattr(x, f.name)) for f in dataclasses.fields(x)}}
+  if isinstance(x, dict):
+    return {"__dict__": [[k, _to_json(v)] for k, v in x.items()]}
+  if isinstance(x, (list, tuple)):
+    return {"__list__": [_to_json(v) for v in x], "tuple": isinstance(x, tuple)}
+  return x  # str, int, float, bool, None
+
+
+def _from_json(x):
+  if not isinstance(x, dict):
+    return x
+  if "__array__" in x:
+    a = np.frombuffer(base64.b64decode(x["data"]), dtype=np.dtype(x["__array__"])).reshape(x["shape"]).copy()
+    return a[()] if not x["shape"] else a
+  if "__type__" in x:
+    cls = _TYPES[x["__type__"]]
+    return cls(**{f.name: _from_json(x[f.name]) for f in dataclasses.fields(cls)})
+  if "__dict__" in x:
+    return {k: _from_json(v) for k, v in x["__dict__"]}
+  values = [_from_json(v) for v in x["__list__"]]
+  return tuple(values) if x["tuple"] else values

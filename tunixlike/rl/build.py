@@ -42,7 +42,9 @@ from tunixlike.rl import prompts as prompts_lib
 from tunixlike.rl import starting_point
 from tunixlike.rl.prompts import PromptStream, requests_for
 from tunixlike.rl.config import AGENT_API_KEY_ENV, BUILT_IN_ENVS
+from tunixlike.rl.lockstep import LockstepQueue
 from tunixlike.rl.queue import RolloutQueue
+from tunixlike.rollout import RolloutGroup
 from tunixlike.rl.runtime import AsyncRuntime, RewardStage
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.sampler.driver import RolloutDriver
@@ -591,12 +593,17 @@ def collapse_detector(cfg: Config, policy: Policy) -> CollapseDetector:
   return CollapseDetector(CollapseConfig.from_config(cfg, vocab_size=policy.model().cfg.vocab_size))
 
 
-def make_queue(cfg: Config, policy: Policy, counts: dict | None = None) -> RolloutQueue:
+def make_queue(cfg: Config, policy: Policy, stream, counts: dict | None = None,
+               carried: list[RolloutGroup] = ()) -> RolloutQueue:
   """The rollout queue: this process's share of every batch, admission from the policy's version;
-  `counts` (a checkpoint's `queue.counts()`) continues its counters. Built before the driver and
-  the runtime, which it is handed to."""
-  return RolloutQueue(cfg.rl.prompts_per_step // policy.num_processes, cfg.rl.max_staleness,
-                      start_version=policy.version, counts=counts)
+  `counts` (a checkpoint's `queue.counts()`) continues its counters. With rl.deterministic a
+  `LockstepQueue`, which starts with a checkpoint's `carried` groups and reads `stream`'s position
+  at each round. Built before the driver and the runtime, which it is handed to."""
+  batch_groups = cfg.rl.prompts_per_step // policy.num_processes
+  if cfg.rl.deterministic:
+    return LockstepQueue(batch_groups, cfg.rl.max_staleness, stream_position=lambda: stream.position,
+                         start_version=policy.version, counts=counts, pending=list(carried))
+  return RolloutQueue(batch_groups, cfg.rl.max_staleness, start_version=policy.version, counts=counts)
 
 
 def make_driver(setup: Setup, engine: Engine, scorer: scoring.GroupScorer, stream, queue, sink, synced, *,
@@ -606,6 +613,8 @@ def make_driver(setup: Setup, engine: Engine, scorer: scoring.GroupScorer, strea
   `RolloutQueue`, or a sampler host's `hosts.rollouts.RemoteAdmission`); not started."""
   cfg, tok, tracer = setup.cfg, setup.tok, setup.tracer
   common = dict(source=stream, sink=sink, version=synced.version, may_start_group=queue.try_admit, tracer=tracer)
+  if isinstance(queue, LockstepQueue):  # rl.deterministic: rounds; Config refuses episodes and agents
+    common.update(first_seq=queue.first_seq, next_round=queue.next_round)
   if setup.agent is not None:  # the user's agent loop, served over HTTP on the same decode slots
     driver = AgentDriver(engine, synced.params, agent=setup.agent, tokenizer=tok,
                          agent_config=AgentConfig.from_config(
@@ -638,7 +647,7 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
   if hosts is not None:  # whole sampler hosts sample, score and send; this learner host trains
     from tunixlike.hosts.learner_host import RemoteSampling
     policy.sync_weights()  # the first weights, to every sampler host
-    queue = queue or make_queue(cfg, policy)
+    queue = queue or make_queue(cfg, policy, stream)
     sampling = RemoteSampling(queue, jax.process_index(), hosts.sampler_hosts,
                               silence_timeout_s=cfg.mesh.host_timeout_s, on_fault=on_fault)
     return AsyncRuntime(run_cfg, queue=queue, rewards=None, driver=sampling, policy=policy, collapse=collapse,
@@ -650,7 +659,7 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
       if policy.lora:  # later syncs hand over packed adapters (`WithAdapters`): their programs too
         synced = policy.sync_weights()
         rl.engine.warmup(synced.params)
-  queue = queue or make_queue(cfg, policy)
+  queue = queue or make_queue(cfg, policy, stream)
   rewards = RewardStage(rl.scorer, queue, cfg.rl.reward_workers)
   turns = device_turns.DeviceTurns(cfg.rl.wait_timeout_s) if setup.meshes.colocated else device_turns.NO_TURNS
   driver = make_driver(setup, rl.engine, rl.scorer, stream, queue, rewards, synced, turns=turns, say=say)

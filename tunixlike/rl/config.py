@@ -43,6 +43,11 @@ class RuntimeConfig:
                            check=non_negative, resumable=True)
   prompts_per_step: int = setting(32, "groups per learner step (the run splits them over the hosts)", check=positive)
   max_staleness: int = setting(1, "0 = synchronous (the baseline every comparison uses)", check=non_negative)
+  deterministic: bool = setting(False, "a logical schedule instead of thread timing: the sampler works in rounds, one "
+                                "per policy version (round v decodes batch v + max_staleness with version v's "
+                                "weights), batches are taken by prompt order; the same seed and config give the "
+                                "same run, and a resume ends where an uninterrupted run does (docs/runtime.md"
+                                "#reproducibility)")
   sync_mode: str = setting("soft_pause", "soft_pause (swap weights between decode steps) | drain (finish in-flight "
                            "first)", check=one_of("soft_pause", "drain"))
   sync_dtype: str | None = setting(None, "e.g. 'bfloat16' for a bf16 sampler; None = the learner's dtype",

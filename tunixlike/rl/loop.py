@@ -30,10 +30,12 @@ class Sampling(Protocol):
 
 def run_steps(num_steps: int, sampling: Sampling, next_batch: Callable[[], Any],
               train: Callable[[int, Any, float], dict[str, Any]], *, threaded: bool, max_staleness: int,
-              should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+              should_stop: Callable[[], bool] = lambda: False,
+              before_stop: Callable[[], None] = lambda: None) -> dict[str, Any]:
   """Up to `num_steps` steps of `train(step, batch, wait_s)` (its metrics) on `next_batch()`
-  (`wait_s`: the time the batch took, inline sampling included), until `should_stop()`. Returns
-  the last step's metrics with `wall_s`."""
+  (`wait_s`: the time the batch took, inline sampling included), until `should_stop()`; then
+  `before_stop()` while the sampler still runs (not after an error). Returns the last step's
+  metrics with `wall_s`."""
   if not threaded and max_staleness != 0:
     raise ValueError("run(threaded=False) is the synchronous loop: it needs max_staleness=0")
   start = time.monotonic()
@@ -51,6 +53,7 @@ def run_steps(num_steps: int, sampling: Sampling, next_batch: Callable[[], Any],
       batch = next_batch()
       sampling.check()
       last = train(step, batch, time.monotonic() - t0)
+    before_stop()
   except Stopped:
     sampling.check()  # the original error of the thread that stopped the run
     raise

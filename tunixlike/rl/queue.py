@@ -197,13 +197,16 @@ class RolloutQueue:
       return {"trained": self.trained, "dropped_stale": self.dropped_stale,
               "dropped_filtered": self.dropped_filtered}
 
+  def _depth(self) -> int:
+    return len(self._ready)
+
   def depth(self) -> int:
     with self._cond:
-      return len(self._ready)
+      return self._depth()
 
   def stats(self) -> dict[str, float]:
     with self._cond:
-      return {"queue/depth": len(self._ready), "queue/in_flight": self.in_flight,
+      return {"queue/depth": self._depth(), "queue/in_flight": self.in_flight,
               "queue/dropped_stale": self.dropped_stale, "queue/dropped_filtered": self.dropped_filtered,
               "queue/admitted": self.admitted}
 

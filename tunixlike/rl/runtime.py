@@ -169,8 +169,14 @@ class AsyncRuntime:
 
     out = loop.run_steps(self.num_steps, self,
                          lambda: self.queue.get_batch(self.policy.version, cfg.wait_timeout_s, keep=keep),
-                         self._train, threaded=threaded, max_staleness=cfg.max_staleness, should_stop=should_stop)
+                         self._train, threaded=threaded, max_staleness=cfg.max_staleness, should_stop=should_stop,
+                         before_stop=self._settle)
     return {**out, "preempted": self.preempted, "stopped_by_hook": self.stopped_by_hook}
+
+  def _settle(self) -> None:
+    """rl.deterministic: what the final checkpoint keeps is taken while the sampler still runs."""
+    if self.cfg.deterministic:
+      self.queue.carry_over(self.cfg.wait_timeout_s)
 
   def _train(self, step: int, groups: list[RolloutGroup], wait_s: float) -> dict[str, float]:
     """One learner step on a batch of groups, the weight sync, the step's metrics and its hooks."""
@@ -184,7 +190,10 @@ class AsyncRuntime:
       metrics = self.policy.train_batch(batch)
       train_s = time.monotonic() - t1
       synced = self.policy.sync_weights()
-      self.driver.update_params(synced.params, synced.version, drain=cfg.sync_mode == "drain")
+      if cfg.deterministic:  # the sampler swaps when its round is done (rl/lockstep.py)
+        self.queue.hand_over(synced.params, synced.version)
+      else:
+        self.driver.update_params(synced.params, synced.version, drain=cfg.sync_mode == "drain")
     self.learner_busy_s += train_s
     self.sync_ms.append(synced.ms)
     if not math.isfinite(float(metrics.get("loss", 0.0))) or metrics.get("skipped", 0):
@@ -214,7 +223,7 @@ class AsyncRuntime:
         "sampler/busy_frac": (stats.busy_time_s - self._busy_before) / wall,
         "sampler/tokens_per_s": (stats.tokens_generated - self._tokens_before) / wall,
         "sampler/slot_occupancy": stats.slot_occupancy, "sampler/preemptions": stats.preemptions,
-        "sync/ms": synced.ms,
+        "sync/ms": synced.ms, "deterministic": int(cfg.deterministic),
         "nonfinite_in_a_row": self._nonfinite_in_a_row, **self.queue.stats(),
     })
     for name in sorted({k for g in groups for k in g.reward_metrics}):

@@ -43,7 +43,10 @@ from tunixlike.rl import hooks as hooks_lib
 from tunixlike.rl.hooks import StepInfo
 from tunixlike.rl.preemption import Preemption
 from tunixlike.rl.prompts import PromptStream
+from tunixlike.rl import lockstep as lockstep_lib
+from tunixlike.rl.lockstep import LockstepQueue
 from tunixlike.rl.queue import RolloutQueue
+from tunixlike import rollout as rollout_lib
 from tunixlike.rl.runtime import AsyncRuntime
 
 log = logging.getLogger("tunixlike")
@@ -154,7 +157,8 @@ def _start_fresh(r: _Run) -> _Data | None:
   if cfg.warm_start.max_steps and not _warm_start(r):
     return None
   rl = r.build_rl()
-  data = _Data(r.new_stream(), build_lib.make_queue(cfg, rl.policy))
+  stream = r.new_stream()
+  data = _Data(stream, build_lib.make_queue(cfg, rl.policy, stream))
   r.eval()
   r.save(data, force=True)  # the warm start and the first eval are never redone
   if cfg.warm_start.max_steps and r.pid == 0:
@@ -230,7 +234,9 @@ def _restore(r: _Run) -> _Data:
                                    json.loads(json.dumps(dataclasses.asdict(policy.model().cfg))))
   r.open_logs(policy.version)
   r.restore_records(meta)
-  queue = build_lib.make_queue(r.cfg, policy, meta.get("queue"))  # its counters continue
+  carried = r.carried_groups(meta, policy.version)
+  # The queue's counters continue; a deterministic run's carried groups are examined first.
+  data = lambda stream: _Data(stream, build_lib.make_queue(r.cfg, policy, stream, meta.get("queue"), carried))
   streams = meta.get("streams", [meta["stream"]])  # one per process (each reads its own data shard)
   readers = r.cfg.mesh.sampler_hosts or jax.process_count()  # or one per sampler host
   if len(streams) != readers:
@@ -242,19 +248,19 @@ def _restore(r: _Run) -> _Data:
     if policy.version < r.cfg.rl.num_steps:
       r.say(f"resumed from {where} at step {policy.version}; the sampler hosts regenerate {stream.replayed} prompts "
             "that were in flight")
-    return _Data(stream, queue)
+    return data(stream)
   mine = streams[r.pid]
   if data_changed:  # data.allow_change: positions in the old data mean nothing in the new
     r.say(f"resumed from {where} at step {policy.version} on changed data ({'; '.join(data_changed)}); "
           f"data.allow_change: the prompt stream starts again at the start of the new data, and the "
           f"{len(mine['outstanding'])} prompts in flight in the old data are not regenerated")
-    return _Data(PromptStream(r.setup.train_pipe), queue)
+    return data(PromptStream(r.setup.train_pipe))
   stream = PromptStream(r.setup.train_pipe, mine["position"], replay=mine["outstanding"])
   r.counters["groups_regenerated"] += stream.replayed
   if policy.version < r.cfg.rl.num_steps:  # a finished run says so in _stages, and regenerates nothing
     r.say(f"resumed from {where} at step {policy.version}; regenerating {stream.replayed} prompts that were in "
-          "flight")
-  return _Data(stream, queue)
+          "flight" + (f", {len(carried)} finished ones kept" if carried else ""))
+  return data(stream)
 
 
 def _rl(r: _Run, data: _Data) -> dict[str, Any]:
@@ -338,20 +344,23 @@ def _readable_meta(ckpt: checkpoint_lib.Checkpointer, step: int) -> dict | None:
 
 
 def checkpoint_meta(setup: build_lib.Setup, rl: build_lib.RLStack, stream: PromptStream, counters: dict,
-                    queue: dict | None = None, data: dict | None = None) -> dict[str, Any]:
+                    queue: dict | None = None, data: dict | None = None,
+                    stream_state: dict | None = None) -> dict[str, Any]:
   """Everything besides arrays that resuming (and export) needs, as plain JSON: the policy version,
   the data position with the prompts in flight (replayed on resume), the run's counters, the
   queue's admission counters, the config it was trained with and the data's fingerprints
-  (`resume.data_fingerprints`; both checked on resume)."""
+  (`resume.data_fingerprints`; both checked on resume). `stream_state`: this process's stream
+  position to resume from, where it is not `stream.state()` (a deterministic run's round start)."""
   cfg, model_cfg = setup.cfg, rl.policy.model().cfg
+  own = stream.state() if stream_state is None else stream_state
   # Each process reads its own data shard: keep every process's stream position (in process order);
   # with whole sampler hosts, every sampler host's (`SamplerStreams`, a collective of the learner hosts).
   if setup.meshes.hosts is not None:
     streams = stream.state()
   else:
-    streams = distributed.allgather_json(stream.state()) if distributed.is_multiprocess() else None
+    streams = distributed.allgather_json(own) if distributed.is_multiprocess() else None
   return json.loads(json.dumps({
-      "version": rl.policy.version, "stream": stream.state() if streams is None else streams[0],
+      "version": rl.policy.version, "stream": own if streams is None else streams[0],
       **({"streams": streams} if streams is not None else {}), "counters": counters,
       **({"queue": queue} if queue is not None else {}), **({"data": data} if data is not None else {}),
       "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(model_cfg),
@@ -514,6 +523,7 @@ class _Run:
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(setup.model, nnx.Param)))
     self.say(f"tunixlike: task {cfg.data.task}, {n_params:,} params, sampler {dict(setup.meshes.sampler.shape)}, "
              f"learner {dict(setup.meshes.learner.shape)}")
+    self.say(lockstep_lib.describe(cfg.rl, episodes=bool(cfg.rl.env or cfg.rl.agent or cfg.mesh.sampler_hosts)))
     if setup.meshes.hosts is not None:  # whole hosts per side: this host's role and devices
       lines = setup.meshes.hosts.describe()
       for line in (lines if self.pid == 0 else lines[self.pid:self.pid + 1]):
@@ -580,10 +590,36 @@ class _Run:
     version = self.version
     if self.agreed(force or self.ckpt.should_save(version)):
       acc = self.evals.get(version)
+      stream_state, extra = self.carry_over(data.queue)
       meta = checkpoint_meta(self.setup, self.rl, data.stream, self.counters, queue=data.queue.counts(),
-                             data=self.data_fingerprints)
+                             data=self.data_fingerprints, stream_state=stream_state)
+      if self.cfg.rl.deterministic:
+        meta["carried"] = extra is not None
       self.ckpt.save(version, self.rl.policy.state, meta, metrics=None if acc is None else {"eval/accuracy": acc},
-                     force=True)
+                     force=True, extra=extra)
+
+  def carry_over(self, queue) -> tuple[dict | None, dict | None]:
+    """rl.deterministic: the stream position of the sampler's current round and, as a checkpoint
+    item, the groups started before it that no step has examined (`LockstepQueue.carry_over`);
+    (None, None) otherwise, or when the sampler stopped on an error (a resume then regenerates
+    what was in flight, as a free-running one does)."""
+    carry = queue.carry_over(self.cfg.rl.wait_timeout_s) if isinstance(queue, LockstepQueue) else None
+    if carry is None:
+      return None, None
+    groups, position = carry
+    mine = rollout_lib.groups_to_json(groups)
+    every = distributed.allgather_json(mine) if self.multi else [mine]
+    return {"position": position, "outstanding": []}, {"rollouts": {"groups": every}}
+
+  def carried_groups(self, meta: dict, step: int) -> list:
+    """The groups checkpoint `step` carried over (this process's), or [] when it carried none."""
+    if not meta.get("carried"):
+      if self.cfg.rl.deterministic and step:
+        self.say(f"{self.ckpt.step_dir(step)} was saved after an error, without the sampler's finished groups: "
+                 "the prompts in flight are regenerated, so this run goes on deterministically but not as one "
+                 "never stopped would have")
+      return []
+    return rollout_lib.groups_from_json(self.ckpt.read_item(step, "rollouts")["groups"][self.pid])
 
   def restore_records(self, meta: dict) -> None:
     """The counters of checkpoint `meta` and the held-out accuracies in the (cut back) metrics log."""

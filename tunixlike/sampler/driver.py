@@ -12,6 +12,10 @@ It runs in its own thread beside the learner (`start` / `stop`) and takes, from 
     `drain=True` instead finishes in-flight sequences first, then swaps and resumes;
   * `may_start_group(version)`: admission control (staleness bound), asked before each new group
     with the version of the weights it would be sampled with (e.g. `RolloutQueue.try_admit`).
+With `next_round` (rl.deterministic) no weights come from other threads: the driver works in rounds,
+and only when it has nothing left to do (every admitted group emitted) does it ask `next_round`
+for the next round's weights and version (the same version: more admissions, no swap), so every
+swap lands at a point its own progress defines, never where thread timing puts it.
 Every wait is bounded; an error in the loop is kept and re-raised by `join` / `check`.
 
 Features that watch what is decoded compose as `recorders` (a `Recorder` each, called on the
@@ -157,12 +161,16 @@ class RolloutDriver:
                may_start_group: Callable[[int], bool] | None = None,
                detokenize: Callable[[Sequence[int]], str] | None = None,
                static_batching: bool = False, tracer: trace_lib.Tracer = trace_lib.NULL_TRACER,
-               recorders: Sequence[Recorder] = ()):
+               recorders: Sequence[Recorder] = (), first_seq: int = 0,
+               next_round: Callable[[float], tuple[Any, int] | None] | None = None):
     """`source` yields PromptRequests (None = nothing available yet, try later; exhaustion ends it).
 
     `sink` is a callable or a queue with put(item, timeout). `static_batching=True` waits for all
     slots to empty before refilling (the baseline continuous batching is measured against).
-    `recorders` watch every token, completion and group (see `Recorder`).
+    `recorders` watch every token, completion and group (see `Recorder`). `first_seq`: the start
+    order of the first group, which seeds its noise (a resumed deterministic run continues it).
+    `next_round(timeout_s)`: rounds (see the module docstring); it returns (params or None, version)
+    or None when nothing came within the timeout.
     """
     cfg = engine.config
     if cfg.stop_strings and detokenize is None:
@@ -185,7 +193,8 @@ class RolloutDriver:
     # A long prompt prefilled a chunk per step, between generate calls: (group, chunk steps, version).
     self._prefilling: tuple[_Group, Iterator | None, int | None] | None = None
     self._in_flight: dict[int, _Group] = {}
-    self._next_seq = 0
+    self._next_seq = int(first_seq)
+    self._next_round = next_round
     self._exhausted = False
     self._base_key = jax.random.PRNGKey(cfg.seed)
     self._key_blocks: dict[int, np.ndarray] = {}  # block -> keys of its groups (the latest few), see _KEY_BLOCK
@@ -266,6 +275,9 @@ class RolloutDriver:
         continue
       if self._exhausted and self.is_idle and self._next_params is None:
         break
+      if self._next_round is not None and self.is_idle:
+        self._start_round()
+        continue
       self._stop_event.wait(self.config.idle_wait_s)
     return self.stats
 
@@ -295,6 +307,13 @@ class RolloutDriver:
 
   def _prepare(self) -> None:
     """Runs before slots are refilled: subclasses bring in other work (EpisodeDriver: env results)."""
+
+  def _start_round(self) -> None:
+    """Rounds: the next round's weights (None: the same ones, with more admissions) once they come."""
+    handover = self._next_round(self.config.idle_wait_s)
+    if handover is not None and handover[0] is not None:
+      with self._lock:
+        self._next_params = (*handover, False)
 
   def _maybe_swap_params(self) -> None:
     with self._lock:
@@ -627,7 +646,8 @@ class RolloutDriver:
       del self._in_flight[group.seq]
       req = group.request
       done = RolloutGroup(prompt_id=req.prompt_id, prompt_token_ids=group.prompt_ids.astype(np.int32),
-                          completions=list(group.completions), columns=dict(req.columns), prompt_text=req.prompt_text)
+                          completions=list(group.completions), columns=dict(req.columns), prompt_text=req.prompt_text,
+                          seq=group.seq)
       for r in self._recorders:
         r.group(group.seq, done)
       self._emit(done)
