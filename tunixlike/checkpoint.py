@@ -89,6 +89,9 @@ DIGEST_FILE = "digest.json"  # in each step directory: {"algorithm": "sha256", "
 _HASH_CHUNK = 8 << 20
 
 
+EXTRA_ITEMS = ("rollouts",)  # JSON items a checkpoint may hold beside its state (a deterministic run's groups)
+
+
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be written or restored as asked; the message names the directory."""
 
@@ -250,7 +253,7 @@ class Checkpointer:
       epath.Path(self.directory).mkdir(parents=True, exist_ok=True)
     # Handlers named up front: a fresh manager can then read any item's metadata before restoring it.
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
-                "layout": ocp.JsonCheckpointHandler()}
+                "layout": ocp.JsonCheckpointHandler(), **{name: ocp.JsonCheckpointHandler() for name in EXTRA_ITEMS}}
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
   def __enter__(self):
@@ -334,7 +337,7 @@ class Checkpointer:
     metrics: {name: number} ranking this checkpoint for `best_metric` (which it must then hold);
       recorded only when the Checkpointer has a best_metric. A non-finite value is left out with a
       warning; without a finite best_metric the checkpoint is never kept as the best.
-    extra: more JSON items by name, read back with `read_item` (e.g. a deterministic run's rollouts).
+    extra: more JSON items by name (of `EXTRA_ITEMS`), read back with `read_item`.
     Returns False without saving when the step is not due (`should_save`, unless force=True) or
     already saved. Returns once the arrays are copied off the devices: the caller may donate them.
     Waits for the previous save first and hands its digest to a background thread. A background
