@@ -205,7 +205,7 @@ class Checkpointer:
 
   def __init__(self, directory, *, keep: int = 2, save_every_steps: int = 0, save_every_seconds: float = 0,
                save_frozen: bool = True, read_only: bool = False, best_metric: str | None = None,
-               best_mode: str = "max", clock=time.monotonic, processes=None):
+               best_mode: str = "max", clock=time.monotonic, processes=None, keep_steps: tuple[int, ...] = ()):
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
       raise ValueError(f"Checkpointer keep={keep!r} must be an int >= 1")
     if best_metric is not None and not (isinstance(best_metric, str) and best_metric):
@@ -235,6 +235,8 @@ class Checkpointer:
       return  # nothing to read; latest_step() is None
     policy = ocp.checkpoint_managers
     preserve = policy.LatestN(n=keep)
+    if keep_steps:  # e.g. step 0, where a replay of the run starts
+      preserve = policy.AnyPreservationPolicy([preserve, policy.CustomSteps(steps=list(keep_steps))])
     best_fn = None
     if best_metric is not None:
       best_fn = self._metric_value

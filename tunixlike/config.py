@@ -319,6 +319,10 @@ class LogSection:
                                    check=non_negative)
   completions_groups: int = setting(4, "groups of the step's batch written each time (all their completions)",
                                     check=positive)
+  schedule: bool = setting(True, "write WORKDIR/schedule.jsonl: what decided each step (its batch, the sampler's "
+                           "weight swaps and admissions, the rewards as scored, a checksum of the weights), so "
+                           "`python -m tunixlike.replay --workdir W` reruns the run and checks it step by step; the "
+                           "step-0 checkpoint is kept for it (single-turn runs)")
   trace: bool = setting(False, "write WORKDIR/trace.json (Chrome / Perfetto) of sampler, learner, sync, reward spans")
   wandb: bool = setting(False, "also log every record to Weights & Biases (pip install wandb; WANDB_MODE=offline "
                                "keeps it in WORKDIR/wandb)", check=_needs_wandb)

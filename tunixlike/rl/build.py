@@ -607,14 +607,13 @@ def make_queue(cfg: Config, policy: Policy, stream, counts: dict | None = None,
 
 
 def make_driver(setup: Setup, engine: Engine, scorer: scoring.GroupScorer, stream, queue, sink, synced, *,
-                turns=device_turns.NO_TURNS, say=print) -> RolloutDriver:
+                turns=device_turns.NO_TURNS, say=print, on_step=None) -> RolloutDriver:
   """The driver of this run's rollouts on `engine` (single-turn, env episodes, or the user's agent
   behind its server), from `synced` weights and version; its admission is `queue.try_admit` (a
-  `RolloutQueue`, or a sampler host's `hosts.rollouts.RemoteAdmission`); not started."""
+  `RolloutQueue`, or a sampler host's `hosts.rollouts.RemoteAdmission`); not started. `on_step`:
+  the driver's (what `rl.schedule` records)."""
   cfg, tok, tracer = setup.cfg, setup.tok, setup.tracer
   common = dict(source=stream, sink=sink, version=synced.version, may_start_group=queue.try_admit, tracer=tracer)
-  if isinstance(queue, LockstepQueue):  # rl.deterministic: rounds; Config refuses episodes and agents
-    common.update(first_seq=queue.first_seq, next_round=queue.next_round)
   if setup.agent is not None:  # the user's agent loop, served over HTTP on the same decode slots
     driver = AgentDriver(engine, synced.params, agent=setup.agent, tokenizer=tok,
                          agent_config=AgentConfig.from_config(
@@ -623,7 +622,10 @@ def make_driver(setup: Setup, engine: Engine, scorer: scoring.GroupScorer, strea
   elif setup.make_env is None:
     # Process rewards: step prefixes go to the PRM threads while decoding goes on.
     recorders = [] if scorer.process is None else [ProcessRewardRecorder(scorer.process, tok.decode)]
-    driver = RolloutDriver(engine, synced.params, recorders=recorders, detokenize=tok.decode, **common)
+    # rl.deterministic: rounds (Config refuses it with episodes and agents).
+    rounds = queue.next_round if isinstance(queue, LockstepQueue) else None
+    driver = RolloutDriver(engine, synced.params, recorders=recorders, detokenize=tok.decode, on_step=on_step,
+                           first_seq=getattr(queue, "first_seq", 0), next_round=rounds, **common)
   else:  # Config refuses what episodes cannot record (process rewards, routing).
     driver = EpisodeDriver(engine, synced.params, make_env=setup.make_env, detokenize=tok.decode,
                            tokenize=lambda text: tok.encode(text, add_special_tokens=False),
@@ -634,12 +636,12 @@ def make_driver(setup: Setup, engine: Engine, scorer: scoring.GroupScorer, strea
 
 def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: int | None = None,
                  collapse: CollapseDetector | None = None, queue: RolloutQueue | None = None,
-                 say=print, on_fault=None) -> AsyncRuntime:
+                 say=print, on_fault=None, on_sampler_step=None) -> AsyncRuntime:
   """The async loop over `stream`'s prompts, with every decode program compiled first (sampler.warmup):
   the queue (`make_queue`, or `queue`), the reward stage, the driver, the runtime, each handed to the
   next. Add the run's periodic work with `runtime.hooks.add(fn, every=N)`. With whole sampler hosts
   `on_fault(error)` ends this learner host when a sampler host fails while the loop is stuck
-  (`hosts.learner_host.RemoteSampling`)."""
+  (`hosts.learner_host.RemoteSampling`). `on_sampler_step`: the driver's `on_step`."""
   cfg, tracer, policy = setup.cfg, setup.tracer, rl.policy
   run_cfg = dataclasses.replace(cfg.rl, prompts_per_step=cfg.rl.prompts_per_step // policy.num_processes,
                                 dynamic_sampling=cfg.algo.dynamic_sampling)
@@ -662,7 +664,8 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
   queue = queue or make_queue(cfg, policy, stream)
   rewards = RewardStage(rl.scorer, queue, cfg.rl.reward_workers)
   turns = device_turns.DeviceTurns(cfg.rl.wait_timeout_s) if setup.meshes.colocated else device_turns.NO_TURNS
-  driver = make_driver(setup, rl.engine, rl.scorer, stream, queue, rewards, synced, turns=turns, say=say)
+  driver = make_driver(setup, rl.engine, rl.scorer, stream, queue, rewards, synced, turns=turns, say=say,
+                       on_step=on_sampler_step)
   # Each process's queue admits its own share of every batch (`run_cfg`).
   return AsyncRuntime(run_cfg, queue=queue, rewards=rewards, driver=driver, policy=policy, collapse=collapse,
                       num_steps=num_steps, turns=turns)

@@ -119,6 +119,7 @@ class AsyncRuntime:
     self.turns = device_turns.NO_TURNS if turns is None else turns
     self.learner_busy_s = 0.0
     self.sync_ms: list[float] = []
+    self.on_batch: Callable[[list[RolloutGroup]], None] = lambda groups: None  # as the learner takes a batch
 
   def request_stop(self, *, finish: bool = False) -> None:
     """Stop after the current step: a preemption (`preempted`: the run resumes later) or, with
@@ -157,19 +158,19 @@ class AsyncRuntime:
     synchronous loop that the threaded runtime at staleness 0 must reproduce exactly."""
     cfg = self.cfg
     keep = _has_variance if cfg.dynamic_sampling else None
-    self._t_start = time.monotonic()
-    self._tokens_before = self.driver.stats.tokens_generated
-    self._busy_before = self.driver.stats.busy_time_s
-    self._nonfinite_in_a_row = 0
+    self.begin()
 
     def should_stop() -> bool:
       if self._stop_requested:
         self.preempted = not self.stopped_by_hook
       return self._stop_requested
 
-    out = loop.run_steps(self.num_steps, self,
-                         lambda: self.queue.get_batch(self.policy.version, cfg.wait_timeout_s, keep=keep),
-                         self._train, threaded=threaded, max_staleness=cfg.max_staleness, should_stop=should_stop,
+    def next_batch() -> list[RolloutGroup]:
+      groups = self.queue.get_batch(self.policy.version, cfg.wait_timeout_s, keep=keep)
+      self.on_batch(groups)
+      return groups
+
+    out = loop.run_steps(self.num_steps, self, next_batch, self.train, threaded=threaded, max_staleness=cfg.max_staleness, should_stop=should_stop,
                          before_stop=self._settle)
     return {**out, "preempted": self.preempted, "stopped_by_hook": self.stopped_by_hook}
 
@@ -178,7 +179,14 @@ class AsyncRuntime:
     if self.cfg.deterministic:
       self.queue.carry_over(self.cfg.wait_timeout_s)
 
-  def _train(self, step: int, groups: list[RolloutGroup], wait_s: float) -> dict[str, float]:
+  def begin(self) -> None:
+    """Where the step metrics' rates count from (`run` calls it; a replay steps `train` itself)."""
+    self._t_start = time.monotonic()
+    self._tokens_before = self.driver.stats.tokens_generated
+    self._busy_before = self.driver.stats.busy_time_s
+    self._nonfinite_in_a_row = 0
+
+  def train(self, step: int, groups: list[RolloutGroup], wait_s: float) -> dict[str, float]:
     """One learner step on a batch of groups, the weight sync, the step's metrics and its hooks."""
     cfg = self.cfg
     # Deterministic batch order (start order), whatever order the reward pool finished in.

@@ -43,7 +43,7 @@ from tunixlike.rl import hooks as hooks_lib
 from tunixlike.rl.hooks import StepInfo
 from tunixlike.rl.preemption import Preemption
 from tunixlike.rl.prompts import PromptStream
-from tunixlike.rl import lockstep as lockstep_lib
+from tunixlike.rl import lockstep as lockstep_lib, schedule as schedule_lib
 from tunixlike.rl.lockstep import LockstepQueue
 from tunixlike.rl.queue import RolloutQueue
 from tunixlike import rollout as rollout_lib
@@ -269,9 +269,13 @@ def _rl(r: _Run, data: _Data) -> dict[str, Any]:
   if r.stop_requested():  # stopped during the first eval: the step-0 checkpoint has it
     return _stopped(r, data, {})
   r.start_sampler_hosts(data)
+  recorder = r.schedule_recorder(data)
   runtime = build_lib.make_runtime(r.setup, rl, data.stream, num_steps=max(cfg.rl.num_steps - r.version, 0),
                                    collapse=build_lib.collapse_detector(cfg, rl.policy), queue=data.queue, say=r.say,
-                                   on_fault=r.host_fault)
+                                   on_fault=r.host_fault, on_sampler_step=recorder and recorder.sampler_step)
+  if recorder is not None:
+    runtime.on_batch = recorder.took
+    runtime.hooks.add(lambda info: recorder.step(info, rl.policy))
   r.add_hooks(runtime, data)
   r.logger.progress("rl", total=cfg.rl.num_steps, initial=r.version)
   try:
@@ -428,7 +432,8 @@ class _Run:
                                             save_every_steps=cfg.checkpoint.every_steps,
                                             save_every_seconds=cfg.checkpoint.every_seconds,
                                             save_frozen=not (cfg.model.hf_path and cfg.lora.rank),
-                                            best_metric="eval/accuracy")
+                                            best_metric="eval/accuracy",
+                                            keep_steps=self.replay_starts())
     self.rl: build_lib.RLStack | None = None
     self.logger: metrics_lib.MetricsLogger | None = None
     self.prompts_log = os.path.join(self.dir, "prompts.jsonl")
@@ -441,6 +446,31 @@ class _Run:
   @property
   def version(self) -> int:
     return self.rl.policy.version
+
+  @property
+  def records_schedule(self) -> bool:
+    """log.schedule, for the runs a replay can rerun: single-turn rollouts decoded by this process."""
+    cfg = self.cfg
+    return cfg.log.schedule and not (cfg.rl.env or cfg.rl.agent or cfg.mesh.sampler_hosts)
+
+  def replay_starts(self) -> tuple[int, ...]:
+    """The checkpoints a replay starts from, kept beside the latest ones while log.schedule records:
+    step 0 and every step the run started a segment from (the one it resumes from now included)."""
+    if not self.records_schedule:
+      return ()
+    path = os.path.join(self.dir, schedule_lib.FILE)
+    starts = {r["segment"] for r in schedule_lib.read(path) if "segment" in r} if os.path.exists(path) else set()
+    with checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(self.workdir), read_only=True) as saved:
+      latest = saved.latest_step()
+    return tuple(sorted(starts | {0} | ({latest} if latest is not None else set())))
+
+  def schedule_recorder(self, data: _Data) -> schedule_lib.Recorder | None:
+    """WORKDIR/schedule.jsonl's writer, its segment starting here (`rl/schedule.py`)."""
+    if not self.records_schedule:
+      return None
+    return schedule_lib.Recorder(os.path.join(self.dir, schedule_lib.FILE), segment=self.version,
+                                 stream=data.stream.state(), queue=data.queue.counts(),
+                                 first_seq=getattr(data.queue, "first_seq", 0))
 
   @property
   def multi(self) -> bool:

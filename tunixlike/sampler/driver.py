@@ -162,7 +162,8 @@ class RolloutDriver:
                detokenize: Callable[[Sequence[int]], str] | None = None,
                static_batching: bool = False, tracer: trace_lib.Tracer = trace_lib.NULL_TRACER,
                recorders: Sequence[Recorder] = (), first_seq: int = 0,
-               next_round: Callable[[float], tuple[Any, int] | None] | None = None):
+               next_round: Callable[[float], tuple[Any, int] | None] | None = None,
+               on_step: Callable[[int | None, int, bool], None] | None = None):
     """`source` yields PromptRequests (None = nothing available yet, try later; exhaustion ends it).
 
     `sink` is a callable or a queue with put(item, timeout). `static_batching=True` waits for all
@@ -170,7 +171,10 @@ class RolloutDriver:
     `recorders` watch every token, completion and group (see `Recorder`). `first_seq`: the start
     order of the first group, which seeds its noise (a resumed deterministic run continues it).
     `next_round(timeout_s)`: rounds (see the module docstring); it returns (params or None, version)
-    or None when nothing came within the timeout.
+    or None when nothing came within the timeout. `on_step(swapped_to, admitted, generated)` after
+    each step that did something: the version it swapped to (or None), the groups it admitted and
+    whether it ran a generate call; with the prompts, what a step does follows from these three
+    (`rl.schedule` records them to replay a run).
     """
     cfg = engine.config
     if cfg.stop_strings and detokenize is None:
@@ -195,6 +199,7 @@ class RolloutDriver:
     self._in_flight: dict[int, _Group] = {}
     self._next_seq = int(first_seq)
     self._next_round = next_round
+    self._on_step = on_step
     self._exhausted = False
     self._base_key = jax.random.PRNGKey(cfg.seed)
     self._key_blocks: dict[int, np.ndarray] = {}  # block -> keys of its groups (the latest few), see _KEY_BLOCK
@@ -285,12 +290,15 @@ class RolloutDriver:
 
   def step(self) -> bool:
     """Swap params if asked, refill slots, run one generate call. Returns False if nothing ran."""
+    first_seq = self._next_seq
     with self.turns.sampler():  # the device work of one step; collecting its tokens is host work
-      self._maybe_swap_params()
+      swapped = self._maybe_swap_params()
       self._prepare()
       self._reserve()
       self._refill()
       if not any(s is not None for s in self._slots):
+        if self._on_step is not None and (swapped is not None or self._next_seq > first_seq):
+          self._on_step(swapped, self._next_seq - first_seq, False)
         return False
       self._state, moves = self.engine.compact_slots(self._state)
       for src, dst in moves:
@@ -303,6 +311,8 @@ class RolloutDriver:
       self.stats.busy_time_s += time.perf_counter() - t0
     self.stats.generate_calls += 1
     self._collect(host)
+    if self._on_step is not None:
+      self._on_step(swapped, self._next_seq - first_seq, True)
     return True
 
   def _prepare(self) -> None:
@@ -315,18 +325,20 @@ class RolloutDriver:
       with self._lock:
         self._next_params = (*handover, False)
 
-  def _maybe_swap_params(self) -> None:
+  def _maybe_swap_params(self) -> int | None:
+    """Swaps in the pending weights if it may now; returns their version (None: no swap)."""
     with self._lock:
       pending = self._next_params
       if pending is None:
-        return
+        return None
       params, version, drain = pending
       if drain and not self.is_idle:
-        return  # _refill starts nothing new while a drain swap waits
+        return None  # _refill starts nothing new while a drain swap waits
       self._next_params = None
     self._params, self._version = params, version
     self._state = self.engine.set_version(self._state, version)
     self.stats.param_swaps += 1
+    return version
 
   def _reserve(self) -> None:
     """Blocks for every live sequence's next call (a paged cache; the youngest are preempted when

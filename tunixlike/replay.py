@@ -1,0 +1,140 @@
+"""Rerun a recorded run step by step and check it against its record.
+
+  python -m tunixlike.replay --workdir runs/addition [--until STEP] [--from-checkpoint]
+
+A run writes WORKDIR/schedule.jsonl as it trains (log.schedule, on by default): per learner step
+the batch it took, the sampler's weight swaps and admissions before it, the rewards as scored and
+a checksum of the weights after it (`tunixlike/rl/schedule.py`). The replay builds the run from its
+checkpoint's config, starts where the record's first segment starts (the step-0 checkpoint, kept for
+it) and does exactly what the record says in one thread: no thread timing is left to decide
+anything, and the rewards are the recorded ones (a reward that called an outside service is not
+called again). After each step it compares the step's metrics (timings aside) and the weights'
+checksum with the record, and stops at the first step that differs, naming it and what differs
+(exit status 1). A changed config, code or backend shows there.
+
+`--from-checkpoint` starts from the latest checkpoint the run itself started a segment from (its
+first start or a resume; with --until, the latest before STEP), so checking step N costs the steps
+since that checkpoint, not N. A free-running run's other checkpoints were written while sequences
+were half decoded, which no checkpoint holds; a deterministic run (rl.deterministic) resumes from
+any checkpoint to the same run, so rerunning it from there with `tunixlike.train` is its replay.
+The JSON summary goes to stdout; bad input prints one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import types
+
+PROG = "tunixlike.replay"
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+  p.add_argument("--workdir", required=True, help="the run's --workdir (its schedule.jsonl and checkpoints)")
+  p.add_argument("--until", type=int, default=None, help="stop before this step (default: every recorded step)")
+  p.add_argument("--from-checkpoint", action="store_true",
+                 help="start from the latest checkpoint a segment of the run started from, before --until")
+  return p.parse_args(argv)
+
+
+def replay_segment(ckpt, header: dict, steps: list[dict], until: int | None, say) -> dict:
+  """Builds the run as it stood at the segment's start and replays its steps (`schedule.replay`)."""
+  from tunixlike import config as config_lib, rollout
+  from tunixlike.rl import build, schedule
+  from tunixlike.rl.prompts import PromptStream
+  from tunixlike.rl.runtime import AsyncRuntime
+
+  start = header["segment"]
+  meta = ckpt.read_meta(start)
+  cfg = config_lib.from_saved(meta["config"])
+  in_memory = [k for k, v in meta["config"].get("data", {}).items() if isinstance(v, str) and v.startswith("<in memory")]
+  if in_memory:
+    raise ValueError(f"the run trained on rows given in memory ({', '.join('data.' + k for k in in_memory)}): "
+                     "a replay needs them in files")
+  setup = build.build(cfg, None)
+  rl = build.build_rl(setup)
+  policy = rl.policy
+  policy.restore(ckpt, start)
+  stream = PromptStream(setup.train_pipe, header["stream"]["position"], replay=header["stream"]["outstanding"])
+  sampler = schedule.ReplaySampler()
+  batch_groups = cfg.rl.prompts_per_step // policy.num_processes
+  queue = schedule.ReplayQueue(batch_groups, cfg.rl.max_staleness, start_version=start, counts=header["queue"],
+                               sampler=sampler)
+  groups = {}
+  if meta.get("carried"):  # a deterministic run's finished groups, trained after this checkpoint
+    for group in rollout.groups_from_json(ckpt.read_item(start, "rollouts")["groups"][0]):
+      groups[group.seq] = group
+  recorded = {int(seq): r for record in steps for seq, r in record["rewards"].items()}
+  sink = schedule.sink_for(groups, rl.scorer, recorded.get)
+  synced = policy.sync_weights()
+  if cfg.sampler.warmup and policy.lora:  # what the run's sampler started with (`build.make_runtime`)
+    synced = policy.sync_weights()
+  admission = types.SimpleNamespace(try_admit=sampler.may_start_group, first_seq=header["first_seq"])
+  sampler.driver = build.make_driver(setup, rl.engine, rl.scorer, stream, admission, sink, synced)
+  run_cfg = dataclasses.replace(cfg.rl, prompts_per_step=batch_groups, dynamic_sampling=cfg.algo.dynamic_sampling)
+  runtime = AsyncRuntime(run_cfg, queue=queue, rewards=None, driver=sampler, policy=policy,
+                         collapse=build.collapse_detector(cfg, policy))
+  try:
+    return schedule.replay(runtime, sampler, queue, steps, groups, until=until, say=say)
+  finally:
+    setup.tracer.close()
+    rl.close()
+
+
+def run(workdir: str, until: int | None = None, from_checkpoint: bool = False, say=print) -> dict:
+  """Replays the run in `workdir`; returns {"steps", "first_difference", "detail", "from_step"}."""
+  from tunixlike import checkpoint as checkpoint_lib
+  from tunixlike.rl import schedule
+
+  path = os.path.join(workdir, schedule.FILE)
+  if not os.path.exists(path):
+    raise ValueError(f"{path} does not exist: the run was not recorded (log.schedule=true records single-turn runs)")
+  segments = schedule.segments(schedule.read(path))
+  ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), read_only=True)
+  saved = set(ckpt.all_steps())
+  usable = [i for i, (header, _) in enumerate(segments)
+            if header["segment"] in saved and (until is None or header["segment"] < until)]
+  if not usable or (not from_checkpoint and usable[0] != 0):
+    raise ValueError(f"{workdir}: no checkpoint left where the record starts (step {segments[0][0]['segment']})"
+                     + ("" if from_checkpoint else "; --from-checkpoint starts from a later one"))
+  first = usable[-1] if from_checkpoint else 0
+  total = {"steps": 0, "first_difference": None, "detail": None, "from_step": segments[first][0]["segment"]}
+  for header, steps in segments[first:]:
+    if until is not None and header["segment"] >= until:
+      break
+    if header["segment"] not in saved:
+      say(f"the run resumed at step {header['segment']} from a checkpoint deleted since: the replay stops there")
+      break
+    say(f"replaying from the checkpoint at step {header['segment']} ({len(steps)} recorded steps)")
+    out = replay_segment(ckpt, header, steps, until, say)
+    total["steps"] += out["steps"]
+    if out["first_difference"] is not None:
+      total.update(first_difference=out["first_difference"], detail=out["detail"])
+      break
+  ckpt.close()
+  return total
+
+
+def main(argv=None):
+  args = _parse(sys.argv[1:] if argv is None else argv)
+  from tunixlike import compilation_cache
+  compilation_cache.enable()
+  say = lambda line: print(line, file=sys.stderr, flush=True)
+  try:
+    out = run(args.workdir, args.until, args.from_checkpoint, say=say)
+  except ValueError as e:
+    print(f"{PROG}: error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(json.dumps(out))
+  if out["first_difference"] is not None:
+    say(f"differs from the record at {out['detail']}")
+    sys.exit(1)
+  say(f"{out['steps']} steps replayed from step {out['from_step']}: every one equal to the record")
+
+
+if __name__ == "__main__":
+  main()
