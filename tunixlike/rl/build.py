@@ -666,6 +666,8 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
   turns = device_turns.DeviceTurns(cfg.rl.wait_timeout_s) if setup.meshes.colocated else device_turns.NO_TURNS
   driver = make_driver(setup, rl.engine, rl.scorer, stream, queue, rewards, synced, turns=turns, say=say,
                        on_step=on_sampler_step)
+  if isinstance(queue, LockstepQueue):  # a checkpoint does not wait for a sampler that died
+    queue.sampler_alive = lambda: driver.running
   # Each process's queue admits its own share of every batch (`run_cfg`).
   return AsyncRuntime(run_cfg, queue=queue, rewards=rewards, driver=driver, policy=policy, collapse=collapse,
                       num_steps=num_steps, turns=turns)

@@ -60,6 +60,7 @@ class LockstepQueue(RolloutQueue):
     self._given = self._taken = 0  # handovers made by the learner / taken by the sampler
     self._round_starts: dict[int, tuple[int, int]] = {0: (self.admitted, stream_position())}  # handover -> (admitted, position)
     self._carried: tuple[int, list[RolloutGroup], int] | None = None
+    self.sampler_alive: Callable[[], bool] = lambda: True  # the runtime sets its driver's
 
   @property
   def first_seq(self) -> int:
@@ -174,7 +175,7 @@ class LockstepQueue(RolloutQueue):
         start = self._round_starts.get(target)
         if start is not None and not any(seq < start[0] for seq in self._unput):
           break
-        if self.stop_event.is_set() or time.monotonic() > deadline:
+        if self.stop_event.is_set() or not self.sampler_alive() or time.monotonic() > deadline:
           return None
         self._cond.wait(min(deadline - time.monotonic(), 0.5))
       admitted, position = start

@@ -9,8 +9,10 @@ The learner never waits for more than the staleness bound requires (admission co
 `RolloutQueue`), and the sampler keeps decoding while the learner trains. `max_staleness=0` is the
 synchronous baseline: the same code, one batch in flight. In the colocated layout (`mesh.layout`)
 the train step with its weight sync and the driver's calls take turns on the shared devices
-(`device_turns.DeviceTurns`). An error in any thread stops everything and is re-raised in the main
-thread with its original traceback; every wait has a timeout.
+(`device_turns.DeviceTurns`). With `rl.deterministic` the queue is a `lockstep.LockstepQueue`: the
+weights go to it, not to the driver, which takes them when its round is done. An error in any thread
+stops everything and is re-raised in the main thread with its original traceback; every wait has a
+timeout.
 """
 
 from __future__ import annotations
