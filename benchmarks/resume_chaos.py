@@ -1,6 +1,7 @@
 """Resume under chaos: the main job killed N times at random moments, against an uninterrupted run.
 
-  python benchmarks/resume_chaos.py [--kills 20] [--seed 0] [--override KEY=VALUE ...] [--out FILE] [--quick]
+  python benchmarks/resume_chaos.py [--kills 20] [--seed 0] [--override KEY=VALUE ...] [--deterministic]
+      [--out FILE] [--quick]
 
 Prints one JSON object (and writes it to --out). Two runs of the same command, one after the other
 (never at once: the machine has 2 cores):
@@ -35,12 +36,20 @@ Both workdirs are then audited from what the final model's lineage says:
   W/metrics.jsonl  one record per RL step (with `loss`), eval (`eval/accuracy`) and warm start.
   prompts_trained_twice  stream indices appearing more than once across all `trained` lists;
   prompts_lost           indices in range(position) in none of trained, dropped, outstanding;
+                         a deterministic run's checkpoint keeps its unexamined groups apart (item
+                         "rollouts"): they count as outstanding (`carried`);
   stale_drops            total length of the `dropped` lists (extra_stale_drops: chaos - uninterrupted, >= 0);
   duplicate_metric_steps RL steps with more than one record in metrics.jsonl (duplicate_eval_steps: evals;
                          missing_eval_steps: evals of the uninterrupted run the chaos run lacks);
   final_step             last RL step in metrics.jsonl + 1 (final_checkpoint_step: the checkpoint's);
   time_s_monotonic       metrics.jsonl's wall clock never goes back across resumes.
 The target is 0 for the first four over 20 kills, with final_step = rl.num_steps.
+When the runs are deterministic (`--deterministic`, or `--override rl.deterministic=true`), a resumed
+run must also end where the uninterrupted one did, bit for bit, and both are targets too:
+  final_params_equal     every array of the two final checkpoints' `state` (parameters and optimizer
+                         state), compared byte for byte in a child process (JAX stays out of this one);
+  metrics_equal          each RL step's metrics.jsonl record, timings left out (determinism.py's TIMING);
+                         metrics_first_difference: the first step that differs, and its keys.
 Launch logs stay in the workdirs' parent (--workdir-root; a temporary one is deleted unless --keep).
 """
 
@@ -62,6 +71,7 @@ import threading
 import time
 
 import harness
+from determinism import first_difference
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PHASES = ("warm_start", "eval", "rl", "checkpoint")
@@ -79,6 +89,7 @@ def _flags(p):
   p.add_argument("--config", default=None, help=f"config file[:variant] (default {DEFAULT_CONFIG}; quick :size=tiny)")
   p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                  help="config override for both runs, e.g. rl.num_steps=100 (repeatable; after the defaults)")
+  p.add_argument("--deterministic", action="store_true", help="adds --override rl.deterministic=true")
   p.add_argument("--workdir-root", default=None, help="holds both workdirs and the launch logs (kept)")
   p.add_argument("--keep", action="store_true", help="keep a temporary --workdir-root")
   p.add_argument("--max-failures", type=int, default=3, help="consecutive failed launches before giving up")
@@ -113,11 +124,15 @@ def settings(spec: str, flags: list[str]) -> dict:
     section, name = key.split(".")
     default = getattr(getattr(cfg, section), name)
     raw = given.get(key)
-    return default if raw is None else type(default)(float(raw) if isinstance(default, int) else raw)
+    if raw is None:
+      return default
+    if isinstance(default, bool):
+      return raw.lower() in ("1", "true", "yes")
+    return type(default)(float(raw) if isinstance(default, int) else raw)
 
   return {"num_steps": value("rl.num_steps"), "eval_every": value("eval.every_steps"),
           "checkpoint_every": value("checkpoint.every_steps"), "warm_max_steps": value("warm_start.max_steps"),
-          "warm_target": value("warm_start.target_accuracy")}
+          "warm_target": value("warm_start.target_accuracy"), "deterministic": value("rl.deterministic")}
 
 
 # ---- reading a workdir ------------------------------------------------------------------------------
@@ -532,6 +547,8 @@ def audit(workdir: str, s: dict) -> dict:
       meta = json.load(f)
   stream = meta.get("stream", {})
   position, outstanding = stream.get("position", 0), stream.get("outstanding", [])
+  carried = carried_indices(workdir, steps[-1]) if meta.get("carried") else []
+  outstanding = [*outstanding, *carried]
   trained = collections.Counter(i for r in prompts for i in r.get("trained", []))
   dropped = collections.Counter(i for r in prompts for i in r.get("dropped", []))
   lost = sorted(set(range(position)) - set(trained) - set(dropped) - set(outstanding))
@@ -557,7 +574,7 @@ def audit(workdir: str, s: dict) -> dict:
       "prompts_dropped_twice": sum(n > 1 for n in dropped.values()),
       "prompts_trained_and_dropped": len(set(trained) & set(dropped)),
       "indices_past_position": len((set(trained) | set(dropped) | set(outstanding)) - set(range(position))),
-      "stream_position": position, "outstanding": len(outstanding), "counters": counters,
+      "stream_position": position, "outstanding": len(outstanding), "carried": len(carried), "counters": counters,
       "eval_records": sum(evals.values()), "eval_steps": sorted(evals),
       "warm_start_records": sum("warm_start/steps" in r for r in metrics),
       "final_eval_accuracy": final_evals[-1] if final_evals else None,
@@ -566,6 +583,59 @@ def audit(workdir: str, s: dict) -> dict:
                    "duplicate_metric_steps": sorted(k for k, n in rl.items() if n > 1)[:20],
                    "duplicate_eval_steps": sorted(k for k, n in evals.items() if n > 1)},
   }
+
+
+def carried_indices(workdir: str, step: int) -> list[int]:
+  """A deterministic run's checkpoint holds the groups started before its sampler's round that no step
+  has examined (orbax item "rollouts"), not in the stream's `outstanding`: their prompts are not lost."""
+  from tunixlike import rollout  # numpy only: this process never starts JAX
+  with open(os.path.join(workdir, "checkpoints", str(step), "rollouts", "metadata")) as f:
+    per_process = json.load(f)["groups"]
+  return [g.columns["stream_index"] for groups in per_process for g in rollout.groups_from_json(groups)]
+
+
+# ---- a deterministic run ends where the uninterrupted one did -----------------------------------------
+# In a child with the runs' devices: orbax restores each array onto the devices it was saved from.
+_COMPARE_STATE = """
+import json, sys
+import jax, numpy as np, orbax.checkpoint as ocp
+with ocp.PyTreeCheckpointer() as reader:
+  a, b = (jax.tree_util.tree_flatten_with_path(reader.restore(path))[0] for path in sys.argv[1:3])
+def same(x, y):
+  x, y = np.asarray(x), np.asarray(y)
+  return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+paths_equal = [p for p, _ in a] == [p for p, _ in b]
+differing = [jax.tree_util.keystr(p) for (p, x), (_, y) in zip(a, b) if not same(x, y)]
+print(json.dumps({"equal": bool(a) and paths_equal and not differing, "arrays": len(a),
+                  "paths_equal": paths_equal, "differing": differing[:5]}))
+"""
+
+
+def compare_state(clean_dir: str, chaos_dir: str) -> dict:
+  """Whether the two runs' final checkpoints hold the same `state`, array by array and bit for bit."""
+  steps = [checkpoint_steps(d) for d in (clean_dir, chaos_dir)]
+  if not all(steps):
+    return {"equal": False, "why": "a run has no checkpoint"}
+  paths = [os.path.join(d, "checkpoints", str(st[-1]), "state") for d, st in zip((clean_dir, chaos_dir), steps)]
+  done = subprocess.run([sys.executable, "-c", _COMPARE_STATE, *paths], cwd=ROOT, env=_env(), capture_output=True,
+                        text=True)
+  if done.returncode:
+    return {"equal": False, "why": done.stderr[-1500:]}
+  return {**json.loads(done.stdout.splitlines()[-1]), "steps": [st[-1] for st in steps]}
+
+
+def step_metrics(workdir: str) -> list[dict]:
+  """Each RL step's metrics record (the last one logged for it), in step order."""
+  by_step = {r["step"]: r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))[0] if "loss" in r}
+  return [by_step[k] for k in sorted(by_step)]
+
+
+def add_determinism(result: dict, clean_dir: str, chaos_dir: str):
+  state = compare_state(clean_dir, chaos_dir)
+  diff = first_difference(step_metrics(clean_dir), step_metrics(chaos_dir))
+  result.update(final_params_equal=state["equal"], final_state=state, metrics_equal=diff is None,
+                metrics_first_difference=diff)
+  result["targets_met"] = result["targets_met"] and state["equal"] and diff is None
 
 
 def _count(values) -> dict:
@@ -615,7 +685,8 @@ def main():
   args.kills = args.kills if args.kills is not None else (3 if args.quick else 20)
   args.launch_timeout_s = args.launch_timeout_s or (300.0 if args.quick else 1800.0)
   config = args.config or (DEFAULT_CONFIG + (":size=tiny" if args.quick else ""))
-  flags = _override_flags((QUICK_OVERRIDES if args.quick else DEFAULT_OVERRIDES) + args.override)
+  flags = _override_flags((QUICK_OVERRIDES if args.quick else DEFAULT_OVERRIDES) + args.override
+                         + (["rl.deterministic=true"] if args.deterministic else []))
   s = settings(config, flags)
   root = args.workdir_root or tempfile.mkdtemp(prefix="resume_chaos_")
   clean_dir, chaos_dir, logs = (os.path.join(root, n) for n in ("uninterrupted", "chaos", "logs"))
@@ -633,6 +704,9 @@ def main():
     chaos_wall = chaos.run()
     result = summarize(args, cmd_clean, cmd_chaos, s, audit(clean_dir, s), clean_wall, clean_rc, chaos,
                        chaos_wall, durations)
+    if s["deterministic"]:
+      say("comparing the two runs' final checkpoints and metrics")
+      add_determinism(result, clean_dir, chaos_dir)
     result["workdir_root"] = root if (args.workdir_root or args.keep) else None
   finally:
     if not (args.workdir_root or args.keep):

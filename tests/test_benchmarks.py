@@ -193,6 +193,21 @@ def test_rl_step_grid_points_are_valid_configs_of_the_main_job(monkeypatch):
 
 
 @pytest.mark.slow
+def test_determinism_benchmark(tmp_path):
+  r = run_benchmark("determinism", tmp_path)
+  assert r["deterministic_runs_equal"] is True and r["first_difference"]["deterministic"] is None
+  assert isinstance(r["free_running_runs_equal"], bool)  # false on the full main job; the tiny one may agree
+  assert set(r["modes"]) == set(r["runs"]) == {"free_running", "deterministic"}
+  assert all(len(runs) == 2 for runs in r["runs"].values())  # two of each, alternated
+  for m in r["modes"].values():
+    assert_positive(m, "s_per_step", "s_per_step_median", "wall_s", "slot_occupancy")
+    assert 0 <= m["accuracy_before"] <= 1 and 0 <= m["accuracy_after"] <= 1
+  ratio = r["modes"]["deterministic"]["s_per_step"] / r["modes"]["free_running"]["s_per_step"]
+  assert r["ratio_s_per_step"] == pytest.approx(ratio, abs=1e-3)
+  assert r["target_met"] == (r["ratio_s_per_step"] <= r["target"] == 1.15)
+
+
+@pytest.mark.slow
 def test_long_rollouts_benchmark(tmp_path):
   r = run_benchmark("long_rollouts", tmp_path, "--skip-short")
   assert_positive(r, "paged_tok_s", "contiguous_tok_s", "paged_vs_contiguous", "concurrent_paged",

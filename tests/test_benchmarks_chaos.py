@@ -1,4 +1,5 @@
-"""benchmarks/resume_chaos.py --quick: the tiny run killed 3 times loses nothing against an uninterrupted one."""
+"""benchmarks/resume_chaos.py --quick: the tiny run killed 3 times loses nothing against an uninterrupted one
+(and, deterministic, ends with the same parameters and metrics)."""
 
 import pytest
 
@@ -30,3 +31,15 @@ def test_resume_chaos_benchmark(tmp_path):
               "duplicate_eval_steps"):
     assert r[key] == 0, (key, r[key])
   assert r["missing_eval_steps"] in ([], 0) and r["time_s_monotonic"]
+
+
+@pytest.mark.slow
+def test_resume_chaos_benchmark_deterministic(tmp_path):
+  """With rl.deterministic the killed run ends where the uninterrupted one did, bit for bit."""
+  r = run_benchmark("resume_chaos", tmp_path, "--deterministic", timeout_s=400)
+  assert r["settings"]["deterministic"] and "--config.rl.deterministic=true" in r["command"]
+  assert r["kills"] == 3 and r["finished"] and r["failures"] == []
+  assert r["final_params_equal"] and r["final_state"]["arrays"] > 0
+  assert r["metrics_equal"] and r["metrics_first_difference"] is None
+  # The groups the final checkpoint carries over count as outstanding, not lost.
+  assert r["prompts_lost"] == 0 and r["uninterrupted"]["carried"] > 0 and r["targets_met"]
