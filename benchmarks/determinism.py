@@ -33,11 +33,11 @@ import time
 
 import harness
 import rl_step
+from tunixlike.rl import schedule
 
 # What thread timing changes even in a deterministic run: how long things took and how full the
-# queue was when a step read it (prefixes; the same list as tests/test_deterministic_resume.py).
-TIMING = ("time_s", "learner/", "sampler/busy_frac", "sampler/tokens_per_s", "sampler/slot_occupancy", "sync/ms",
-          "queue/depth", "queue/in_flight", "queue/admitted")
+# queue was when a step read it (the library's one list).
+TIMING = schedule.TIMING_METRICS
 MODES = {"free_running": [], "deterministic": ["--config.rl.deterministic=true"]}
 TARGET = 1.15
 
@@ -48,8 +48,7 @@ def _flags(p):
   p.add_argument("--skip-steps", type=int, default=None, help="steps left out of the timing (default 10; quick 2)")
 
 
-def without_timing(record: dict) -> dict:
-  return {k: v for k, v in record.items() if not k.startswith(TIMING)}
+without_timing = schedule.without_timing
 
 
 def first_difference(a: list[dict], b: list[dict]) -> dict | None:

@@ -48,7 +48,7 @@ When the runs are deterministic (`--deterministic`, or `--override rl.determinis
 run must also end where the uninterrupted one did, bit for bit, and both are targets too:
   final_params_equal     every array of the two final checkpoints' `state` (parameters and optimizer
                          state), compared byte for byte in a child process (JAX stays out of this one);
-  metrics_equal          each RL step's metrics.jsonl record, timings left out (determinism.py's TIMING);
+  metrics_equal          each RL step's metrics.jsonl record, timings left out (tunixlike.rl.schedule.TIMING_METRICS);
                          metrics_first_difference: the first step that differs, and its keys.
 Launch logs stay in the workdirs' parent (--workdir-root; a temporary one is deleted unless --keep).
 """

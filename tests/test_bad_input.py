@@ -70,7 +70,7 @@ def test_damaged_checkpoint_falls_back_and_incompatible_model_is_named(tmp_path)
   out = train(*TINY, "--config.rl.num_steps=2", f"--workdir={workdir}")
   assert out.returncode == 0, out.stderr[-3000:]
   steps = sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
-  assert steps == [1, 2]
+  assert steps == [0, 1, 2]  # the latest two, and step 0 where a replay starts (log.schedule)
   # Damage the newest checkpoint's arrays: the run resumes from the previous one.
   for root, _, files in os.walk(workdir / "checkpoints" / "2" / "state"):
     for f in files:

@@ -10,12 +10,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from test_resume import checkpoint_steps, start, steps_in, wait_for
+from tunixlike.rl import schedule
 
 STEPS = 10
 DETERMINISTIC = ("--config.rl.deterministic=true", "--config.rl.max_staleness=2")
-TIMING = ("time_s", "learner/", "sampler/busy_frac", "sampler/tokens_per_s", "sampler/slot_occupancy", "sync/ms",
-          "queue/depth", "queue/in_flight", "queue/admitted")
-
 
 def finish(workdir):
   proc = start(workdir, STEPS, *DETERMINISTIC)
@@ -26,7 +24,7 @@ def finish(workdir):
 
 def learned(workdir):
   """What a run ends with: its steps' metrics (timings left out), trained prompts and final weights."""
-  metrics = [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in steps_in(f"{workdir}/metrics.jsonl")]
+  metrics = [schedule.without_timing(r) for r in steps_in(f"{workdir}/metrics.jsonl")]
   prompts = steps_in(f"{workdir}/prompts.jsonl")
   with ocp.PyTreeCheckpointer() as reader:
     state = reader.restore(os.path.join(workdir, "checkpoints", str(STEPS), "state"))

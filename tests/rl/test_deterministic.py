@@ -9,15 +9,10 @@ import pytest
 from test_runtime import tiny_config, with_layout
 from tunixlike import config as config_lib, rewards
 from tunixlike.hosts import weights
-from tunixlike.rl import build
+from tunixlike.rl import build, schedule
 from tunixlike.rl.lockstep import LockstepQueue
 from tunixlike.rl.prompts import PromptStream
 from tunixlike.rollout import Completion, RolloutGroup
-
-# What thread timing may still change in a deterministic run: how long things took and how full the
-# queue was when a step read it. Everything else a step logs must be equal.
-TIMING = ("learner/step_s", "learner/wait_s", "learner/busy_frac", "sampler/busy_frac", "sampler/tokens_per_s",
-          "sampler/slot_occupancy", "sync/ms", "queue/depth", "queue/in_flight", "queue/admitted")
 
 
 def run(cfg, reward=None):
@@ -27,7 +22,7 @@ def run(cfg, reward=None):
   steps = []
   runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)))
   runtime.hooks.add(lambda info: steps.append((
-      {k: v for k, v in info.metrics.items() if k not in TIMING},
+      schedule.without_timing(info.metrics),
       [(g.columns["stream_index"], [c.token_ids.tolist() for c in g.completions],
         [c.policy_versions.tolist() for c in g.completions]) for g in info.trained])))
   runtime.run()

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tunixlike.hosts import weights as weights_lib
+from tunixlike import metrics as metrics_lib
 from tunixlike.rl.hooks import StepInfo
 from tunixlike.rl.queue import RolloutQueue
 from tunixlike.rollout import RolloutGroup
@@ -34,18 +34,25 @@ from tunixlike.rollout import RolloutGroup
 FILE = "schedule.jsonl"
 # What thread timing may change between two runs of the same schedule: how long things took, how full
 # the queue was when a step read it. A step's every other metric is part of what it decided.
-TIMING_METRICS = ("learner/step_s", "learner/wait_s", "learner/busy_frac", "sampler/busy_frac",
+# (`time_s`: the clock of a metrics.jsonl record.)
+TIMING_METRICS = ("time_s", "learner/step_s", "learner/wait_s", "learner/busy_frac", "sampler/busy_frac",
                   "sampler/tokens_per_s", "sampler/slot_occupancy", "sync/ms", "queue/depth", "queue/in_flight",
                   "queue/admitted")
 
 
-def decided(metrics: dict[str, Any]) -> dict[str, Any]:
-  """A step's metrics without the timing ones (`TIMING_METRICS`), as JSON numbers."""
-  return {k: float(v) for k, v in metrics.items() if k not in TIMING_METRICS and isinstance(v, (int, float, np.number))}
+def without_timing(record: dict[str, Any]) -> dict[str, Any]:
+  """A metrics record without `TIMING_METRICS`: what two runs of the same schedule must agree on."""
+  return {k: v for k, v in record.items() if k not in TIMING_METRICS}
+
+
+def decided(metrics: dict[str, Any]) -> dict[str, float]:
+  """A step's metrics without the timing ones, as JSON numbers."""
+  return {k: float(v) for k, v in without_timing(metrics).items() if isinstance(v, (int, float, np.number))}
 
 
 def checksum(policy) -> int:
   """The sampler's weights as the learner holds them, summed bit for bit (`hosts.weights.checksum`)."""
+  from tunixlike.hosts import weights as weights_lib  # JAX: not needed to read a record
   return weights_lib.checksum(policy.full_params())
 
 
@@ -67,8 +74,11 @@ class Recorder:
     self._write({"segment": segment, "stream": stream, "queue": queue, "first_seq": first_seq})
 
   def _write(self, record: dict) -> None:
-    with open(self.path, "a", encoding="utf-8") as f:
-      f.write(json.dumps(record) + "\n")
+    try:
+      with open(self.path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    except OSError as e:  # e.g. a full disk: one line naming the file, as for the other logs
+      raise metrics_lib.LogWriteError(f"{self.path}: schedule log write failed: {e}", e.errno) from e
 
   def sampler_step(self, swapped_to: int | None, admitted: int, generated: bool) -> None:
     with self._lock:
