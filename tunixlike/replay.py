@@ -51,10 +51,12 @@ def replay_segment(ckpt, header: dict, steps: list[dict], until: int | None, say
   start = header["segment"]
   meta = ckpt.read_meta(start)
   cfg = config_lib.from_saved(meta["config"])
-  in_memory = [k for k, v in meta["config"].get("data", {}).items() if isinstance(v, str) and v.startswith("<in memory")]
+  saved = meta["config"]
+  in_memory = [f"data.{k}" for k, v in saved.get("data", {}).items() if str(v).startswith("<in memory")]
+  in_memory += [f"rewards[{i}]" for i, r in enumerate(saved.get("rewards") or ()) if str(r.get("fn")).startswith("<in memory")]
   if in_memory:
-    raise ValueError(f"the run trained on rows given in memory ({', '.join('data.' + k for k in in_memory)}): "
-                     "a replay needs them in files")
+    raise ValueError(f"the run was given {', '.join(in_memory)} in memory (tunixlike.train): a replay builds the run "
+                     "from its config, so it needs them as files or import paths")
   setup = build.build(cfg, None)
   rl = build.build_rl(setup)
   policy = rl.policy
