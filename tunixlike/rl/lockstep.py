@@ -14,7 +14,8 @@ progress, so the same seed and config give the same run:
 Every token of a group comes from its round's weights (no swap lands mid-sequence), and batch v
 holds the groups that round v - max_staleness started. The sampler and learner still overlap: while
 the learner trains batch v the sampler decodes round v's groups, up to max_staleness batches ahead.
-The price is the end of each round, where the last completions decode at a small batch size.
+The price is the end of each round, where the last completions decode at a small batch size, and
+memory: while the sampler is behind, up to max_staleness handed-over weight copies wait on its devices.
 
 A dropped group's admission comes back with the next handover; when the learner is short of groups,
 every handover taken and everything admitted examined, it hands over the same weights with the
