@@ -5,6 +5,7 @@ trained prompts of a run never stopped."""
 import os
 import signal
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -58,12 +59,7 @@ def test_a_run_killed_and_resumed_ends_identical_to_one_never_stopped(tmp_path):
 
   (m1, p1, w1), (m2, p2, w2) = learned(reference), learned(chaos)
   assert m1 == m2 and p1 == p2
-  leaves1, leaves2 = jax_leaves(w1), jax_leaves(w2)
+  leaves1, leaves2 = jax.tree.leaves(w1), jax.tree.leaves(w2)
   assert len(leaves1) == len(leaves2) > 0
   for a, b in zip(leaves1, leaves2):
-    np.testing.assert_array_equal(a, b)
-
-
-def jax_leaves(tree):
-  import jax
-  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

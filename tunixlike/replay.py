@@ -23,7 +23,6 @@ The JSON summary goes to stdout; bad input prints one line and exits with status
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -45,6 +44,7 @@ def replay_segment(ckpt, header: dict, steps: list[dict], until: int | None, say
   """Builds the run as it stood at the segment's start and replays its steps (`schedule.replay`)."""
   from tunixlike import config as config_lib, rollout
   from tunixlike.rl import build, schedule
+  from tunixlike.rl.trainer import IN_MEMORY
   from tunixlike.rl.prompts import PromptStream
   from tunixlike.rl.runtime import AsyncRuntime
 
@@ -52,8 +52,8 @@ def replay_segment(ckpt, header: dict, steps: list[dict], until: int | None, say
   meta = ckpt.read_meta(start)
   cfg = config_lib.from_saved(meta["config"])
   saved = meta["config"]
-  in_memory = [f"data.{k}" for k, v in saved.get("data", {}).items() if str(v).startswith("<in memory")]
-  in_memory += [f"rewards[{i}]" for i, r in enumerate(saved.get("rewards") or ()) if str(r.get("fn")).startswith("<in memory")]
+  in_memory = [f"data.{k}" for k, v in saved.get("data", {}).items() if str(v).startswith(IN_MEMORY)]
+  in_memory += [f"rewards[{i}]" for i, r in enumerate(saved.get("rewards") or ()) if str(r.get("fn")).startswith(IN_MEMORY)]
   if in_memory:
     raise ValueError(f"the run was given {', '.join(in_memory)} in memory (tunixlike.train): a replay builds the run "
                      "from its config, so it needs them as files or import paths")
@@ -63,21 +63,18 @@ def replay_segment(ckpt, header: dict, steps: list[dict], until: int | None, say
   policy.restore(ckpt, start)
   stream = PromptStream(setup.train_pipe, header["stream"]["position"], replay=header["stream"]["outstanding"])
   sampler = schedule.ReplaySampler()
-  batch_groups = cfg.rl.prompts_per_step // policy.num_processes
-  queue = schedule.ReplayQueue(batch_groups, cfg.rl.max_staleness, start_version=start, counts=header["queue"],
-                               sampler=sampler)
+  run_cfg = build.runtime_config(cfg, policy)
+  queue = schedule.ReplayQueue(run_cfg.prompts_per_step, cfg.rl.max_staleness, start_version=start,
+                               counts=header["queue"], sampler=sampler)
   groups = {}
   if meta.get("carried"):  # a deterministic run's finished groups, trained after this checkpoint
     for group in rollout.groups_from_json(ckpt.read_item(start, "rollouts")["groups"][0]):
       groups[group.seq] = group
   recorded = {int(seq): r for record in steps for seq, r in record["rewards"].items()}
   sink = schedule.sink_for(groups, rl.scorer, recorded.get)
-  synced = policy.sync_weights()
-  if cfg.sampler.warmup and policy.lora:  # what the run's sampler started with (`build.make_runtime`)
-    synced = policy.sync_weights()
+  synced = build.first_weights(setup, rl)  # what the run's sampler started with
   admission = types.SimpleNamespace(try_admit=sampler.may_start_group, first_seq=header["first_seq"])
   sampler.driver = build.make_driver(setup, rl.engine, rl.scorer, stream, admission, sink, synced)
-  run_cfg = dataclasses.replace(cfg.rl, prompts_per_step=batch_groups, dynamic_sampling=cfg.algo.dynamic_sampling)
   runtime = AsyncRuntime(run_cfg, queue=queue, rewards=None, driver=sampler, policy=policy,
                          collapse=build.collapse_detector(cfg, policy))
   try:

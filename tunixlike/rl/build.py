@@ -41,7 +41,7 @@ from tunixlike.rl.policy import Policy
 from tunixlike.rl import prompts as prompts_lib
 from tunixlike.rl import starting_point
 from tunixlike.rl.prompts import PromptStream, requests_for
-from tunixlike.rl.config import AGENT_API_KEY_ENV, BUILT_IN_ENVS
+from tunixlike.rl.config import AGENT_API_KEY_ENV, BUILT_IN_ENVS, RuntimeConfig
 from tunixlike.rl.lockstep import LockstepQueue
 from tunixlike.rl.queue import RolloutQueue
 from tunixlike.rollout import RolloutGroup
@@ -634,6 +634,24 @@ def make_driver(setup: Setup, engine: Engine, scorer: scoring.GroupScorer, strea
   return driver
 
 
+def runtime_config(cfg: Config, policy: Policy) -> RuntimeConfig:
+  """The loop's settings: `rl`, with this process's share of every batch and algo.dynamic_sampling."""
+  return dataclasses.replace(cfg.rl, prompts_per_step=cfg.rl.prompts_per_step // policy.num_processes,
+                             dynamic_sampling=cfg.algo.dynamic_sampling)
+
+
+def first_weights(setup: Setup, rl: RLStack) -> weight_sync.Synced:
+  """The sampler's first weights, every decode program compiled with them first (sampler.warmup)."""
+  synced = rl.policy.sync_weights()
+  if setup.cfg.sampler.warmup:  # every decode program compiled now, not in the middle of the run
+    with setup.tracer.span("sampler_warmup", cat="sampler"):
+      rl.engine.warmup(synced.params)
+      if rl.policy.lora:  # later syncs hand over packed adapters (`WithAdapters`): their programs too
+        synced = rl.policy.sync_weights()
+        rl.engine.warmup(synced.params)
+  return synced
+
+
 def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: int | None = None,
                  collapse: CollapseDetector | None = None, queue: RolloutQueue | None = None,
                  say=print, on_fault=None, on_sampler_step=None) -> AsyncRuntime:
@@ -642,9 +660,8 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
   next. Add the run's periodic work with `runtime.hooks.add(fn, every=N)`. With whole sampler hosts
   `on_fault(error)` ends this learner host when a sampler host fails while the loop is stuck
   (`hosts.learner_host.RemoteSampling`). `on_sampler_step`: the driver's `on_step`."""
-  cfg, tracer, policy = setup.cfg, setup.tracer, rl.policy
-  run_cfg = dataclasses.replace(cfg.rl, prompts_per_step=cfg.rl.prompts_per_step // policy.num_processes,
-                                dynamic_sampling=cfg.algo.dynamic_sampling)
+  cfg, policy = setup.cfg, rl.policy
+  run_cfg = runtime_config(cfg, policy)
   hosts = setup.meshes.hosts
   if hosts is not None:  # whole sampler hosts sample, score and send; this learner host trains
     from tunixlike.hosts.learner_host import RemoteSampling
@@ -654,13 +671,7 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
                               silence_timeout_s=cfg.mesh.host_timeout_s, on_fault=on_fault)
     return AsyncRuntime(run_cfg, queue=queue, rewards=None, driver=sampling, policy=policy, collapse=collapse,
                         num_steps=num_steps)
-  synced = policy.sync_weights()
-  if cfg.sampler.warmup:  # every decode program compiled now, not in the middle of the run
-    with tracer.span("sampler_warmup", cat="sampler"):
-      rl.engine.warmup(synced.params)
-      if policy.lora:  # later syncs hand over packed adapters (`WithAdapters`): their programs too
-        synced = policy.sync_weights()
-        rl.engine.warmup(synced.params)
+  synced = first_weights(setup, rl)
   queue = queue or make_queue(cfg, policy, stream)
   rewards = RewardStage(rl.scorer, queue, cfg.rl.reward_workers)
   turns = device_turns.DeviceTurns(cfg.rl.wait_timeout_s) if setup.meshes.colocated else device_turns.NO_TURNS

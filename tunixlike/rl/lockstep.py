@@ -57,7 +57,7 @@ class LockstepQueue(RolloutQueue):
     self._unput: set[int] = set()  # seqs admitted and not yet put
     self._stream_position = stream_position
     self._handovers: collections.deque[tuple[Any, int, int]] = collections.deque()  # (params | None, version, allowance)
-    self._allowance = self._allowance_now(start_version)
+    self._allowance = self._admission_limit(start_version)
     self._given = self._taken = 0  # handovers made by the learner / taken by the sampler
     self._round_starts: dict[int, tuple[int, int]] = {0: (self.admitted, stream_position())}  # handover -> (admitted, position)
     self._carried: tuple[int, list[RolloutGroup], int] | None = None
@@ -67,10 +67,6 @@ class LockstepQueue(RolloutQueue):
   def first_seq(self) -> int:
     """The start order the sampler's next group gets (it seeds the group's noise)."""
     return self.admitted
-
-  def _allowance_now(self, version: int) -> int:
-    freed = self.dropped_stale + self.dropped_filtered + self.trained - self._consumed
-    return (self.max_staleness + version + 1) * self.batch_groups + freed
 
   # ---- sampler side ---------------------------------------------------------------------------
   def try_admit(self, sampler_version: int) -> bool:
@@ -110,7 +106,7 @@ class LockstepQueue(RolloutQueue):
   def hand_over(self, params, version: int) -> None:
     """After a step: the sampler's next round uses these weights (taken in order, never skipped)."""
     with self._cond:
-      self._handovers.append((params, version, self._allowance_now(version)))
+      self._handovers.append((params, version, self._admission_limit(version)))
       self._given += 1
       self._cond.notify_all()
 
@@ -142,7 +138,7 @@ class LockstepQueue(RolloutQueue):
     """Waits for the next group; asks for more when the sampler has done all it was given."""
     drained = not self._handovers and self._given == self._taken and not self._unput
     if drained and self.admitted >= self._allowance and self._examined >= self.admitted:
-      allowance = self._allowance_now(learner_version)
+      allowance = self._admission_limit(learner_version)
       if allowance <= self._allowance:
         raise RuntimeError(f"deterministic schedule: step {learner_version} needs group {self._examined}, and "
                            f"every admitted group ({self.admitted}) was examined with nothing freed")
@@ -157,10 +153,6 @@ class LockstepQueue(RolloutQueue):
                          f"{self.admitted}, round {self._taken} of {self._given} handed over); is the sampler "
                          "stuck? (rl.wait_timeout_s)")
     self._cond.wait(min(remaining, 0.5))
-
-  def step_skipped(self, groups: int):
-    with self._cond:
-      self._consumed -= groups  # the next handover's allowance gives them back
 
   def carry_over(self, timeout_s: float) -> tuple[list[RolloutGroup], int] | None:
     """What a checkpoint of the current version keeps: the groups started before the sampler's
@@ -185,9 +177,15 @@ class LockstepQueue(RolloutQueue):
       return groups, position
 
 
-def describe(rl, *, episodes: bool) -> str:
-  """The start-up line on reproducibility: whether the same command gives the same run, and why.
-  `rl`: the run's `RuntimeConfig`; `episodes`: rl.env, rl.agent or whole sampler hosts."""
+def timed_elsewhere(cfg) -> bool:
+  """rl.env or rl.agent episodes, or whole sampler hosts: an outside program or other hosts decide
+  when the run's rollouts advance (Config refuses rl.deterministic with them)."""
+  return bool(cfg.rl.env or cfg.rl.agent or cfg.mesh.sampler_hosts)
+
+
+def describe(cfg) -> str:
+  """The start-up line on reproducibility: whether the same command gives the same run, and why."""
+  rl, episodes = cfg.rl, timed_elsewhere(cfg)
   if rl.deterministic:
     return ("deterministic: yes (rl.deterministic: each sampler round uses one weight version, batches go in "
             "prompt order); the same seed and config on the same backend and device count give the same run, "

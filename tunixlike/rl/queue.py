@@ -68,7 +68,15 @@ class RolloutQueue:
 
   # ---- the staleness rule (EpisodeQueue applies it per policy) -------------------------------
   def _admissible(self, sampler_version: int) -> bool:
-    return self._consumed + self.in_flight < (self.max_staleness + sampler_version + 1) * self.batch_groups
+    return self.admitted < self._admission_limit(sampler_version)
+
+  def _admission_limit(self, sampler_version: int) -> int:
+    """The rule as a count of groups ever admitted: `consumed + in_flight < (max_staleness + v + 1) *
+    batch_groups` is `admitted < (max_staleness + v + 1) * batch_groups + admissions freed`."""
+    return (self.max_staleness + sampler_version + 1) * self.batch_groups + self._freed()
+
+  def _freed(self) -> int:
+    return self.dropped_stale + self.dropped_filtered + self.trained - self._consumed
 
   def _too_old(self, group: RolloutGroup, learner_version: int) -> bool:
     return group.min_version < learner_version - self.max_staleness
@@ -122,7 +130,7 @@ class RolloutQueue:
     is `admitted < (max_staleness + v + 1) * batch_groups + admissions_freed()`: a sampler on
     another host applies it with this number alone (`hosts.rollouts`)."""
     with self._cond:
-      return self.dropped_stale + self.dropped_filtered + self.trained - self._consumed
+      return self._freed()
 
   def put(self, group: RolloutGroup):
     """A finished (and scored) group enters the queue. Never blocks: admission bounded it."""

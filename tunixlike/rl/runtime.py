@@ -172,8 +172,8 @@ class AsyncRuntime:
       self.on_batch(groups)
       return groups
 
-    out = loop.run_steps(self.num_steps, self, next_batch, self.train, threaded=threaded, max_staleness=cfg.max_staleness, should_stop=should_stop,
-                         before_stop=self._settle)
+    out = loop.run_steps(self.num_steps, self, next_batch, self.train, threaded=threaded,
+                         max_staleness=cfg.max_staleness, should_stop=should_stop, before_stop=self._settle)
     return {**out, "preempted": self.preempted, "stopped_by_hook": self.stopped_by_hook}
 
   def _settle(self) -> None:

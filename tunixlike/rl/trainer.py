@@ -236,7 +236,7 @@ def _restore(r: _Run) -> _Data:
   r.restore_records(meta)
   carried = r.carried_groups(meta, policy.version)
   # The queue's counters continue; a deterministic run's carried groups are examined first.
-  data = lambda stream: _Data(stream, build_lib.make_queue(r.cfg, policy, stream, meta.get("queue"), carried))
+  with_queue = lambda stream: _Data(stream, build_lib.make_queue(r.cfg, policy, stream, meta.get("queue"), carried))
   streams = meta.get("streams", [meta["stream"]])  # one per process (each reads its own data shard)
   readers = r.cfg.mesh.sampler_hosts or jax.process_count()  # or one per sampler host
   if len(streams) != readers:
@@ -248,19 +248,19 @@ def _restore(r: _Run) -> _Data:
     if policy.version < r.cfg.rl.num_steps:
       r.say(f"resumed from {where} at step {policy.version}; the sampler hosts regenerate {stream.replayed} prompts "
             "that were in flight")
-    return data(stream)
+    return with_queue(stream)
   mine = streams[r.pid]
   if data_changed:  # data.allow_change: positions in the old data mean nothing in the new
     r.say(f"resumed from {where} at step {policy.version} on changed data ({'; '.join(data_changed)}); "
           f"data.allow_change: the prompt stream starts again at the start of the new data, and the "
           f"{len(mine['outstanding'])} prompts in flight in the old data are not regenerated")
-    return data(PromptStream(r.setup.train_pipe))
+    return with_queue(PromptStream(r.setup.train_pipe))
   stream = PromptStream(r.setup.train_pipe, mine["position"], replay=mine["outstanding"])
   r.counters["groups_regenerated"] += stream.replayed
   if policy.version < r.cfg.rl.num_steps:  # a finished run says so in _stages, and regenerates nothing
     r.say(f"resumed from {where} at step {policy.version}; regenerating {stream.replayed} prompts that were in "
           "flight" + (f", {len(carried)} finished ones kept" if carried else ""))
-  return data(stream)
+  return with_queue(stream)
 
 
 def _rl(r: _Run, data: _Data) -> dict[str, Any]:
@@ -450,8 +450,7 @@ class _Run:
   @property
   def records_schedule(self) -> bool:
     """log.schedule, for the runs a replay can rerun: single-turn rollouts decoded by this process."""
-    cfg = self.cfg
-    return cfg.log.schedule and not (cfg.rl.env or cfg.rl.agent or cfg.mesh.sampler_hosts)
+    return self.cfg.log.schedule and not lockstep_lib.timed_elsewhere(self.cfg)
 
   def replay_starts(self) -> tuple[int, ...]:
     """The checkpoints a replay starts from, kept beside the latest ones while log.schedule records:
@@ -553,7 +552,7 @@ class _Run:
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(setup.model, nnx.Param)))
     self.say(f"tunixlike: task {cfg.data.task}, {n_params:,} params, sampler {dict(setup.meshes.sampler.shape)}, "
              f"learner {dict(setup.meshes.learner.shape)}")
-    self.say(lockstep_lib.describe(cfg.rl, episodes=bool(cfg.rl.env or cfg.rl.agent or cfg.mesh.sampler_hosts)))
+    self.say(lockstep_lib.describe(cfg))
     if setup.meshes.hosts is not None:  # whole hosts per side: this host's role and devices
       lines = setup.meshes.hosts.describe()
       for line in (lines if self.pid == 0 else lines[self.pid:self.pid + 1]):

@@ -290,15 +290,15 @@ class RolloutDriver:
 
   def step(self) -> bool:
     """Swap params if asked, refill slots, run one generate call. Returns False if nothing ran."""
-    first_seq = self._next_seq
+    seq_before = self._next_seq
     with self.turns.sampler():  # the device work of one step; collecting its tokens is host work
       swapped = self._maybe_swap_params()
       self._prepare()
       self._reserve()
       self._refill()
       if not any(s is not None for s in self._slots):
-        if self._on_step is not None and (swapped is not None or self._next_seq > first_seq):
-          self._on_step(swapped, self._next_seq - first_seq, False)
+        if self._on_step is not None and (swapped is not None or self._next_seq > seq_before):
+          self._on_step(swapped, self._next_seq - seq_before, False)
         return False
       self._state, moves = self.engine.compact_slots(self._state)
       for src, dst in moves:
@@ -312,7 +312,7 @@ class RolloutDriver:
     self.stats.generate_calls += 1
     self._collect(host)
     if self._on_step is not None:
-      self._on_step(swapped, self._next_seq - first_seq, True)
+      self._on_step(swapped, self._next_seq - seq_before, True)
     return True
 
   def _prepare(self) -> None:
