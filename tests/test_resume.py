@@ -62,7 +62,9 @@ def test_sigkill_then_resume_continues_steps_and_data_exactly(tmp_path):
   proc = start(workdir, steps=12)
   out, _ = proc.communicate(timeout=600)
   assert proc.returncode == 0, out[-3000:]
-  assert f"at step {saved[-1]}" in out and "regenerating" in out
+  assert f"at step {saved[-1]}" in out
+  # The checkpoint kept the rollouts in flight with their tokens: the resume continues them.
+  assert re.search(r"continuing \d+ prompts that were in flight \(\d+ tokens kept, not decoded again\)", out), out[-3000:]
 
   log = steps_in(f"{workdir}/prompts.jsonl")
   assert [r["step"] for r in log] == list(range(12))  # steps continue; lost steps redone once
@@ -72,7 +74,7 @@ def test_sigkill_then_resume_continues_steps_and_data_exactly(tmp_path):
   final = json.load(open(f"{workdir}/checkpoints/12/meta/metadata"))
   accounted = set(trained) | set(dropped) | set(final["stream"]["outstanding"])
   assert accounted == set(range(final["stream"]["position"]))  # none skipped
-  assert final["counters"]["groups_regenerated"] > 0
+  assert final["counters"]["groups_continued"] > 0 and final["counters"]["tokens_kept"] > 0
   # Admission after the restore is what an uninterrupted run's would be: nothing dropped as stale,
   # never more than (max_staleness + 1) batches of 8 prompts in flight.
   assert dropped == []

@@ -342,6 +342,8 @@ class CheckpointSection:
                              check=non_negative)
   every_seconds: float = setting(0.0, "0 = off; e.g. 600 on preemptible TPU VMs", check=non_negative)
   keep: int = setting(2, "latest checkpoints kept, plus the one with the best held-out accuracy", check=positive)
+  keep_rollouts: bool = setting(True, "keep the rollouts in flight (tokens so far) in each checkpoint: a resume "
+                                "continues them instead of decoding them again (rl/in_flight.py)")
 
   def __post_init__(self):
     check_fields(self)

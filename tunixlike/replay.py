@@ -42,8 +42,8 @@ def _parse(argv):
 
 def replay_segment(ckpt, header: dict, steps: list[dict], until: int | None, say) -> dict:
   """Builds the run as it stood at the segment's start and replays its steps (`schedule.replay`)."""
-  from tunixlike import config as config_lib, rollout
-  from tunixlike.rl import build, schedule
+  from tunixlike import config as config_lib
+  from tunixlike.rl import build, in_flight, schedule
   from tunixlike.rl.trainer import IN_MEMORY
   from tunixlike.rl.prompts import PromptStream
   from tunixlike.rl.runtime import AsyncRuntime
@@ -61,20 +61,21 @@ def replay_segment(ckpt, header: dict, steps: list[dict], until: int | None, say
   rl = build.build_rl(setup)
   policy = rl.policy
   policy.restore(ckpt, start)
-  stream = PromptStream(setup.train_pipe, header["stream"]["position"], replay=header["stream"]["outstanding"])
+  # The rollouts in flight the checkpoint kept, as the resumed run continued them (rl/in_flight.py).
+  kept = in_flight.from_json(ckpt.read_item(start, "rollouts")["processes"][0]) if header.get("kept") else None
+  stream = PromptStream(setup.train_pipe, header["stream"]["position"], replay=header["stream"]["outstanding"],
+                        kept=kept.stream_indices if kept is not None else ())
   sampler = schedule.ReplaySampler()
   run_cfg = build.runtime_config(cfg, policy)
   queue = schedule.ReplayQueue(run_cfg.prompts_per_step, cfg.rl.max_staleness, start_version=start,
                                counts=header["queue"], sampler=sampler)
-  groups = {}
-  if meta.get("carried"):  # a deterministic run's finished groups, trained after this checkpoint
-    for group in rollout.groups_from_json(ckpt.read_item(start, "rollouts")["groups"][0]):
-      groups[group.seq] = group
+  groups = {group.seq: group for group in (kept.scored if kept is not None else ())}
   recorded = {int(seq): r for record in steps for seq, r in record["rewards"].items()}
   sink = schedule.sink_for(groups, rl.scorer, recorded.get)
   synced = build.first_weights(setup, rl)  # what the run's sampler started with
   admission = types.SimpleNamespace(try_admit=sampler.may_start_group, first_seq=header["first_seq"])
-  sampler.driver = build.make_driver(setup, rl.engine, rl.scorer, stream, admission, sink, synced)
+  sampler.driver = build.make_driver(setup, rl.engine, rl.scorer, stream, admission, sink, synced,
+                                     resume=kept.in_flight if kept is not None else ())
   runtime = AsyncRuntime(run_cfg, queue=queue, rewards=None, driver=sampler, policy=policy,
                          collapse=build.collapse_detector(cfg, policy))
   try:

@@ -112,30 +112,31 @@ def truncated_share(groups) -> float:
 
 def groups_to_json(groups) -> list:
   """Groups as plain JSON (arrays as base64 of their bytes, bit for bit), for a checkpoint."""
-  return [_to_json(g) for g in groups]
+  return [to_json(g) for g in groups]
 
 
 def groups_from_json(items) -> list[RolloutGroup]:
-  return [_from_json(item) for item in items]
+  return [from_json(item) for item in items]
 
 
 _TYPES = {"RolloutGroup": RolloutGroup, "Completion": Completion}
 
 
-def _to_json(x):
+def to_json(x):
+  """Rollouts and what holds them (lists, dicts, arrays) as plain JSON, arrays bit for bit."""
   if isinstance(x, (np.ndarray, np.generic)):
     a = np.asarray(x)
     return {"__array__": a.dtype.str, "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}
   if isinstance(x, (RolloutGroup, Completion)):
-    return {"__type__": type(x).__name__, **{f.name: _to_json(getattr(x, f.name)) for f in dataclasses.fields(x)}}
+    return {"__type__": type(x).__name__, **{f.name: to_json(getattr(x, f.name)) for f in dataclasses.fields(x)}}
   if isinstance(x, dict):
-    return {"__dict__": [[k, _to_json(v)] for k, v in x.items()]}
+    return {"__dict__": [[k, to_json(v)] for k, v in x.items()]}
   if isinstance(x, (list, tuple)):
-    return {"__list__": [_to_json(v) for v in x], "tuple": isinstance(x, tuple)}
+    return {"__list__": [to_json(v) for v in x], "tuple": isinstance(x, tuple)}
   return x  # str, int, float, bool, None
 
 
-def _from_json(x):
+def from_json(x):
   if not isinstance(x, dict):
     return x
   if "__array__" in x:
@@ -143,8 +144,8 @@ def _from_json(x):
     return a[()] if not x["shape"] else a
   if "__type__" in x:
     cls = _TYPES[x["__type__"]]
-    return cls(**{f.name: _from_json(x[f.name]) for f in dataclasses.fields(cls)})
+    return cls(**{f.name: from_json(x[f.name]) for f in dataclasses.fields(cls)})
   if "__dict__" in x:
-    return {k: _from_json(v) for k, v in x["__dict__"]}
-  values = [_from_json(v) for v in x["__list__"]]
+    return {k: from_json(v) for k, v in x["__dict__"]}
+  values = [from_json(v) for v in x["__list__"]]
   return tuple(values) if x["tuple"] else values

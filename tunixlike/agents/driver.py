@@ -135,6 +135,8 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class AgentDriver(RolloutDriver):
   """Runs G agent episodes per prompt, served by an OpenAI-compatible server; see the module docstring."""
 
+  continues_in_flight = False  # its episodes hold state a checkpoint does not: started again on resume
+
   def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None], sink,
                agent: Callable[..., Any], tokenizer, agent_config: AgentConfig, version: int = 0,
                may_start_group: Callable[[int], bool] | None = None, tracer=None, model_name: str = "policy"):

@@ -33,7 +33,7 @@ from tunixlike.models import hub, lora as lora_lib, transformer
 from tunixlike.rewards import loader, process as process_lib
 from tunixlike.rewards.envs import Env
 from tunixlike.rl import distill as distill_lib, evaluate as eval_lib, scoring, warm_start as warm_start_lib
-from tunixlike.rl import truncation_guard, weight_sync
+from tunixlike.rl import in_flight, truncation_guard, weight_sync
 from tunixlike.agents.driver import AgentConfig, AgentDriver
 from tunixlike.rl.collapse import CollapseConfig, CollapseDetector
 from tunixlike.rl import policy as policy_lib
@@ -44,7 +44,6 @@ from tunixlike.rl.prompts import PromptStream, requests_for
 from tunixlike.rl.config import AGENT_API_KEY_ENV, BUILT_IN_ENVS, RuntimeConfig
 from tunixlike.rl.lockstep import LockstepQueue
 from tunixlike.rl.queue import RolloutQueue
-from tunixlike.rollout import RolloutGroup
 from tunixlike.rl.runtime import AsyncRuntime, RewardStage
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.sampler.driver import RolloutDriver
@@ -594,24 +593,27 @@ def collapse_detector(cfg: Config, policy: Policy) -> CollapseDetector:
 
 
 def make_queue(cfg: Config, policy: Policy, stream, counts: dict | None = None,
-               carried: list[RolloutGroup] = ()) -> RolloutQueue:
+               kept: in_flight.Kept | None = None) -> RolloutQueue:
   """The rollout queue: this process's share of every batch, admission from the policy's version;
-  `counts` (a checkpoint's `queue.counts()`) continues its counters. With rl.deterministic a
-  `LockstepQueue`, which starts with a checkpoint's `carried` groups and reads `stream`'s position
-  at each round. Built before the driver and the runtime, which it is handed to."""
+  `counts` (a checkpoint's `queue.counts()`) continues its counters and `kept` (its rollouts in
+  flight) are admitted again. With rl.deterministic a `LockstepQueue`, which starts with the kept
+  groups and reads `stream`'s position at each round. Built before the driver and the runtime,
+  which it is handed to."""
   batch_groups = cfg.rl.prompts_per_step // policy.num_processes
+  kept = kept or in_flight.Kept(scored=[], in_flight=[], next_seq=0)
   if cfg.rl.deterministic:
     return LockstepQueue(batch_groups, cfg.rl.max_staleness, stream_position=lambda: stream.position,
-                         start_version=policy.version, counts=counts, pending=list(carried))
-  return RolloutQueue(batch_groups, cfg.rl.max_staleness, start_version=policy.version, counts=counts)
+                         start_version=policy.version, counts=counts, pending=kept.scored)
+  return RolloutQueue(batch_groups, cfg.rl.max_staleness, start_version=policy.version, counts=counts,
+                      carried=kept.scored, continued=len(kept.in_flight), first_seq=kept.next_seq)
 
 
 def make_driver(setup: Setup, engine: Engine, scorer: scoring.GroupScorer, stream, queue, sink, synced, *,
-                turns=device_turns.NO_TURNS, say=print, on_step=None) -> RolloutDriver:
+                turns=device_turns.NO_TURNS, say=print, on_step=None, resume=()) -> RolloutDriver:
   """The driver of this run's rollouts on `engine` (single-turn, env episodes, or the user's agent
   behind its server), from `synced` weights and version; its admission is `queue.try_admit` (a
   `RolloutQueue`, or a sampler host's `hosts.rollouts.RemoteAdmission`); not started. `on_step`:
-  the driver's (what `rl.schedule` records)."""
+  the driver's (what `rl.schedule` records); `resume`: a checkpoint's groups in flight it continues."""
   cfg, tok, tracer = setup.cfg, setup.tok, setup.tracer
   common = dict(source=stream, sink=sink, version=synced.version, may_start_group=queue.try_admit, tracer=tracer)
   if setup.agent is not None:  # the user's agent loop, served over HTTP on the same decode slots
@@ -625,7 +627,7 @@ def make_driver(setup: Setup, engine: Engine, scorer: scoring.GroupScorer, strea
     # rl.deterministic: rounds (Config refuses it with episodes and agents).
     rounds = queue.next_round if isinstance(queue, LockstepQueue) else None
     driver = RolloutDriver(engine, synced.params, recorders=recorders, detokenize=tok.decode, on_step=on_step,
-                           first_seq=getattr(queue, "first_seq", 0), next_round=rounds, **common)
+                           first_seq=getattr(queue, "first_seq", 0), next_round=rounds, resume=resume, **common)
   else:  # Config refuses what episodes cannot record (process rewards, routing).
     driver = EpisodeDriver(engine, synced.params, make_env=setup.make_env, detokenize=tok.decode,
                            tokenize=lambda text: tok.encode(text, add_special_tokens=False),
@@ -654,12 +656,13 @@ def first_weights(setup: Setup, rl: RLStack) -> weight_sync.Synced:
 
 def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: int | None = None,
                  collapse: CollapseDetector | None = None, queue: RolloutQueue | None = None,
-                 say=print, on_fault=None, on_sampler_step=None) -> AsyncRuntime:
+                 say=print, on_fault=None, on_sampler_step=None, resume=()) -> AsyncRuntime:
   """The async loop over `stream`'s prompts, with every decode program compiled first (sampler.warmup):
   the queue (`make_queue`, or `queue`), the reward stage, the driver, the runtime, each handed to the
   next. Add the run's periodic work with `runtime.hooks.add(fn, every=N)`. With whole sampler hosts
   `on_fault(error)` ends this learner host when a sampler host fails while the loop is stuck
-  (`hosts.learner_host.RemoteSampling`). `on_sampler_step`: the driver's `on_step`."""
+  (`hosts.learner_host.RemoteSampling`). `on_sampler_step`: the driver's `on_step`; `resume`: the
+  groups in flight it continues (`rl/in_flight.py`)."""
   cfg, policy = setup.cfg, rl.policy
   run_cfg = runtime_config(cfg, policy)
   hosts = setup.meshes.hosts
@@ -676,7 +679,7 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
   rewards = RewardStage(rl.scorer, queue, cfg.rl.reward_workers)
   turns = device_turns.DeviceTurns(cfg.rl.wait_timeout_s) if setup.meshes.colocated else device_turns.NO_TURNS
   driver = make_driver(setup, rl.engine, rl.scorer, stream, queue, rewards, synced, turns=turns, say=say,
-                       on_step=on_sampler_step)
+                       on_step=on_sampler_step, resume=resume)
   if isinstance(queue, LockstepQueue):  # a checkpoint does not wait for a sampler that died
     queue.sampler_alive = lambda: driver.running
   # Each process's queue admits its own share of every batch (`run_cfg`).

@@ -20,22 +20,26 @@ class PromptStream:
   dropped: in flight at the time); resuming replays the outstanding prompts first, so no prompt is
   skipped or trained twice.
 
+  `kept`: stream indices a checkpoint kept the rollouts of (`rl/in_flight.py`): outstanding, not replayed.
+
   `shard=(i, n)`: `pipe` is shard i of n of the data (a sampler host's, mesh.sampler_hosts) and its
   k-th prompt gets `stream_index` k * n + i, so indices of different shards never collide
   (`position` counts this shard's prompts; `outstanding` and `replay` are stream indices).
   """
 
-  def __init__(self, pipe, position: int = 0, replay: Sequence[int] = (), shard: tuple[int, int] = (0, 1)):
+  def __init__(self, pipe, position: int = 0, replay: Sequence[int] = (), shard: tuple[int, int] = (0, 1),
+               kept: Sequence[int] = ()):
     self._pipe = pipe
     self._shard, self._shards = shard
     self._lock = threading.Lock()
-    self._replay = list(replay)
+    kept = set(kept)
+    self._replay = [i for i in replay if i not in kept]
     self.replayed = len(self._replay)
     self.position = position
     self._it = iter(pipe)
     if position:
       self._it.set_state({"next_index": position})
-    self.outstanding: set[int] = set()
+    self.outstanding: set[int] = kept
 
   def _record_at(self, index: int) -> dict:
     it = iter(self._pipe)

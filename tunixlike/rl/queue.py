@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from tunixlike.rollout import RolloutGroup
 
@@ -42,10 +42,14 @@ class RolloutQueue:
 
   def __init__(self, batch_groups: int, max_staleness: int, stop_event: threading.Event | None = None,
                on_drop: Callable[[RolloutGroup], None] | None = None, start_version: int = 0,
-               counts: dict[str, int] | None = None):
+               counts: dict[str, int] | None = None, carried: Sequence[RolloutGroup] = (), continued: int = 0,
+               first_seq: int = 0):
     """`start_version`: the policy version the learner starts from (a resumed run's step).
     `counts`: `counts()` of the run being resumed, so the queue's counters continue. Dropped groups
-    go to `on_drop`, by default kept until `take_dropped()`."""
+    go to `on_drop`, by default kept until `take_dropped()`. A checkpoint's rollouts in flight
+    (`rl/in_flight.py`) are admitted again: its scored groups (`carried`) are queued, and `continued`
+    groups the driver goes on decoding run as if admitted at `start_version`; the driver's new groups
+    start at `first_seq`, after theirs."""
     if batch_groups < 1:
       raise ValueError(f"batch_groups={batch_groups}: must be >= 1")
     if max_staleness < 0:
@@ -62,9 +66,23 @@ class RolloutQueue:
     self.dropped_stale = int(counts.get("dropped_stale", 0))
     self.dropped_filtered = int(counts.get("dropped_filtered", 0))
     self.trained = int(counts.get("trained", 0))
-    # Groups in flight when a checkpoint was saved are regenerated, not restored: none are in flight.
-    self.admitted = self.trained + self.dropped_stale + self.dropped_filtered  # groups ever admitted
+    # Groups ever admitted: those a resume regenerates are admitted again as they start.
+    self.admitted = self.trained + self.dropped_stale + self.dropped_filtered + len(carried) + continued
     self._consumed = start_version * batch_groups  # groups whose batches advanced the policy
+    self._ready.extend(carried)
+    if continued:
+      self._running[self._running_key(start_version)] += continued
+    self._first_seq = first_seq
+
+  @property
+  def first_seq(self) -> int:
+    """The start order of the sampler's first new group (it seeds the group's noise)."""
+    return self._first_seq
+
+  def ready_groups(self) -> list[RolloutGroup]:
+    """The scored groups waiting for a batch (a checkpoint keeps them)."""
+    with self._cond:
+      return list(self._ready)
 
   # ---- the staleness rule (EpisodeQueue applies it per policy) -------------------------------
   def _admissible(self, sampler_version: int) -> bool:

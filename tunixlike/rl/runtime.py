@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -71,9 +72,18 @@ class RewardStage:
     self._score, self._queue = score, queue
     self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="reward")
     self._errors: list[BaseException] = []
+    self._lock = threading.Lock()
+    self._held: dict[int, RolloutGroup] = {}  # id -> a group submitted and not yet in the queue
 
   def __call__(self, group: RolloutGroup) -> None:
+    with self._lock:
+      self._held[id(group)] = group
     self._pool.submit(self._score_and_enqueue, group)
+
+  def held(self) -> list[RolloutGroup]:
+    """The finished groups not yet in the queue (scoring, or waiting for a reward thread)."""
+    with self._lock:
+      return list(self._held.values())
 
   def _score_and_enqueue(self, group: RolloutGroup):
     try:
@@ -82,6 +92,9 @@ class RewardStage:
     except BaseException as e:
       self._errors.append(e)
       self._queue.stop_event.set()
+    finally:
+      with self._lock:
+        del self._held[id(group)]
 
   def check(self) -> None:
     if self._errors:

@@ -65,13 +65,14 @@ class Recorder:
   """Writes the schedule of a run as it goes: `sampler_step` is the driver's `on_step` (its thread),
   `took` the runtime's `on_batch`, `step` a hook after each step (the learner's thread)."""
 
-  def __init__(self, path: str, *, segment: int, stream: dict, queue: dict, first_seq: int):
+  def __init__(self, path: str, *, segment: int, stream: dict, queue: dict, first_seq: int, kept: bool):
+    """`kept`: the segment continues the rollouts in flight its checkpoint kept (`rl/in_flight.py`)."""
     self.path = path
     self._lock = threading.Lock()
     self._events: list[list] = []
     self._plain = 0
     self._taken: tuple[list[list], int] | None = None
-    self._write({"segment": segment, "stream": stream, "queue": queue, "first_seq": first_seq})
+    self._write({"segment": segment, "stream": stream, "queue": queue, "first_seq": first_seq, "kept": kept})
 
   def _write(self, record: dict) -> None:
     try:

@@ -24,7 +24,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from etils import epath
@@ -39,14 +39,13 @@ from tunixlike.data import tasks as tasks_lib
 from tunixlike.hosts import kv as kv_lib, learner_host
 from tunixlike.rl import build as build_lib, collapse as collapse_lib, resume as resume_lib
 from tunixlike.rl import completions_log, signal_guard, truncation_guard, unlearning, warm_start as warm_start_lib
-from tunixlike.rl import hooks as hooks_lib
+from tunixlike.rl import hooks as hooks_lib, in_flight as in_flight_lib
 from tunixlike.rl.hooks import StepInfo
 from tunixlike.rl.preemption import Preemption
 from tunixlike.rl.prompts import PromptStream
 from tunixlike.rl import lockstep as lockstep_lib, schedule as schedule_lib
 from tunixlike.rl.lockstep import LockstepQueue
 from tunixlike.rl.queue import RolloutQueue
-from tunixlike import rollout as rollout_lib
 from tunixlike.rl.runtime import AsyncRuntime
 
 log = logging.getLogger("tunixlike")
@@ -139,14 +138,17 @@ def _stages(r: _Run) -> dict[str, Any]:
 
 
 # ---- the stages ----------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _Data:
   """Where the run is in its data, saved with every checkpoint beside the policy state: the prompt
-  stream (its position and the prompts in flight, replayed on resume) and the rollout queue (its
-  admission counters). Built by `_start_fresh` or `_restore`, then handed to the RL loop."""
+  stream (its position and the prompts in flight, replayed on resume unless kept), the rollout queue
+  (its admission counters) and the rollouts in flight (`rl/in_flight.py`). Built by `_start_fresh` or
+  `_restore`, then handed to the RL loop."""
 
   stream: PromptStream
   queue: RolloutQueue
+  kept: in_flight_lib.Kept | None = None  # the resumed checkpoint's rollouts in flight, which the driver continues
+  in_flight: Callable[[], in_flight_lib.Kept | None] | None = None  # the rollouts in flight now (the RL loop sets it)
 
 
 def _start_fresh(r: _Run) -> _Data | None:
@@ -234,9 +236,9 @@ def _restore(r: _Run) -> _Data:
                                    json.loads(json.dumps(dataclasses.asdict(policy.model().cfg))))
   r.open_logs(policy.version)
   r.restore_records(meta)
-  carried = r.carried_groups(meta, policy.version)
-  # The queue's counters continue; a deterministic run's carried groups are examined first.
-  with_queue = lambda stream: _Data(stream, build_lib.make_queue(r.cfg, policy, stream, meta.get("queue"), carried))
+  kept = None if data_changed else r.kept_rollouts(meta, policy.version)
+  # The queue's counters continue; the checkpoint's rollouts in flight come first.
+  with_queue = lambda stream: _Data(stream, build_lib.make_queue(r.cfg, policy, stream, meta.get("queue"), kept), kept)
   streams = meta.get("streams", [meta["stream"]])  # one per process (each reads its own data shard)
   readers = r.cfg.mesh.sampler_hosts or jax.process_count()  # or one per sampler host
   if len(streams) != readers:
@@ -255,11 +257,14 @@ def _restore(r: _Run) -> _Data:
           f"data.allow_change: the prompt stream starts again at the start of the new data, and the "
           f"{len(mine['outstanding'])} prompts in flight in the old data are not regenerated")
     return with_queue(PromptStream(r.setup.train_pipe))
-  stream = PromptStream(r.setup.train_pipe, mine["position"], replay=mine["outstanding"])
+  stream = PromptStream(r.setup.train_pipe, mine["position"], replay=mine["outstanding"],
+                        kept=kept.stream_indices if kept is not None else ())
   r.counters["groups_regenerated"] += stream.replayed
+  if kept is not None:
+    r.counters["groups_continued"] += len(kept.scored) + len(kept.in_flight)
+    r.counters["tokens_kept"] += kept.tokens
   if policy.version < r.cfg.rl.num_steps:  # a finished run says so in _stages, and regenerates nothing
-    r.say(f"resumed from {where} at step {policy.version}; regenerating {stream.replayed} prompts that were in "
-          "flight" + (f", {len(carried)} finished ones kept" if carried else ""))
+    r.say(f"resumed from {where} at step {policy.version}; " + r.resume_line(kept, stream.replayed))
   return with_queue(stream)
 
 
@@ -272,7 +277,10 @@ def _rl(r: _Run, data: _Data) -> dict[str, Any]:
   recorder = r.schedule_recorder(data)
   runtime = build_lib.make_runtime(r.setup, rl, data.stream, num_steps=max(cfg.rl.num_steps - r.version, 0),
                                    collapse=build_lib.collapse_detector(cfg, rl.policy), queue=data.queue, say=r.say,
-                                   on_fault=r.host_fault, on_sampler_step=recorder and recorder.sampler_step)
+                                   on_fault=r.host_fault, on_sampler_step=recorder and recorder.sampler_step,
+                                   resume=data.kept.in_flight if data.kept is not None else ())
+  if in_flight_lib.why_not(cfg) is None:
+    data.in_flight = lambda: in_flight_lib.take(runtime.driver, runtime.rewards, data.queue, cfg.rl.wait_timeout_s)
   if recorder is not None:
     runtime.on_batch = recorder.took
     runtime.hooks.add(lambda info: recorder.step(info, rl.policy))
@@ -437,7 +445,8 @@ class _Run:
     self.rl: build_lib.RLStack | None = None
     self.logger: metrics_lib.MetricsLogger | None = None
     self.prompts_log = os.path.join(self.dir, "prompts.jsonl")
-    self.counters = {"groups_trained": 0, "groups_dropped": 0, "groups_regenerated": 0}
+    self.counters = {"groups_trained": 0, "groups_dropped": 0, "groups_regenerated": 0, "groups_continued": 0,
+                     "tokens_kept": 0}
     self.evals: dict[int, float] = {}  # version -> held-out accuracy measured at it
     self.truncation = truncation_guard.TruncationGuard(
         cfg.sampler.max_new_tokens, cfg.rl.truncated_warn_share, lambda line: self.say(line),
@@ -469,7 +478,7 @@ class _Run:
       return None
     return schedule_lib.Recorder(os.path.join(self.dir, schedule_lib.FILE), segment=self.version,
                                  stream=data.stream.state(), queue=data.queue.counts(),
-                                 first_seq=getattr(data.queue, "first_seq", 0))
+                                 first_seq=getattr(data.queue, "first_seq", 0), kept=data.kept is not None)
 
   @property
   def multi(self) -> bool:
@@ -619,36 +628,53 @@ class _Run:
     version = self.version
     if self.agreed(force or self.ckpt.should_save(version)):
       acc = self.evals.get(version)
-      stream_state, extra = self.carry_over(data.queue)
+      stream_state, kept = self.carry_over(data)
       meta = checkpoint_meta(self.setup, self.rl, data.stream, self.counters, queue=data.queue.counts(),
                              data=self.data_fingerprints, stream_state=stream_state)
-      if self.cfg.rl.deterministic:
-        meta["carried"] = extra is not None
+      extra = None
+      if self.agreed(kept is not None):  # every process's, or none (a sampler that failed or hung)
+        mine = in_flight_lib.to_json(kept)
+        extra = {"rollouts": {"processes": distributed.allgather_json(mine) if self.multi else [mine]}}
+        meta["carried"] = "deterministic" if self.cfg.rl.deterministic else "in_flight"
       self.ckpt.save(version, self.rl.policy.state, meta, metrics=None if acc is None else {"eval/accuracy": acc},
                      force=True, extra=extra)
 
-  def carry_over(self, queue) -> tuple[dict | None, dict | None]:
-    """rl.deterministic: the stream position of the sampler's current round and, as a checkpoint
-    item, the groups started before it that no step has examined (`LockstepQueue.carry_over`);
-    (None, None) otherwise, or when the sampler stopped on an error (a resume then regenerates
-    what was in flight, as a free-running one does)."""
-    carry = queue.carry_over(self.cfg.rl.wait_timeout_s) if isinstance(queue, LockstepQueue) else None
-    if carry is None:
-      return None, None
-    groups, position = carry
-    mine = rollout_lib.groups_to_json(groups)
-    every = distributed.allgather_json(mine) if self.multi else [mine]
-    return {"position": position, "outstanding": []}, {"rollouts": {"groups": every}}
+  def carry_over(self, data: _Data) -> tuple[dict | None, in_flight_lib.Kept | None]:
+    """What the checkpoint keeps of the rollouts in flight: rl.deterministic, the groups started before
+    the sampler's current round that no step has examined and the stream position at that round's
+    start (`LockstepQueue.carry_over`); a free-running run, every group in flight with its tokens so far
+    (`rl/in_flight.py`). (None, None) when the run keeps none, or when the sampler stopped on an error
+    or hangs (a resume then regenerates what was in flight)."""
+    if isinstance(data.queue, LockstepQueue):
+      carry = data.queue.carry_over(self.cfg.rl.wait_timeout_s)
+      if carry is None:
+        return None, None
+      groups, position = carry
+      return {"position": position, "outstanding": []}, in_flight_lib.Kept(scored=groups, in_flight=[], next_seq=0)
+    return None, data.in_flight() if data.in_flight is not None else None
 
-  def carried_groups(self, meta: dict, step: int) -> list:
-    """The groups checkpoint `step` carried over (this process's), or [] when it carried none."""
-    if not meta.get("carried"):
-      if self.cfg.rl.deterministic and step:
-        self.say(f"{self.ckpt.step_dir(step)} was saved after an error, without the sampler's finished groups: "
-                 "the prompts in flight are regenerated, so this run goes on deterministically but not as one "
-                 "never stopped would have")
-      return []
-    return rollout_lib.groups_from_json(self.ckpt.read_item(step, "rollouts")["groups"][self.pid])
+  def kept_rollouts(self, meta: dict, step: int) -> in_flight_lib.Kept | None:
+    """This process's rollouts in flight that checkpoint `step` kept and this run continues (None: none)."""
+    kind = meta.get("carried")
+    if self.cfg.rl.deterministic and step and kind != "deterministic":
+      self.say(f"{self.ckpt.step_dir(step)} was saved after an error or by a free-running run, without the sampler's "
+               "finished groups: the prompts in flight are regenerated, so this run goes on deterministically but "
+               "not as one never stopped would have")
+    if kind != ("deterministic" if self.cfg.rl.deterministic else "in_flight" if in_flight_lib.why_not(self.cfg) is None
+                else None):
+      return None
+    return in_flight_lib.from_json(self.ckpt.read_item(step, "rollouts")["processes"][self.pid])
+
+  def resume_line(self, kept: in_flight_lib.Kept | None, regenerated: int) -> str:
+    """What the resume does with the prompts that were in flight."""
+    if self.cfg.rl.deterministic:
+      return (f"regenerating {regenerated} prompts that were in flight"
+              + (f", {len(kept.scored)} finished ones kept" if kept is not None and kept.scored else ""))
+    if kept is None:
+      why = in_flight_lib.why_not(self.cfg)
+      return f"regenerating {regenerated} prompts that were in flight" + (f" (not kept: {why})" if why else "")
+    return (f"continuing {len(kept.scored) + len(kept.in_flight)} prompts that were in flight ({kept.tokens} tokens "
+            f"kept, not decoded again)" + (f"; regenerating {regenerated}" if regenerated else ""))
 
   def restore_records(self, meta: dict) -> None:
     """The counters of checkpoint `meta` and the held-out accuracies in the (cut back) metrics log."""

@@ -26,6 +26,7 @@ reward model while decoding goes on. Multi-turn episodes are `episodes.EpisodeDr
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import queue
@@ -64,6 +65,8 @@ class _Group:
   completions: list[Completion | None]
   started: int = 0  # samples inserted so far
   keys: np.ndarray | None = None  # [group_size, 2] noise keys of its samples (made when first inserted)
+  version: int = 0  # the sampler's version when it was admitted
+  resumed_at: int | None = None  # a group continued from a checkpoint: the version the driver resumed at
 
 
 @dataclasses.dataclass
@@ -79,6 +82,26 @@ class _Slot:
   routing: list[np.ndarray] = dataclasses.field(default_factory=list)
   # The prefix this slot was filled from: its prefill's routing (device int32 [rows, bucket, L, k]) and row.
   prompt_routing: tuple[Any, int] | None = None
+  kept: int = 0  # tokens it came back with from a checkpoint (`InFlightGroup`), not decoded by this run
+
+
+@dataclasses.dataclass
+class InFlightGroup:
+  """A group admitted but not emitted, as a checkpoint keeps it (`RolloutDriver.in_flight`) and a
+  resumed driver continues it (`RolloutDriver(resume=...)`): each sample is a finished `Completion`
+  or its tokens so far, with their logprobs, versions (and sampling masks), which the resumed driver
+  prefills after the prompt and goes on decoding with the same noise (`fold_in(key, n)` for token n)."""
+
+  seq: int
+  request: PromptRequest
+  prompt_ids: np.ndarray  # int32 [P], after truncation
+  keys: np.ndarray  # uint32 [group_size, 2]: the samples' noise keys
+  version: int  # the sampler's version when it was admitted
+  samples: list[Completion | dict[str, np.ndarray]]  # a dict: tokens, logprobs, versions (, masks)
+
+  @property
+  def kept_tokens(self) -> int:
+    return sum(s.num_tokens if isinstance(s, Completion) else len(s["tokens"]) for s in self.samples)
 
 
 class Recorder(Protocol):
@@ -115,6 +138,7 @@ class DriverStats:
   prefill_chunks: int = 0  # chunks of long prompts run between generate calls
   preemptions: int = 0  # sequences whose blocks a paged cache took back (each resumed later)
   resumed: int = 0  # preempted sequences prefilled again and decoding
+  tokens_kept: int = 0  # tokens of sequences continued from a checkpoint (`resume`), not decoded again
   busy_time_s: float = 0.0  # time in prefill / insert / generate (incl. fetching results)
 
   @property
@@ -155,6 +179,9 @@ class RolloutDriver:
   # Colocated layout: the runtime sets `device_turns.DeviceTurns`, so that each step's device work
   # takes its turn with the learner's.
   turns = device_turns.NO_TURNS
+  # Multi-turn episodes and agents hold state outside the driver (an environment, a conversation):
+  # their groups in flight are started again on resume, not continued.
+  continues_in_flight = True
 
   def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None],
                sink: Callable[[RolloutGroup], None] | Any, version: int = 0,
@@ -163,7 +190,8 @@ class RolloutDriver:
                static_batching: bool = False, tracer: trace_lib.Tracer = trace_lib.NULL_TRACER,
                recorders: Sequence[Recorder] = (), first_seq: int = 0,
                next_round: Callable[[float], tuple[Any, int] | None] | None = None,
-               on_step: Callable[[int | None, int, bool], None] | None = None):
+               on_step: Callable[[int | None, int, bool], None] | None = None,
+               resume: Sequence[InFlightGroup] = ()):
     """`source` yields PromptRequests (None = nothing available yet, try later; exhaustion ends it).
 
     `sink` is a callable or a queue with put(item, timeout). `static_batching=True` waits for all
@@ -174,7 +202,8 @@ class RolloutDriver:
     or None when nothing came within the timeout. `on_step(swapped_to, admitted, generated)` after
     each step that did something: the version it swapped to (or None), the groups it admitted and
     whether it ran a generate call; with the prompts, what a step does follows from these three
-    (`rl.schedule` records them to replay a run).
+    (`rl.schedule` records them to replay a run). `resume`: a checkpoint's `in_flight()` groups,
+    continued before any new group is admitted (`first_seq` must come after their start orders).
     """
     cfg = engine.config
     if cfg.stop_strings and detokenize is None:
@@ -205,10 +234,81 @@ class RolloutDriver:
     self._key_blocks: dict[int, np.ndarray] = {}  # block -> keys of its groups (the latest few), see _KEY_BLOCK
     self._lock = threading.Lock()
     self._next_params: tuple[Any, int, bool] | None = None
+    # Held by each step from its device turn to its collected tokens: `in_flight` (another thread's)
+    # sees the host state between two steps, every token decoded so far collected.
+    self._host_lock = threading.Lock()
     self._stop_event = threading.Event()
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     self.stats = DriverStats()
+    for group in resume:
+      self._continue(group)
+
+  def _continue(self, saved: InFlightGroup) -> None:
+    """Takes a checkpoint's group back: finished samples as they are, the others queued to be
+    prefilled with their tokens so far (as a paged cache's preempted sequences are)."""
+    if saved.seq >= self._next_seq:
+      raise DriverError(f"resumed group {saved.seq} starts after first_seq={self._next_seq}")
+    group = _Group(seq=saved.seq, request=saved.request, prompt_ids=np.asarray(saved.prompt_ids, np.int32),
+                   completions=[None] * self.config.group_size, started=self.config.group_size,
+                   keys=np.asarray(saved.keys, np.uint32), version=saved.version, resumed_at=self._version)
+    self._in_flight[group.seq] = group
+    key = lambda i: (group.seq, i)
+    for i, sample in enumerate(saved.samples):
+      if isinstance(sample, Completion):
+        group.completions[i] = sample
+        for r in self._recorders:  # recorders see what they saw before the checkpoint
+          for n in range(1, sample.num_tokens + 1):
+            r.token(key(i), group.prompt_ids, list(sample.token_ids[:n]), group.request)
+          r.completion(key(i), group.prompt_ids, list(sample.token_ids), group.request)
+        continue
+      info = _Slot(group=group, index=i, max_new=self._limit(group), tokens=[int(t) for t in sample["tokens"]],
+                   logprobs=[float(x) for x in sample["logprobs"]], versions=[int(v) for v in sample["versions"]],
+                   masks=list(sample["masks"]) if sample.get("masks") is not None else [])
+      info.kept = len(info.tokens)
+      self.stats.tokens_kept += info.kept
+      for r in self._recorders:
+        for n in range(1, info.kept + 1):
+          r.token(key(i), group.prompt_ids, info.tokens[:n], group.request)
+      self._preempted.append(info)
+    if all(c is not None for c in group.completions):  # emitted now: no step of its own (a replay's record has none)
+      del self._in_flight[group.seq]
+      self._emit(self._rollout_group(group))
+
+  def in_flight(self, timeout_s: float) -> list[InFlightGroup] | None:
+    """Every group admitted and not yet emitted, in start order, as it stands between two steps
+    (any thread; a checkpoint keeps them). Tokens the device decoded are all collected by then.
+    None when the current step did not end within `timeout_s`."""
+    if not self.continues_in_flight:
+      return []
+    if not self._host_lock.acquire(timeout=timeout_s):
+      return None
+    try:
+      slots = {(s.group.seq, s.index): s for s in [*self._slots, *self._preempted] if s is not None}
+      out = []
+      for group in sorted(self._in_flight.values(), key=lambda g: g.seq):
+        if group.keys is None:
+          self._sample_keys_of(group, 0)  # makes them
+        samples = []
+        for i, done in enumerate(group.completions):
+          info = slots.get((group.seq, i))
+          if done is not None:
+            samples.append(done)
+          else:
+            samples.append({"tokens": np.asarray(info.tokens if info else [], np.int32),
+                            "logprobs": np.asarray(info.logprobs if info else [], np.float32),
+                            "versions": np.asarray(info.versions if info else [], np.int32),
+                            **({"masks": np.stack(info.masks)} if info is not None and info.masks else {})})
+        out.append(InFlightGroup(seq=group.seq, request=group.request, prompt_ids=group.prompt_ids,
+                                 keys=group.keys.copy(), version=group.version, samples=samples))
+      return out
+    finally:
+      self._host_lock.release()
+
+  @property
+  def next_seq(self) -> int:
+    """The start order the next admitted group gets (a resumed run's `first_seq`)."""
+    return self._next_seq
 
   # ------------------------------------------------------------------ control (any thread)
 
@@ -290,8 +390,13 @@ class RolloutDriver:
 
   def step(self) -> bool:
     """Swap params if asked, refill slots, run one generate call. Returns False if nothing ran."""
+    with contextlib.ExitStack() as held:
+      return self._step(held)
+
+  def _step(self, held: contextlib.ExitStack) -> bool:
     seq_before = self._next_seq
     with self.turns.sampler():  # the device work of one step; collecting its tokens is host work
+      held.enter_context(self._host_lock)  # taken inside the turn: a learner in its turn never waits on it
       swapped = self._maybe_swap_params()
       self._prepare()
       self._reserve()
@@ -380,10 +485,10 @@ class RolloutDriver:
     free = [i for i, s in enumerate(self._slots) if s is None]
     if not free or (self._static and len(free) < len(self._slots)):
       return
+    if not self._resume_preempted(free):
+      return
     if self.engine.config.slot_groups > 1:
       self._refill_one_at_a_time(free)
-      return
-    if not self._resume_preempted(free):
       return
     if not self._prefill_next_chunk():
       return
@@ -553,7 +658,7 @@ class RolloutDriver:
       return None
     ids = self._check_prompt(request)
     group = _Group(seq=self._next_seq, request=request, prompt_ids=ids,
-                   completions=[None] * self.config.group_size)
+                   completions=[None] * self.config.group_size, version=self._version)
     self._next_seq += 1
     self._in_flight[group.seq] = group
     return group
@@ -650,19 +755,23 @@ class RolloutDriver:
         prompt_routing=self._prompt_routing(info),
         text=self._detokenize(info.tokens) if self._detokenize else None)
     self._slots[slot] = None
-    self.stats.tokens_generated += n
+    self.stats.tokens_generated += n - info.kept
     self.stats.completions += 1
     group = info.group
     group.completions[info.index] = completion
     if all(c is not None for c in group.completions):
       del self._in_flight[group.seq]
-      req = group.request
-      done = RolloutGroup(prompt_id=req.prompt_id, prompt_token_ids=group.prompt_ids.astype(np.int32),
-                          completions=list(group.completions), columns=dict(req.columns), prompt_text=req.prompt_text,
-                          seq=group.seq)
-      for r in self._recorders:
-        r.group(group.seq, done)
-      self._emit(done)
+      self._emit(self._rollout_group(group))
+
+  def _rollout_group(self, group: _Group) -> RolloutGroup:
+    """A group whose samples are all finished, as it leaves the driver (recorders told first)."""
+    req = group.request
+    done = RolloutGroup(prompt_id=req.prompt_id, prompt_token_ids=group.prompt_ids.astype(np.int32),
+                        completions=list(group.completions), columns=dict(req.columns), prompt_text=req.prompt_text,
+                        seq=group.seq, start_version=group.resumed_at)  # the queue re-admitted it then
+    for r in self._recorders:
+      r.group(group.seq, done)
+    return done
 
   @staticmethod
   def _prompt_routing(info: _Slot) -> np.ndarray | None:

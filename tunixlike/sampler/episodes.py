@@ -155,6 +155,8 @@ class EpisodeDriver(RolloutDriver):
   `may_start_group`. `is_idle` also waits for parked and env-waiting episodes.
   """
 
+  continues_in_flight = False  # its episodes hold state a checkpoint does not: started again on resume
+
   def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None], sink,
                make_env: Callable[[], Any], tokenize: Callable[[str], Sequence[int]],
                detokenize: Callable[[Sequence[int]], str], episode_config: EpisodeConfig,
