@@ -586,12 +586,13 @@ def audit(workdir: str, s: dict) -> dict:
 
 
 def carried_indices(workdir: str, step: int) -> list[int]:
-  """A deterministic run's checkpoint holds the groups started before its sampler's round that no step
-  has examined (orbax item "rollouts"), not in the stream's `outstanding`: their prompts are not lost."""
+  """The prompts of the rollouts in flight a checkpoint kept (orbax item "rollouts", rl/in_flight.py): a
+  deterministic run's are not in the stream's `outstanding`, and they are not lost."""
   from tunixlike import rollout  # numpy only: this process never starts JAX
   with open(os.path.join(workdir, "checkpoints", str(step), "rollouts", "metadata")) as f:
-    per_process = json.load(f)["groups"]
-  return [g.columns["stream_index"] for groups in per_process for g in rollout.groups_from_json(groups)]
+    per_process = json.load(f)["processes"]
+  return [g.columns["stream_index"] for kept in per_process for g in rollout.groups_from_json(kept["scored"])] + \
+         [rollout.from_json(g)["request"]["columns"]["stream_index"] for kept in per_process for g in kept["in_flight"]]
 
 
 # ---- a deterministic run ends where the uninterrupted one did -----------------------------------------

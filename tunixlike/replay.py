@@ -15,8 +15,10 @@ checksum with the record, and stops at the first step that differs, naming it an
 `--from-checkpoint` starts from the latest checkpoint the run itself started a segment from (its
 first start or a resume; with --until, the latest before STEP), so checking step N costs the steps
 since that checkpoint, not N. A free-running run's other checkpoints were written while sequences
-were half decoded, which no checkpoint holds; a deterministic run (rl.deterministic) resumes from
-any checkpoint to the same run, so rerunning it from there with `tunixlike.train` is its replay.
+were half decoded: they keep the tokens (rl/in_flight.py), not the KV the run went on from (part of it
+computed by older weights), so the run that went on from there is not the one a resume makes. A
+deterministic run (rl.deterministic) resumes from any checkpoint to the same run, so rerunning it
+from there with `tunixlike.train` is its replay.
 The JSON summary goes to stdout; bad input prints one line and exits with status 2.
 """
 

@@ -168,6 +168,30 @@ def test_a_resumed_queue_admits_what_an_uninterrupted_one_would():
   assert admitted == in_flight + sum(fresh.try_admit(55) for _ in range(100)) == 8
 
 
+def test_rollouts_kept_by_a_checkpoint_are_admitted_again_and_still_face_version_rejection():
+  """A resume at version 10 with 2 scored groups and 3 in the driver: 5 in flight, the admission of
+  an uninterrupted queue; the learner waits for the continued ones at their last chance, and one
+  whose oldest token is too old for its step is dropped and counted."""
+  q = RolloutQueue(batch_groups=4, max_staleness=1, start_version=10, counts={"trained": 40},
+                   carried=[group("scored-a", 9), group("scored-b", 10)], continued=3, first_seq=57)
+  assert q.in_flight == 5 and q.first_seq == 57
+  assert sum(q.try_admit(10) for _ in range(20)) == 3  # (1 + 10 + 1) * 4 - 40 consumed - 5 in flight
+  for i in range(3):
+    q.put(group(f"new-{i}", 10))
+  assert [g.prompt_id for g in q.get_batch(learner_version=10, timeout_s=1)] == ["scored-a", "scored-b", "new-0", "new-1"]
+  with pytest.raises(QueueTimeout, match="3 old groups still running"):  # step 11 is their last chance
+    q.get_batch(learner_version=11, timeout_s=0.3)
+  continued = [group("continued-a", 10), group("continued-b", 8), group("continued-c", 10)]
+  for g in continued:
+    g.start_version = 10  # the driver re-admitted them at the resumed version
+    q.put(g)
+  assert q.try_admit(11)
+  q.put(group("new-3", 11))
+  batch = q.get_batch(learner_version=11, timeout_s=1)
+  assert [g.prompt_id for g in batch] == ["new-2", "continued-a", "continued-c", "new-3"]
+  assert q.dropped_stale == 1 and [g.prompt_id for g in q.take_dropped()] == ["continued-b"]  # 8 < 11 - 1
+
+
 def test_a_skipped_step_gives_its_admissions_back():
   q = RolloutQueue(batch_groups=2, max_staleness=1)
   assert sum(q.try_admit(0) for _ in range(10)) == 4

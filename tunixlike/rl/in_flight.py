@@ -31,9 +31,8 @@ from tunixlike.sampler.driver import InFlightGroup, PromptRequest
 
 
 def why_not(cfg) -> str | None:
-  """Why this run's checkpoints cannot keep its rollouts in flight (None: they can)."""
-  if not cfg.checkpoint.keep_rollouts:
-    return "checkpoint.keep_rollouts=false"
+  """Why this run's rollouts in flight cannot be kept (None: they can, and are unless
+  checkpoint.keep_rollouts=false; a checkpoint then records only how many tokens they held)."""
   for reason, on in (("rl.deterministic", cfg.rl.deterministic), ("rl.env", cfg.rl.env), ("rl.agent", cfg.rl.agent),
                      ("mesh.sampler_hosts", cfg.mesh.sampler_hosts),
                      ("sampler.record_routing", cfg.sampler.record_routing)):

@@ -264,7 +264,7 @@ def _restore(r: _Run) -> _Data:
     r.counters["groups_continued"] += len(kept.scored) + len(kept.in_flight)
     r.counters["tokens_kept"] += kept.tokens
   if policy.version < r.cfg.rl.num_steps:  # a finished run says so in _stages, and regenerates nothing
-    r.say(f"resumed from {where} at step {policy.version}; " + r.resume_line(kept, stream.replayed))
+    r.say(f"resumed from {where} at step {policy.version}; " + r.resume_line(meta, kept, stream.replayed))
   return with_queue(stream)
 
 
@@ -631,10 +631,13 @@ class _Run:
       stream_state, kept = self.carry_over(data)
       meta = checkpoint_meta(self.setup, self.rl, data.stream, self.counters, queue=data.queue.counts(),
                              data=self.data_fingerprints, stream_state=stream_state)
+      gather = lambda mine: distributed.allgather_json(mine) if self.multi else [mine]
+      if data.in_flight is not None:  # what a resume decodes again unless kept (its line says)
+        meta["in_flight_tokens"] = gather(kept.tokens if kept is not None else None)
+      keep = kept is not None and (self.cfg.rl.deterministic or self.cfg.checkpoint.keep_rollouts)
       extra = None
-      if self.agreed(kept is not None):  # every process's, or none (a sampler that failed or hung)
-        mine = in_flight_lib.to_json(kept)
-        extra = {"rollouts": {"processes": distributed.allgather_json(mine) if self.multi else [mine]}}
+      if self.agreed(keep):  # every process's, or none (a sampler that failed or hung)
+        extra = {"rollouts": {"processes": gather(in_flight_lib.to_json(kept))}}
         meta["carried"] = "deterministic" if self.cfg.rl.deterministic else "in_flight"
       self.ckpt.save(version, self.rl.policy.state, meta, metrics=None if acc is None else {"eval/accuracy": acc},
                      force=True, extra=extra)
@@ -660,21 +663,26 @@ class _Run:
       self.say(f"{self.ckpt.step_dir(step)} was saved after an error or by a free-running run, without the sampler's "
                "finished groups: the prompts in flight are regenerated, so this run goes on deterministically but "
                "not as one never stopped would have")
-    if kind != ("deterministic" if self.cfg.rl.deterministic else "in_flight" if in_flight_lib.why_not(self.cfg) is None
-                else None):
+    continues = in_flight_lib.why_not(self.cfg) is None and self.cfg.checkpoint.keep_rollouts
+    if kind != ("deterministic" if self.cfg.rl.deterministic else "in_flight" if continues else None):
       return None
     return in_flight_lib.from_json(self.ckpt.read_item(step, "rollouts")["processes"][self.pid])
 
-  def resume_line(self, kept: in_flight_lib.Kept | None, regenerated: int) -> str:
+  def resume_line(self, meta: dict, kept: in_flight_lib.Kept | None, regenerated: int) -> str:
     """What the resume does with the prompts that were in flight."""
     if self.cfg.rl.deterministic:
       return (f"regenerating {regenerated} prompts that were in flight"
               + (f", {len(kept.scored)} finished ones kept" if kept is not None and kept.scored else ""))
-    if kept is None:
-      why = in_flight_lib.why_not(self.cfg)
-      return f"regenerating {regenerated} prompts that were in flight" + (f" (not kept: {why})" if why else "")
-    return (f"continuing {len(kept.scored) + len(kept.in_flight)} prompts that were in flight ({kept.tokens} tokens "
-            f"kept, not decoded again)" + (f"; regenerating {regenerated}" if regenerated else ""))
+    if kept is not None:
+      return (f"continuing {len(kept.scored) + len(kept.in_flight)} prompts that were in flight ({kept.tokens} tokens "
+              f"kept, not decoded again)" + (f"; regenerating {regenerated}" if regenerated else ""))
+    line = f"regenerating {regenerated} prompts that were in flight"
+    tokens = (meta.get("in_flight_tokens") or [None] * (self.pid + 1))[self.pid]
+    if tokens:
+      line += f" ({tokens} tokens decoded again; checkpoint.keep_rollouts=true keeps them)"
+    elif in_flight_lib.why_not(self.cfg):
+      line += f" (not kept with {in_flight_lib.why_not(self.cfg)})"
+    return line
 
   def restore_records(self, meta: dict) -> None:
     """The counters of checkpoint `meta` and the held-out accuracies in the (cut back) metrics log."""
