@@ -24,6 +24,7 @@ def get_config(arg=None):
   c.rl.max_staleness = 2
   c.data.num_eval_examples = 8
   c.checkpoint.every_steps = 3
+  c.log.replay_every = 3
   c.log.progress_bar = False
   c.log.tensorboard = False
   return c
@@ -61,6 +62,13 @@ def test_a_free_running_run_replays_bit_for_bit_and_a_changed_record_is_caught(t
   assert status == 0 and summary == {"steps": 8, "first_difference": None, "detail": None, "from_step": 0}, err[-3000:]
   status, summary, _ = replay(workdir, "--until=3")
   assert status == 0 and summary["steps"] == 3
+  # Replay points every 3 steps (log.replay_every): the sampler drained there, and the checkpoint kept.
+  assert [r["replay_point"] for r in records if "replay_point" in r] == [3, 6]
+  assert {0, 3, 6} <= set(checkpoint_steps(workdir))
+  status, summary, err = replay(workdir, "--from-checkpoint")
+  assert status == 0 and summary == {"steps": 2, "first_difference": None, "detail": None, "from_step": 6}, err[-3000:]
+  status, summary, err = replay(workdir, "--from-checkpoint", "--until=5")
+  assert status == 0 and summary["from_step"] == 3 and summary["steps"] == 2, err[-3000:]
 
   # A record that does not match (here a reward as scored at step 5): the replay names that step.
   lines = open(f"{workdir}/schedule.jsonl").read().splitlines()
@@ -87,7 +95,9 @@ def test_a_resumed_run_replays_from_the_checkpoint_it_resumed_from(tmp_path):
   assert proc.returncode == 0, out[-3000:]
   segments = [r["segment"] for r in steps_in(f"{workdir}/schedule.jsonl") if "segment" in r]
   assert segments[0] == 0 and len(segments) == 2
-  status, summary, err = replay(workdir, "--from-checkpoint")
-  assert status == 0 and summary["from_step"] == segments[1] and summary["steps"] == 9 - segments[1], err[-3000:]
+  status, summary, err = replay(workdir, "--from-checkpoint")  # the replay point at 6
+  assert status == 0 and summary["from_step"] == 6 and summary["steps"] == 3, err[-3000:]
+  status, summary, err = replay(workdir, "--from-checkpoint", f"--until={segments[1] + 1}")  # where it resumed
+  assert status == 0 and summary["from_step"] == segments[1] and summary["steps"] == 1, err[-3000:]
   status, summary, err = replay(workdir)  # from the start, across the resume
   assert status == 0 and summary["steps"] == 9 and summary["first_difference"] is None, err[-3000:]

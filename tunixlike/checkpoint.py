@@ -198,6 +198,7 @@ class Checkpointer:
   save_every_steps / save_every_seconds: when `should_save(step)` says yes (0 turns either off).
   best_metric / best_mode: also keep the checkpoint whose `save(..., metrics=)[best_metric]` is the
     highest ("max") or lowest ("min") so far; None keeps only the latest `keep`.
+  keep_steps / keep_every_steps: also keep these steps / every step that is a multiple of it (0: none).
   read_only: never create or write anything (export); a missing directory then has no steps.
   processes: the processes that save and restore together (None: all; whole sampler hosts hold no
     learner state and take no part).
@@ -205,7 +206,8 @@ class Checkpointer:
 
   def __init__(self, directory, *, keep: int = 2, save_every_steps: int = 0, save_every_seconds: float = 0,
                save_frozen: bool = True, read_only: bool = False, best_metric: str | None = None,
-               best_mode: str = "max", clock=time.monotonic, processes=None, keep_steps: tuple[int, ...] = ()):
+               best_mode: str = "max", clock=time.monotonic, processes=None, keep_steps: tuple[int, ...] = (),
+               keep_every_steps: int = 0):
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
       raise ValueError(f"Checkpointer keep={keep!r} must be an int >= 1")
     if best_metric is not None and not (isinstance(best_metric, str) and best_metric):
@@ -237,6 +239,8 @@ class Checkpointer:
     preserve = policy.LatestN(n=keep)
     if keep_steps:  # e.g. step 0, where a replay of the run starts
       preserve = policy.AnyPreservationPolicy([preserve, policy.CustomSteps(steps=list(keep_steps))])
+    if keep_every_steps:  # e.g. a run's replay points
+      preserve = policy.AnyPreservationPolicy([preserve, policy.EveryNSteps(interval_steps=keep_every_steps)])
     best_fn = None
     if best_metric is not None:
       best_fn = self._metric_value

@@ -323,6 +323,10 @@ class LogSection:
                            "weight swaps and admissions, the rewards as scored, a checksum of the weights), so "
                            "`python -m tunixlike.replay --workdir W` reruns the run and checks it step by step; the "
                            "step-0 checkpoint is kept for it (single-turn runs)")
+  replay_every: int = setting(100, "with log.schedule, every this many RL steps a replay point: the sampler drains "
+                              "(finishes its rollouts, takes the new weights), then a checkpoint is saved and kept, "
+                              "which `tunixlike.replay --from-checkpoint` can start from; 0 = only where the run "
+                              "started or resumed", check=non_negative)
   trace: bool = setting(False, "write WORKDIR/trace.json (Chrome / Perfetto) of sampler, learner, sync, reward spans")
   wandb: bool = setting(False, "also log every record to Weights & Biases (pip install wandb; WANDB_MODE=offline "
                                "keeps it in WORKDIR/wandb)", check=_needs_wandb)

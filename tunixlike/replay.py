@@ -72,7 +72,7 @@ def replay_segment(ckpt, header: dict, steps: list[dict], until: int | None, say
   queue = schedule.ReplayQueue(run_cfg.prompts_per_step, cfg.rl.max_staleness, start_version=start,
                                counts=header["queue"], sampler=sampler)
   groups = {group.seq: group for group in (kept.scored if kept is not None else ())}
-  recorded = {int(seq): r for record in steps for seq, r in record["rewards"].items()}
+  recorded = {int(seq): r for record in steps for seq, r in record.get("rewards", {}).items()}
   sink = schedule.sink_for(groups, rl.scorer, recorded.get)
   synced = build.first_weights(setup, rl)  # what the run's sampler started with
   admission = types.SimpleNamespace(try_admit=sampler.may_start_group, first_seq=header["first_seq"])
@@ -95,23 +95,29 @@ def run(workdir: str, until: int | None = None, from_checkpoint: bool = False, s
   path = os.path.join(workdir, schedule.FILE)
   if not os.path.exists(path):
     raise ValueError(f"{path} does not exist: the run was not recorded (log.schedule=true records single-turn runs)")
-  segments = schedule.segments(schedule.read(path))
+  records = schedule.read(path)
+  segments = schedule.segments(records)
   ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), read_only=True)
   saved = set(ckpt.all_steps())
-  usable = [i for i, (header, _) in enumerate(segments)
-            if header["segment"] in saved and (until is None or header["segment"] < until)]
-  if not usable or (not from_checkpoint and usable[0] != 0):
+  starts = [(h, steps) for h, steps in schedule.starts(records)
+            if h["segment"] in saved and (until is None or h["segment"] < until)]
+  if not starts or (not from_checkpoint and starts[0][0] is not segments[0][0]):
     raise ValueError(f"{workdir}: no checkpoint left where the record starts (step {segments[0][0]['segment']})"
                      + ("" if from_checkpoint else "; --from-checkpoint starts from a later one"))
-  first = usable[-1] if from_checkpoint else 0
-  total = {"steps": 0, "first_difference": None, "detail": None, "from_step": segments[first][0]["segment"]}
-  for header, steps in segments[first:]:
+  if from_checkpoint:  # the latest start, then the segments after it
+    header, steps = starts[-1]
+    later = [s for s in segments if s[0]["segment"] > header["segment"]]
+    plan = [(header, steps), *later]
+  else:
+    plan = segments
+  total = {"steps": 0, "first_difference": None, "detail": None, "from_step": plan[0][0]["segment"]}
+  for header, steps in plan:
     if until is not None and header["segment"] >= until:
       break
     if header["segment"] not in saved:
       say(f"the run resumed at step {header['segment']} from a checkpoint deleted since: the replay stops there")
       break
-    say(f"replaying from the checkpoint at step {header['segment']} ({len(steps)} recorded steps)")
+    say(f"replaying from the checkpoint at step {header['segment']} ({sum('step' in r for r in steps)} recorded steps)")
     out = replay_segment(ckpt, header, steps, until, say)
     total["steps"] += out["steps"]
     if out["first_difference"] is not None:

@@ -72,18 +72,23 @@ class RewardStage:
     self._score, self._queue = score, queue
     self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="reward")
     self._errors: list[BaseException] = []
-    self._lock = threading.Lock()
+    self._idle = threading.Condition()
     self._held: dict[int, RolloutGroup] = {}  # id -> a group submitted and not yet in the queue
 
   def __call__(self, group: RolloutGroup) -> None:
-    with self._lock:
+    with self._idle:
       self._held[id(group)] = group
     self._pool.submit(self._score_and_enqueue, group)
 
   def held(self) -> list[RolloutGroup]:
     """The finished groups not yet in the queue (scoring, or waiting for a reward thread)."""
-    with self._lock:
+    with self._idle:
       return list(self._held.values())
+
+  def wait_idle(self, timeout_s: float) -> bool:
+    """Waits (bounded) until every group handed in is in the queue."""
+    with self._idle:
+      return self._idle.wait_for(lambda: not self._held or self._errors, timeout_s) and not self._errors
 
   def _score_and_enqueue(self, group: RolloutGroup):
     try:
@@ -93,8 +98,9 @@ class RewardStage:
       self._errors.append(e)
       self._queue.stop_event.set()
     finally:
-      with self._lock:
+      with self._idle:
         del self._held[id(group)]
+        self._idle.notify_all()
 
   def check(self) -> None:
     if self._errors:
@@ -135,6 +141,8 @@ class AsyncRuntime:
     self.learner_busy_s = 0.0
     self.sync_ms: list[float] = []
     self.on_batch: Callable[[list[RolloutGroup]], None] = lambda groups: None  # as the learner takes a batch
+    # Versions whose weights the sampler takes drained and then holds until released (replay points).
+    self.hold_at: Callable[[int], bool] = lambda version: False
 
   def request_stop(self, *, finish: bool = False) -> None:
     """Stop after the current step: a preemption (`preempted`: the run resumes later) or, with
@@ -215,6 +223,8 @@ class AsyncRuntime:
       synced = self.policy.sync_weights()
       if cfg.deterministic:  # the sampler swaps when its round is done (rl/lockstep.py)
         self.queue.hand_over(synced.params, synced.version)
+      elif self.hold_at(synced.version):  # a replay point: the sampler drains and waits for the checkpoint
+        self.driver.update_params(synced.params, synced.version, hold=True)
       else:
         self.driver.update_params(synced.params, synced.version, drain=cfg.sync_mode == "drain")
     self.learner_busy_s += train_s

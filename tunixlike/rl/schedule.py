@@ -94,6 +94,15 @@ class Recorder:
     with self._lock:
       self._taken, self._events, self._plain = (self._events, self._plain), [], 0
 
+  def replay_point(self, version: int, *, stream: dict, queue: dict, first_seq: int) -> None:
+    """The sampler drained and holds version `version`'s weights, and the checkpoint at `version`
+    keeps the queue: a replay may start here. The sampler's steps since the last batch (the drain)
+    are this record's: a replay that passes through reruns them, one that starts here does not."""
+    with self._lock:
+      events, plain, self._events, self._plain = self._events, self._plain, [], 0
+    self._write({"replay_point": version, "sampler": events, "tail": plain, "stream": stream, "queue": queue,
+                 "first_seq": first_seq, "kept": True})
+
   def step(self, info: StepInfo, policy) -> None:
     events, tail = self._taken or ([], 0)
     scored = info.trained + info.dropped
@@ -115,9 +124,15 @@ def read(path: str) -> list[dict]:
   return out
 
 
+def at(record: dict) -> int:
+  """The step a step record or a replay point is at."""
+  return record["step"] if "step" in record else record["replay_point"]
+
+
 def segments(records: list[dict]) -> list[tuple[dict, list[dict]]]:
-  """(segment header, its step records) in the order the run went; a resumed run's steps replace
-  those of an earlier segment from its step on (what the checkpoint lineage holds)."""
+  """(segment header, its step records and replay points) in the order the run went; a resumed
+  run's records replace those of an earlier segment from its step on (what the checkpoint lineage
+  holds)."""
   out: list[tuple[dict, list[dict]]] = []
   for r in records:
     if "segment" in r:
@@ -125,7 +140,19 @@ def segments(records: list[dict]) -> list[tuple[dict, list[dict]]]:
     elif out:
       out[-1][1].append(r)
   for i in range(len(out) - 1):  # steps redone after a resume belong to the later segment
-    out[i] = (out[i][0], [r for r in out[i][1] if r["step"] < out[i + 1][0]["segment"]])
+    out[i] = (out[i][0], [r for r in out[i][1] if at(r) < out[i + 1][0]["segment"]])
+  return out
+
+
+def starts(records: list[dict]) -> list[tuple[dict, list[dict]]]:
+  """Every place a replay can start, in order: (header, the records after it) for each segment
+  start and each replay point (its header the point's own record: stream, queue, first_seq)."""
+  out = []
+  for header, rest in segments(records):
+    out.append((header, rest))
+    for i, r in enumerate(rest):
+      if "replay_point" in r:
+        out.append(({**r, "segment": r["replay_point"]}, rest[i + 1:]))
   return out
 
 
@@ -204,16 +231,20 @@ def replay(runtime, sampler: ReplaySampler, queue: ReplayQueue, steps: list[dict
   runtime.begin()
   done = 0
   for record in steps:
-    step = record["step"]
+    step = at(record)
     if until is not None and step >= until:
       break
-    where = f"step {step}"
+    where = f"step {step}" if "step" in record else f"the replay point at step {step}"
     for plain, swap, admitted, generated in record["sampler"]:
       for _ in range(plain):
         sampler.step(None, 0, True, where)
       sampler.step(swap, admitted, generated, where)
     for _ in range(record["tail"]):
       sampler.step(None, 0, True, where)
+    if "replay_point" in record:  # the drained sampler, as the checkpoint there saw it
+      if not sampler.driver.is_idle or sampler.driver.version != step:
+        raise Diverged(f"{where}: the sampler is not drained with version {step}'s weights")
+      continue
     missing = [seq for seq in record["batch"] + record["dropped"] if seq not in groups]
     if missing:
       raise Diverged(f"{where}: groups {missing[:5]} of the recorded batch were never sampled")

@@ -45,6 +45,7 @@ from tunixlike.rl.preemption import Preemption
 from tunixlike.rl.prompts import PromptStream
 from tunixlike.rl import lockstep as lockstep_lib, schedule as schedule_lib
 from tunixlike.rl.lockstep import LockstepQueue
+from tunixlike.rl import queue as queue_lib
 from tunixlike.rl.queue import RolloutQueue
 from tunixlike.rl.runtime import AsyncRuntime
 
@@ -149,6 +150,7 @@ class _Data:
   queue: RolloutQueue
   kept: in_flight_lib.Kept | None = None  # the resumed checkpoint's rollouts in flight, which the driver continues
   in_flight: Callable[[], in_flight_lib.Kept | None] | None = None  # the rollouts in flight now (the RL loop sets it)
+  replay_point: Callable[[], None] | None = None  # saves a replay point at the current version (the RL loop sets it)
 
 
 def _start_fresh(r: _Run) -> _Data | None:
@@ -281,6 +283,9 @@ def _rl(r: _Run, data: _Data) -> dict[str, Any]:
                                    resume=data.kept.in_flight if data.kept is not None else ())
   if in_flight_lib.why_not(cfg) is None:
     data.in_flight = lambda: in_flight_lib.take(runtime.driver, runtime.rewards, data.queue, cfg.rl.wait_timeout_s)
+  if recorder is not None and r.replay_every:
+    runtime.hold_at = lambda version: version % r.replay_every == 0 and version < cfg.rl.num_steps
+    data.replay_point = lambda: r.save_replay_point(data, runtime, recorder)
   if recorder is not None:
     runtime.on_batch = recorder.took
     runtime.hooks.add(lambda info: recorder.step(info, rl.policy))
@@ -441,7 +446,7 @@ class _Run:
                                             save_every_seconds=cfg.checkpoint.every_seconds,
                                             save_frozen=not (cfg.model.hf_path and cfg.lora.rank),
                                             best_metric="eval/accuracy",
-                                            keep_steps=self.replay_starts())
+                                            keep_steps=self.replay_starts(), keep_every_steps=self.replay_every)
     self.rl: build_lib.RLStack | None = None
     self.logger: metrics_lib.MetricsLogger | None = None
     self.prompts_log = os.path.join(self.dir, "prompts.jsonl")
@@ -460,6 +465,11 @@ class _Run:
   def records_schedule(self) -> bool:
     """log.schedule, for the runs a replay can rerun: single-turn rollouts decoded by this process."""
     return self.cfg.log.schedule and not lockstep_lib.timed_elsewhere(self.cfg)
+
+  @property
+  def replay_every(self) -> int:
+    """log.replay_every where it applies: a free-running run that records its schedule."""
+    return self.cfg.log.replay_every if self.records_schedule and not self.cfg.rl.deterministic else 0
 
   def replay_starts(self) -> tuple[int, ...]:
     """The checkpoints a replay starts from, kept beside the latest ones while log.schedule records:
@@ -623,8 +633,9 @@ class _Run:
     self.evals[version] = out["eval/accuracy"]
     return out["eval/accuracy"]
 
-  def save(self, data: _Data, force: bool = False):
-    """A checkpoint when forced or when orbax's save policy says so (every N steps or seconds)."""
+  def save(self, data: _Data, force: bool = False, replay_point: bool = False):
+    """A checkpoint when forced or when orbax's save policy says so (every N steps or seconds); a
+    replay point's keeps the queue's groups whatever checkpoint.keep_rollouts says."""
     version = self.version
     if self.agreed(force or self.ckpt.should_save(version)):
       acc = self.evals.get(version)
@@ -634,7 +645,7 @@ class _Run:
       gather = lambda mine: distributed.allgather_json(mine) if self.multi else [mine]
       if data.in_flight is not None:  # what a resume decodes again unless kept (its line says)
         meta["in_flight_tokens"] = gather(kept.tokens if kept is not None else None)
-      keep = kept is not None and (self.cfg.rl.deterministic or self.cfg.checkpoint.keep_rollouts)
+      keep = kept is not None and (self.cfg.rl.deterministic or self.cfg.checkpoint.keep_rollouts or replay_point)
       extra = None
       if self.agreed(keep):  # every process's, or none (a sampler that failed or hung)
         extra = {"rollouts": {"processes": gather(in_flight_lib.to_json(kept))}}
@@ -751,4 +762,22 @@ class _Run:
 
   def periodic_save(self, info: StepInfo, data: _Data):
     if info.version < self.cfg.rl.num_steps:  # the last step's checkpoint is saved after the final eval
-      self.save(data, force=info.version in self.evals)  # every evaluated state is saved: it may be the best one
+      if data.replay_point is not None and info.version % self.replay_every == 0:
+        data.replay_point()
+      else:
+        self.save(data, force=info.version in self.evals)  # every evaluated state is saved: it may be the best one
+
+  def save_replay_point(self, data: _Data, runtime: AsyncRuntime, recorder: schedule_lib.Recorder):
+    """A replay point at the current version (log.replay_every): the sampler, handed these weights to
+    take drained and hold (`runtime.hold_at`), is idle with them and every finished group is in the
+    queue; the checkpoint then keeps the queue, and the record says where a replay may start."""
+    version, timeout = self.version, self.cfg.rl.wait_timeout_s
+    try:
+      if not (runtime.driver.wait_held(version, timeout) and runtime.rewards.wait_idle(timeout)):
+        raise queue_lib.QueueTimeout(f"the sampler did not drain for the replay point at step {version} within "
+                                     f"rl.wait_timeout_s={timeout:g}; is it stuck?")
+      self.save(data, force=True, replay_point=True)
+      recorder.replay_point(version, stream=data.stream.state(), queue=data.queue.counts(),
+                            first_seq=runtime.driver.next_seq)
+    finally:
+      runtime.driver.release()

@@ -234,6 +234,8 @@ class RolloutDriver:
     self._key_blocks: dict[int, np.ndarray] = {}  # block -> keys of its groups (the latest few), see _KEY_BLOCK
     self._lock = threading.Lock()
     self._next_params: tuple[Any, int, bool] | None = None
+    self._hold_after_swap = False
+    self._held = threading.Event()  # set from a hold's swap until `release`: nothing is admitted
     # Held by each step from its device turn to its collected tokens: `in_flight` (another thread's)
     # sees the host state between two steps, every token decoded so far collected.
     self._host_lock = threading.Lock()
@@ -312,10 +314,27 @@ class RolloutDriver:
 
   # ------------------------------------------------------------------ control (any thread)
 
-  def update_params(self, params, version: int, *, drain: bool = False) -> None:
-    """Swaps weights before the next generate call (drain=True: once in-flight work finished)."""
+  def update_params(self, params, version: int, *, drain: bool = False, hold: bool = False) -> None:
+    """Swaps weights before the next generate call (drain=True: once in-flight work finished;
+    hold=True: drains, then admits nothing until `release()`, so that another thread sees it idle
+    with these weights: `wait_held`)."""
     with self._lock:
-      self._next_params = (params, int(version), bool(drain))
+      self._next_params = (params, int(version), bool(drain or hold))
+      self._hold_after_swap = hold
+
+  def wait_held(self, version: int, timeout_s: float) -> bool:
+    """Waits (bounded) until the driver swapped to `version` with hold=True; it is idle from then on.
+    False at the timeout or when the driver failed (`check` says why)."""
+    deadline = time.monotonic() + timeout_s
+    while not self._held.wait(min(0.1, max(deadline - time.monotonic(), 0))):
+      if self._error is not None or time.monotonic() >= deadline:
+        return False
+    return self._version == version
+
+  def release(self) -> None:
+    """Ends a hold: admission goes on."""
+    with self._lock:
+      self._held.clear()
 
   @property
   def version(self) -> int:
@@ -440,9 +459,12 @@ class RolloutDriver:
       if drain and not self.is_idle:
         return None  # _refill starts nothing new while a drain swap waits
       self._next_params = None
+      hold, self._hold_after_swap = self._hold_after_swap, False
     self._params, self._version = params, version
     self._state = self.engine.set_version(self._state, version)
     self.stats.param_swaps += 1
+    if hold:
+      self._held.set()
     return version
 
   def _reserve(self) -> None:
@@ -479,7 +501,7 @@ class RolloutDriver:
 
   def _admission_closed(self) -> bool:
     with self._lock:
-      return self._next_params is not None and self._next_params[2]
+      return self._held.is_set() or (self._next_params is not None and self._next_params[2])
 
   def _refill(self) -> None:
     free = [i for i, s in enumerate(self._slots) if s is None]
