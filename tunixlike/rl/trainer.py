@@ -675,7 +675,7 @@ class _Run:
                "finished groups: the prompts in flight are regenerated, so this run goes on deterministically but "
                "not as one never stopped would have")
     continues = in_flight_lib.why_not(self.cfg) is None and self.cfg.checkpoint.keep_rollouts
-    if kind != ("deterministic" if self.cfg.rl.deterministic else "in_flight" if continues else None):
+    if kind is None or kind != ("deterministic" if self.cfg.rl.deterministic else "in_flight" if continues else None):
       return None
     return in_flight_lib.from_json(self.ckpt.read_item(step, "rollouts")["processes"][self.pid])
 
