@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +76,7 @@ def _wait(proc: subprocess.Popen, ready, timeout_s: float, log: str) -> float:
 def arm(a, ckpt: str, root: str, keep: bool) -> dict:
   name = "kept" if keep else "regenerated"
   workdir = os.path.join(root, name)
+  shutil.rmtree(workdir, ignore_errors=True)  # a fresh run each time
   cmd = _command(a, ckpt, workdir, keep)
   prompts = os.path.join(workdir, "prompts.jsonl")
   logged = lambda: len(read_jsonl(prompts)[0]) if os.path.exists(prompts) else 0

@@ -12,9 +12,9 @@ called again). After each step it compares the step's metrics (timings aside) an
 checksum with the record, and stops at the first step that differs, naming it and what differs
 (exit status 1). A changed config, code or backend shows there.
 
-`--from-checkpoint` starts from the latest checkpoint the run itself started a segment from (its
-first start or a resume; with --until, the latest before STEP), so checking step N costs the steps
-since that checkpoint, not N. A free-running run's other checkpoints were written while sequences
+`--from-checkpoint` starts from the latest replay point (log.replay_every: a checkpoint saved with
+the sampler drained) or checkpoint the run started a segment from (its first start or a resume; with
+--until, the latest before STEP), so checking step N costs the steps since then, not N. A free-running run's other checkpoints were written while sequences
 were half decoded: they keep the tokens (rl/in_flight.py), not the KV the run went on from (part of it
 computed by older weights), so the run that went on from there is not the one a resume makes. A
 deterministic run (rl.deterministic) resumes from any checkpoint to the same run, so rerunning it
