@@ -29,6 +29,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import itertools
 import queue
 import threading
 import time
@@ -137,7 +138,7 @@ class DriverStats:
   param_swaps: int = 0
   prefill_chunks: int = 0  # chunks of long prompts run between generate calls
   preemptions: int = 0  # sequences whose blocks a paged cache took back (each resumed later)
-  resumed: int = 0  # preempted sequences prefilled again and decoding
+  resumed: int = 0  # preempted (or checkpoint-kept) sequences prefilled again and decoding
   tokens_kept: int = 0  # tokens of sequences continued from a checkpoint (`resume`), not decoded again
   busy_time_s: float = 0.0  # time in prefill / insert / generate (incl. fetching results)
 
@@ -480,23 +481,30 @@ class RolloutDriver:
     self._preempted.append(info)
 
   def _resume_preempted(self, free: list[int]) -> bool:
-    """Prefills preempted sequences' prompt and completion so far again into free slots, oldest
-    first; they continue with the same noise where they stopped. False while some still wait."""
-    while self._preempted and free:
-      info = self._preempted[0]
-      ids = np.concatenate([info.group.prompt_ids, np.asarray(info.tokens, np.int32)])
-      if not self.engine.fits(self._state, [(len(ids), free[:1])]):
-        return False
+    """Prefills preempted (or checkpoint-kept) sequences' prompt and completion so far again into free
+    slots, oldest first, as many as fit in one prefill call; they continue with the same noise where
+    they stopped. False while some still wait."""
+    ids, requests = [], []
+    for info in itertools.islice(self._preempted, len(free)):
+      requests.append((len(info.group.prompt_ids) + len(info.tokens), [free[len(ids)]]))
+      if self.engine.fits(self._state, requests) < len(requests):
+        break
+      ids.append(np.concatenate([info.group.prompt_ids, np.asarray(info.tokens, np.int32)]))
+    if ids:
+      infos = [self._preempted.popleft() for _ in ids]
+      slots = [free.pop(0) for _ in ids]
       t0 = time.perf_counter()
-      prefix = self.engine.prefill_many(self._params, [ids], version=self._version,
-                                        max_length=self.config.cache_length)[0]
-      self._state = self.engine.insert_many([prefix], self._state, [free[:1]],
-                                            keys=[info.group.keys[info.index][None]],
-                                            max_new_tokens=[info.max_new], generated=[len(info.tokens)])
+      with self.tracer.span("prefill", cat="sampler", version=self._version, resumed=len(ids)):
+        prefixes = self.engine.prefill_many(self._params, ids, version=self._version, max_length=self.config.cache_length)
+        self._state = self.engine.insert_many(prefixes, self._state, [[s] for s in slots],
+                                              keys=[info.group.keys[info.index][None] for info in infos],
+                                              max_new_tokens=[info.max_new for info in infos],
+                                              generated=[len(info.tokens) for info in infos])
       self.stats.busy_time_s += time.perf_counter() - t0
-      self.stats.prefills += 1
-      self.stats.resumed += 1
-      self._slots[free.pop(0)] = self._preempted.popleft()
+      self.stats.prefills += len(ids)
+      self.stats.resumed += len(ids)
+      for slot, info in zip(slots, infos):
+        self._slots[slot] = info
     return not self._preempted
 
   def _admission_closed(self) -> bool:
