@@ -647,7 +647,7 @@ class _Run:
         meta["in_flight_tokens"] = gather(kept.tokens if kept is not None else None)
       keep = kept is not None and (self.cfg.rl.deterministic or self.cfg.checkpoint.keep_rollouts or replay_point)
       extra = None
-      if self.agreed(keep):  # every process's, or none (a sampler that failed or hung)
+      if not self.agreed(not keep):  # every process's, or none (a sampler that failed or hung)
         extra = {"rollouts": {"processes": gather(in_flight_lib.to_json(kept))}}
         meta["carried"] = "deterministic" if self.cfg.rl.deterministic else "in_flight"
       self.ckpt.save(version, self.rl.policy.state, meta, metrics=None if acc is None else {"eval/accuracy": acc},
