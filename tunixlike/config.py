@@ -613,7 +613,7 @@ def _type_error(name: str, value: Any, hint: Any) -> str:
   if items and all(item is float for item in items):
     unread = isinstance(value, tuple) and len(value) == 1 and isinstance(value[0], str)
     example = "(-1.0, 1.0)" if len(items) == 2 else f"({', '.join(['1.0'] * len(items))})"
-    return (f"{name}={value[0] if unread else value!r}: must be {len(items)} finite numbers, e.g. {example} (nan "
+    return (f"{name}={value[0] if unread else repr(value)}: must be {len(items)} finite numbers, e.g. {example} (nan "
             "and inf are not numbers a run can use)")
   return f"{name}={value!r}: wrong type {type(value).__name__}, expected {hint}"
 

@@ -91,7 +91,7 @@ def _check_attention(impl: str) -> None:
                          f"{','.join(platforms)} leaves it out: use 'auto' (the fastest correct kernel on any backend)")
   plugins = BACKEND_PLUGINS[needs]
   if not any(_installed(m) for m in plugins):
-    missing = f"{plugins[0]} is" if len(plugins) == 1 else f"none of {', '.join(plugins)} is"
+    missing = f"{plugins[0]} is not" if len(plugins) == 1 else f"none of {', '.join(plugins)} is"
     raise PreflightError(f"model.attention={impl!r} runs on {needs.upper()} only and this machine's JAX has no "
                          f"{needs.upper()} backend ({missing} installed): use 'auto' (the fastest correct kernel on "
                          "any backend)")
