@@ -187,3 +187,15 @@ def test_a_backend_kernel_without_its_backend_installed_is_refused_without_start
   assert error_line(out) == ("model.attention='pallas_tpu' runs on TPU only and this machine's JAX has no TPU "
                              "backend (libtpu is not installed): use 'auto' (the fastest correct kernel on any "
                              "backend)")
+
+
+def test_an_agent_server_connection_limit_the_file_descriptors_cannot_hold_is_refused():
+  import resource  # noqa: PLC0415
+  soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+  if soft == resource.RLIM_INFINITY:
+    pytest.skip("no file descriptor limit here")
+  line = error_line(check("--config", "examples/calculator_agent/config.py",
+                          f"--config.rl.agent_max_connections={soft}"))
+  assert line.startswith(f"rl.agent_max_connections={soft}: the agent server's connections and listen backlog "
+                         f"({soft + 128} file descriptors) must fit in half of this process's file descriptor "
+                         f"limit (ulimit -n = {soft})"), line

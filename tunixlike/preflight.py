@@ -12,7 +12,8 @@ config's own checks, in seconds, with no JAX backend and no model.
   * optim.learning_rate, sampler.temperature and warm_start.max_steps where the config leaves them None, as
     the run chooses them (`rl.starting_point`);
   * a model.attention kernel of one backend (cudnn, pallas_tpu) has that backend installed: its JAX plugin
-    (libtpu, a CUDA plugin) and JAX_PLATFORMS allowing it. The run checks the backend itself once JAX starts.
+    (libtpu, a CUDA plugin) and JAX_PLATFORMS allowing it. The run checks the backend itself once JAX starts;
+  * with rl.agent, the agent server's rl.agent_max_connections fits in half this process's file descriptors.
 
 The run checks the same at start-up, but only after JAX has started and the model is built. A problem
 raises `PreflightError`: one line naming the config key, the file and the line.
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from tunixlike.agents.connections import fd_budget_error
 from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, sources, tasks, tokenizer as tokenizer_lib
 from tunixlike.models import attention
@@ -64,6 +66,9 @@ def check(cfg: Config) -> str:
   except ValueError as e:
     raise PreflightError(str(e)) from None
   _check_attention(cfg.model.attention)
+  too_many = cfg.rl.agent and fd_budget_error(cfg.rl.agent_max_connections)
+  if too_many:
+    raise PreflightError(too_many)
   tok, untokenized = _tokenizer(cfg)
   said, prompts = [], {}
   for key, source, read in _sources(cfg, task):
