@@ -577,11 +577,16 @@ def test_connections_without_the_key_are_closed_after_the_header_timeout(make_en
     silent = socket.create_connection((host, int(port)))
     slow = socket.create_connection((host, int(port)))
     slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and the rest of its headers never
+    big = socket.create_connection((host, int(port)))
+    try:  # headers past what a request head holds, without the key: closed as soon as they pass 1 MiB
+      big.sendall(b"GET /v1/models HTTP/1.1\r\nX-Junk: " + b"a" * (2 << 20))
+    except OSError:
+      pass
     wrong = httpx.Client(base_url=base_url, headers={"Authorization": "Bearer wrong"}, timeout=60)
     refused = wrong.get("/models")
     reply = _client(base_url, api_key, episode_id).chat.completions.create(
         model="policy", messages=[{"role": "user", "content": "2+2="}], max_tokens=4)
-    for s in (silent, slow):
+    for s in (silent, slow, big):
       s.settimeout(120)
       try:
         data = s.recv(1)
@@ -595,10 +600,12 @@ def test_connections_without_the_key_are_closed_after_the_header_timeout(make_en
   driver, groups, _ = _run(engine, tokenizer, agent, header_timeout_s=0.5)
   assert len(groups) == 1
   for got in seen.values():
-    assert got[:2] == [b"", b""]  # closed by the server
-    status, connection, finish = got[2]
+    assert got[:3] == [b"", b"", b""]  # closed by the server
+    status, connection, finish = got[3]
     assert status == 401 and connection == "close" and finish in ("stop", "length")
-  assert driver.stats.closed_connections >= 2 * G
+  counts = driver.server.connections.counts
+  assert counts["header_timeout"] >= 2 * G and counts["oversized"] == G
+  assert driver.stats.closed_connections == sum(counts.values())
 
 
 def test_a_connection_limit_over_half_the_file_descriptors_is_refused_in_one_line(make_engine, tokenizer):
