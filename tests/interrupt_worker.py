@@ -2,12 +2,13 @@
 
 JAX computations run on the main thread (the learner) and on a second thread (the sampler) while a
 thread pool waits (the reward workers); SIGINT goes to `Preemption` with the CLI's second-Ctrl-C
-exit (`tunixlike.train.interrupted`). Prints "ready" once everything runs. With `--raise` the
-second Ctrl-C raises KeyboardInterrupt through the run and the process exits with sys.exit(130),
-the way the CLI used to.
+exit (`tunixlike.train.interrupted`, for the workdir given as the first argument). Prints "ready"
+once everything runs. With `--raise` the second Ctrl-C raises KeyboardInterrupt through the run and
+the process exits with sys.exit(130), the way the CLI used to.
 """
 
 import concurrent.futures
+import functools
 import importlib
 import sys
 import threading
@@ -33,7 +34,8 @@ def main():
   threading.Thread(target=sampler, name="sampler", daemon=True).start()
   pool = concurrent.futures.ThreadPoolExecutor(4)
   pool.submit(threading.Event().wait)
-  on_second = None if "--raise" in sys.argv else train_cli.interrupted
+  workdir = next((a for a in sys.argv[1:] if not a.startswith("--")), None)
+  on_second = None if "--raise" in sys.argv else functools.partial(train_cli.interrupted, workdir=workdir)
   try:
     with Preemption(say=lambda m: print(m, flush=True), on_second=on_second):
       step(x).block_until_ready()

@@ -149,6 +149,15 @@ def test_a_reward_weight_that_is_not_finite_is_named(tmp_path):
   assert line == "rewards=({'fn': 'exact_match', 'weight': nan},): item 0: weight=nan must be a finite number", line
 
 
+def test_an_attention_kernel_of_another_backend_is_refused_when_the_run_starts(tmp_path):
+  import jax  # noqa: PLC0415 (the backend this test's runs get: the same as the subprocess's)
+  if jax.default_backend() == "gpu":
+    pytest.skip("cudnn runs here")
+  line = _one_line(train(*TINY, "--config.model.attention=cudnn", f"--workdir={tmp_path / 'run'}"))
+  assert line == (f"model.attention='cudnn' runs on GPU only and this run's JAX backend is {jax.default_backend()}: "
+                  "use 'auto' (the fastest correct kernel on any backend) or 'blockwise'")
+
+
 def test_a_model_too_large_for_memory_is_refused_before_allocating(tmp_path):
   out = train(*TINY, "--config.model.hidden_size=1000000000", f"--workdir={tmp_path / 'run'}")
   line = _one_line(out)

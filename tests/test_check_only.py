@@ -14,6 +14,8 @@ import textwrap
 
 import pytest
 
+from tunixlike import preflight
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "tunixlike.train: error: "
 CALL_LIMIT_S = 120  # one check: ~2 s alone; a hang, not a slow machine, should fail it
@@ -153,3 +155,47 @@ def test_prompts_longer_than_data_max_prompt_length(task):
 ], ids=["close_key", "no_close_key"])
 def test_a_key_typo_names_the_flag_and_the_key_it_resembles(flag, expected):
   assert error_line(check("--config", "configs/addition_grpo.py", flag)) == expected
+
+
+@pytest.mark.parametrize("flag,expected", [
+    # each passed the check, then crashed or hung the run (issue 56, finding 6)
+    ("--config.model.attention=pallas_tpu", "model.attention='pallas_tpu' runs on TPU only and JAX_PLATFORMS="
+                                            "no_such_platform leaves it out: use 'auto'"),
+    ("--config.model.attention=cudnn", "model.attention='cudnn' runs on GPU only and JAX_PLATFORMS=no_such_platform "
+                                       "leaves it out: use 'auto'"),
+    ("--config.optim.updates_per_batch=1000000000", "optim.updates_per_batch=1000000000: must be <= 64: each update "
+                                                    "is a full pass over the batch"),
+    ("--config.data.train_size=1000000000", "data.train_size=1000000000: data.task='addition' generates at most "
+                                            "1,000,000 rows"),
+    ("--config.algo.reward_clip=(nan,1)", "algo.reward_clip=(nan,1): must be 2 finite numbers, e.g. (-1.0, 1.0) "
+                                          "(nan and inf are not numbers a run can use)"),
+    ("--config.algo.reward_clip=(-3e38,3e38)", "algo.reward_clip=(-3e+38, 3e+38): must lie within +-1e+15: wider "
+                                               "bounds let the squares and sums of rewards"),
+], ids=["pallas_tpu", "cudnn", "updates_per_batch", "train_size", "nan_bound", "f32_bound"])
+def test_values_that_passed_the_check_then_crashed_or_hung_are_refused_in_one_line(flag, expected):
+  line = error_line(check("--config", "configs/addition_grpo.py", flag))
+  assert line.startswith(expected), line
+
+
+def test_a_backend_kernel_without_its_backend_installed_is_refused_without_starting_jax():
+  if any(preflight._installed(m) for m in preflight.BACKEND_PLUGINS["tpu"]):
+    pytest.skip("this machine's JAX has a TPU backend")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  out = subprocess.run([sys.executable, "-m", "tunixlike.train", "--config", "configs/addition_grpo.py",
+                        "--config.model.attention=pallas_tpu", "--check_only"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=CALL_LIMIT_S)
+  assert error_line(out) == ("model.attention='pallas_tpu' runs on TPU only and this machine's JAX has no TPU "
+                             "backend (libtpu is not installed): use 'auto' (the fastest correct kernel on any "
+                             "backend)")
+
+
+def test_an_agent_server_connection_limit_the_file_descriptors_cannot_hold_is_refused():
+  import resource  # noqa: PLC0415
+  soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+  if soft == resource.RLIM_INFINITY:
+    pytest.skip("no file descriptor limit here")
+  line = error_line(check("--config", "examples/calculator_agent/config.py",
+                          f"--config.rl.agent_max_connections={soft}"))
+  assert line.startswith(f"rl.agent_max_connections={soft}: the agent server's connections and listen backlog "
+                         f"({soft + 128} file descriptors) must fit in half of this process's file descriptor "
+                         f"limit (ulimit -n = {soft})"), line

@@ -83,6 +83,7 @@ logging.getLogger("absl").addFilter(_BackgroundFailures())
 
 FORMAT = 1
 CHECKPOINT_SUBDIR = "checkpoints"  # <workdir>/checkpoints: where the trainer writes and export reads
+WARM_START_SUBDIR = "warm_start"  # <workdir>/warm_start: an interrupted warm start, until step 0 is saved
 _ITEM_FILES = {"state": "_METADATA", "meta": "metadata", "layout": "metadata"}
 RUN_BEST_METRIC = "eval/accuracy"  # what a training run ranks its checkpoints by: held-out accuracy
 DIGEST_FILE = "digest.json"  # in each step directory: {"algorithm": "sha256", "files": {relpath: hex}}
@@ -103,6 +104,18 @@ class CheckpointWriteError(CheckpointError):
 def workdir_checkpoints(workdir) -> str:
   """The checkpoint directory of a run's workdir."""
   return os.path.join(os.fspath(workdir), CHECKPOINT_SUBDIR)
+
+
+def last_saved_step(directory) -> int | None:
+  """The newest complete checkpoint's step in `directory`, from a listing alone (no orbax manager: safe
+  in a signal handler), or None."""
+  root = epath.Path(directory)
+  try:
+    steps = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()), reverse=True)
+    return next((s for s in steps if all((root / str(s) / item / name).exists()
+                                         for item, name in _ITEM_FILES.items())), None)
+  except OSError:
+    return None
 
 
 def abstract_like(tree: Any) -> Any:

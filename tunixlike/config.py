@@ -201,6 +201,10 @@ class DataSection:
     require(self.task == "gsm8k" or self.path is None, "data.path", self.path,
             f"is only read by data.task='gsm8k' (data.task={self.task!r} generates its own data)")
     require(self.eval is None or self.train is not None, "data.eval", self.eval, "needs data.train")
+    cap = getattr(TASKS.get(self.task), "MAX_ROWS", None) if self.train is None else None  # a generated task's
+    if cap is not None and self.train_size is not None:
+      require(self.train_size <= cap, "data.train_size", self.train_size, f"data.task={self.task!r} generates at "
+              f"most {cap:,} rows (each formatted and length-checked at start-up); epochs reshuffle them")
     require(self.messages_field is None or self.train is not None, "data.messages_field", self.messages_field,
             "is read from a user dataset (data.train)")
 
@@ -608,6 +612,18 @@ def _is_instance(value: Any, hint: Any) -> bool:
   return isinstance(value, hint)
 
 
+def _type_error(name: str, value: Any, hint: Any) -> str:
+  """`name=value: ...` for a value of the wrong type. A tuple of numbers says so: `--config.algo.reward_clip=
+  (nan,1)` reaches here as the one string ml_collections could not read as numbers ('(nan,1)',)."""
+  items = typing.get_args(hint) if typing.get_origin(hint) is tuple else ()
+  if items and all(item is float for item in items):
+    unread = isinstance(value, tuple) and len(value) == 1 and isinstance(value[0], str)
+    example = "(-1.0, 1.0)" if len(items) == 2 else f"({', '.join(['1.0'] * len(items))})"
+    return (f"{name}={value[0] if unread else repr(value)}: must be {len(items)} finite numbers, e.g. {example} (nan "
+            "and inf are not numbers a run can use)")
+  return f"{name}={value!r}: wrong type {type(value).__name__}, expected {hint}"
+
+
 def _build(cls, values: Mapping[str, Any], prefix: str):
   all_hints = typing.get_type_hints(cls)
   hints = {f.name: all_hints[f.name] for f in dataclasses.fields(cls) if is_key(f)}  # run values are not keys
@@ -623,7 +639,7 @@ def _build(cls, values: Mapping[str, Any], prefix: str):
       kwargs[key] = _build(hint, value, f"{name}.")
       continue
     if not _is_instance(value, hint):
-      raise ConfigError(f"{name}={value!r}: wrong type {type(value).__name__}, expected {hint}")
+      raise ConfigError(_type_error(name, value, hint))
     if isinstance(value, float) and not math.isfinite(value):  # inf passes every range check
       raise ConfigError(f"{name}={value!r}: must be finite")
     kwargs[key] = tuple(value) if isinstance(value, list) else (float(value) if hint is float else value)

@@ -10,7 +10,10 @@ config's own checks, in seconds, with no JAX backend and no model.
   * the sampler.max_new_tokens the run will use: the config's, or sized from the data's answers as the run
     sizes it (refused, as the run refuses it, when the data has none);
   * optim.learning_rate, sampler.temperature and warm_start.max_steps where the config leaves them None, as
-    the run chooses them (`rl.starting_point`).
+    the run chooses them (`rl.starting_point`);
+  * a model.attention kernel of one backend (cudnn, pallas_tpu) has that backend installed: its JAX plugin
+    (libtpu, a CUDA plugin) and JAX_PLATFORMS allowing it. The run checks the backend itself once JAX starts;
+  * with rl.agent, the agent server's rl.agent_max_connections fits in half this process's file descriptors.
 
 The run checks the same at start-up, but only after JAX has started and the model is built. A problem
 raises `PreflightError`: one line naming the config key, the file and the line.
@@ -19,13 +22,17 @@ raises `PreflightError`: one line naming the config key, the file and the line.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 import threading
 from typing import Any
 
 import numpy as np
 
+from tunixlike.agents.connections import fd_budget_error
 from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, sources, tasks, tokenizer as tokenizer_lib
+from tunixlike.models import attention
 from tunixlike.rewards import CombinedReward
 from tunixlike.rewards.loader import NOT_COLUMNS
 from tunixlike.rewards.safe import as_score
@@ -33,6 +40,9 @@ from tunixlike.rl import starting_point
 
 ROWS = 8  # rows checked of each source: a misnamed column or an overlong template shows in the first
 CALL_TIMEOUT_S = 10.0  # a slower reward (a remote grader) is left unchecked rather than waited for
+# The modules that bring JAX a backend: without one of them installed, no process here can run its kernels.
+BACKEND_PLUGINS = {"tpu": ("libtpu",), "gpu": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
+                                               "jax_plugins.xla_cuda13")}
 
 
 class PreflightError(ValueError):
@@ -55,6 +65,10 @@ def check(cfg: Config) -> str:
     task = tasks.for_run(cfg.data)
   except ValueError as e:
     raise PreflightError(str(e)) from None
+  _check_attention(cfg.model.attention)
+  too_many = cfg.rl.agent and fd_budget_error(cfg.rl.agent_max_connections)
+  if too_many:
+    raise PreflightError(too_many)
   tok, untokenized = _tokenizer(cfg)
   said, prompts = [], {}
   for key, source, read in _sources(cfg, task):
@@ -69,6 +83,30 @@ def check(cfg: Config) -> str:
   said.append(_check_rewards(cfg, task, tok, train[0]))
   said.append(_completion_limit(cfg, task, tok))
   return "; ".join(said + starting_point.resolved(cfg)[1])
+
+
+def _check_attention(impl: str) -> None:
+  """A backend's own kernel on a machine whose JAX cannot load that backend, found without starting JAX."""
+  needs = attention.BACKEND_ONLY.get(impl)
+  if needs is None:
+    return
+  platforms = [p.strip().lower() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+  if platforms and not {needs, *(["cuda"] if needs == "gpu" else [])} & set(platforms):
+    raise PreflightError(f"model.attention={impl!r} runs on {needs.upper()} only and JAX_PLATFORMS="
+                         f"{','.join(platforms)} leaves it out: use 'auto' (the fastest correct kernel on any backend)")
+  plugins = BACKEND_PLUGINS[needs]
+  if not any(_installed(m) for m in plugins):
+    missing = f"{plugins[0]} is not" if len(plugins) == 1 else f"none of {', '.join(plugins)} is"
+    raise PreflightError(f"model.attention={impl!r} runs on {needs.upper()} only and this machine's JAX has no "
+                         f"{needs.upper()} backend ({missing} installed): use 'auto' (the fastest correct kernel on "
+                         "any backend)")
+
+
+def _installed(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ImportError:  # a missing parent package
+    return False
 
 
 def _tokenizer(cfg: Config) -> tuple[tokenizer_lib.Tokenizer | None, str | None]:

@@ -109,8 +109,11 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
   from tunixlike.hosts import learner_host
   from tunixlike.hosts.kv import HostTimeout
   from tunixlike.models.sharding import ShardingError
+  from tunixlike.rl.preemption import StartupInterrupted
   try:
-    trainer.run(cfg, workdir, on_second_interrupt=lambda: interrupted(prog))
+    trainer.run(cfg, workdir, on_second_interrupt=lambda: interrupted(prog, workdir))
+  except StartupInterrupted as e:  # nothing to save yet: exit now, as the signal's default would (128 + its number)
+    cli.exit_now(prog, str(e), 128 + e.signum)
   except (NonFiniteLoss, PolicyCollapse, Unlearning, LogWriteError, checkpoint.CheckpointWriteError) as e:
     cli.fail(prog, str(e), status=1)  # the run stopped itself, and says why
   except HostTimeout as e:  # a host died or hangs: exit now (JAX's shutdown would wait for that host)
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
   except (mesh.MeshError, ShardingError, checkpoint.CheckpointError, config_lib.ConfigError, trainer.SetupError) as e:
     cli.fail(prog, str(e))
   except KeyboardInterrupt:  # Ctrl-C before the run's own handler was installed
-    interrupted(prog)
+    interrupted(prog, workdir)
 
 
 def _without_closed_loops(unraisable, default=sys.unraisablehook):
@@ -128,9 +131,19 @@ def _without_closed_loops(unraisable, default=sys.unraisablehook):
     default(unraisable)
 
 
-def interrupted(prog: str = PROG):
-  """A second Ctrl-C: stop waiting for the current step, exit 130 at once (`cli.exit_now`)."""
-  cli.exit_now(prog, "interrupted (a second Ctrl-C); the last checkpoint is kept", 130)
+def interrupted(prog: str = PROG, workdir: str | None = None):
+  """A second Ctrl-C: stop waiting for the current step, exit 130 at once (`cli.exit_now`), saying
+  what the workdir keeps (a directory listing: this runs in a signal handler)."""
+  from tunixlike import checkpoint  # noqa: PLC0415 (imported already by the run this interrupts)
+  step = None if workdir is None else checkpoint.last_saved_step(checkpoint.workdir_checkpoints(workdir))
+  if step is not None:
+    kept = f"the checkpoint of step {step} is kept; the same command resumes from it"
+  elif workdir is not None and checkpoint.last_saved_step(os.path.join(workdir, checkpoint.WARM_START_SUBDIR)) \
+      is not None:
+    kept = "the interrupted warm start's checkpoint is kept; the same command resumes it"
+  else:
+    kept = "no checkpoint was saved yet; the same command starts the run again"
+  cli.exit_now(prog, f"interrupted (a second Ctrl-C); {kept}", 130)
 
 
 if __name__ == "__main__":

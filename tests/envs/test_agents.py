@@ -1,6 +1,8 @@
 """Agents served over HTTP: the real server (uvicorn), real clients (openai, httpx), the tiny model."""
 
 import json
+import os
+import resource
 import socket
 import subprocess
 import sys
@@ -426,3 +428,190 @@ def test_another_process_cannot_post_rewards_or_turns_with_or_without_the_key(ma
   np.testing.assert_array_equal(out[0].rewards, [0.25] * G)
   assert all(c.loss_mask.sum() > 0 for c in out[0].completions)
   assert driver.stats.episodes == G and driver.stats.aborted_episodes == 0
+
+
+def test_json_no_parser_can_hold_is_a_400_in_openai_format_with_one_counted_line(make_engine, tokenizer, capfd,
+                                                                                caplog):
+  engine = make_engine(group_size=G)
+  answers = {}
+  bodies = {  # each once parsed into a 500 and a traceback in the training log
+      "5000_digits": b'{"model": "policy", "max_tokens": ' + b"7" * 5000 + b"}",
+      "nested": b"[" * 100_000,
+      "nan": b'{"model": "policy", "temperature": NaN}',
+      "float_1e400": b'{"model": "policy", "temperature": 1e400}',
+  }
+
+  def agent(base_url, api_key, episode_id, row):
+    http = httpx.Client(base_url=base_url, headers={**_auth(api_key, episode_id), "content-type": "application/json"},
+                        timeout=60)
+    got = {k: http.post("/chat/completions", content=b) for k, b in bodies.items()}
+    # 1e400 written as an integer: past float64, where the reward becomes a float
+    got["reward_int_1e400"] = http.post(f"/episodes/{episode_id}/reward", content=b'{"reward": 1' + b"0" * 400 + b"}")
+    answers[episode_id] = {k: (r.status_code, r.json()) for k, r in got.items()}
+    _client(base_url, api_key, episode_id).chat.completions.create(  # and the server goes on
+        model="policy", messages=[{"role": "user", "content": "2+2="}], max_tokens=4)
+    return 1.0
+
+  driver, groups, _ = _run(engine, tokenizer, agent)
+  assert len(groups) == 1
+  for got in answers.values():
+    assert {k: status for k, (status, _) in got.items()} == dict.fromkeys([*bodies, "reward_int_1e400"], 400)
+    for _, body in got.values():
+      assert body["error"]["code"] == "invalid_json" and body["error"]["type"] == "invalid_request_error"
+      assert "not valid JSON" in body["error"]["message"]
+    assert "(5000 digits) is past float64's range" in got["5000_digits"][1]["error"]["message"]
+    assert "deeper than the parser recurses" in got["nested"][1]["error"]["message"]
+    assert "(401 digits)" in got["reward_int_1e400"][1]["error"]["message"]
+  n = 5 * G
+  assert driver.stats.invalid_json == n and driver.stats.refused_requests == n
+  lines = [r.getMessage() for r in caplog.records if "not valid JSON" in r.getMessage()]
+  assert len(lines) == n and lines[-1].endswith(f"; {n} so far)")
+  logged = capfd.readouterr().err + caplog.text
+  assert "Traceback" not in logged and "Exception in ASGI application" not in logged
+  np.testing.assert_array_equal(groups[0].rewards, [1.0] * G)  # the returned reward: the bad post took nothing
+
+
+_FLOOD = """
+import json, resource, socket, sys
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # not the limit of the test process it inherits
+socks = [socket.create_connection((host, port)) for _ in range(n)]
+print("open", flush=True)
+sys.stdin.readline()
+closed = 0
+for s in socks:
+  s.setblocking(False)
+  try:
+    closed += s.recv(1) == b""
+  except BlockingIOError:
+    pass
+  except OSError:  # reset: closed by the server
+    closed += 1
+print(json.dumps(closed), flush=True)
+"""
+
+
+def _open_fds() -> int:
+  return len(os.listdir("/proc/self/fd"))
+
+
+def _wait_for(condition, what: str, timeout_s: float = 120.0):
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    assert time.monotonic() < deadline, what
+    time.sleep(0.05)
+
+
+@pytest.fixture
+def few_file_descriptors():
+  """This process limited to what it has open now plus 400: a flood of 1,000 sockets would use them all."""
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  resource.setrlimit(resource.RLIMIT_NOFILE, (_open_fds() + 400, hard))
+  yield
+  resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_flood_of_idle_sockets_is_capped_and_neither_the_agents_nor_the_trainer_run_out(
+    make_engine, tokenizer, tmp_path, few_file_descriptors):
+  engine = make_engine(group_size=G)
+  limit, flood, seen = 64, 1000, {}
+  holder, flooded, answered = {}, threading.Event(), []
+
+  def agent(base_url, api_key, episode_id, row):
+    if episode_id.endswith("-0"):
+      server = holder["driver"].server
+      host, port = base_url.split("//")[1].split("/")[0].split(":")
+      proc = subprocess.Popen([sys.executable, "-c", _FLOOD, host, port, str(flood)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+      try:
+        assert proc.stdout.readline().strip() == "open"
+        # every connection past the limit closed one (the oldest without the key) or itself
+        _wait_for(lambda: sum(server.connections.counts.values()) >= flood - limit, "the limit never closed the flood")
+        seen["open"], seen["fds"] = server.connections.open, _open_fds()
+        files = [open(tmp_path / f"f{i}", "w") for i in range(200)]  # the trainer's own files (checkpoints, logs)
+        for f in files:
+          f.close()
+        seen["files"] = len(files)
+      finally:
+        flooded.set()
+      reply = _client(base_url, api_key, episode_id).chat.completions.create(
+          model="policy", messages=[{"role": "user", "content": "2+2="}], max_tokens=4)
+      answered.append(reply.choices[0].finish_reason)
+      proc.stdin.write("\n")
+      proc.stdin.flush()
+      seen["flood_closed"] = json.loads(proc.stdout.readline())
+      proc.wait(60)
+    else:
+      assert flooded.wait(200)
+      reply = _client(base_url, api_key, episode_id).chat.completions.create(
+          model="policy", messages=[{"role": "user", "content": "2+2="}], max_tokens=4)
+      answered.append(reply.choices[0].finish_reason)
+    return 1.0
+
+  out = []
+  before = _open_fds()
+  driver = AgentDriver(engine, engine.load_params(), source=iter(_requests(tokenizer, 1)), sink=out.append,
+                       agent=agent, tokenizer=tokenizer,
+                       agent_config=AgentConfig.from_config(RUN, max_turns=3, workers=8, max_connections=limit,
+                                                            header_timeout_s=600.0))
+  holder["driver"] = driver
+  try:
+    driver.run(max_wall_s=300)
+  finally:
+    driver.stop()
+  assert seen["open"] == limit and seen["files"] == 200
+  assert seen["fds"] <= before + limit + 20  # the server's sockets, not the flood's
+  assert len(answered) == G and len(out) == 1  # every agent got through the flood, with the key
+  assert seen["flood_closed"] >= flood - limit
+  assert driver.stats.closed_connections >= flood - limit + 1  # one more for each agent's own connection
+  assert driver.stats.aborted_episodes == 0
+
+
+def test_connections_without_the_key_are_closed_after_the_header_timeout(make_engine, tokenizer):
+  engine = make_engine(group_size=G)
+  seen = {}
+
+  def agent(base_url, api_key, episode_id, row):
+    host, port = base_url.split("//")[1].split("/")[0].split(":")
+    silent = socket.create_connection((host, int(port)))
+    slow = socket.create_connection((host, int(port)))
+    slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and the rest of its headers never
+    big = socket.create_connection((host, int(port)))
+    try:  # headers past what a request head holds, without the key: closed as soon as they pass 1 MiB
+      big.sendall(b"GET /v1/models HTTP/1.1\r\nX-Junk: " + b"a" * (2 << 20))
+    except OSError:
+      pass
+    wrong = httpx.Client(base_url=base_url, headers={"Authorization": "Bearer wrong"}, timeout=60)
+    refused = wrong.get("/models")
+    reply = _client(base_url, api_key, episode_id).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "2+2="}], max_tokens=4)
+    for s in (silent, slow, big):
+      s.settimeout(120)
+      try:
+        data = s.recv(1)
+      except ConnectionResetError:
+        data = b""
+      s.close()
+      seen.setdefault(episode_id, []).append(data)
+    seen[episode_id].append((refused.status_code, refused.headers.get("connection"), reply.choices[0].finish_reason))
+    return 1.0
+
+  driver, groups, _ = _run(engine, tokenizer, agent, header_timeout_s=0.5)
+  assert len(groups) == 1
+  for got in seen.values():
+    assert got[:3] == [b"", b"", b""]  # closed by the server
+    status, connection, finish = got[3]
+    assert status == 401 and connection == "close" and finish in ("stop", "length")
+  counts = driver.server.connections.counts
+  assert counts["header_timeout"] >= 2 * G and counts["oversized"] == G
+  assert driver.stats.closed_connections == sum(counts.values())
+
+
+def test_a_connection_limit_over_half_the_file_descriptors_is_refused_in_one_line(make_engine, tokenizer):
+  engine = make_engine(group_size=G)
+  soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+  with pytest.raises(ValueError, match=rf"rl.agent_max_connections={soft}: .*half of this process's file "
+                     rf"descriptor limit \(ulimit -n = {soft}\)"):
+    AgentDriver(engine, engine.load_params(), source=iter([]), sink=lambda g: None, agent=lambda *a: 1.0,
+                tokenizer=tokenizer, agent_config=AgentConfig.from_config(RUN, max_connections=soft))

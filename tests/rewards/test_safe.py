@@ -1,6 +1,8 @@
 import math
 import threading
 
+import numpy as np
+
 from tunixlike import rewards
 from tunixlike.rewards import SafeReward
 
@@ -64,3 +66,10 @@ def test_as_score_accepts_finite_numbers_only():
   assert as_score(1) == 1.0 and as_score(0.25) == 0.25 and as_score(True) == 1.0
   for bad in (None, "1.0", b"1.0", float("nan"), float("inf"), [1.0], object()):
     assert as_score(bad) is None, bad
+
+
+def test_a_bool_is_a_pass_or_fail_score():
+  """Documented (docs/data_and_rewards.md): True scores 1.0 and False 0.0, Python's or numpy's, as TRL reads them."""
+  fn = SafeReward(lambda p, c, **_: [True, False, np.bool_(True), np.bool_(False)], name="passed")
+  assert fn(["p"] * 4, ["a", "b", "c", "d"]) == ([1.0, 0.0, 1.0, 0.0], 0)
+  assert fn.failures == 0

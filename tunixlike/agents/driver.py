@@ -63,6 +63,9 @@ class AgentConfig(FromConfig):
   port: int = tree_key("rl.agent_port")  # 0 = any free port
   host: str = tree_key("rl.agent_host")  # another address lets other hosts reach the server (warned about)
   max_body_bytes: int = tree_key("rl.agent_max_body_bytes")
+  max_connections: int = tree_key("rl.agent_max_connections")
+  header_timeout_s: float = tree_key("rl.agent_header_timeout_s")
+  idle_timeout_s: float = tree_key("rl.agent_idle_timeout_s")
   api_key: str | None = None  # None = a random key for this run only
   failure_reward: float = 0.0  # reward of an episode without one when the agent gives rewards
 
@@ -74,6 +77,8 @@ class AgentStats(DriverStats):
   refused_requests: int = 0  # answered with a 4xx
   unauthorized_requests: int = 0  # without the run's key: answered 401, never read
   dropped_requests: int = 0  # clients gone before their request was read
+  invalid_json: int = 0  # bodies that did not parse: answered 400 (also in refused_requests)
+  closed_connections: int = 0  # over rl.agent_max_connections, or without the key in time (connections.py)
   history_edits: int = 0  # requests that did not extend their episode's chain (the episode split)
   clamped_requests: int = 0  # sampling settings the run cannot train on, served at the run's
   timeouts: int = 0
@@ -161,7 +166,8 @@ class AgentDriver(RolloutDriver):
     self._runner = EnvRunner(num_workers=ac.workers, timeout_s=ac.episode_timeout_s, name="agent")
     self.api_key = ac.api_key or secrets.token_urlsafe(32)
     self.server = AgentServer(self, api_key=self.api_key, host=ac.host, port=ac.port,
-                              max_body_bytes=ac.max_body_bytes)
+                              max_body_bytes=ac.max_body_bytes, max_connections=ac.max_connections,
+                              header_timeout_s=ac.header_timeout_s, idle_timeout_s=ac.idle_timeout_s)
     if not is_loopback(ac.host):
       _log.warning("the agent server listens on %s, reachable from other hosts: anyone who can read its traffic "
                    "(plain HTTP) can learn the key and drive the policy or post rewards", ac.host)

@@ -13,7 +13,14 @@ Only the run's own agents are admitted: every request on every path must carry t
 (`Authorization: Bearer KEY`, which the OpenAI client sends as its `api_key`), compared in constant
 time, or it is answered 401 before its body is read; episode ids are random (128 bits), so even a
 holder of the key cannot guess a live one. A body over `max_body_bytes` is answered 413. A client
-that disconnects before its request is read is counted and logged in one line.
+that disconnects before its request is read is counted and logged in one line. A body that is not JSON
+(malformed, a number past float64's range or over Python's 4,300 digits, nesting deeper than the parser
+recurses) is answered 400 `invalid_json`, counted and logged in one line.
+
+Connections are bounded (`connections.py`): at most `max_connections` open, the ones that never sent
+the key closed first, each closed `header_timeout_s` after it opened unless it sent the key by then,
+and `idle_timeout_s` after its last answer (uvicorn's keep-alive); the limit must fit in half the
+process's file descriptors, so a flood of idle sockets cannot reach the trainer's files.
 
 Sampling: the learner corrects only for the run's own sampling distribution (`sampler.temperature`,
 `top_p`), so a request asking for another one is served at the run's and counted (clamped, and the
@@ -31,12 +38,14 @@ import json
 import logging
 import math
 import socket
+import sys
 import threading
 import time
 import uuid
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -45,6 +54,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from tunixlike.agents.chains import PLAIN_CHAT_TEMPLATE
+from tunixlike.agents.connections import ConnectionLimit, backlog, fd_budget_error
 from tunixlike.agents.protocol import EpisodeBackend, RequestError, TurnResult
 from tunixlike.data import chat_template
 
@@ -79,19 +89,24 @@ class _Guard:
     server = self.server
     if not hmac.compare_digest(headers.get(b"authorization", b""), server._authorization):
       server.driver.stats.unauthorized_requests += 1
-      return await _error(401, "missing or wrong API key: send the key the agent function was given as the "
-                          "OpenAI client's api_key (Authorization: Bearer KEY)", "invalid_api_key")(scope, receive, send)
+      refused = _error(401, "missing or wrong API key: send the key the agent function was given as the OpenAI "
+                       "client's api_key (Authorization: Bearer KEY)", "invalid_api_key")
+      refused.headers["connection"] = "close"  # a client without the key keeps no connection
+      return await refused(scope, receive, send)
     length = headers.get(b"content-length", b"0")
     if length.isdigit() and int(length) > server.max_body_bytes:
       server.driver.stats.refused_requests += 1
       return await _error(413, f"the request body ({length.decode(errors='replace')} bytes) is over "
                           f"rl.agent_max_body_bytes={server.max_body_bytes}", "request_too_large")(scope, receive, send)
+    server.connections.request_started(scope.get("client"))
     try:
       await self.app(scope, receive, send)
     except ClientDisconnect:
       server.driver.stats.dropped_requests += 1
       _log.warning("agent server: a client disconnected before its request was read (%d so far)",
                    server.driver.stats.dropped_requests)
+    finally:
+      server.connections.request_ended(scope.get("client"))
 
 
 async def _disconnected(request: Request) -> None:
@@ -120,11 +135,50 @@ def is_loopback(host: str) -> bool:
     return host == "localhost"
 
 
+_F64_MAX = int(sys.float_info.max)
+
+
+def _no_constant(name: str):
+  raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+  value = float(text)
+  if not math.isfinite(value):
+    raise ValueError(f"the number {text[:40]} is past float64's range")
+  return value
+
+
+def _float_sized_int(text: str) -> int:
+  """An int that converts to a float: the numbers of a request (rewards, temperatures, token counts)
+  are all used as floats or compared with them, and a 400-digit integer would overflow there."""
+  digits = len(text.lstrip("-"))
+  if digits <= 309:  # longer ones are past float64's 1.8e308 (and int() refuses over 4,300 digits)
+    value = int(text)
+    if abs(value) <= _F64_MAX:
+      return value
+  raise ValueError(f"the integer {text[:12]}... ({digits} digits) is past float64's range")
+
+
+def parse_json(raw: bytes):
+  """The request body as JSON, or ValueError with the reason (RecursionError for nesting too deep
+  for the parser is one too, as are NaN, Infinity and numbers no float holds)."""
+  try:
+    return json.loads(raw, parse_int=_float_sized_int, parse_float=_finite_float, parse_constant=_no_constant)
+  except RecursionError:
+    raise ValueError("it nests arrays or objects deeper than the parser recurses") from None
+
+
 class AgentServer:
   """Serves an `AgentDriver` on `host`:`port` (0 = a free port) from a daemon thread, to requests
-  that carry `api_key` and bodies of at most `max_body_bytes`."""
+  that carry `api_key` and bodies of at most `max_body_bytes`, over at most `max_connections`
+  connections (module docstring)."""
 
-  def __init__(self, driver: EpisodeBackend, *, api_key: str, host: str, port: int, max_body_bytes: int):
+  def __init__(self, driver: EpisodeBackend, *, api_key: str, host: str, port: int, max_body_bytes: int,
+               max_connections: int, header_timeout_s: float, idle_timeout_s: float):
+    error = fd_budget_error(max_connections)
+    if error:
+      raise ValueError(error)
     self.driver = driver
     self._authorization = f"Bearer {api_key}".encode()
     self.max_body_bytes = max_body_bytes
@@ -148,8 +202,12 @@ class AgentServer:
       raise ValueError(f"rl.agent_port={port}: cannot listen on {host}:{port}: {e}") from e
     self.port = self._sock.getsockname()[1]
     self.base_url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}/v1"
-    self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                                 timeout_graceful_shutdown=1))
+    self.connections = ConnectionLimit(max_connections=max_connections, header_timeout_s=header_timeout_s,
+                                       on_close=self._count_closed)
+    self._server = uvicorn.Server(uvicorn.Config(
+        self.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1, ws="none",
+        http=self.connections.protocol(AutoHTTPProtocol), backlog=backlog(max_connections),
+        timeout_keep_alive=idle_timeout_s))
     self._thread: threading.Thread | None = None
 
   def start(self, timeout_s: float = 30.0) -> None:
@@ -161,6 +219,9 @@ class AgentServer:
       if not self._thread.is_alive() or time.monotonic() > deadline:
         raise RuntimeError(f"the agent server did not start on {self.base_url}")
       time.sleep(0.01)
+
+  def _count_closed(self, reason: str) -> None:
+    self.driver.stats.closed_connections += 1
 
   def stop(self) -> None:
     self._server.should_exit = True
@@ -232,9 +293,12 @@ class AgentServer:
         raise RequestError(413, f"the request body is over rl.agent_max_body_bytes={self.max_body_bytes}",
                            "request_too_large")
     try:
-      body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise RequestError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+      body = parse_json(raw)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError among them
+      self.driver.stats.invalid_json += 1
+      _log.warning("agent server: refused a request body that is not valid JSON (%s; %d so far)", str(e)[:200],
+                   self.driver.stats.invalid_json)
+      raise RequestError(400, f"the request body is not valid JSON: {str(e)[:200]}", "invalid_json") from None
     if not isinstance(body, dict):
       raise RequestError(400, f"the request body must be a JSON object, got {type(body).__name__}", "invalid_json")
     return body

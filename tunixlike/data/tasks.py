@@ -62,6 +62,9 @@ class SyntheticTask:
   test_fraction: float = 0.1
   name: ClassVar[str]
   prompt_template: ClassVar[str] = "{prompt}"  # The prompt already says what to do.
+  # data.train_size's cap: start-up formats and length-checks every row (~50 us apiece, a minute for a
+  # million); the stream reshuffles every epoch, so more distinct generated rows teach no more.
+  MAX_ROWS: ClassVar[int] = 1_000_000
   default_rewards: ClassVar[tuple[str, ...]] = ("exact_match",)
 
   def __post_init__(self):

@@ -29,10 +29,20 @@ def _bool(v) -> str | None:
   return None if isinstance(v, bool) else "must be a bool"
 
 
+# algo.reward_clip's widest bounds: the squares of rewards of this size (PPO's value loss, the gradient norm)
+# summed over ten million tokens stay inside float32 (3.4e38), and so do their products and sums.
+REWARD_CLIP_LIMIT = 1e15
+
+
 def _finite_range(v) -> str | None:
   ok = (isinstance(v, (tuple, list)) and len(v) == 2
         and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v))
-  return None if ok and v[0] < v[1] else "must be two finite numbers [low, high] with low < high"
+  if not (ok and v[0] < v[1]):
+    return "must be two finite numbers [low, high] with low < high"
+  if max(abs(v[0]), abs(v[1])) > REWARD_CLIP_LIMIT:
+    return (f"must lie within +-{REWARD_CLIP_LIMIT:g}: wider bounds let the squares and sums of rewards (PPO's value "
+            "loss, the gradient norm) overflow float32")
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +143,19 @@ def _b(v) -> str | None:
   return in_range(0, 1, high_open=True)(v)
 
 
+# Updates on one batch: TRL's num_iterations and verl's ppo_epochs are 1-4, PPO's epochs at most tens;
+# past this a step only overfits its batch, and the step's compiled loop stacks a row of metrics per update.
+MAX_UPDATES_PER_BATCH = 64
+
+
+def _updates(v) -> str | None:
+  if positive_int(v):
+    return positive_int(v)
+  return None if v <= MAX_UPDATES_PER_BATCH else (
+      f"must be <= {MAX_UPDATES_PER_BATCH}: each update is a full pass over the batch (TRL and verl use 1-4), so "
+      "more only overfit it and multiply the step's time")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
   SECTION: ClassVar[str] = "optim"
@@ -153,7 +176,7 @@ class OptimConfig:
   updates_per_batch: int = setting(
       1, "K optimizer updates on each sampled batch, one RL step (TRL num_iterations, verl ppo_epochs): the "
       "proximal logprobs are fixed before the first, so from the second on the ratio moves and eps_low / eps_high "
-      "clip; the schedule still counts RL steps", check=positive_int)
+      "clip; the schedule still counts RL steps", check=_updates)
   group_by_length: int = setting(
       0, "N > 0: rows sorted by length, each micro-batch runs at the shortest of N prefix lengths (T*k/N) that "
       "holds its rows, so a long tail pads one micro-batch, not all", check=non_negative)

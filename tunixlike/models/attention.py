@@ -47,6 +47,16 @@ IMPLEMENTATIONS = ATTENTION_IMPLEMENTATIONS  # `ModelConfig.attention`, `model.a
 REFERENCE_MAX_LEN = 256
 BLOCK = 256  # key / query block of the blockwise kernel ([G*256, 256] fp32 scores per KV head at a time)
 _MASKED = -1e30
+BACKEND_ONLY = {"cudnn": "gpu", "pallas_tpu": "tpu"}  # kernels that run on one backend only
+
+
+def backend_error(impl: str, backend: str) -> str | None:
+  """Why `model.attention=impl` cannot run on `backend` (a kernel of another one), or None."""
+  needs = BACKEND_ONLY.get(impl)
+  if needs is None or backend == needs:
+    return None
+  return (f"model.attention={impl!r} runs on {needs.upper()} only and this run's JAX backend is {backend}: use "
+          "'auto' (the fastest correct kernel on any backend) or 'blockwise'")
 
 
 def attend(q_bthd, k_btkd, v_btkd, *, segments_bt=None, prefix_bt=None, window: int | None = None,

@@ -14,6 +14,10 @@ from tunixlike.rewards.safe import SafeReward
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
+def _saturated(x_n: np.ndarray) -> np.ndarray:
+  return np.clip(x_n, -_F32_MAX, _F32_MAX)
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
   """One term of the reward: `weight * fn(...)`, with `kwargs` bound.
@@ -38,7 +42,11 @@ class RewardSpec:
 class CombinedReward:
   """`__call__(prompts, completions, **columns) -> (rewards float32 [N], metrics)`.
 
-  metrics: `rewards/<name>` (mean unweighted score over the samples it scored),
+  No finite input overflows: each score is saturated to float32's range, so is each weighted term
+  (weight * score, in float64, may pass it: +-inf saturates too, never NaN), and the float64 sum of the
+  terms is saturated again; algo.reward_clip then clips the total.
+
+  metrics: `rewards/<name>` (mean unweighted score over the samples it scored, saturated),
   `rewards/<name>/failures` (samples that scored 0 by failure in this call), `rewards/<name>/skipped`
   (samples it returned None for: they get no term from it) and `rewards/total` (mean weighted sum).
   `where` names the specs in errors (the config key, `rewards`); `columns`, when known, are the
@@ -99,14 +107,16 @@ class CombinedReward:
     for spec, fn in zip(self.specs, self.fns):
       scores, failed = fn(prompts, completions, **columns)
       scored_n = np.array([s is not None for s in scores], bool)
-      scores_n = np.array([0.0 if s is None else s for s in scores], np.float64)
-      total_n += spec.weight * scores_n
-      terms[spec.name] = np.where(scored_n, np.clip(scores_n, -_F32_MAX, _F32_MAX), np.nan).astype(np.float32)
+      scores_n = _saturated(np.array([0.0 if s is None else s for s in scores], np.float64))
+      with np.errstate(over="ignore"):  # weight 10 * score 1e38 is inf in float32, 1e39 here: saturated below
+        total_n += _saturated(spec.weight * scores_n)
+      terms[spec.name] = np.where(scored_n, scores_n, np.nan).astype(np.float32)
       metrics[f"rewards/{spec.name}"] = float(scores_n[scored_n].mean()) if scored_n.any() else 0.0
       metrics[f"rewards/{spec.name}/failures"] = float(failed)
       metrics[f"rewards/{spec.name}/skipped"] = float((~scored_n).sum())
+    total_n = _saturated(total_n)
     metrics["rewards/total"] = float(total_n.mean()) if len(total_n) else 0.0
-    return np.clip(total_n, -_F32_MAX, _F32_MAX).astype(np.float32), terms, metrics
+    return total_n.astype(np.float32), terms, metrics
 
 
 def _as_spec(spec) -> RewardSpec:

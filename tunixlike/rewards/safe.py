@@ -6,6 +6,7 @@ worker thread with a timeout. Any failure scores 0 for the samples it affects an
   * a timeout: the whole batch scores 0 (retrying would multiply the wait);
   * a wrong number of values: the whole batch scores 0;
   * NaN, inf or a non-number for a sample: that sample scores 0.
+A bool is a number here, as in Python, TRL and numpy: True scores 1.0 and False 0.0 (pass / fail).
 None for a sample is no failure: the function does not apply to it (skipped; the caller counts it).
 Workers are daemon threads: Python cannot kill a stuck thread, so a timed-out call is abandoned
 and can never block interpreter exit (a ThreadPoolExecutor would join it at exit and hang).
@@ -42,7 +43,8 @@ class _Call:
 
 
 def as_score(value: Any) -> float | None:
-  """A finite float, or None for None / NaN / inf / text / non-numbers (a reward or PRM result)."""
+  """A finite float, or None for None / NaN / inf / text / non-numbers (a reward or PRM result).
+  True / False (Python's or numpy's) are 1.0 / 0.0: a pass / fail check, as TRL reads it."""
   if value is None or isinstance(value, (str, bytes)):  # float("1") would accept text
     return None
   try:

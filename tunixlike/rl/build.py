@@ -29,7 +29,7 @@ from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokeniz
 from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, prompt_rows, value as value_lib
 from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.train_step import Learner
-from tunixlike.models import hub, lora as lora_lib, transformer
+from tunixlike.models import attention, hub, lora as lora_lib, transformer
 from tunixlike.rewards import loader, process as process_lib
 from tunixlike.rewards.envs import Env
 from tunixlike.rl import distill as distill_lib, evaluate as eval_lib, scoring, warm_start as warm_start_lib
@@ -275,6 +275,9 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   with_inputs(cfg, dataset=dataset, eval_dataset=eval_dataset, env=env, agent=agent)  # the config's checks
   distributed.initialize(cfg.distributed, cross_host_transfers=cfg.mesh.sampler_hosts > 0)
   check_process_split(cfg, jax.process_count())
+  wrong_backend = attention.backend_error(cfg.model.attention, jax.default_backend())
+  if wrong_backend:  # before any compile: a backend's kernel elsewhere fails deep in tracing
+    raise ValueError(wrong_backend)
   sampler_host = is_sampler_host(cfg)
   if cfg.mesh.sampler_hosts:  # the learner hosts' collectives leave the sampler hosts out
     distributed.set_process_group(range(jax.process_count() - cfg.mesh.sampler_hosts))

@@ -9,7 +9,7 @@ import dataclasses
 from typing import ClassVar
 
 from tunixlike.settings import (DTYPES, check_fields, in_range, non_negative, one_of, optional, positive,
-                                run_value, setting)
+                                positive_int, run_value, setting)
 
 
 BUILT_IN_ENVS = {"calculator": "tunixlike.rewards.envs:CalculatorEnv"}  # rl.env names -> the class's import path
@@ -78,6 +78,15 @@ class RuntimeConfig:
                             "other hosts reach it over plain HTTP (warned about; docs/agents.md)", check=_host)
   agent_max_body_bytes: int = setting(4 << 20, "a request body over this is refused (413) unread",
                                       check=positive)
+  agent_max_connections: int = setting(256, "connections the agent server holds open at once; over it a new one "
+                                       "closes the oldest that never sent the key, else the oldest idle one, else "
+                                       "is refused. With the listen backlog it must fit in half the process's file "
+                                       "descriptors (ulimit -n): the other half is kept for training",
+                                       check=positive_int)
+  agent_header_timeout_s: float = setting(10.0, "a connection that has not sent a request with the key this long "
+                                          "after it opened is closed", check=positive)
+  agent_idle_timeout_s: float = setting(5.0, "a kept-alive connection idle this long between requests is closed "
+                                        "(uvicorn's timeout_keep_alive)", check=positive)
   episode_timeout_s: float = setting(300.0, "an agent episode longer than this is aborted (and counted)",
                                      check=positive)
   no_signal_warn_steps: int = setting(10, "the window of steps the no-signal warning looks at (groups whose rewards "

@@ -51,8 +51,6 @@ from tunixlike.rl.runtime import AsyncRuntime
 
 log = logging.getLogger("tunixlike")
 
-WARM_START_SUBDIR = "warm_start"  # WORKDIR/warm_start: an interrupted warm start, until step 0 is saved
-
 
 class SetupError(ValueError):
   """Bad input found while building the run (mesh sizes, model files, data, workdir): one clear line."""
@@ -93,7 +91,8 @@ def _sampler_host(cfg: Config, workdir: str, preemption: Preemption, hooks=(), *
   run; the learner hosts keep the logs, evals and checkpoints (`hosts.sampler_host`)."""
   from tunixlike.hosts import sampler_host
   try:
-    setup = build_lib.build(cfg, **user)
+    with preemption.starting():
+      setup = build_lib.build(cfg, **user)
   except (ValueError, OSError, models.CheckpointError) as e:
     raise SetupError(str(e)) from e
   print(setup.meshes.hosts.describe()[jax.process_index()], flush=True)
@@ -167,7 +166,7 @@ def _start_fresh(r: _Run) -> _Data | None:
   r.save(data, force=True)  # the warm start and the first eval are never redone
   if cfg.warm_start.max_steps and r.pid == 0:
     r.ckpt.wait()
-    epath.Path(r.workdir, WARM_START_SUBDIR).rmtree(missing_ok=True)  # the step-0 checkpoint holds it
+    epath.Path(r.workdir, checkpoint_lib.WARM_START_SUBDIR).rmtree(missing_ok=True)  # the step-0 checkpoint holds it
   return data
 
 
@@ -175,7 +174,7 @@ def _warm_start(r: _Run) -> bool:
   """The supervised stage, continued from WORKDIR/warm_start when an earlier one was stopped (or
   crashed after a periodic save there). Returns False when it was stopped again (and saved there)."""
   setup, ws = r.setup, r.cfg.warm_start
-  paused = checkpoint_lib.Checkpointer(os.path.join(r.workdir, WARM_START_SUBDIR), keep=1)
+  paused = checkpoint_lib.Checkpointer(os.path.join(r.workdir, checkpoint_lib.WARM_START_SUBDIR), keep=1)
   try:
     optimizer = warm_start_lib.make_optimizer(setup.model, ws.learning_rate, r.cfg.optim)
     start = _resume_warm_start(r, paused, optimizer)
@@ -431,7 +430,8 @@ class _Run:
     self.say = print
     self.trace_path = os.path.join(self.dir, "trace.json") if cfg.log.trace else None
     try:  # fails fast on bad meshes, model files or data, before any output (and before orbax's threads)
-      self.setup = build_lib.build(cfg, self.trace_path, **user)
+      with preemption.starting():
+        self.setup = build_lib.build(cfg, self.trace_path, **user)
     except (ValueError, OSError, models.CheckpointError) as e:
       raise SetupError(str(e)) from e
     self.data_fingerprints = resume_lib.data_fingerprints(self.setup.task)  # kept in every checkpoint
