@@ -4,7 +4,8 @@ devices: how the tests and benchmarks run whole hosts (and the per-host split) w
     results = local_job.run([sys.executable, "-m", "tunixlike.train", ...], 4, devices=2)
     for rc, output in results: ...
 
-Process i gets JAX_PROCESS_ID=i, the coordinator on a free port of 127.0.0.1 and `devices` CPU
+Process i gets JAX_PROCESS_ID=i, the coordinator on a free port of 127.0.0.1, the job's secret
+(`hosts.seal`: one per job, in the environment, never on a command line) and `devices` CPU
 devices (`xla_flags`, which the benchmarks' children use too), the same command as the others (as
 on real hosts); the children import this same tunixlike. Every wait is bounded: when one process
 fails, or the time runs out, the others are killed, so a test or benchmark never hangs on a job that
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import socket
 import subprocess
 import tempfile
@@ -22,6 +24,7 @@ import time
 from typing import Mapping
 
 import tunixlike
+from tunixlike.hosts import seal
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tunixlike.__file__)))
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -78,11 +81,12 @@ def device_env(devices: int, env: Mapping[str, str] | None = None) -> dict[str, 
   return env
 
 
-def _env(i: int, n: int, port: int, devices: int, extra: dict[str, str]) -> dict[str, str]:
+def _env(i: int, n: int, port: int, devices: int, extra: dict[str, str], secret: str) -> dict[str, str]:
   # Not device_env's NPROC: the job's processes run small programs (no deadlock seen) and the larger
   # pool cost tests/test_multihost.py's two processes 50 -> 58 CPU-s (one run each, 2026-11-28).
   return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(devices),
           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(i),
+          seal.ENV_SECRET: secret,
           "PYTHONPATH": os.pathsep.join([_PACKAGE_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
           **extra}
 
@@ -99,11 +103,11 @@ def run(argv: list[str], n: int, *, devices: int = 4, timeout_s: float = 180.0, 
   """
   with tempfile.TemporaryDirectory() as scratch:
     paths = [os.path.join(log_dir or scratch, f"{name}_{i}.log") for i in range(n)]
-    port, procs = free_port(following=n), []
+    port, procs, secret = free_port(following=n), [], secrets.token_hex(32)
     try:
       for i, path in enumerate(paths):
         with open(path, "w") as log:  # the child keeps its own descriptor
-          procs.append(subprocess.Popen(argv, cwd=cwd, env=_env(i, n, port, devices, env or {}), stdout=log,
+          procs.append(subprocess.Popen(argv, cwd=cwd, env=_env(i, n, port, devices, env or {}, secret), stdout=log,
                                         stderr=subprocess.STDOUT))
       deadline, sent = time.monotonic() + timeout_s, False
       watched = None if send is None else send.process if send.watch is None else send.watch

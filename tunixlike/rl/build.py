@@ -26,6 +26,7 @@ from tunixlike import device_turns, distributed, mesh as mesh_lib, models, rewar
 from tunixlike import config as config_lib
 from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokenizer_lib
+from tunixlike.hosts import rendezvous
 from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, prompt_rows, value as value_lib
 from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.train_step import Learner
@@ -274,7 +275,7 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   sampler.temperature or warm_start.max_steps left None chosen by what the run starts from (`starting_point`):
   `Setup.cfg` holds them."""
   with_inputs(cfg, dataset=dataset, eval_dataset=eval_dataset, env=env, agent=agent)  # the config's checks
-  distributed.initialize(cfg.distributed, cross_host_transfers=cfg.mesh.sampler_hosts > 0)
+  distributed.initialize(cfg.distributed, whole_hosts=rendezvous.hello(cfg))
   check_process_split(cfg, jax.process_count())
   sampler_host = is_sampler_host(cfg)
   if cfg.mesh.sampler_hosts:  # the learner hosts' collectives leave the sampler hosts out
