@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
     return
   if workdir is None:
     cli.fail(prog, "--workdir is required")
+  _watched(cfg, prog)
   compilation_cache.enable()  # before any compile: a second start loads its programs (TUNIXLIKE_COMPILATION_CACHE)
   from tunixlike import checkpoint, mesh
   from tunixlike.rl import trainer  # heavy imports only once the config is known to be good
@@ -119,6 +120,22 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
     cli.fail(prog, str(e))
   except KeyboardInterrupt:  # Ctrl-C before the run's own handler was installed
     interrupted(prog)
+
+
+def _watched(cfg: config_lib.Config, prog: str) -> None:
+  """Whole hosts: every process but process 0 runs under a watcher that says in one line when the
+  coordinator's host dies (`hosts.watch`); this returns in the run itself."""
+  from tunixlike import distributed
+  from tunixlike.hosts import watch
+  if watch.watched():
+    watch.die_with_parent()
+    return
+  try:
+    d = distributed.resolve(cfg.distributed)
+  except ValueError as e:
+    cli.fail(prog, str(e))
+  if cfg.mesh.sampler_hosts and (d.num_processes or 1) > 1 and d.process_id:
+    sys.exit(watch.supervise(prog, d.process_id, d.coordinator_address))
 
 
 def _without_closed_loops(unraisable, default=sys.unraisablehook):

@@ -21,7 +21,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import tunixlike
 from tunixlike.hosts import seal
@@ -93,29 +93,34 @@ def _env(i: int, n: int, port: int, devices: int, extra: dict[str, str], secret:
 
 def run(argv: list[str], n: int, *, devices: int = 4, timeout_s: float = 180.0, log_dir: str | None = None,
         name: str = "process", send: Signal | None = None, env: dict[str, str] | None = None,
-        cwd: str | None = None) -> list[tuple[int, str]]:
+        cwd: str | None = None, only: Sequence[int] | None = None, envs: Mapping[int, dict] | None = None,
+        wait_all: bool = False) -> list[tuple[int, str]]:
   """Runs `argv` on `n` processes as one job; returns each one's (exit code, output), in process order.
 
   Each process's output (stdout and stderr) goes to `log_dir/{name}_{i}.log` (a temporary directory
   when None). All are killed when one exits with an error (unless `send` is given: then the job
-  is left to stop by itself after the signal) or when `timeout_s` runs out; a killed process's exit
-  code is -9.
+  is left to stop by itself after the signal; or `wait_all`) or when `timeout_s` runs out; a killed
+  process's exit code is -9. `only`: the process ids started (a job whose other processes never
+  come), in that order in the result; `envs`: more environment variables of process i (`envs[i]`).
   """
+  only = list(range(n)) if only is None else list(only)
   with tempfile.TemporaryDirectory() as scratch:
-    paths = [os.path.join(log_dir or scratch, f"{name}_{i}.log") for i in range(n)]
+    paths = [os.path.join(log_dir or scratch, f"{name}_{i}.log") for i in only]
     port, procs, secret = free_port(following=n), [], secrets.token_hex(32)
     try:
-      for i, path in enumerate(paths):
+      for i, path in zip(only, paths):
         with open(path, "w") as log:  # the child keeps its own descriptor
-          procs.append(subprocess.Popen(argv, cwd=cwd, env=_env(i, n, port, devices, env or {}, secret), stdout=log,
+          extra = {**(env or {}), **((envs or {}).get(i) or {})}
+          procs.append(subprocess.Popen(argv, cwd=cwd, env=_env(i, n, port, devices, extra, secret), stdout=log,
                                         stderr=subprocess.STDOUT))
       deadline, sent = time.monotonic() + timeout_s, False
-      watched = None if send is None else send.process if send.watch is None else send.watch
+      watched = None if send is None else only.index(send.process if send.watch is None else send.watch)
       while None in [p.poll() for p in procs]:  # a list: every process polled
         if send is not None and not sent and send.after in _read(paths[watched]):
-          procs[send.process].send_signal(send.signal)
+          procs[only.index(send.process)].send_signal(send.signal)
           sent = True
-        if time.monotonic() > deadline or (send is None and any(p.returncode not in (None, 0) for p in procs)):
+        if time.monotonic() > deadline or (send is None and not wait_all and
+                                           any(p.returncode not in (None, 0) for p in procs)):
           time.sleep(2)  # let the others report their error too
           break
         time.sleep(0.2)
