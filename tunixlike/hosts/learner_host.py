@@ -119,6 +119,11 @@ class RemoteSampling:
   def update_params(self, params, version: int, *, drain: bool = False) -> None:
     """Nothing to do: the weight sync has already delivered `version` to the sampler hosts."""
 
+  @staticmethod
+  def count_refused(info) -> None:
+    """A step hook: the key-value entries this host refused so far (`hosts.seal`), a metric."""
+    info.metrics["hosts/refused_entries"] = kv.refused()
+
 
 def publish_position(shard: int, position: int) -> None:
   """A sampler host: it has read its shard up to `position` (before the prompt read last starts)."""

@@ -670,8 +670,10 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
     queue = queue or make_queue(cfg, policy, stream)
     sampling = RemoteSampling(queue, jax.process_index(), hosts.sampler_hosts,
                               silence_timeout_s=cfg.mesh.host_timeout_s, on_fault=on_fault)
-    return AsyncRuntime(run_cfg, queue=queue, rewards=None, driver=sampling, policy=policy, collapse=collapse,
-                        num_steps=num_steps)
+    runtime = AsyncRuntime(run_cfg, queue=queue, rewards=None, driver=sampling, policy=policy, collapse=collapse,
+                           num_steps=num_steps)
+    runtime.hooks.add(sampling.count_refused)
+    return runtime
   synced = first_weights(setup, rl)
   queue = queue or make_queue(cfg, policy, stream)
   rewards = RewardStage(rl.scorer, queue, cfg.rl.reward_workers)
