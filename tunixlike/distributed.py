@@ -112,7 +112,8 @@ def initialize(cfg: DistributedConfig = DistributedConfig(), *, whole_hosts=None
       raise ValueError(f"distributed.num_processes={cfg.num_processes} also needs {' and '.join(missing)}")
     if not 0 <= cfg.process_id < cfg.num_processes:
       raise ValueError(f"distributed.process_id={cfg.process_id}: must be in [0, {cfg.num_processes})")
-    bind, heartbeat_s = bind_address(cfg), _JAX_HEARTBEAT_S
+    bind = bind_address(cfg) if cfg.process_id == 0 else None  # only process 0 listens
+    heartbeat_s = _JAX_HEARTBEAT_S
     if whole_hosts is not None:
       from tunixlike.hosts import kv, rendezvous, seal, transfer_server
       secret, run_id = rendezvous.meet(cfg.coordinator_address, bind, cfg.process_id, cfg.num_processes, whole_hosts)

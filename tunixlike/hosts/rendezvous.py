@@ -133,9 +133,10 @@ def _family(host: str) -> int:
   return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def meet(coordinator_address: str, bind_address: str, process_id: int, num_processes: int,
+def meet(coordinator_address: str, bind_address: str | None, process_id: int, num_processes: int,
          hello_: Hello) -> tuple[bytes, bytes]:
-  """The rendezvous (see the module docstring); returns (the run's secret, the run's id)."""
+  """The rendezvous (see the module docstring); returns (the run's secret, the run's id). `bind_address`:
+  where process 0 listens (`distributed.bind_address`; the others ignore it)."""
   host, port = split_address(coordinator_address)
   transfer = transfer_server.address(coordinator_address, process_id)
   problem = check_port_free(*split_address(transfer), f"host {process_id}: the transfer port (coordinator port + 1 + "
