@@ -6,9 +6,12 @@ host 0 has taken it (a replay), bytes with no seal, and an entry sealed with ano
 Process 0 takes what arrives (`kv.take_all`, as `LearnerInbox` does) until the second group and prints
   GOT <json [prompt_id, ...]>
   REFUSED <count>
+  ELSEWHERE <json {address: whether the coordinator's port answers there}>  (it listens on 127.0.0.1 only)
 """
 
 import json
+import os
+import socket
 import time
 
 import numpy as np
@@ -53,6 +56,12 @@ def main():
       time.sleep(0.05)
     print("GOT " + json.dumps(got), flush=True)
     print(f"REFUSED {kv.refused()}", flush=True)
+    port = int(os.environ["JAX_COORDINATOR_ADDRESS"].rsplit(":", 1)[1])
+    answers = {}
+    for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "127.0.0.2"), (socket.AF_INET6, "::1")):
+      with socket.socket(family) as s:
+        answers[address] = s.connect_ex((address, port)) == 0
+    print("ELSEWHERE " + json.dumps(answers), flush=True)
     kv.put("test/done", b"")
 
 

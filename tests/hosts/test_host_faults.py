@@ -135,13 +135,15 @@ def test_hosts_with_another_config_or_secret_are_refused(tmp_path):
                    "(TUNIXLIKE_HOSTS_SECRET / TUNIXLIKE_HOSTS_SECRET_FILE must be the same on every host)")
 
 
-def test_forged_and_replayed_entries_are_refused_and_counted(tmp_path):
+def test_forged_and_replayed_entries_are_refused_and_counted_and_the_coordinator_listens_where_told(tmp_path):
   worker = os.path.join(ROOT, "tests", "hosts", "forged_worker.py")
   (rc0, out0), (rc1, out1) = run_processes([sys.executable, worker], 2, tmp_path, devices=1, timeout_s=120)
   assert rc0 == 0 and rc1 == 0, out0[-3000:] + out1[-3000:]
   assert json.loads(lines(out0, "GOT")[0]) == ["first", "second"]
   assert lines(out0, "REFUSED") == ["3"]
   assert "replayed (sequence 1 of host 1)" in out0 and "its seal does not verify" in out0
+  # the coordinator listens on the address it was given, not on every interface (JAX's default)
+  assert json.loads(lines(out0, "ELSEWHERE")[0]) == {"127.0.0.1": True, "127.0.0.2": False, "::1": False}
 
 
 def test_a_dead_coordinator_host_is_one_line_on_the_others(tmp_path):

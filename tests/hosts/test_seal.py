@@ -71,3 +71,19 @@ def test_the_fingerprint_covers_every_key_but_logs_and_process_ids():
   other = config_lib.replace(base, seed=1, model=dict(hidden_size=base.model.hidden_size * 2))
   assert rendezvous.differing(rendezvous.fingerprint(base), rendezvous.fingerprint(other)) == [
       "model.hidden_size", "seed"]
+
+
+def test_the_coordinator_listens_on_the_address_given(monkeypatch):
+  from tunixlike import distributed
+  monkeypatch.delenv(distributed.ENV_BIND, raising=False)
+  cfg = distributed.DistributedConfig(coordinator_address="127.0.0.1:8482")
+  assert distributed.bind_address(cfg) == "127.0.0.1:8482"  # not JAX's default, every interface ('[::]:8482')
+  assert distributed.bind_address(distributed.DistributedConfig(coordinator_address="[::1]:9")) == "[::1]:9"
+  monkeypatch.setenv(distributed.ENV_BIND, "0.0.0.0:8482")
+  assert distributed.bind_address(cfg) == "0.0.0.0:8482"
+  given = distributed.DistributedConfig(coordinator_address="127.0.0.1:8482", coordinator_bind_address="10.1.2.3:8482")
+  assert distributed.bind_address(given) == "10.1.2.3:8482"
+  monkeypatch.delenv(distributed.ENV_BIND)
+  with pytest.raises(ValueError, match="distributed.coordinator_address=no-such-host.invalid:1: 'no-such-host.invalid' "
+                                       "does not resolve on this host"):
+    distributed.bind_address(distributed.DistributedConfig(coordinator_address="no-such-host.invalid:1"))
