@@ -120,7 +120,7 @@ def initialize(cfg: DistributedConfig = DistributedConfig(), *, whole_hosts=None
       kv.use(seal.Sealer(secret, run_id, cfg.process_id))
       if not transfer_server.enabled():
         transfer_server.enable(cfg.coordinator_address, cfg.process_id, timeout_s=cfg.timeout_s)
-      heartbeat_s = max(heartbeat_s, int(2 * whole_hosts.timeout_s) + 60)
+      heartbeat_s = int(2 * whole_hosts.timeout_s) + 60  # after the hosts' own faults have been named
     elif cfg.process_id == 0:
       from tunixlike.hosts import rendezvous
       problem = rendezvous.check_port_free(*rendezvous.split_address(bind), "host 0: the coordinator address")

@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
 
 
 def _watched(cfg: config_lib.Config, prog: str) -> None:
-  """Whole hosts: every process but process 0 runs under a watcher that says in one line when the
-  coordinator's host dies (`hosts.watch`); this returns in the run itself."""
+  """Whole hosts: every process runs under a watcher that says in one line why JAX's coordination
+  service stopped it (`hosts.watch`); this returns in the run itself."""
   from tunixlike import distributed
   from tunixlike.hosts import watch
   if watch.watched():
@@ -134,8 +134,8 @@ def _watched(cfg: config_lib.Config, prog: str) -> None:
     d = distributed.resolve(cfg.distributed)
   except ValueError as e:
     cli.fail(prog, str(e))
-  if cfg.mesh.sampler_hosts and (d.num_processes or 1) > 1 and d.process_id:
-    sys.exit(watch.supervise(prog, d.process_id, d.coordinator_address))
+  if cfg.mesh.sampler_hosts and (d.num_processes or 1) > 1:
+    sys.exit(watch.supervise(prog, d.process_id or 0, d.coordinator_address))
 
 
 def _without_closed_loops(unraisable, default=sys.unraisablehook):

@@ -159,3 +159,20 @@ def test_a_dead_coordinator_host_is_one_line_on_the_others(tmp_path):
                               "host to resume from the learner hosts' last checkpoint")
   assert out1.strip().splitlines()[-1] == coordinator
   assert not any(t in out1 for t in JAX_TRACE), out1[-3000:]
+
+
+@pytest.mark.multihost_long
+def test_a_dead_learner_host_is_named_on_the_others(tmp_path):
+  """2 learner hosts + 1 sampler host, learner host 1 killed: JAX's coordination service stops the job
+  after its heartbeat timeout (2 x mesh.host_timeout_s + 60 s), and each host's watcher names host 1."""
+  argv = command(tmp_path) + ["--config.mesh.sampler_hosts=1", "--config.mesh.sampler_devices=2",
+                              "--config.mesh.learner_devices=4", "--config.mesh.host_timeout_s=4",
+                              "--config.rl.num_steps=50", f"--workdir={tmp_path / 'w'}"]
+  results = run_processes(argv, 3, tmp_path, devices=2, timeout_s=300,
+                          send=local_job.Signal(1, "weights v2 ", signal.SIGKILL, watch=2))
+  assert [rc for rc, _ in results] == [1, -signal.SIGKILL, 1], [out[-2000:] for _, out in results]
+  for rc, out in (results[0], results[2]):
+    assert last_error(out).endswith("JAX's coordination service stopped the job: host 1 sent no heartbeat in time "
+                                    "(it died or hangs); run the same command again on every host to resume from the "
+                                    "learner hosts' last checkpoint"), out[-3000:]
+    assert out.strip().splitlines()[-1].startswith(ERROR) and not any(t in out for t in JAX_TRACE), out[-3000:]

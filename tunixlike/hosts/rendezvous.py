@@ -162,6 +162,7 @@ def _serve(address: str, bind: tuple[str, int], n: int, hello_: Hello, problem: 
   listener.listen(64)
   listener.settimeout(0.2)
   peers: dict[int, tuple[socket.socket, str, dict]] = {}
+  others: list[tuple[socket.socket, str, dict]] = []  # verified hellos with a bad or repeated id: told the verdict too
   problems = [problem] if problem else []
   refused, lock = [0], threading.Lock()
 
@@ -196,8 +197,10 @@ def _serve(address: str, bind: tuple[str, int], n: int, hello_: Hello, problem: 
       elif pid in peers:
         problems.append(f"two processes say they are process {pid}, at {peers[pid][1]} and {addr}: give each its "
                         "own JAX_PROCESS_ID / distributed.process_id")
-      if isinstance(pid, int) and pid not in peers:
+      if isinstance(pid, int) and 0 < pid < n and pid not in peers:
         peers[pid] = (conn, addr, body)
+      else:
+        others.append((conn, addr, body))
       if body.get("problem"):
         problems.append(str(body["problem"]))
 
@@ -227,7 +230,7 @@ def _serve(address: str, bind: tuple[str, int], n: int, hello_: Hello, problem: 
                        "command)")
       run_id = secrets.token_bytes(16)
       verdict = {"ok": not lines, "line": "; ".join(lines), "run": run_id.hex()}
-      for conn, _, body in peers.values():
+      for conn, _, body in [*peers.values(), *others]:
         try:
           nonce = bytes.fromhex(str(body.get("nonce", "")))
           _send(conn, {"verdict": verdict, "mac": seal.mac(secret, b"verdict", nonce, _canonical(verdict)).hex()})
