@@ -104,12 +104,12 @@ def _tree(mb: float, d: int, np):
 def _start(args):
   """This worker's jax.distributed job with the transfer server; returns (process id, kv client)."""
   from tunixlike import distributed
-  from tunixlike.hosts import kv, transfer_server
+  from tunixlike.hosts import kv, rendezvous, transfer_server
   me = int(os.environ["JAX_PROCESS_ID"])
   config = distributed.resolve(distributed.DistributedConfig(timeout_s=120))
   transfer_server.enable(config.coordinator_address, me, timeout_s=120, transfer_size=args.transfer_size,
                          connections=args.connections)
-  assert distributed.initialize(config)
+  assert distributed.initialize(config, whole_hosts=rendezvous.Hello({}, 120))
   return me, kv.client()
 
 

@@ -94,6 +94,15 @@ by_host_layout() {
   [[ "$SAMPLER_HOSTS" =~ ^[0-9]+$ ]] || die "SAMPLER_HOSTS='$SAMPLER_HOSTS' is not a non-negative integer"
 }
 
+# The by-host layout's secret (tunixlike/hosts/seal.py): every host's messages are sealed with it, so
+# each must read the same file, given by path (never the value on a command line). $1: what to say
+# where the file must be.
+require_hosts_secret() {
+  ((SAMPLER_HOSTS > 0)) || return 0
+  [[ -n "${TUNIXLIKE_HOSTS_SECRET_FILE:-}" ]] ||
+    die "SAMPLER_HOSTS=$SAMPLER_HOSTS needs TUNIXLIKE_HOSTS_SECRET_FILE, $1, readable by you only (umask 077; head -c 32 /dev/urandom | base64 > FILE)"
+}
+
 # The roles of the by-host layout as a comment line; $1: the number of hosts, if known here. The
 # program decides them the same way: the last SAMPLER_HOSTS processes decode, the others train.
 print_roles() {

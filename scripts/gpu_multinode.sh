@@ -34,6 +34,8 @@
 #   PORT           coordinator port, SLURM mode (default: 12345)
 #   PYTHON         an interpreter with tunixlike installed on every node (default: python3)
 #   SAMPLER_HOSTS  nodes that only decode (default 0: every node both, the per-host split)
+#   TUNIXLIKE_HOSTS_SECRET_FILE  with SAMPLER_HOSTS: the run's secret, a file at the same path on every
+#                  node, readable by you only; every message between hosts is sealed with it
 #   COORDINATOR, NUM_PROCESSES, PROCESS_ID  same as the explicit flags
 #   Arguments after `--` are passed on to `python -m tunixlike.train` (config overrides).
 #
@@ -82,6 +84,7 @@ GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
 [[ "$GPUS_PER_NODE" =~ ^[1-9][0-9]*$ ]] || die "GPUS_PER_NODE='$GPUS_PER_NODE' is not a positive integer"
 LOCAL_DEVICE_IDS="$(seq -s, 0 $((GPUS_PER_NODE - 1)))"
 by_host_layout
+require_hosts_secret "a file at the same path on every node"
 
 if [[ "$SLURM_MODE" == 1 ]]; then
   NNODES="${NNODES:-${SLURM_JOB_NUM_NODES:-2}}"

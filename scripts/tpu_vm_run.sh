@@ -31,6 +31,8 @@
 #   REMOTE_DIR, VENV  as for tpu_vm_setup.sh (defaults: ~/tunixlike, ~/tunixlike-venv)
 #   SAMPLER_HOSTS  workers that only decode (default 0: every worker both, the per-host split)
 #   PORT        the coordinator's port on worker 0 in the by-host layout (default: 8482)
+#   TUNIXLIKE_HOSTS_SECRET_FILE  the by-host layout's secret (default: LOG_DIR/hosts_secret, drawn for
+#               the run), copied to every worker as ~/.tunixlike_hosts_secret (mode 600)
 #   Arguments after `--` are passed on to `python -m tunixlike.train` (config overrides).
 #
 # Options:
@@ -80,9 +82,15 @@ if ((SAMPLER_HOSTS > 0)); then
   SETUP+=' FIRST=${EPS%%,*} && COMMAS=${EPS//[^,]/} &&'
   SETUP+=' export JAX_COORDINATOR_ADDRESS=${FIRST##*:}:'"$PORT"' JAX_NUM_PROCESSES=$((${#COMMAS} + 1))'
   SETUP+=' JAX_PROCESS_ID=$ID &&'
+  SETUP+=' chmod 600 ~/.tunixlike_hosts_secret; export TUNIXLIKE_HOSTS_SECRET_FILE=~/.tunixlike_hosts_secret &&'
 fi
 
 run mkdir -p "$LOG_DIR"  # gcloud requires the directory to exist
+if ((SAMPLER_HOSTS > 0)); then  # the run's secret, on every worker (never on a command line)
+  SECRET="${TUNIXLIKE_HOSTS_SECRET_FILE:-$LOG_DIR/hosts_secret}"
+  [[ -f "$SECRET" ]] || run bash -c "umask 077 && head -c 32 /dev/urandom | base64 > $(_quote "$SECRET")"
+  run gcloud compute tpus tpu-vm scp "$SECRET" "$TPU_NAME:.tunixlike_hosts_secret" "${GCLOUD_SCOPE[@]}" --worker=all
+fi
 echo "# Logs: $LOG_DIR/<worker>.log    Work directory: $WORKDIR"
 print_roles
 run gcloud compute tpus tpu-vm ssh "$TPU_NAME" "${GCLOUD_SCOPE[@]}" --worker=all \

@@ -16,8 +16,8 @@ def lines(out: str, tag: str) -> list[str]:
 
 def run_processes(argv: list[str], n: int, tmp_path, *, timeout_s: float = 180, devices: int = 4,
                   send: local_job.Signal | None = None, name: str = "process",
-                  env: dict[str, str] | None = None) -> list[tuple[int, str]]:
-  """(exit code, output) of each of `n` processes of `argv` (see `local_job.run`), run from the
-  repository's root; their logs stay in `tmp_path/{name}_{i}.log`."""
+                  env: dict[str, str] | None = None, **kwargs) -> list[tuple[int, str]]:
+  """(exit code, output) of each of `n` processes of `argv` (see `local_job.run`, which takes
+  `kwargs` too), run from the repository's root; their logs stay in `tmp_path/{name}_{i}.log`."""
   return local_job.run(argv, n, devices=devices, timeout_s=timeout_s, log_dir=str(tmp_path), name=name, send=send,
-                       env=env, cwd=ROOT)
+                       env=env, cwd=ROOT, **kwargs)

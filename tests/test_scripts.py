@@ -19,7 +19,8 @@ SETTINGS = ["PROJECT", "ZONE", "TPU_NAME", "ACCELERATOR_TYPE", "RUNTIME_VERSION"
             "SPOT", "BUCKET", "CONFIG", "RUN_NAME", "WORKDIR", "LOG_DIR", "REMOTE_DIR", "VENV", "REPO_URL",
             "REPO_REF", "PYTHON_VERSION", "JAX_TPU_INDEX", "EXTRA_PIP", "GPUS_PER_NODE", "NNODES", "PORT",
             "PYTHON", "COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "DRY_RUN", "SLURM_JOB_ID",
-            "SLURM_JOB_NUM_NODES", "SLURM_GPUS_ON_NODE", "SLURM_SUBMIT_DIR", "SAMPLER_HOSTS"]
+            "SLURM_JOB_NUM_NODES", "SLURM_GPUS_ON_NODE", "SLURM_SUBMIT_DIR", "SAMPLER_HOSTS",
+            "TUNIXLIKE_HOSTS_SECRET_FILE"]
 
 
 def _run(name, *args, env=None, cwd=None):
@@ -187,8 +188,12 @@ def test_tpu_by_host_layout_each_worker_finds_its_id_and_the_coordinator(tmp_pat
   result = _run("tpu_vm_run.sh", "--dry-run", "--", "--config.rl.max_staleness=1", env=env, cwd=tmp_path)
   assert "# by-host layout: the last 2 hosts decode (sampler hosts), the others train (learner hosts)" in (
       result.stdout.splitlines())
-  _, ssh = _commands(result)
+  _, secret, scp, ssh = _commands(result)
+  # the run's secret drawn into the log directory, copied to every worker; on none's command line
+  assert secret[:2] == ["bash", "-c"] and "umask 077" in secret[2] and "hosts_secret" in secret[2]
+  assert scp[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "scp"] and "--worker=all" in scp
   remote = _flags(ssh)["command"]
+  assert "export TUNIXLIKE_HOSTS_SECRET_FILE=~/.tunixlike_hosts_secret" in remote
   train = shlex.split(remote)[shlex.split(remote).index("~/tunixlike-venv/bin/python"):]
   assert _flags(train)["config.mesh.sampler_hosts"] == "2" and _flags(train)["config.rl.max_staleness"] == "1"
   home = tmp_path / "home"
@@ -217,7 +222,10 @@ esac
 
 
 def test_gpu_by_host_layout_passes_the_sampler_host_count_once():
-  env = {"WORKDIR": "w", "GPUS_PER_NODE": "2"}
+  missing = _run("gpu_multinode.sh", "--dry-run", "--coordinator=h:1", "--num-processes=2", "--process-id=0",
+                 "--sampler-hosts=1", env={"WORKDIR": "w"})
+  assert missing.returncode == 2 and "SAMPLER_HOSTS=1 needs TUNIXLIKE_HOSTS_SECRET_FILE" in missing.stderr
+  env = {"WORKDIR": "w", "GPUS_PER_NODE": "2", "TUNIXLIKE_HOSTS_SECRET_FILE": "/shared/secret"}
   for args, extra in [(["--sampler-hosts=2"], {}), ([], {"SAMPLER_HOSTS": "2"}),
                       (["--", "--config.mesh.sampler_hosts=2"], {}),
                       (["--", "--config.mesh.sampler_hosts=2"], {"SAMPLER_HOSTS": "2"})]:
@@ -230,7 +238,7 @@ def test_gpu_by_host_layout_passes_the_sampler_host_count_once():
       assert comments == ["# by-host layout: learner hosts 0-1, sampler hosts 2-3",
                           f"# this node (process {process}): {role} host"]
   (cmd,) = _commands(_run("gpu_multinode.sh", "--dry-run", "--sampler-hosts=1",
-                          env={"SLURM_JOB_ID": "5", "SLURM_JOB_NUM_NODES": "2"}))
+                          env={"SLURM_JOB_ID": "5", "SLURM_JOB_NUM_NODES": "2", "TUNIXLIKE_HOSTS_SECRET_FILE": "/s"}))
   assert cmd[0] == "srun" and cmd[-1].endswith("--config.mesh.sampler_hosts=1")
   for args, extra, message in [
       (["--sampler-hosts=4"], {}, "SAMPLER_HOSTS=4 leaves no learner host among 4 hosts"),

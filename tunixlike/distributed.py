@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import json
 import os
+import socket
 from typing import Any, ClassVar, Sequence
 
 import jax
@@ -28,6 +29,8 @@ from tunixlike.settings import check_fields, ints_at_least, non_negative, option
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
+ENV_BIND = "JAX_COORDINATOR_BIND_ADDRESS"
+_JAX_HEARTBEAT_S = 100  # jax.distributed.initialize's default: a process silent this long aborts every other
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,10 @@ class DistributedConfig:
   RESUMABLE: ClassVar[bool] = True  # a checkpoint restores onto any number of hosts' devices
 
   coordinator_address: str | None = setting(None, "host:port of process 0, reachable from every host")
+  coordinator_bind_address: str | None = setting(
+      None, "host:port process 0's coordinator listens on; None: JAX_COORDINATOR_BIND_ADDRESS, else the "
+      "coordinator_address's own host (loopback on one machine, the cluster's interface on several), never every "
+      "interface unless given ('0.0.0.0:PORT', '[::]:PORT': fence the port then)")
   num_processes: int | None = setting(None, "hosts taking part", check=optional(ints_at_least(1)))
   process_id: int | None = setting(None, "this host's index, 0 .. num_processes - 1", check=optional(non_negative))
   auto_detect: bool = setting(False, "Cloud TPU pod slices, SLURM, Open MPI: let JAX find the cluster itself")
@@ -68,13 +75,32 @@ def resolve(cfg: DistributedConfig) -> DistributedConfig:
       process_id=cfg.process_id if cfg.process_id is not None else _env_int(ENV_PROCESS_ID))
 
 
-def initialize(cfg: DistributedConfig = DistributedConfig(), *, cross_host_transfers: bool = False) -> bool:
+def bind_address(cfg: DistributedConfig) -> str:
+  """Where process 0's coordinator listens (`coordinator_bind_address`): the address given, not JAX's
+  default of every interface ('[::]:PORT')."""
+  if cfg.coordinator_bind_address or os.environ.get(ENV_BIND):
+    return cfg.coordinator_bind_address or os.environ[ENV_BIND]
+  host, _, port = cfg.coordinator_address.rpartition(":")
+  host = host.strip("[]")
+  try:
+    host = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+  except OSError:
+    raise ValueError(f"distributed.coordinator_address={cfg.coordinator_address}: {host!r} does not resolve on "
+                     "this host") from None
+  return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def initialize(cfg: DistributedConfig = DistributedConfig(), *, whole_hosts=None) -> bool:
   """Starts multi-controller JAX when configured; returns True if this is a multi-process run.
 
   Must run before anything touches a JAX backend (`jax.devices()`, any array). A no-op for a
-  single process and when already initialized (tests, notebooks, a second `run`).
-  `cross_host_transfers`: also start JAX's transfer server, for `jax.device_put` between the device
-  sets of different processes (whole sampler hosts and learner hosts: `tunixlike.hosts`).
+  single process and when already initialized (tests, notebooks, a second `run`). Process 0's
+  coordinator listens on `bind_address(cfg)`.
+  `whole_hosts` (a `hosts.rendezvous.Hello`: whole sampler hosts and learner hosts, `tunixlike.hosts`):
+  first the start-up rendezvous (`hosts.rendezvous.meet`: every process there, same config, free
+  ports, the run's secret, or one line saying what is wrong), then JAX's transfer server for
+  `jax.device_put` between the device sets of different processes, and JAX's heartbeat timeout
+  beyond the hosts' own (so that a host's fault is named by tunixlike before JAX aborts).
   """
   if jax.distributed.is_initialized():
     return jax.process_count() > 1
@@ -86,16 +112,29 @@ def initialize(cfg: DistributedConfig = DistributedConfig(), *, cross_host_trans
       raise ValueError(f"distributed.num_processes={cfg.num_processes} also needs {' and '.join(missing)}")
     if not 0 <= cfg.process_id < cfg.num_processes:
       raise ValueError(f"distributed.process_id={cfg.process_id}: must be in [0, {cfg.num_processes})")
-    if cross_host_transfers:
-      from tunixlike.hosts import transfer_server
-      transfer_server.enable(cfg.coordinator_address, cfg.process_id, timeout_s=cfg.timeout_s)
+    bind = bind_address(cfg) if cfg.process_id == 0 else None  # only process 0 listens
+    heartbeat_s = _JAX_HEARTBEAT_S
+    if whole_hosts is not None:
+      from tunixlike.hosts import kv, rendezvous, seal, transfer_server
+      secret, run_id = rendezvous.meet(cfg.coordinator_address, bind, cfg.process_id, cfg.num_processes, whole_hosts)
+      kv.use(seal.Sealer(secret, run_id, cfg.process_id))
+      if not transfer_server.enabled():
+        transfer_server.enable(cfg.coordinator_address, cfg.process_id, timeout_s=cfg.timeout_s)
+      heartbeat_s = int(2 * whole_hosts.timeout_s) + 60  # after the hosts' own faults have been named
+    elif cfg.process_id == 0:
+      from tunixlike.hosts import rendezvous
+      problem = rendezvous.check_port_free(*rendezvous.split_address(bind), "host 0: the coordinator address")
+      if problem:
+        raise ValueError(problem)
     jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes,
-                               process_id=cfg.process_id, initialization_timeout=cfg.timeout_s)
+                               process_id=cfg.process_id, initialization_timeout=cfg.timeout_s,
+                               coordinator_bind_address=bind, heartbeat_timeout_seconds=heartbeat_s)
   elif cfg.auto_detect:
-    if cross_host_transfers:
+    if whole_hosts is not None:
       raise ValueError("distributed.auto_detect with whole sampler hosts: set distributed.coordinator_address, "
                        "num_processes and process_id (the transfer server's address derives from them)")
-    jax.distributed.initialize(initialization_timeout=cfg.timeout_s)
+    jax.distributed.initialize(initialization_timeout=cfg.timeout_s, coordinator_bind_address=(
+        cfg.coordinator_bind_address or os.environ.get(ENV_BIND)))
   else:
     return False
   return jax.process_count() > 1

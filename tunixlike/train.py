@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
     return
   if workdir is None:
     cli.fail(prog, "--workdir is required")
+  _watched(cfg, prog)
   compilation_cache.enable()  # before any compile: a second start loads its programs (TUNIXLIKE_COMPILATION_CACHE)
   from tunixlike import checkpoint, mesh
   from tunixlike.rl import trainer  # heavy imports only once the config is known to be good
@@ -122,6 +123,22 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
     cli.fail(prog, str(e))
   except KeyboardInterrupt:  # Ctrl-C before the run's own handler was installed
     interrupted(prog, workdir)
+
+
+def _watched(cfg: config_lib.Config, prog: str) -> None:
+  """Whole hosts: every process runs under a watcher that says in one line why JAX's coordination
+  service stopped it (`hosts.watch`); this returns in the run itself."""
+  from tunixlike import distributed
+  from tunixlike.hosts import watch
+  if watch.watched():
+    watch.die_with_parent()
+    return
+  try:
+    d = distributed.resolve(cfg.distributed)
+  except ValueError as e:
+    cli.fail(prog, str(e))
+  if cfg.mesh.sampler_hosts and (d.num_processes or 1) > 1:
+    sys.exit(watch.supervise(prog, d.process_id or 0, d.coordinator_address))
 
 
 def _without_closed_loops(unraisable, default=sys.unraisablehook):

@@ -44,9 +44,9 @@ def lora_like():
 
 def main(sampler_hosts: int, sampler_tensor: int):
   from tunixlike import distributed
-  from tunixlike.hosts import kv, layout as layout_lib, transfer
+  from tunixlike.hosts import kv, layout as layout_lib, rendezvous, transfer
   me = int(os.environ["JAX_PROCESS_ID"])
-  assert distributed.initialize(distributed.DistributedConfig(timeout_s=20), cross_host_transfers=True)
+  assert distributed.initialize(distributed.DistributedConfig(timeout_s=20), whole_hosts=rendezvous.Hello({}, 20))
   import jax
   from jax.sharding import NamedSharding, PartitionSpec as P
 

@@ -33,8 +33,8 @@ def group(prompt_id, version):
 
 def main():
   from tunixlike import distributed
-  from tunixlike.hosts import kv, rollouts
-  assert distributed.initialize()
+  from tunixlike.hosts import kv, rendezvous, rollouts
+  assert distributed.initialize(whole_hosts=rendezvous.Hello({}, 30))
   import jax
   n_learners = int(sys.argv[1])
   hang_after = int(sys.argv[2]) if len(sys.argv) > 2 else None  # a sampler host that hangs after this many groups

@@ -42,17 +42,15 @@ def end_run(failure: str | None = None, host: int | None = None) -> None:
   says why first (the others, whose collectives with it then fail, exit with its line). The first
   word stays: a failure's cleanup does not overwrite it."""
   try:
-    kv.client().key_value_set_bytes(OVER, json.dumps({"failure": failure, "host": host}).encode())
+    kv.put(OVER, json.dumps({"failure": failure, "host": host}).encode(), overwrite=False)
   except Exception:  # noqa: BLE001 - ALREADY_EXISTS: said before
     pass
 
 
 def run_over() -> dict | None:
   """None while the run goes on, else `{"failure": None or why it stopped, "host": the host at fault}`."""
-  try:
-    return json.loads(kv.client().key_value_try_get_bytes(OVER))
-  except Exception:  # noqa: BLE001 - NOT_FOUND
-    return None
+  over = kv.try_get(OVER)
+  return None if over is None else json.loads(over)
 
 
 def leave_after_fault(line: str, dead: int | None = None, timeout_s: float = LEAVE_WAIT_S) -> None:
@@ -62,15 +60,15 @@ def leave_after_fault(line: str, dead: int | None = None, timeout_s: float = LEA
   it leaves, and process 0 tells the sampler hosts why the run ends (unless said before) and waits
   for those hosts (all but the host `dead`) for at most `timeout_s`."""
   try:
-    client, me = kv.client(), jax.process_index()
+    me = jax.process_index()
     if me != 0:
-      client.key_value_set_bytes(f"{LEFT}/{me}", b"")
+      kv.put(f"{LEFT}/{me}", b"")
       return
     end_run(failure=line, host=dead)
     deadline = time.monotonic() + timeout_s
     for host in range(1, jax.process_count()):
-      if host != dead:
-        client.blocking_key_value_get_bytes(f"{LEFT}/{host}", max(1, int((deadline - time.monotonic()) * 1000)))
+      if host != dead and kv.wait(f"{LEFT}/{host}", deadline - time.monotonic()) is None:
+        return
   except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED (a host hangs) or no service: leave anyway
     pass
 
@@ -121,17 +119,20 @@ class RemoteSampling:
   def update_params(self, params, version: int, *, drain: bool = False) -> None:
     """Nothing to do: the weight sync has already delivered `version` to the sampler hosts."""
 
+  @staticmethod
+  def count_refused(info) -> None:
+    """A step hook: the key-value entries this host refused so far (`hosts.seal`), a metric."""
+    info.metrics["hosts/refused_entries"] = kv.refused()
+
 
 def publish_position(shard: int, position: int) -> None:
   """A sampler host: it has read its shard up to `position` (before the prompt read last starts)."""
-  kv.client().key_value_set_bytes(_position_key(shard), str(position).encode(), allow_overwrite=True)
+  kv.put(_position_key(shard), str(position).encode())
 
 
 def _position(shard: int) -> int | None:
-  try:
-    return int(kv.client().key_value_try_get_bytes(_position_key(shard)))
-  except Exception:  # noqa: BLE001 - NOT_FOUND: that host has read nothing yet
-    return None
+  position = kv.try_get(_position_key(shard))  # None: that host has read nothing yet
+  return None if position is None else int(position)
 
 
 class SamplerStreams:

@@ -4,7 +4,8 @@ devices: how the tests and benchmarks run whole hosts (and the per-host split) w
     results = local_job.run([sys.executable, "-m", "tunixlike.train", ...], 4, devices=2)
     for rc, output in results: ...
 
-Process i gets JAX_PROCESS_ID=i, the coordinator on a free port of 127.0.0.1 and `devices` CPU
+Process i gets JAX_PROCESS_ID=i, the coordinator on a free port of 127.0.0.1, the job's secret
+(`hosts.seal`: one per job, in the environment, never on a command line) and `devices` CPU
 devices (`xla_flags`, which the benchmarks' children use too), the same command as the others (as
 on real hosts); the children import this same tunixlike. Every wait is bounded: when one process
 fails, or the time runs out, the others are killed, so a test or benchmark never hangs on a job that
@@ -15,13 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import socket
 import subprocess
 import tempfile
 import time
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import tunixlike
+from tunixlike.hosts import seal
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tunixlike.__file__)))
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -78,40 +81,46 @@ def device_env(devices: int, env: Mapping[str, str] | None = None) -> dict[str, 
   return env
 
 
-def _env(i: int, n: int, port: int, devices: int, extra: dict[str, str]) -> dict[str, str]:
+def _env(i: int, n: int, port: int, devices: int, extra: dict[str, str], secret: str) -> dict[str, str]:
   # Not device_env's NPROC: the job's processes run small programs (no deadlock seen) and the larger
   # pool cost tests/test_multihost.py's two processes 50 -> 58 CPU-s (one run each, 2026-11-28).
   return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(devices),
           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(i),
+          seal.ENV_SECRET: secret,
           "PYTHONPATH": os.pathsep.join([_PACKAGE_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
           **extra}
 
 
 def run(argv: list[str], n: int, *, devices: int = 4, timeout_s: float = 180.0, log_dir: str | None = None,
         name: str = "process", send: Signal | None = None, env: dict[str, str] | None = None,
-        cwd: str | None = None) -> list[tuple[int, str]]:
+        cwd: str | None = None, only: Sequence[int] | None = None, envs: Mapping[int, dict] | None = None,
+        wait_all: bool = False) -> list[tuple[int, str]]:
   """Runs `argv` on `n` processes as one job; returns each one's (exit code, output), in process order.
 
   Each process's output (stdout and stderr) goes to `log_dir/{name}_{i}.log` (a temporary directory
   when None). All are killed when one exits with an error (unless `send` is given: then the job
-  is left to stop by itself after the signal) or when `timeout_s` runs out; a killed process's exit
-  code is -9.
+  is left to stop by itself after the signal; or `wait_all`) or when `timeout_s` runs out; a killed
+  process's exit code is -9. `only`: the process ids started (a job whose other processes never
+  come), in that order in the result; `envs`: more environment variables of process i (`envs[i]`).
   """
+  only = list(range(n)) if only is None else list(only)
   with tempfile.TemporaryDirectory() as scratch:
-    paths = [os.path.join(log_dir or scratch, f"{name}_{i}.log") for i in range(n)]
-    port, procs = free_port(following=n), []
+    paths = [os.path.join(log_dir or scratch, f"{name}_{i}.log") for i in only]
+    port, procs, secret = free_port(following=n), [], secrets.token_hex(32)
     try:
-      for i, path in enumerate(paths):
+      for i, path in zip(only, paths):
         with open(path, "w") as log:  # the child keeps its own descriptor
-          procs.append(subprocess.Popen(argv, cwd=cwd, env=_env(i, n, port, devices, env or {}), stdout=log,
+          extra = {**(env or {}), **((envs or {}).get(i) or {})}
+          procs.append(subprocess.Popen(argv, cwd=cwd, env=_env(i, n, port, devices, extra, secret), stdout=log,
                                         stderr=subprocess.STDOUT))
       deadline, sent = time.monotonic() + timeout_s, False
-      watched = None if send is None else send.process if send.watch is None else send.watch
+      watched = None if send is None else only.index(send.process if send.watch is None else send.watch)
       while None in [p.poll() for p in procs]:  # a list: every process polled
         if send is not None and not sent and send.after in _read(paths[watched]):
-          procs[send.process].send_signal(send.signal)
+          procs[only.index(send.process)].send_signal(send.signal)
           sent = True
-        if time.monotonic() > deadline or (send is None and any(p.returncode not in (None, 0) for p in procs)):
+        if time.monotonic() > deadline or (send is None and not wait_all and
+                                           any(p.returncode not in (None, 0) for p in procs)):
           time.sleep(2)  # let the others report their error too
           break
         time.sleep(0.2)

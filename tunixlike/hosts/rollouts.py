@@ -71,37 +71,30 @@ class LearnerInbox:
   def publish(self, *, stop: bool = False) -> None:
     state = {"freed": self.queue.admissions_freed(), "first": self.first_ticket, "stop": stop}
     if state != self._published:
-      kv.client().key_value_set_bytes(_state_key(self.learner), json.dumps(state).encode(), allow_overwrite=True)
+      kv.put(_state_key(self.learner), json.dumps(state).encode())
       self._published = state
 
   def poll(self) -> int:
     """Moves what has arrived into the queue; returns the number of groups."""
-    client = kv.client()
-    for key, value in client.key_value_dir_get_bytes(f"{PREFIX}/started/{self.learner}/"):
+    for _, value in kv.take_all(f"{PREFIX}/started/{self.learner}/"):
       self.queue.admitted_elsewhere(int(value))
-      client.key_value_delete(key)
     n = 0
-    for key, value in client.key_value_dir_get_bytes(f"{PREFIX}/groups/{self.learner}/"):
-      group = wire.decode(value)
-      client.key_value_delete(key)
-      self.queue.put(group)
+    for _, value in kv.take_all(f"{PREFIX}/groups/{self.learner}/"):
+      self.queue.put(wire.decode(value))
       n += 1
     self.received += n
     self.publish()
-    self._check_heartbeats(client)
+    self._check_heartbeats()
     return n
 
-  def _check_heartbeats(self, client) -> None:
+  def _check_heartbeats(self) -> None:
     now = time.monotonic()
     if now - self._heartbeats_read < HEARTBEAT_S / 2:
       return
     self._heartbeats_read = now
     for host, (beat, since) in self._heard.items():
-      try:
-        current = client.key_value_try_get_bytes(_alive_key(host))
-      except Exception:  # noqa: BLE001 - NOT_FOUND: no heartbeat yet
-        current = None
-      if current != beat:
+      current = kv.try_get(_alive_key(host))  # None: no heartbeat yet (or a refused one, which changes nothing)
+      if current is not None and current != beat:
         self._heard[host] = (current, now)
       elif now - since > self.silence_timeout_s:
         raise kv.HostTimeout(f"sampler host {host} sent nothing for more than {self.silence_timeout_s:g} s "
@@ -160,14 +153,14 @@ class RemoteAdmission:
     now = time.monotonic()
     if now - self._last_beat >= HEARTBEAT_S:
       self._beats += 1
-      kv.client().key_value_set_bytes(_alive_key(self.host), str(self._beats).encode(), allow_overwrite=True)
+      kv.put(_alive_key(self.host), str(self._beats).encode())
       self._last_beat = now
 
   def _state(self, learner: int) -> dict:
     """Learner host `learner`'s admission state, read at most every STATE_MAX_AGE_S (under the lock)."""
     state, read = self._states.get(learner, (None, float("-inf")))
     if time.monotonic() - read >= STATE_MAX_AGE_S:
-      state = json.loads(kv.get(_state_key(learner), timeout_s=self.timeout_s, host=learner,
+      state = json.loads(kv.get(_state_key(learner), timeout_s=self.timeout_s, host=learner, once=False,
                                 what=f"sampler host {self.host}: the learner's admission state"))
       self._states[learner] = state, time.monotonic()
     return state

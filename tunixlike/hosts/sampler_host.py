@@ -78,13 +78,10 @@ def _beating(admission: rollouts.RemoteAdmission):
 
 def _wait_for_start(should_stop, poll_s: float = 0.5):
   """The learner hosts' start message (after their warm start, restore and first eval); None if stopped."""
-  client = kv.client()
   while not should_stop():
-    try:
-      return client.blocking_key_value_get_bytes(learner_host.START, int(poll_s * 1000))
-    except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: the learner hosts are not there yet
-      if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
-        raise
+    start = kv.wait(learner_host.START, poll_s, once=False)  # None: the learner hosts are not there yet
+    if start is not None:
+      return start
   return None
 
 
@@ -102,7 +99,7 @@ def run(setup: build_lib.Setup, preemption, say=print, synced_weights_dir: str |
   stopping = lambda: preemption.requested or learner_host.run_over() is not None
 
   def ask_learners_to_stop():
-    kv.client().key_value_set_bytes(learner_host.STOP_REQUEST, str(me).encode(), allow_overwrite=True)
+    kv.put(learner_host.STOP_REQUEST, str(me).encode())
 
   start = _wait_for_start(stopping)
   if start is None:

@@ -33,6 +33,19 @@ def local_address_towards(host: str) -> str:
       return socket.gethostbyname(socket.gethostname())
 
 
+def address(coordinator_address: str, process_id: int, port: int | None = None) -> str:
+  """This process's transfer server address: this machine's address towards the coordinator, port
+  `port` + process_id (default: the coordinator's port + 1 + process_id)."""
+  host, coordinator_port = coordinator_address.rsplit(":", 1)
+  base = int(coordinator_port) + 1 if port is None else port
+  return f"{local_address_towards(host.strip('[]'))}:{base + process_id}"
+
+
+def enabled() -> bool:
+  """Whether this process's transfer server address is set (`enable` ran)."""
+  return bool(jax.config.read(SOCKET_FLAG))
+
+
 def enable(coordinator_address: str, process_id: int, port: int | None = None, timeout_s: int = 60,
            transfer_size: int | None = None, connections: int | None = None) -> str:
   """Starts this process's transfer server with its backend: call before anything touches JAX's
@@ -40,12 +53,10 @@ def enable(coordinator_address: str, process_id: int, port: int | None = None, t
   that several processes on one machine never collide; moves the bytes over `connections` TCP
   connections from this machine's address (ports chosen by the system) in chunks of
   `transfer_size` bytes. Returns the address."""
-  host, coordinator_port = coordinator_address.rsplit(":", 1)
-  base = int(coordinator_port) + 1 if port is None else port
-  ip = local_address_towards(host)
-  address = f"{ip}:{base + process_id}"
-  jax.config.update(SOCKET_FLAG, address)
+  where = address(coordinator_address, process_id, port)
+  ip = where.rsplit(":", 1)[0]
+  jax.config.update(SOCKET_FLAG, where)
   jax.config.update(TRANSPORT_FLAG, ",".join([f"{ip}:0"] * (connections or CONNECTIONS)))
   jax.config.update(CHUNK_FLAG, int(transfer_size or TRANSFER_SIZE))
   jax.config.update("jax_cross_host_transfer_timeout_seconds", int(timeout_s))
-  return address
+  return where

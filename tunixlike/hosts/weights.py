@@ -146,16 +146,13 @@ class Receiver:
 
   def receive(self, should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5):
     """(params, version) of the next transfer; None once `should_stop()` while none is announced."""
-    client = kv.client()
     while True:
-      try:
-        info = json.loads(client.blocking_key_value_get_bytes(_announcement(self.received), int(poll_s * 1000)))
+      announced = kv.wait(_announcement(self.received), poll_s)
+      if announced is not None:
+        info = json.loads(announced)
         break
-      except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: nothing announced yet
-        if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
-          raise
-        if should_stop():
-          return None
+      if should_stop():  # nothing announced yet
+        return None
     abstract, specs = self.parts[info["part"]]
     tree, version = transfer.send_across_hosts(abstract, specs, layout=self.layout, version=info["version"],
                                                dtype=self.dtype, bucket_bytes=self.bucket_bytes,

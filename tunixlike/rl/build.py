@@ -26,6 +26,7 @@ from tunixlike import device_turns, distributed, mesh as mesh_lib, models, rewar
 from tunixlike import config as config_lib
 from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokenizer_lib
+from tunixlike.hosts import rendezvous
 from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, prompt_rows, value as value_lib
 from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.train_step import Learner
@@ -273,7 +274,7 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   sampler.temperature or warm_start.max_steps left None chosen by what the run starts from (`starting_point`):
   `Setup.cfg` holds them."""
   with_inputs(cfg, dataset=dataset, eval_dataset=eval_dataset, env=env, agent=agent)  # the config's checks
-  distributed.initialize(cfg.distributed, cross_host_transfers=cfg.mesh.sampler_hosts > 0)
+  distributed.initialize(cfg.distributed, whole_hosts=rendezvous.hello(cfg))
   check_process_split(cfg, jax.process_count())
   wrong_backend = attention.backend_error(cfg.model.attention, jax.default_backend())
   if wrong_backend:  # before any compile: a backend's kernel elsewhere fails deep in tracing
@@ -675,8 +676,10 @@ def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: 
     queue = queue or make_queue(cfg, policy, stream)
     sampling = RemoteSampling(queue, jax.process_index(), hosts.sampler_hosts,
                               silence_timeout_s=cfg.mesh.host_timeout_s, on_fault=on_fault)
-    return AsyncRuntime(run_cfg, queue=queue, rewards=None, driver=sampling, policy=policy, collapse=collapse,
-                        num_steps=num_steps)
+    runtime = AsyncRuntime(run_cfg, queue=queue, rewards=None, driver=sampling, policy=policy, collapse=collapse,
+                           num_steps=num_steps)
+    runtime.hooks.add(sampling.count_refused)
+    return runtime
   synced = first_weights(setup, rl)
   queue = queue or make_queue(cfg, policy, stream)
   rewards = RewardStage(rl.scorer, queue, cfg.rl.reward_workers)

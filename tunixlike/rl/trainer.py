@@ -36,7 +36,7 @@ from tunixlike import workdir as workdir_lib
 from tunixlike import config as config_lib
 from tunixlike.config import Config
 from tunixlike.data import tasks as tasks_lib
-from tunixlike.hosts import kv as kv_lib, learner_host
+from tunixlike.hosts import kv as kv_lib, learner_host, rendezvous
 from tunixlike.rl import build as build_lib, collapse as collapse_lib, resume as resume_lib
 from tunixlike.rl import completions_log, signal_guard, truncation_guard, unlearning, warm_start as warm_start_lib
 from tunixlike.rl import hooks as hooks_lib, in_flight as in_flight_lib
@@ -61,7 +61,7 @@ def run(cfg: Config, workdir: str, *, on_second_interrupt=None, **user) -> dict[
   `user`: in-memory `dataset`, `eval_dataset`, `rewards`, `env`, `agent`, `hooks` (see `tunixlike.train`).
   `on_second_interrupt()`: what a second Ctrl-C does (the CLI exits at once); None raises KeyboardInterrupt."""
   try:  # before anything touches a JAX backend (the checkpointer does)
-    distributed.initialize(cfg.distributed, cross_host_transfers=cfg.mesh.sampler_hosts > 0)
+    distributed.initialize(cfg.distributed, whole_hosts=rendezvous.hello(cfg))
     build_lib.check_process_split(cfg, jax.process_count())
   except ValueError as e:
     raise SetupError(str(e)) from e
@@ -507,8 +507,7 @@ class _Run:
   def start_sampler_hosts(self, data: _Data) -> None:
     """Whole sampler hosts: tells them where their prompt streams start (they wait for it)."""
     if self.setup.meshes.hosts is not None and self.pid == 0:
-      kv_lib.client().key_value_set_bytes(learner_host.START, json.dumps({"streams": data.stream.states()}).encode(),
-                                          allow_overwrite=True)
+      kv_lib.put(learner_host.START, json.dumps({"streams": data.stream.states()}).encode())
 
   def build_rl(self) -> build_lib.RLStack:
     self.rl = build_lib.build_rl(self.setup, synced_weights_dir=_synced_weights_dir(self.cfg, self.dir))
@@ -526,10 +525,10 @@ class _Run:
     return self.agreed(self.preemption.requested or asked)
 
   def _asked_by_sampler_host(self) -> bool:
-    try:
-      host = kv_lib.client().key_value_try_get_bytes(learner_host.STOP_REQUEST).decode()
-    except Exception:  # noqa: BLE001 - NOT_FOUND: nobody asked
+    host = kv_lib.try_get(learner_host.STOP_REQUEST)
+    if host is None:  # nobody asked
       return False
+    host = host.decode()
     if not self.preemption.requested:
       self.preemption.requested = True
       self.say(f"sampler host {host} received a signal: finishing the current step, saving a checkpoint")
