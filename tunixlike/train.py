@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
     cli.fail(prog, "--workdir is required")
   compilation_cache.enable()  # before any compile: a second start loads its programs (TUNIXLIKE_COMPILATION_CACHE)
   from tunixlike import checkpoint, mesh
+  from tunixlike.multi_agent import trainer as multi_agent_trainer
   from tunixlike.rl import trainer  # heavy imports only once the config is known to be good
   # Orbax's async writes leave failed asyncio tasks behind when a save fails (a full disk): their
   # "exception was never retrieved" tracebacks, and the writes that complete after their event loop
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
   from tunixlike.hosts.kv import HostTimeout
   from tunixlike.models.sharding import ShardingError
   try:
-    trainer.run(cfg, workdir, on_second_interrupt=lambda: interrupted(prog))
+    run = trainer.run if cfg.multi_agent.env is None else multi_agent_trainer.run  # several policies: their own stages
+    run(cfg, workdir, on_second_interrupt=lambda: interrupted(prog))
   except (NonFiniteLoss, PolicyCollapse, Unlearning, LogWriteError, checkpoint.CheckpointWriteError) as e:
     cli.fail(prog, str(e), status=1)  # the run stopped itself, and says why
   except HostTimeout as e:  # a host died or hangs: exit now (JAX's shutdown would wait for that host)
