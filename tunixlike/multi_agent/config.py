@@ -103,17 +103,18 @@ class MultiAgentSection:
     each policy's sampler values by the sampler's own rules, and its learner batch on the mesh."""
     if self.env is None:
       return
-    refused = [("rl.env", cfg.rl.env is not None, "single-policy episodes"),
-               ("rl.agent", cfg.rl.agent is not None, "single-policy agents"),
+    refused = [("rl.env", cfg.rl.env is not None, "a single policy's episodes"),
+               ("rl.agent", cfg.rl.agent is not None, "a single policy's agent loop"),
                ("rl.deterministic", cfg.rl.deterministic, "single-turn rounds"),
-               ("lora.rank", cfg.lora.rank > 0, "LoRA adapters (each policy trains a full copy)"),
+               ("lora.rank", cfg.lora.rank > 0, "each policy trains a full copy of the model"),
                ("algo.estimator", cfg.algo.estimator == "ppo", "PPO's critic"),
                ("model.teacher_path", cfg.model.teacher_path is not None, "on-policy distillation"),
                ("algo.process_reward", cfg.algo.process_reward is not None, "process rewards"),
                ("mesh.sampler_hosts", cfg.mesh.sampler_hosts > 0, "whole sampler hosts")]
     for key, bad, what in refused:
-      require(not bad, key, getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]),
-              f"is for single-policy runs ({what}); multi_agent.env={self.env!r} runs several policies")
+      section, name = key.split(".")
+      require(not bad, key, getattr(getattr(cfg, section), name),
+              f"is not supported with multi_agent.env={self.env!r} ({what})")
     if self.env == "self_play":
       require(set(self.names) == {"proposer", "solver"}, "multi_agent.policies", list(self.names),
               "multi_agent.env='self_play' takes the policies 'proposer' and 'solver'")
