@@ -27,6 +27,7 @@ import functools
 import json
 from typing import Any
 
+import jax
 from etils import epath
 
 from tunixlike import metrics as metrics_lib
@@ -80,6 +81,9 @@ class _Agents:
 
 
 def _stages(r: rl_trainer._Run) -> dict[str, Any]:
+  if jax.process_count() > 1:  # every process would run the same episodes: records are not sharded yet
+    raise rl_trainer.SetupError(f"multi_agent.env={r.cfg.multi_agent.env!r}: a multi-agent run takes one process, "
+                                f"not {jax.process_count()}")
   try:  # a bad multi_agent.env fails now, not after the warm start
     env_factory(r.cfg)
   except (loader.LoadError, TypeError) as e:
