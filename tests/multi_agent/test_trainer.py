@@ -123,3 +123,30 @@ def test_an_env_that_cannot_be_loaded_is_named_before_any_training(tmp_path):
   lines = out.strip().splitlines()
   assert lines[-1].startswith("tunixlike.train: error: multi_agent.env='no_such_module:Env'"), out[-3000:]
   assert "eval at step" not in out
+
+
+@pytest.mark.slow
+def test_a_crash_saves_the_last_good_states_and_the_python_api_resumes_from_them(tmp_path):
+  """`tunixlike.train` runs multi-agent configs too; a hook that raises stops the run after saving."""
+  import tunixlike
+
+  workdir = str(tmp_path / "run")
+  config = tunixlike.load_config(os.path.join(ROOT, "configs/self_play.py:size=tiny"),
+                                 {"log.progress_bar": False, "log.tensorboard": False})
+  seen = []
+
+  def breaks(info):
+    seen.append((info.step, info.version, len(info.trained)))
+    if info.step == 1:
+      raise RuntimeError("a hook broke")
+
+  with pytest.raises(RuntimeError, match="a hook broke"):
+    tunixlike.train(config, workdir, hooks=[breaks])
+  assert [s[:2] for s in seen] == [(0, 1), (1, 2)] and all(n >= 4 for _, _, n in seen)  # a turn group per turn
+  assert meta(workdir, 2)["step"] == 2  # the state after the step whose hook raised
+  summary = tunixlike.train(config, workdir, hooks=[lambda info: seen.append(info.step)])
+  assert seen[-1] == 2 and summary["step"] == 3
+  log = records(f"{workdir}/prompts.jsonl")
+  assert [r["step"] for r in log] == [0, 1, 2]
+  trained = [i for r in log for i in r["trained"]]
+  assert len(trained) == len(set(trained)) == 12
