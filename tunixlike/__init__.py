@@ -94,5 +94,5 @@ def train(config: str | Mapping | Config, workdir: str, *, dataset=None, eval_da
   from tunixlike.rl import trainer  # JAX starts here: set XLA_FLAGS before calling
 
   run = trainer.run if cfg.multi_agent.env is None else multi_agent_trainer.run  # several policies: their own stages
-  return run(cfg, workdir, dataset=dataset, eval_dataset=eval_dataset, rewards=rewards, env=env,
-                     agent=agent, hooks=hooks)
+  return run(cfg, workdir, dataset=dataset, eval_dataset=eval_dataset, rewards=rewards, env=env, agent=agent,
+             hooks=hooks)
