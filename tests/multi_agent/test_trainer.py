@@ -107,6 +107,7 @@ def test_sigterm_mid_run_then_the_same_command_resumes_with_exact_accounting(tmp
     (["--config.multi_agent.policies=({'name': 'proposer', 'group_size': 1}, {'name': 'solver', 'group_size': 4, "
       "'sampler': {'temperature': -1.0}})"], "multi_agent.policies[1].sampler.temperature=-1.0: must be"),
     (["--config.rl.env=calculator"], "rl.env='calculator': is not supported with multi_agent.env='self_play'"),
+    (["--config.multi_agent.env=no_such_module:Env"], "multi_agent.env='no_such_module:Env': importing no_such_module"),
 ])
 def test_a_bad_multi_agent_key_is_one_line_and_status_2(args, expected):
   out = subprocess.run([sys.executable, "-m", "tunixlike.train", *SELF_PLAY, *args, "--check_only"], cwd=ROOT,

@@ -23,7 +23,6 @@ that were in flight, so across stops every index is trained once, dropped, or st
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from typing import Any
 
@@ -33,7 +32,7 @@ from etils import epath
 from tunixlike import metrics as metrics_lib
 from tunixlike.config import Config
 from tunixlike.multi_agent import build as ma_build
-from tunixlike.multi_agent.config import BUILT_IN
+from tunixlike.multi_agent.env import env_factory
 from tunixlike.multi_agent.records import EpisodeRecords
 from tunixlike.multi_agent.runtime import MultiAgentRuntime
 from tunixlike.rewards import loader
@@ -47,19 +46,6 @@ from tunixlike.sampler import make_engine
 def run(cfg: Config, workdir: str, **kwargs) -> dict[str, Any]:
   """Trains (or resumes the run in `workdir`) as `rl.trainer.run` does, with this module's stages."""
   return rl_trainer.run(cfg, workdir, stages=_stages, **kwargs)
-
-
-def env_factory(cfg: Config):
-  """What builds one episode's env: the built-in self-play (data.digits, the solver's group size as its
-  attempts) or the class multi_agent.env names, called with no arguments."""
-  ma = cfg.multi_agent
-  spec = BUILT_IN.get(ma.env, ma.env)
-  cls = loader.load(spec, key="multi_agent.env")
-  if not callable(cls):
-    raise loader.LoadError(f"multi_agent.env={ma.env!r}: {cls!r} is not a MultiAgentEnv class")
-  if ma.env == "self_play":
-    return functools.partial(cls, digits=cfg.data.digits, attempts=ma.group_sizes()["solver"])
-  return cls
 
 
 @dataclasses.dataclass
@@ -86,7 +72,7 @@ def _stages(r: rl_trainer._Run) -> dict[str, Any]:
                                 f"not {jax.process_count()}")
   try:  # a bad multi_agent.env fails now, not after the warm start
     env_factory(r.cfg)
-  except (loader.LoadError, TypeError) as e:
+  except loader.LoadError as e:
     raise rl_trainer.SetupError(str(e)) from e
   latest = r.ckpt.latest_step()
   if latest is not None:
