@@ -95,6 +95,9 @@ def test_sigterm_mid_run_then_the_same_command_resumes_with_exact_accounting(tmp
   rl = [r for r in records(f"{workdir}/metrics.jsonl") if "loss" in r]
   assert [r["step"] for r in rl] == list(range(steps))
   assert [r["a/version"] for r in rl] == list(range(1, steps + 1))  # the restored versions go on
+  # checkpoint.keep latest ones and the best (no replay points: a multi-agent run records no schedule).
+  kept_steps = sorted(int(d) for d in os.listdir(f"{workdir}/checkpoints") if d.isdigit())
+  assert 0 not in kept_steps and kept_steps[-1] == steps and not os.path.exists(f"{workdir}/schedule.jsonl")
   # Once more: the run is finished, and says so.
   out, _ = start(workdir, *args).communicate(timeout=600)
   assert f"is finished (step {steps} of rl.num_steps={steps}); nothing to do" in out, out[-3000:]
