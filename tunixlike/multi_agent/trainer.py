@@ -110,9 +110,9 @@ def _build(r: rl_trainer._Run, records: EpisodeRecords) -> _Agents:
     eval_engine = make_engine(policies[evaluated].model(), eval_lib.eval_sampler_config(engines[evaluated].config),
                               mesh=r.setup.meshes.sampler)
     correctness = build_lib.correctness_reward(r.setup)
-  r.say(f"multi-agent: {ma.env} with policies " + ", ".join(
-      f"{name} ({g} samples a turn)" for name, g in ma.group_sizes().items())
-        + f"; {ma.episodes_per_step} episodes a step, rl.max_staleness={cfg.rl.max_staleness}")
+  sizes = ", ".join(f"{name} ({g} samples a turn)" for name, g in ma.group_sizes().items())
+  r.say(f"multi-agent: {ma.env} with policies {sizes}; {ma.episodes_per_step} episodes a step, "
+        f"rl.max_staleness={cfg.rl.max_staleness}")
   return _Agents(policies, engines, records, eval_engine, correctness)
 
 
