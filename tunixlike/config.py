@@ -28,6 +28,7 @@ from tunixlike.distributed import DistributedConfig
 from tunixlike.learner.config import OFFLOAD_COMPONENTS, PPO_LOSSES, AlgoConfig, OptimConfig
 from tunixlike.models.config import (ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL_LAYOUTS, CONTEXT_PARALLEL_SCHEMES,
                                      ModelConfig)
+from tunixlike.multi_agent.config import MultiAgentSection
 from tunixlike.rl.config import RuntimeConfig
 from tunixlike.sampler.config import SamplerConfig
 from tunixlike.settings import (DTYPES, ConfigError, check_fields, in_range, is_key, library_setting, non_negative,
@@ -375,6 +376,7 @@ class Config:
   learner: LearnerSection = LearnerSection()
   lora: LoraSection = LoraSection()
   rl: RuntimeConfig = RuntimeConfig()
+  multi_agent: MultiAgentSection = MultiAgentSection()
   warm_start: WarmStartSection = WarmStartSection()
   eval: EvalSection = EvalSection()
   log: LogSection = LogSection()
@@ -424,6 +426,7 @@ class Config:
             self.sampler.max_concurrent_decodes, "must be divisible by the number of sampler replicas "
             f"({m.sizes_named('sampler')} / mesh.sampler_tensor = {replicas})")
     self._check_shared_prompts()
+    self.multi_agent.check_with(self)
     rows, what = ((self.rl.prompts_per_step, "prompts_per_step (optim.share_prompts: a row per group)")
                   if self.optim.share_prompts else
                   (self.rl.prompts_per_step * self.algo.group_size, "prompts_per_step * algo.group_size"))
@@ -586,7 +589,7 @@ def resolve_beside(config: ml_collections.ConfigDict, directory: str) -> ml_coll
     return config
   with config.unlocked() if hasattr(config, "unlocked") else contextlib.nullcontext():
     for section, key in (("data", "train"), ("data", "eval"), ("rl", "env"), ("rl", "agent"),
-                         ("algo", "process_reward")):
+                         ("algo", "process_reward"), ("multi_agent", "env")):
       if section in config and key in config[section]:
         config[section][key] = _beside(config[section][key], directory)
     if "rewards" in config and config.rewards:

@@ -13,7 +13,8 @@ config's own checks, in seconds, with no JAX backend and no model.
     the run chooses them (`rl.starting_point`);
   * a model.attention kernel of one backend (cudnn, pallas_tpu) has that backend installed: its JAX plugin
     (libtpu, a CUDA plugin) and JAX_PLATFORMS allowing it. The run checks the backend itself once JAX starts;
-  * with rl.agent, the agent server's rl.agent_max_connections fits in half this process's file descriptors.
+  * with rl.agent, the agent server's rl.agent_max_connections fits in half this process's file descriptors;
+  * multi_agent.env loads (a multi-agent run).
 
 The run checks the same at start-up, but only after JAX has started and the model is built. A problem
 raises `PreflightError`: one line naming the config key, the file and the line.
@@ -34,7 +35,8 @@ from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, sources, tasks, tokenizer as tokenizer_lib
 from tunixlike.models import attention
 from tunixlike.rewards import CombinedReward
-from tunixlike.rewards.loader import NOT_COLUMNS
+from tunixlike.multi_agent.env import env_factory
+from tunixlike.rewards.loader import NOT_COLUMNS, LoadError
 from tunixlike.rewards.safe import as_score
 from tunixlike.rl import starting_point
 
@@ -82,6 +84,12 @@ def check(cfg: Config) -> str:
     raise PreflightError(f"{key}: none of the first {ROWS} rows has a text prompt (data.skip_bad_lines skips them)")
   said.append(_check_rewards(cfg, task, tok, train[0]))
   said.append(_completion_limit(cfg, task, tok))
+  if cfg.multi_agent.env is not None:
+    try:
+      env_factory(cfg)
+    except LoadError as e:
+      raise PreflightError(str(e)) from None
+    said.append(f"multi_agent.env={cfg.multi_agent.env!r} loads")
   return "; ".join(said + starting_point.resolved(cfg)[1])
 
 

@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
   _watched(cfg, prog)
   compilation_cache.enable()  # before any compile: a second start loads its programs (TUNIXLIKE_COMPILATION_CACHE)
   from tunixlike import checkpoint, mesh
+  from tunixlike.multi_agent import trainer as multi_agent_trainer
   from tunixlike.rl import trainer  # heavy imports only once the config is known to be good
   # Orbax's async writes leave failed asyncio tasks behind when a save fails (a full disk): their
   # "exception was never retrieved" tracebacks, and the writes that complete after their event loop
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
   from tunixlike.models.sharding import ShardingError
   from tunixlike.rl.preemption import StartupInterrupted
   try:
-    trainer.run(cfg, workdir, on_second_interrupt=lambda: interrupted(prog, workdir))
+    run = trainer.run if cfg.multi_agent.env is None else multi_agent_trainer.run  # several policies: their own stages
+    run(cfg, workdir, on_second_interrupt=lambda: interrupted(prog, workdir))
   except StartupInterrupted as e:  # nothing to save yet: exit now, as the signal's default would (128 + its number)
     cli.exit_now(prog, str(e), 128 + e.signum)
   except (NonFiniteLoss, PolicyCollapse, Unlearning, LogWriteError, checkpoint.CheckpointWriteError) as e:

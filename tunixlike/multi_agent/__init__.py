@@ -1,8 +1,11 @@
-"""Several policies in one run: multi-agent episodes, their coordinator and the episode-level buffer."""
+"""Several policies in one run: multi-agent episodes, their coordinator and the episode-level buffer.
+Names are imported on first use (`lazy_exports`): the config imports `multi_agent.config` without the runtime."""
 
-from tunixlike.multi_agent.buffer import EpisodeQueue
-from tunixlike.multi_agent.coordinator import Episode, EpisodeCoordinator
-from tunixlike.multi_agent.env import MultiAgentEnv, Turn
-from tunixlike.multi_agent.self_play import ProposeSolveEnv
+from tunixlike.lazy_exports import lazy_exports
 
-__all__ = ["Episode", "EpisodeCoordinator", "EpisodeQueue", "MultiAgentEnv", "ProposeSolveEnv", "Turn"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "buffer": ("EpisodeQueue",),
+    "coordinator": ("Episode", "EpisodeCoordinator"),
+    "env": ("MultiAgentEnv", "Turn"),
+    "self_play": ("ProposeSolveEnv",),
+})

@@ -25,8 +25,10 @@ class EpisodeQueue(RolloutQueue):
 
   def __init__(self, policies: Sequence[str], batch_episodes: int, max_staleness: int,
                stop_event: threading.Event | None = None, on_drop: Callable[[Episode], None] = lambda e: None,
-               start_versions: Mapping[str, int] | None = None):
-    super().__init__(batch_episodes, max_staleness, stop_event, on_drop)
+               start_versions: Mapping[str, int] | None = None, counts: dict[str, int] | None = None):
+    """`start_versions` and `counts` (`counts()` of the run being resumed): where a resumed run's policies and
+    counters are."""
+    super().__init__(batch_episodes, max_staleness, stop_event, on_drop, counts=counts)
     self.policies = tuple(policies)
     start = dict(start_versions or {})
     unknown = set(start) - set(self.policies)

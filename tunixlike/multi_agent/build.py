@@ -27,13 +27,16 @@ def build_policies(setup: build_lib.Setup, group_sizes: Mapping[str, int], batch
   A learner batch holds `batch_episodes x turns_per_episode[name] (default 1) x group size` rows, a
   row per turn completion (`optim.share_prompts` does not apply: a batch's turns have many prompts).
   `sampler[name]`: SamplerConfig fields of that policy's engine (e.g. its stop strings)."""
-  cfg, policies, engines = setup.cfg, {}, {}
+  policies, engines = {}, {}
   for name, g in group_sizes.items():
     rows = batch_episodes * (turns_per_episode or {}).get(name, 1) * g
     per_prompt = max(g, 2)  # rows in whole groups of at least 2, as a run's batch of algo.group_size >= 2
     model = nnx.clone(setup.model)
+    s_cfg = dataclasses.replace(build_lib.sampler_config(setup.cfg, setup.tok), group_size=g,
+                                **(sampler or {}).get(name, {}))
+    # The policy's own sampler values: its learner scores at its temperature, its rows fit its lengths.
+    cfg = dataclasses.replace(setup.cfg, sampler=s_cfg)
     learner = build_lib.build_learner(cfg, model, setup.meshes.learner)
-    s_cfg = dataclasses.replace(build_lib.sampler_config(cfg, setup.tok), group_size=g, **(sampler or {}).get(name, {}))
     engines[name] = engine = make_engine(model, s_cfg, mesh=setup.meshes.sampler)
     policies[name] = build_lib.build_policy(cfg, learner, engine, setup.tok.pad_id, tracer=setup.tracer,
                                             rows=-(-rows // per_prompt) * per_prompt // jax.process_count(),
@@ -44,9 +47,10 @@ def build_policies(setup: build_lib.Setup, group_sizes: Mapping[str, int], batch
 def build_runtime(setup: build_lib.Setup, policies: dict[str, Policy], engines: dict[str, Engine],
                   make_env: Callable[[], Any], *,
                   batch_episodes: int, max_staleness: int, max_turns: int, max_episodes_in_flight: int | None = None,
-                  records=None, **coordinator) -> MultiAgentRuntime:
+                  records=None, counts: dict[str, int] | None = None, **coordinator) -> MultiAgentRuntime:
   """The run's episodes over `policies` (their current weights and versions), sampled on `engines`; `records` feed
-  `env.reset` (default: {"index": i} forever); `coordinator`: more EpisodeCoordinator options."""
+  `env.reset` (default: {"index": i} forever); `counts`: the buffer's counters of a resumed run
+  (`EpisodeQueue.counts()`); `coordinator`: more EpisodeCoordinator options."""
   cfg, tok = setup.cfg, setup.tok
 
   def make_driver(policy: Policy, engine, source, sink) -> RolloutDriver:
@@ -63,4 +67,5 @@ def build_runtime(setup: build_lib.Setup, policies: dict[str, Policy], engines: 
                               step_timeout_s=cfg.rl.env_step_timeout_s, **coordinator)
 
   return MultiAgentRuntime(policies, make_coordinator, batch_episodes=batch_episodes, max_staleness=max_staleness,
-                           advantages=scoring.advantage_config(cfg), wait_timeout_s=cfg.rl.wait_timeout_s)
+                           advantages=scoring.advantage_config(cfg), wait_timeout_s=cfg.rl.wait_timeout_s,
+                           counts=counts)

@@ -122,14 +122,15 @@ class EpisodeCoordinator:
                sink: Callable[[Episode], None], max_episodes_in_flight: int = 16,
                may_start_episode: Callable[[dict[str, int]], bool] = lambda versions: True, max_turns: int = 8,
                failure_reward: float = 0.0, env_workers: int = 8, step_timeout_s: float = 30.0,
-               idle_wait_s: float = 0.002, lockstep: bool = False, emit_groups_of: int = 1):
+               idle_wait_s: float = 0.002, lockstep: bool = False, emit_groups_of: int = 1, first_seq: int = 0):
     """`make_driver[p](source, sink)` builds policy p's driver over that prompt source and group sink.
     `encode(text)` gives a turn prompt's ids (with BOS if the model expects one).
 
     Two baselines the benchmark measures episode-level async against: `lockstep=True` holds every
     turn until all live episodes have their next turn ready (each turn waits for its batch: the
     synchronous loop); `emit_groups_of=n` sends finished episodes on only in whole groups of n
-    consecutive ones (each group waits for its slowest episode: group-level async)."""
+    consecutive ones (each group waits for its slowest episode: group-level async). `first_seq`: the start
+    order of the first episode (a resumed run's, so that its episodes' sampling noise is new)."""
     if not make_driver:
       raise ValueError("EpisodeCoordinator needs at least one policy")
     self._sources = {p: _TurnSource() for p in make_driver}
@@ -148,7 +149,7 @@ class EpisodeCoordinator:
     self._held: list[tuple[str, PromptRequest]] = []  # lockstep: turns waiting for the others
     self._turns_out = 0  # turn requests given to drivers and not yet returned
     self._finished: dict[int, Episode] = {}  # finished, waiting for the rest of their group (emit_groups_of)
-    self._next_seq = 0
+    self._next_seq = first_seq
     self._exhausted = False
     self._stop = threading.Event()
     self.stats = CoordinatorStats()
@@ -165,6 +166,11 @@ class EpisodeCoordinator:
   @property
   def in_flight(self) -> int:
     return len(self._live)
+
+  @property
+  def next_seq(self) -> int:
+    """The start order the next episode gets (a checkpoint keeps it: `first_seq` of the resumed run)."""
+    return self._next_seq
 
   def run(self, max_episodes: int | None = None, max_wall_s: float = 3600.0) -> CoordinatorStats:
     """Starts the policy drivers, runs episodes until the records are exhausted (or `max_episodes`

@@ -15,8 +15,12 @@ with a timeout (`EnvRunner`), never on a decode loop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+from tunixlike.multi_agent.config import BUILT_IN
+from tunixlike.rewards.loader import LoadError, load
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,3 +87,15 @@ def check_rewards(rewards: Any, turns: Sequence[Turn]) -> list[list[float]]:
       raise ValueError(f"Env.rewards()[{i}]={r!r}: expected {turn.samples} finite numbers (turn of {turn.agent!r})")
     out.append(values)
   return out
+
+
+def env_factory(cfg) -> Callable[[], MultiAgentEnv]:
+  """What builds one episode's env for the run's `cfg`: the built-in self-play (data.digits, the solver's
+  group size as its attempts) or the class multi_agent.env names, called with no arguments."""
+  ma = cfg.multi_agent
+  cls = load(BUILT_IN.get(ma.env, ma.env), key="multi_agent.env")
+  if not callable(cls):
+    raise LoadError(f"multi_agent.env={ma.env!r}: {cls!r} is not a MultiAgentEnv class")
+  if ma.env == "self_play":
+    return functools.partial(cls, digits=cfg.data.digits, attempts=ma.group_sizes()["solver"])
+  return cls

@@ -62,11 +62,11 @@ class MultiAgentRuntime:
 
   def __init__(self, policies: dict[str, Policy], make_coordinator: Callable[..., EpisodeCoordinator], *,
                batch_episodes: int, max_staleness: int, advantages: group_advantages.AdvantageConfig,
-               wait_timeout_s: float = 300.0):
+               wait_timeout_s: float = 300.0, counts: dict[str, int] | None = None):
     self.policies, self.advantages, self.wait_timeout_s = policies, advantages, wait_timeout_s
     self.stop_event = threading.Event()
     self.queue = EpisodeQueue(tuple(policies), batch_episodes, max_staleness, self.stop_event,
-                              start_versions={p: pol.version for p, pol in policies.items()})
+                              start_versions={p: pol.version for p, pol in policies.items()}, counts=counts)
     self.coordinator = make_coordinator(sink=self.queue.put, may_start_episode=self.queue.try_admit)
     differ = set(self.coordinator.policies) ^ set(policies)
     if differ:
@@ -114,6 +114,10 @@ class MultiAgentRuntime:
   def versions(self) -> dict[str, int]:
     return {p: pol.version for p, pol in self.policies.items()}
 
+  def next_batch(self) -> list[Episode]:
+    """The next batch of episodes for the learners' current versions (waits up to wait_timeout_s)."""
+    return self.queue.get_batch(self.versions(), self.wait_timeout_s)
+
   def train_batch(self, episodes: list[Episode]) -> dict[str, float]:
     """One step of each policy with turns in `episodes`; returns the step's metrics."""
     episodes = sorted(episodes, key=lambda e: e.seq)  # deterministic, whatever order they finished in
@@ -136,6 +140,7 @@ class MultiAgentRuntime:
       rewards = np.concatenate([g.rewards for g in groups])
       lags = [version - int(c.policy_versions.min()) for g in groups for c in g.completions if c.num_tokens]
       metrics.update({f"{name}/loss": float(out.get("loss", 0.0)), f"{name}/reward": float(rewards.mean()),
+                      f"{name}/turns": float(len(groups)),
                       f"{name}/staleness_max": float(max(lags, default=0)), f"{name}/sync_ms": sync_ms,
                       f"{name}/version": float(policy.version)})
     metrics["learner/step_s"] = time.monotonic() - t0  # every policy's train step and weight sync
@@ -161,6 +166,6 @@ class MultiAgentRuntime:
       on_step(step, metrics)
       return metrics
 
-    out = loop.run_steps(num_steps, self, lambda: self.queue.get_batch(self.versions(), self.wait_timeout_s), train,
+    out = loop.run_steps(num_steps, self, self.next_batch, train,
                          threaded=threaded, max_staleness=self.queue.max_staleness)
     return {**out, "episodes_per_s": trained[0] / out["wall_s"]}

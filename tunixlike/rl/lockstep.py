@@ -178,9 +178,9 @@ class LockstepQueue(RolloutQueue):
 
 
 def timed_elsewhere(cfg) -> bool:
-  """rl.env or rl.agent episodes, or whole sampler hosts: an outside program or other hosts decide
-  when the run's rollouts advance (Config refuses rl.deterministic with them)."""
-  return bool(cfg.rl.env or cfg.rl.agent or cfg.mesh.sampler_hosts)
+  """rl.env or rl.agent episodes, multi-agent episodes or whole sampler hosts: an outside program or other
+  hosts decide when the run's rollouts advance (Config refuses rl.deterministic with them)."""
+  return bool(cfg.rl.env or cfg.rl.agent or cfg.multi_agent.env or cfg.mesh.sampler_hosts)
 
 
 def describe(cfg) -> str:

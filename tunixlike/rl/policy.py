@@ -70,9 +70,13 @@ class Policy:
 
   def restore(self, ckpt, step: int | None = None) -> dict:
     """Loads checkpoint `step` (None: the newest readable one) into the state; returns its meta."""
-    self.learner.state, meta = ckpt.restore(step, abstract_state=self.learner.state)
-    self.version = int(meta["version"])
+    state, meta = ckpt.restore(step, abstract_state=self.learner.state)
+    self.load(state, int(meta["version"]))
     return meta
+
+  def load(self, state, version: int) -> None:
+    """Takes a restored learner `state` at `version` (a checkpoint of several policies holds each one's)."""
+    self.learner.state, self.version = state, version
 
   def sync_weights(self) -> Synced:
     """The current weights on the sampler's devices, with their version (`WeightSync.sync`)."""

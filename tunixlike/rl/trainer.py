@@ -56,10 +56,11 @@ class SetupError(ValueError):
   """Bad input found while building the run (mesh sizes, model files, data, workdir): one clear line."""
 
 
-def run(cfg: Config, workdir: str, *, on_second_interrupt=None, **user) -> dict[str, Any]:
+def run(cfg: Config, workdir: str, *, on_second_interrupt=None, stages=None, **user) -> dict[str, Any]:
   """Trains (or resumes the run in `workdir`); returns a summary. See the module docstring.
   `user`: in-memory `dataset`, `eval_dataset`, `rewards`, `env`, `agent`, `hooks` (see `tunixlike.train`).
-  `on_second_interrupt()`: what a second Ctrl-C does (the CLI exits at once); None raises KeyboardInterrupt."""
+  `on_second_interrupt()`: what a second Ctrl-C does (the CLI exits at once); None raises KeyboardInterrupt.
+  `stages(run)`: the stages after the build, on this run's `_Run` (default: one policy's; `multi_agent.trainer`)."""
   try:  # before anything touches a JAX backend (the checkpointer does)
     distributed.initialize(cfg.distributed, whole_hosts=rendezvous.hello(cfg))
     build_lib.check_process_split(cfg, jax.process_count())
@@ -78,7 +79,7 @@ def run(cfg: Config, workdir: str, *, on_second_interrupt=None, **user) -> dict[
         return _sampler_host(cfg, workdir, preemption, **user)
       r = _Run(cfg, workdir, preemption, **user)
       try:
-        return _stages(r)
+        return (stages or _stages)(r)
       except BaseException:
         r.close(quietly=True)  # the run's own error is the one to report
         raise
