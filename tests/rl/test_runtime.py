@@ -154,24 +154,21 @@ def test_lora_run_with_sampler_warmup_compiles_nothing_and_syncs_prepacked_adapt
   assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(synced.adapters.unpack()))
 
 
-@rewards.registry.register("overflowing_for_tests")
-def _overflowing(prompts, completions, **columns):
-  """Half the samples score 3e38: under dr_grpo (no std division) the advantages are +-1.5e38, and the
-  loss and gradient norm summed over tokens overflow float32 (with algo.reward_clip opened to float32's
-  range: the default clip keeps rewards from doing this)."""
-  return [3e38 if i % 2 else 0.0 for i in range(len(completions))]
-
-
 @pytest.mark.slow
 def test_non_finite_steps_stop_the_run_at_any_staleness():
   """Skipped steps give their admissions back, so the guard counts to rl.max_nonfinite_steps instead of
-  the sampler running out of admissions and the learner timing out on an empty queue."""
+  the sampler running out of admissions and the learner timing out on an empty queue. (Rewards cannot
+  make a step non-finite: they are saturated and clipped. A weight that is NaN does, at every step.)"""
+  from flax import nnx
   from tunixlike.rl.runtime import NonFiniteLoss
   cfg = config_lib.replace(tiny_config(max_staleness=1, max_nonfinite_steps=3, wait_timeout_s=60.0),
-                           rl=dict(num_steps=6), algo=dict(reward_clip=(-3.4e38, 3.4e38), advantage="dr_grpo"))
+                           rl=dict(num_steps=6))
   records = []
   setup = build.build(cfg)
-  rl = build.build_rl(setup, reward=rewards.CombinedReward(["overflowing_for_tests"]))
+  params = nnx.state(setup.model, nnx.Param)
+  leaf = jax.tree.leaves(params)[0]
+  nnx.update(setup.model, jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(np.nan) if x is leaf else x, params))
+  rl = build.build_rl(setup)
   runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)))
   runtime.hooks.add(lambda info: records.append((info.step, info.metrics)))
   with pytest.raises(NonFiniteLoss, match="3 in a row"):
