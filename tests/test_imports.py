@@ -165,3 +165,26 @@ def test_every_public_name_of_a_lazy_package_resolves(package):
     assert getattr(module, name) is not None, (package, name)
   with pytest.raises(AttributeError, match="no attribute 'bogus'"):
     getattr(module, "bogus")
+
+
+EXITS = {("os", "_exit"), ("sys", "exit"), ("cli", "exit_now"), ("cli", "fail")}
+
+
+def _exits(tree: ast.AST) -> list[int]:
+  """Lines of `tree` that end the process (os._exit, sys.exit, cli.exit_now, cli.fail)."""
+  return [node.lineno for node in ast.walk(tree)
+          if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and isinstance(node.func.value, ast.Name) and (node.func.value.id, node.func.attr) in EXITS]
+
+
+def test_only_entry_points_end_the_process():
+  """A library call raises or returns (`tunixlike.train()` inside a notebook must not kill it): only the
+  `python -m` entry points (a module with a `__main__` block) and `cli`, which they share, exit."""
+  found = []
+  for path in PACKAGE.rglob("*.py"):
+    source = path.read_text()
+    if path.name == "cli.py" or 'if __name__ == "__main__"' in source:
+      continue
+    found += [f"{path.relative_to(PACKAGE.parent)}:{line}" for line in _exits(ast.parse(source, str(path)))]
+  assert not found, "library code ends the process: " + ", ".join(found)
+  assert _exits(ast.parse("import os\nos._exit(1)\ncli.exit_now('p', 'x', 1)")) == [2, 3]  # the finder finds them

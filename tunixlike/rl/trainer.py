@@ -31,7 +31,7 @@ from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tunixlike import checkpoint as checkpoint_lib, cli, distributed, metrics as metrics_lib, models
+from tunixlike import checkpoint as checkpoint_lib, distributed, metrics as metrics_lib, models
 from tunixlike import workdir as workdir_lib
 from tunixlike import config as config_lib
 from tunixlike.config import Config
@@ -56,10 +56,14 @@ class SetupError(ValueError):
   """Bad input found while building the run (mesh sizes, model files, data, workdir): one clear line."""
 
 
-def run(cfg: Config, workdir: str, *, on_second_interrupt=None, **user) -> dict[str, Any]:
-  """Trains (or resumes the run in `workdir`); returns a summary. See the module docstring.
+def run(cfg: Config, workdir: str, *, on_second_interrupt=None, on_host_fault=None, **user) -> dict[str, Any]:
+  """Trains (or resumes the run in `workdir`); returns a summary or raises: the library never ends the
+  process, its entry point decides how to (`tunixlike.train`). See the module docstring.
   `user`: in-memory `dataset`, `eval_dataset`, `rewards`, `env`, `agent`, `hooks` (see `tunixlike.train`).
-  `on_second_interrupt()`: what a second Ctrl-C does (the CLI exits at once); None raises KeyboardInterrupt."""
+  `on_second_interrupt()`: what a second Ctrl-C does (the CLI exits at once); None raises KeyboardInterrupt.
+  `on_host_fault(line, host)`: what a learner host does when a sampler host failed while its loop is
+  stuck in a collective or transfer (the CLI exits at once); None says `line` and raises once the
+  stuck call returns."""
   try:  # before anything touches a JAX backend (the checkpointer does)
     distributed.initialize(cfg.distributed, whole_hosts=rendezvous.hello(cfg))
     build_lib.check_process_split(cfg, jax.process_count())
@@ -76,7 +80,7 @@ def run(cfg: Config, workdir: str, *, on_second_interrupt=None, **user) -> dict[
     with Preemption(on_second=on_second_interrupt) as preemption:
       if build_lib.is_sampler_host(cfg):
         return _sampler_host(cfg, workdir, preemption, **user)
-      r = _Run(cfg, workdir, preemption, **user)
+      r = _Run(cfg, workdir, preemption, on_host_fault=on_host_fault, **user)
       try:
         return _stages(r)
       except BaseException:
@@ -422,8 +426,8 @@ def as_trained(cfg: Config, setup: build_lib.Setup, user: dict) -> Config:
 class _Run:
   """One run: its setup and RL stack, logs, checkpoints, prompt accounting, evals and hooks."""
 
-  def __init__(self, cfg: Config, workdir: str, preemption: Preemption, hooks=(), **user):
-    self.cfg, self.workdir, self.preemption = cfg, workdir, preemption
+  def __init__(self, cfg: Config, workdir: str, preemption: Preemption, hooks=(), on_host_fault=None, **user):
+    self.cfg, self.workdir, self.preemption, self.on_host_fault = cfg, workdir, preemption, on_host_fault
     self.user_hooks = hooks_lib.user_hooks(hooks)  # (fn, every): `tunixlike.train(hooks=...)`
     self.pid = jax.process_index()
     self.dir = workdir_lib.local_dir(workdir, self.pid)  # this process's logs (WORKDIR itself on process 0)
@@ -605,10 +609,13 @@ class _Run:
     return None if not over or not over["failure"] else kv_lib.HostTimeout(over["failure"], over.get("host"))
 
   def host_fault(self, error: BaseException) -> None:
-    """A sampler host failed while this learner host's loop is stuck (`RemoteSampling`): says so, exits."""
+    """A sampler host failed while this learner host's loop is stuck (`RemoteSampling`): says so and
+    hands the decision to the entry point (`on_host_fault`); a library call raises when the loop returns."""
     line = self.fault_line(error)
-    cli.exit_now("tunixlike.train", line, 1,
-                 before_exit=lambda: learner_host.leave_after_fault(line, getattr(error, "host", None)))
+    if self.on_host_fault is not None:
+      self.on_host_fault(line, getattr(error, "host", None))
+    else:
+      self.say(line)
 
   def _release_sampler_hosts(self):
     """Whole sampler hosts: the run is over (also when it ended before its RL loop started)."""
