@@ -74,6 +74,14 @@ def sampler_config(cfg: Config, tok) -> SamplerConfig:
                              group_size=cfg.algo.group_size, seed=cfg.seed)
 
 
+def start_processes(cfg: Config) -> None:
+  """This process's part of a multi-process run, started (whole sampler hosts: their rendezvous
+  first), and the keys that split across the processes checked. Before anything touches a JAX
+  backend; a no-op when started already."""
+  distributed.initialize(cfg.distributed, whole_hosts=rendezvous.hello(cfg))
+  check_process_split(cfg, jax.process_count())
+
+
 def check_process_split(cfg: Config, n: int):
   """Keys that are totals over all hosts must split evenly across the `n` processes (with whole
   sampler hosts: the batch over the learner hosts, the decode slots over the sampler hosts)."""
@@ -276,8 +284,7 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   sampler.temperature or warm_start.max_steps left None chosen by what the run starts from (`starting_point`):
   `Setup.cfg` holds them."""
   with_inputs(cfg, dataset=dataset, eval_dataset=eval_dataset, env=env, agent=agent)  # the config's checks
-  distributed.initialize(cfg.distributed, whole_hosts=rendezvous.hello(cfg))
-  check_process_split(cfg, jax.process_count())
+  start_processes(cfg)
   wrong_backend = attention.backend_error(cfg.model.attention, jax.default_backend())
   if wrong_backend:  # before any compile: a backend's kernel elsewhere fails deep in tracing
     raise ValueError(wrong_backend)

@@ -36,7 +36,6 @@ from tunixlike import workdir as workdir_lib
 from tunixlike import config as config_lib
 from tunixlike.config import Config
 from tunixlike.data import tasks as tasks_lib
-from tunixlike.hosts import rendezvous
 from tunixlike.rl import build as build_lib, collapse as collapse_lib, resume as resume_lib
 from tunixlike.rl import completions_log, signal_guard, truncation_guard, unlearning, warm_start as warm_start_lib
 from tunixlike.rl import hooks as hooks_lib, in_flight as in_flight_lib, transport as transport_lib
@@ -65,8 +64,7 @@ def run(cfg: Config, workdir: str, *, on_second_interrupt=None, on_host_fault=No
   stuck in a collective or transfer (the CLI exits at once); None says `line` and raises once the
   stuck call returns."""
   try:  # before anything touches a JAX backend (the checkpointer does)
-    distributed.initialize(cfg.distributed, whole_hosts=rendezvous.hello(cfg))
-    build_lib.check_process_split(cfg, jax.process_count())
+    build_lib.start_processes(cfg)
   except ValueError as e:
     raise SetupError(str(e)) from e
   mine = workdir_lib.local_dir(workdir, jax.process_index())
