@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 # A child's virtual CPU devices (XLA_FLAGS, and NPROC for XLA:CPU's collectives): one definition, the
 # library's, which its own several-process launcher uses.
-from tunixlike.hosts.local_job import device_env, xla_flags  # noqa: F401  (re-exported to the benchmarks)
+from local_job import device_env, xla_flags  # noqa: F401  (re-exported to the benchmarks)
 
 _LOAD_BEFORE: list[float] = []  # when the flags were parsed: before the benchmark's work
 

@@ -4,7 +4,7 @@ ports, then audited for lost and twice-trained prompts (the split-host sibling o
   python benchmarks/host_faults.py [--steps 12] [--host-timeout 10] [--out FILE] [--keep]
 
 The tiny addition job on 1 learner host + 1 sampler host (2 CPU processes of 2 virtual devices on
-127.0.0.1, `tunixlike.hosts.local_job`, a checkpoint every step), launched in one work directory with
+127.0.0.1, `benchmarks/local_job.py`, a checkpoint every step), launched in one work directory with
 the same command each time:
   kill_sampler_host   SIGKILL on the sampler host after its 3rd weight sync: the learner host must exit
                       1 with one line naming host 1;
@@ -37,7 +37,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from resume_chaos import checkpoint_steps, read_jsonl  # noqa: E402
-from tunixlike.hosts import local_job  # noqa: E402
+import local_job  # noqa: E402
 
 ERROR = "tunixlike.train: error: "
 JAX_TRACE = ("Check failure stack trace", "client.h", "RegisterTask", "Traceback")

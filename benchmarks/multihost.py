@@ -71,7 +71,7 @@ import tempfile
 import time
 
 import harness
-from tunixlike.hosts import local_job
+import local_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

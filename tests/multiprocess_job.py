@@ -1,12 +1,13 @@
-"""Start N processes on 127.0.0.1 as one multi-controller JAX job (`tunixlike.hosts.local_job`),
+"""Start N processes on 127.0.0.1 as one multi-controller JAX job (benchmarks/local_job.py),
 with each process's output in the test's tmp_path: the launcher of every several-process test
 (tests/test_multihost.py, tests/hosts/)."""
 
 import os
-
-from tunixlike.hosts import local_job
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # the launcher the benchmarks share, beside them
+import local_job  # noqa: E402
 
 
 def lines(out: str, tag: str) -> list[str]:

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
   from tunixlike.rl.preemption import StartupInterrupted
   try:
     run = trainer.run if cfg.multi_agent.env is None else multi_agent_trainer.run  # several policies: their own stages
-    run(cfg, workdir, on_second_interrupt=lambda: interrupted(prog, workdir))
+    run(cfg, workdir, on_second_interrupt=lambda: interrupted(prog, workdir),
+        on_host_fault=functools.partial(_host_fault, prog))
   except StartupInterrupted as e:  # nothing to save yet: exit now, as the signal's default would (128 + its number)
     cli.exit_now(prog, str(e), 128 + e.signum)
   except (NonFiniteLoss, PolicyCollapse, Unlearning, LogWriteError, checkpoint.CheckpointWriteError) as e:
@@ -125,6 +126,13 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
     cli.fail(prog, str(e))
   except KeyboardInterrupt:  # Ctrl-C before the run's own handler was installed
     interrupted(prog, workdir)
+
+
+def _host_fault(prog: str, line: str, host: int | None) -> None:
+  """A sampler host failed while this learner host is stuck in a collective or transfer: exit now,
+  after telling the other hosts (JAX's shutdown would wait for the host at fault)."""
+  from tunixlike.hosts import learner_host  # noqa: PLC0415 (imported already by the run)
+  cli.exit_now(prog, line, 1, before_exit=functools.partial(learner_host.leave_after_fault, line, host))
 
 
 def _watched(cfg: config_lib.Config, prog: str) -> None:

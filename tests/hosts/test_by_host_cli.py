@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from multiprocess_job import ROOT, run_processes
-from tunixlike.hosts.local_job import Signal
+from local_job import Signal
 
 # The tiny addition job, rewarded for stopping (rewards with variance from the first step, so that
 # the weights change at every step without a warm start), decode programs compiled when first used.

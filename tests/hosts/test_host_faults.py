@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from multiprocess_job import ROOT, lines, run_processes
+from multiprocess_job import ROOT, lines, local_job, run_processes
 from test_by_host_cli import ERROR, by_host, command
-from tunixlike.hosts import local_job, seal
+from tunixlike.hosts import seal
 
 pytestmark = pytest.mark.multihost
 FAST_TIMEOUT = ["--config.mesh.host_timeout_s=4"]

@@ -8,8 +8,7 @@ import pytest
 
 from test_runtime import tiny_config, with_layout
 from tunixlike import config as config_lib, rewards
-from tunixlike.hosts import weights
-from tunixlike.rl import build, schedule
+from tunixlike.rl import build, schedule, weight_sync
 from tunixlike.rl.lockstep import LockstepQueue
 from tunixlike.rl.prompts import PromptStream
 from tunixlike.rollout import Completion, RolloutGroup
@@ -27,7 +26,7 @@ def run(cfg, reward=None):
         [c.policy_versions.tolist() for c in g.completions]) for g in info.trained])))
   runtime.run()
   setup.tracer.close()
-  return steps, weights.checksum(rl.policy.full_params())
+  return steps, weight_sync.checksum(rl.policy.full_params())
 
 
 @pytest.mark.slow

@@ -15,16 +15,13 @@ import time
 from orbax.checkpoint import multihost
 
 from tunixlike.hosts import seal as seal_lib
+from tunixlike.rl.transport import PeerFault
 
 _sealer: seal_lib.Sealer | None = None
 
 
-class HostTimeout(TimeoutError):
+class HostTimeout(PeerFault):
   """A host did not answer in time (it died, hangs, or is far behind); `host`: which, when known."""
-
-  def __init__(self, message: str, host: int | None = None):
-    super().__init__(message)
-    self.host = host
 
 
 def client():

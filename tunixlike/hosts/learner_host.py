@@ -84,7 +84,8 @@ class RemoteSampling:
   The loop re-raises the inbox's error at its next wait. But the main thread may be stuck instead,
   in a collective with a learner host that has already stopped on the same fault, or in a weight
   transfer: if the loop has not stopped `grace_s` after the inbox failed, `on_fault(error)` runs
-  (the trainer says why and exits), so that every learner host stops within a bounded time.
+  (the trainer says why and calls its entry point's `on_host_fault`: the CLI exits), so that every
+  learner host stops within a bounded time.
   """
 
   def __init__(self, queue: RolloutQueue, me: int, sampler_hosts: Sequence[int], *, silence_timeout_s: float,

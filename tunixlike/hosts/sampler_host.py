@@ -21,8 +21,9 @@ import threading
 import time
 
 import jax
+from flax import nnx
 
-from tunixlike.hosts import kv, learner_host, rollouts
+from tunixlike.hosts import kv, learner_host, rollouts, weights
 from tunixlike.rl import build as build_lib, weight_sync
 from tunixlike.rl.prompts import PromptStream
 from tunixlike.rl.runtime import RewardStage
@@ -85,6 +86,18 @@ def _wait_for_start(should_stop, poll_s: float = 0.5):
   return None
 
 
+def _receiver(setup: build_lib.Setup, model: nnx.Module, engine, *, dump_dir: str | None = None) -> weights.Receiver:
+  """This host's end of the learner hosts' weight sync (`transport.CrossHost.weight_sync`); `dump_dir`:
+  where it writes what arrives (mesh.save_synced_weights)."""
+  parts = {weights.MODEL: (weights.abstract(nnx.state(model)), engine.param_shardings)}
+  if setup.cfg.lora.rank:
+    adapters = nnx.state(model, nnx.LoRAParam)
+    parts[weights.ADAPTERS] = (weights.abstract(adapters), weight_sync.subtree_like(engine.param_shardings, adapters))
+  return weights.Receiver(setup.meshes.hosts, parts, dtype=setup.cfg.rl.sync_dtype,
+                          bucket_bytes=weight_sync.DEFAULT_BUCKET_BYTES, timeout_s=setup.cfg.mesh.host_timeout_s,
+                          dump_dir=dump_dir)
+
+
 def run(setup: build_lib.Setup, preemption, say=print, synced_weights_dir: str | None = None) -> dict:
   """Samples for the learner hosts until they end the run; returns this host's counts and `busy_frac`
   (its driver's decode time over its wall clock since the driver started, at the last weight sync).
@@ -93,7 +106,7 @@ def run(setup: build_lib.Setup, preemption, say=print, synced_weights_dir: str |
   index, count = layout.sampler_hosts.index(me), len(layout.sampler_hosts)
   model = build_lib.policy_model(setup)
   engine = make_engine(model, build_lib.sampler_config(cfg, setup.tok), mesh=setup.meshes.sampler)
-  receiver = build_lib.sampler_hosts_receiver(setup, model, engine, dump_dir=synced_weights_dir)
+  receiver = _receiver(setup, model, engine, dump_dir=synced_weights_dir)
   del model  # abstract (`build_lib.build_model`): the weights are the learner's, from the first sync on
   scorer = build_lib.build_scorer(setup)
   stopping = lambda: preemption.requested or learner_host.run_over() is not None

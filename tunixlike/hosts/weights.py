@@ -11,7 +11,7 @@ transfer is announced first: learner host 0 writes its sequence number, version 
 ('model' or 'adapters') to the key-value store, and each sampler host receives the transfers in
 that order. Waiting for an announcement has no time limit (the learner may be evaluating or
 checkpointing); the transfer itself has `timeout_s` on both ends. The announcement also carries a
-checksum of the bits sent (`checksum`); the receiver computes it again on what arrived and stops
+checksum of the bits sent (`weight_sync.checksum`); the receiver computes it again on what arrived and stops
 the run if they differ, so a sampler host never decodes with weights other than the learner's.
 
 To debug a sync (mesh.save_synced_weights), both ends also write every array of every sync to
@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tunixlike.hosts import kv, transfer
+from tunixlike.rl import weight_sync
 from tunixlike.hosts.layout import HostLayout
 
 PREFIX = "tunixlike/weights"
@@ -45,29 +46,6 @@ def _announcement(n: int) -> str:
 
 class ChecksumMismatch(RuntimeError):
   """The weights that arrived are not the bits the learner sent."""
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _checksum(leaves, dtype):
-  total = jnp.uint32(0)
-  for k, x in enumerate(leaves):
-    if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
-      x = x.astype(dtype)
-    if x.dtype == jnp.bool_ or x.dtype.itemsize not in (1, 2, 4):
-      bits = x.astype(jnp.uint32)
-    else:
-      bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize])
-    total += bits.astype(jnp.uint32).sum(dtype=jnp.uint32) * jnp.uint32(k + 1)
-  return total
-
-
-def checksum(tree: Any, dtype=None) -> int:
-  """The bits of every array of `tree` (floats cast to `dtype` first) summed as uint32, each array
-  weighted by its place: integer sums wrap and do not depend on the order of reduction, so the
-  learner's sharded arrays and the sampler's copy give the same number exactly when their bits
-  are the same. A collective where `tree` spans hosts."""
-  name = None if dtype is None else jnp.dtype(dtype).name
-  return int(np.asarray(_checksum(jax.tree.leaves(tree), name).addressable_data(0)))
 
 
 def _cast(tree: Any, dtype) -> Any:
@@ -111,7 +89,7 @@ class Sender:
     part = next((name for name, s in self.parts.items() if s == structure), None)
     if part is None:
       raise ValueError(f"weight sync to the sampler hosts: the tree is none of the parts {sorted(self.parts)}")
-    total = checksum(tree, dtype)  # every learner host: a collective over the learner mesh
+    total = weight_sync.checksum(tree, dtype)  # every learner host: a collective over the learner mesh
     first = jax.process_index() == self.layout.learner_hosts[0]
     if self.dump_dir is not None:
       sent = gathered(tree, dtype)  # a collective too
@@ -158,7 +136,7 @@ class Receiver:
                                                dtype=self.dtype, bucket_bytes=self.bucket_bytes,
                                                timeout_s=self.timeout_s)
     self.received += 1
-    got = checksum(tree)
+    got = weight_sync.checksum(tree)
     if got != info["checksum"]:
       raise ChecksumMismatch(f"weight sync v{version} ({info['part']}): checksum {got} on sampler host "
                              f"{jax.process_index()}, {info['checksum']} on the learner hosts")

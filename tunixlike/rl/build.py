@@ -34,11 +34,12 @@ from tunixlike.models import attention, hub, lora as lora_lib, transformer
 from tunixlike.rewards import loader, process as process_lib
 from tunixlike.rewards.envs import Env
 from tunixlike.rl import distill as distill_lib, evaluate as eval_lib, scoring, warm_start as warm_start_lib
-from tunixlike.rl import in_flight, truncation_guard, weight_sync
+from tunixlike.rl import in_flight, transport as transport_lib, truncation_guard, weight_sync
 from tunixlike.agents.driver import AgentConfig, AgentDriver
 from tunixlike.rl.collapse import CollapseConfig, CollapseDetector
 from tunixlike.rl import policy as policy_lib
 from tunixlike.rl.policy import Policy
+from tunixlike.rl.in_process import InProcess
 from tunixlike.rl import prompts as prompts_lib
 from tunixlike.rl import starting_point
 from tunixlike.rl.prompts import PromptStream, requests_for
@@ -71,6 +72,14 @@ def sampler_config(cfg: Config, tok) -> SamplerConfig:
   slots = cfg.sampler.max_concurrent_decodes // (cfg.mesh.sampler_hosts or jax.process_count())
   return dataclasses.replace(cfg.sampler, max_concurrent_decodes=slots, eos_ids=tuple(tok.stop_ids),
                              group_size=cfg.algo.group_size, seed=cfg.seed)
+
+
+def start_processes(cfg: Config) -> None:
+  """This process's part of a multi-process run, started (whole sampler hosts: their rendezvous
+  first), and the keys that split across the processes checked. Before anything touches a JAX
+  backend; a no-op when started already."""
+  distributed.initialize(cfg.distributed, whole_hosts=rendezvous.hello(cfg))
+  check_process_split(cfg, jax.process_count())
 
 
 def check_process_split(cfg: Config, n: int):
@@ -145,6 +154,7 @@ class Setup:
   train_pipe: pipeline.PromptPipeline | None  # None when built to sample a checkpoint (`build(training=False)`)
   eval_records: list  # this process's share of the held-out prompts
   tracer: trace_lib.Tracer
+  transport: transport_lib.Transport  # between the learner and the sampler side (`make_transport`)
   reward: rewards_lib.CombinedReward | None = None  # the training reward; its first term is the evals' verifier
   make_env: Callable[[], Env] | None = None  # rl.env: builds one `Env` per episode (None: single-turn)
   agent: Callable[..., Any] | None = None  # rl.agent: run_episode(base_url, api_key, episode_id, row), behind the agent server
@@ -274,8 +284,7 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   sampler.temperature or warm_start.max_steps left None chosen by what the run starts from (`starting_point`):
   `Setup.cfg` holds them."""
   with_inputs(cfg, dataset=dataset, eval_dataset=eval_dataset, env=env, agent=agent)  # the config's checks
-  distributed.initialize(cfg.distributed, whole_hosts=rendezvous.hello(cfg))
-  check_process_split(cfg, jax.process_count())
+  start_processes(cfg)
   wrong_backend = attention.backend_error(cfg.model.attention, jax.default_backend())
   if wrong_backend:  # before any compile: a backend's kernel elsewhere fails deep in tracing
     raise ValueError(wrong_backend)
@@ -344,8 +353,18 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   if train_bad or eval_pipe.num_bad_rows:
     say(f"data: {train_bad} train and {eval_pipe.num_bad_rows} held-out rows whose prompt is not "
         "text skipped (data.skip_bad_lines)")
-  return Setup(cfg, meshes, tok, task, model, train_pipe, eval_records, trace_lib.Tracer(trace_path), reward=reward,
-               make_env=make_env, agent=agent, warm_start_records=warm_records, critic=critic, teacher=teacher)
+  return Setup(cfg, meshes, tok, task, model, train_pipe, eval_records, trace_lib.Tracer(trace_path),
+               make_transport(cfg, meshes), reward=reward, make_env=make_env, agent=agent,
+               warm_start_records=warm_records, critic=critic, teacher=teacher)
+
+
+def make_transport(cfg: Config, meshes: mesh_lib.Meshes) -> transport_lib.Transport:
+  """The run's one choice of layout: the sampler side in this process, or on whole sampler hosts
+  (`hosts.transport.CrossHost`). Nothing after this asks which."""
+  if meshes.hosts is None:
+    return InProcess(local_sampler_side)
+  from tunixlike.hosts.transport import CrossHost
+  return CrossHost(cfg, meshes.hosts)
 
 
 def pipeline_config(cfg: Config, **changes) -> pipeline.PipelineConfig:
@@ -429,7 +448,7 @@ class RLStack:
   """The objects the RL loop runs; each owns its own state (the policy owns the learner state)."""
 
   policy: Policy  # owns the learner state and its version; its `weight_sync` feeds `engine`
-  engine: Engine | None  # the rollout sampler (None on a learner host: whole sampler hosts sample)
+  engine: Engine | None  # the rollout sampler (None where the sampler side is elsewhere: `Transport.engine`)
   eval_engine: Engine  # greedy decoding of the held-out prompts, on the same devices
   scorer: scoring.GroupScorer  # the reward stage, run on the reward workers
   correctness: rewards_lib.CombinedReward  # the 0/1 verifier the evals score with
@@ -461,7 +480,7 @@ def policy_model(setup: Setup) -> nnx.Module:
   if not cfg.lora.rank:
     return setup.model
   lora = lora_lib.LoRAConfig.from_config(cfg)
-  if setup.sampler_host:  # abstract adapters too: they arrive with the weights (`sampler_hosts_receiver`)
+  if setup.sampler_host:  # abstract adapters too: they arrive with the weights (`hosts.sampler_host`)
     return nnx.eval_shape(lambda model: lora_lib.apply_lora(model, lora, seed=cfg.seed), setup.model)
   return lora_lib.apply_lora(setup.model, lora, seed=cfg.seed, mesh=setup.meshes.learner, rules=mesh_lib.LEARNER_RULES)
 
@@ -489,36 +508,6 @@ def build_policy(cfg: Config, learner, engine: Engine | None, pad_id: int, *, tr
                 seed=cfg.seed, share_prompts=share, routing=cfg.sampler.record_routing, tracer=tracer)
 
 
-def sampler_hosts_sync(cfg: Config, learner, layout, *, tracer=trace_lib.NULL_TRACER,
-                       dump_dir: str | None = None) -> weight_sync.WeightSync:
-  """The policy's weight sync to whole sampler hosts (`hosts.weights.Sender`): full, or LoRA's
-  adapters after the first; its targets are the sampler's shardings on a sampler host's mesh.
-  `dump_dir`: where learner host 0 writes what it sends (mesh.save_synced_weights)."""
-  from tunixlike.hosts import weights
-  from tunixlike.models import sharding as sharding_lib
-  model_state = learner.sampler_params(learner.state)
-  targets = sharding_lib.state_shardings(model_state, layout.samplers[layout.sampler_hosts[0]],
-                                         mesh_lib.SAMPLER_RULES)
-  parts = {weights.MODEL: jax.tree.structure(model_state)}
-  if learner.lora:
-    parts[weights.ADAPTERS] = jax.tree.structure(learner.state.params)
-  sender = weights.Sender(layout, parts, timeout_s=cfg.mesh.host_timeout_s, dump_dir=dump_dir)
-  return weight_sync.for_learner(learner, targets, dtype=cfg.rl.sync_dtype, across_hosts=sender, tracer=tracer)
-
-
-def sampler_hosts_receiver(setup: Setup, model: nnx.Module, engine: Engine, *, dump_dir: str | None = None):
-  """A sampler host's end of `sampler_hosts_sync` (`hosts.weights.Receiver`); `dump_dir`: where it
-  writes what arrives (mesh.save_synced_weights)."""
-  from tunixlike.hosts import weights
-  parts = {weights.MODEL: (weights.abstract(nnx.state(model)), engine.param_shardings)}
-  if setup.cfg.lora.rank:
-    adapters = nnx.state(model, nnx.LoRAParam)
-    parts[weights.ADAPTERS] = (weights.abstract(adapters), weight_sync.subtree_like(engine.param_shardings, adapters))
-  return weights.Receiver(setup.meshes.hosts, parts, dtype=setup.cfg.rl.sync_dtype,
-                          bucket_bytes=weight_sync.DEFAULT_BUCKET_BYTES, timeout_s=setup.cfg.mesh.host_timeout_s,
-                          dump_dir=dump_dir)
-
-
 def correctness_reward(setup: Setup) -> rewards_lib.CombinedReward:
   """The 0/1 verifier evals score with (the first reward term), not the shaped training reward."""
   return rewards_lib.CombinedReward(setup.reward.specs[:1], timeout_s=setup.cfg.rl.reward_timeout_s)
@@ -528,16 +517,14 @@ def build_rl(setup: Setup, *, reward: rewards_lib.CombinedReward | None = None,
              correctness: rewards_lib.CombinedReward | None = None, synced_weights_dir: str | None = None) -> RLStack:
   """LoRA (if configured), the policy, the sampler engines and the reward stage. `reward` and
   `correctness` replace the task's training reward and its eval verifier. `synced_weights_dir`:
-  with whole sampler hosts, where learner host 0 writes every sync (mesh.save_synced_weights)."""
-  cfg, tok = setup.cfg, setup.tok
+  where the transport writes every weight sync it sends across hosts (mesh.save_synced_weights)."""
+  cfg, tok, transport = setup.cfg, setup.tok, setup.transport
   model = policy_model(setup)
   learner = build_learner(cfg, model, setup.meshes.learner, critic=setup.critic)
   s_cfg = sampler_config(cfg, tok)
-  hosts = setup.meshes.hosts  # whole sampler hosts: the rollouts are sampled there; this host evaluates
-  engine = None if hosts is not None else make_engine(model, s_cfg, mesh=setup.meshes.sampler)
+  engine = transport.engine(lambda: make_engine(model, s_cfg, mesh=setup.meshes.sampler))
   eval_engine = make_engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
-  sync = None if hosts is None else sampler_hosts_sync(cfg, learner, hosts, tracer=setup.tracer,
-                                                     dump_dir=synced_weights_dir)
+  sync = transport.weight_sync(setup, learner, dump_dir=synced_weights_dir)
   policy = build_policy(cfg, learner, engine, tok.pad_id, tracer=setup.tracer, sync=sync)
   correctness = correctness or correctness_reward(setup)
   return RLStack(policy, engine, eval_engine, build_scorer(setup, reward), correctness)
@@ -559,14 +546,9 @@ def build_scorer(setup: Setup, reward: rewards_lib.CombinedReward | None = None)
 
 
 def evaluate(setup: Setup, rl: RLStack) -> dict[str, Any]:
-  """Held-out accuracy of the policy (see `evaluate_params`). With whole sampler hosts the learner
-  hosts evaluate on their own devices, from a copy of their own (the sampler hosts never wait)."""
-  if setup.meshes.hosts is None:
-    synced = rl.policy.sync_weights()
-    params, version = synced.params, synced.version
-  else:
-    params, _ = weight_sync.sync(rl.policy.full_params(), rl.eval_engine.param_shardings, dtype=setup.cfg.rl.sync_dtype)
-    version = rl.policy.version
+  """Held-out accuracy of the policy (see `evaluate_params`), with the weights the transport gives
+  the eval engine (`Transport.eval_weights`)."""
+  params, version = setup.transport.eval_weights(setup, rl)
   with setup.tracer.span("eval", cat="eval", version=version):
     return evaluate_params(setup, rl.eval_engine, params, rl.correctness, version=version)
 
@@ -658,36 +640,37 @@ def first_weights(setup: Setup, rl: RLStack) -> weight_sync.Synced:
   return synced
 
 
-def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: int | None = None,
-                 collapse: CollapseDetector | None = None, queue: RolloutQueue | None = None,
-                 say=print, on_fault=None, on_sampler_step=None, resume=()) -> AsyncRuntime:
-  """The async loop over `stream`'s prompts, with every decode program compiled first (sampler.warmup):
-  the queue (`make_queue`, or `queue`), the reward stage, the driver, the runtime, each handed to the
-  next. Add the run's periodic work with `runtime.hooks.add(fn, every=N)`. With whole sampler hosts
-  `on_fault(error)` ends this learner host when a sampler host fails while the loop is stuck
-  (`hosts.learner_host.RemoteSampling`). `on_sampler_step`: the driver's `on_step`; `resume`: the
-  groups in flight it continues (`rl/in_flight.py`)."""
-  cfg, policy = setup.cfg, rl.policy
-  run_cfg = runtime_config(cfg, policy)
-  hosts = setup.meshes.hosts
-  if hosts is not None:  # whole sampler hosts sample, score and send; this learner host trains
-    from tunixlike.hosts.learner_host import RemoteSampling
-    policy.sync_weights()  # the first weights, to every sampler host
-    queue = queue or make_queue(cfg, policy, stream)
-    sampling = RemoteSampling(queue, jax.process_index(), hosts.sampler_hosts,
-                              silence_timeout_s=cfg.mesh.host_timeout_s, on_fault=on_fault)
-    runtime = AsyncRuntime(run_cfg, queue=queue, rewards=None, driver=sampling, policy=policy, collapse=collapse,
-                           num_steps=num_steps)
-    runtime.hooks.add(sampling.count_refused)
-    return runtime
+def local_sampler_side(setup: Setup, rl: RLStack, stream, queue, *, say=print, on_sampler_step=None,
+                       resume=()) -> transport_lib.SamplerSide:
+  """The sampler side in this process (`in_process.InProcess`): the reward stage and the driver, each
+  handed to the next, from the first weights (every decode program compiled first, sampler.warmup)."""
+  cfg = setup.cfg
   synced = first_weights(setup, rl)
-  queue = queue or make_queue(cfg, policy, stream)
   rewards = RewardStage(rl.scorer, queue, cfg.rl.reward_workers)
   turns = device_turns.DeviceTurns(cfg.rl.wait_timeout_s) if setup.meshes.colocated else device_turns.NO_TURNS
   driver = make_driver(setup, rl.engine, rl.scorer, stream, queue, rewards, synced, turns=turns, say=say,
                        on_step=on_sampler_step, resume=resume)
   if isinstance(queue, LockstepQueue):  # a checkpoint does not wait for a sampler that died
     queue.sampler_alive = lambda: driver.running
-  # Each process's queue admits its own share of every batch (`run_cfg`).
-  return AsyncRuntime(run_cfg, queue=queue, rewards=rewards, driver=driver, policy=policy, collapse=collapse,
-                      num_steps=num_steps, turns=turns)
+  return transport_lib.SamplerSide(driver, rewards, turns)
+
+
+def make_runtime(setup: Setup, rl: RLStack, stream: PromptStream, *, num_steps: int | None = None,
+                 collapse: CollapseDetector | None = None, queue: RolloutQueue | None = None,
+                 say=print, on_fault=None, on_sampler_step=None, resume=()) -> AsyncRuntime:
+  """The async loop over `stream`'s prompts: the queue (`make_queue`, or `queue`), the sampler side
+  through the run's transport (`Transport.sampler_side`: here, the reward stage and the driver with
+  every decode program compiled first), the runtime, each handed to the next. Add the run's periodic
+  work with `runtime.hooks.add(fn, every=N)`. `on_fault(error)`: what this process does when the other
+  end fails while the loop is stuck (`hosts.learner_host.RemoteSampling`). `on_sampler_step`: the
+  driver's `on_step`; `resume`: the groups in flight it continues (`rl/in_flight.py`)."""
+  cfg, policy = setup.cfg, rl.policy
+  queue = queue or make_queue(cfg, policy, stream)
+  side = setup.transport.sampler_side(setup, rl, stream, queue, say=say, on_fault=on_fault,
+                                          on_sampler_step=on_sampler_step, resume=resume)
+  # Each process's queue admits its own share of every batch (`runtime_config`).
+  runtime = AsyncRuntime(runtime_config(cfg, policy), queue=queue, rewards=side.rewards, driver=side.driver,
+                         policy=policy, collapse=collapse, num_steps=num_steps, turns=side.turns)
+  for hook in side.hooks:
+    runtime.hooks.add(hook)
+  return runtime

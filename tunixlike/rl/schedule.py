@@ -51,9 +51,9 @@ def decided(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def checksum(policy) -> int:
-  """The sampler's weights as the learner holds them, summed bit for bit (`hosts.weights.checksum`)."""
-  from tunixlike.hosts import weights as weights_lib  # JAX: not needed to read a record
-  return weights_lib.checksum(policy.full_params())
+  """The sampler's weights as the learner holds them, summed bit for bit (`weight_sync.checksum`)."""
+  from tunixlike.rl import weight_sync  # JAX: not needed to read a record
+  return weight_sync.checksum(policy.full_params())
 
 
 def _rewards(group: RolloutGroup) -> dict[str, Any]:

@@ -31,15 +31,14 @@ from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tunixlike import checkpoint as checkpoint_lib, cli, distributed, metrics as metrics_lib, models
+from tunixlike import checkpoint as checkpoint_lib, distributed, metrics as metrics_lib, models
 from tunixlike import workdir as workdir_lib
 from tunixlike import config as config_lib
 from tunixlike.config import Config
 from tunixlike.data import tasks as tasks_lib
-from tunixlike.hosts import kv as kv_lib, learner_host, rendezvous
 from tunixlike.rl import build as build_lib, collapse as collapse_lib, resume as resume_lib
 from tunixlike.rl import completions_log, signal_guard, truncation_guard, unlearning, warm_start as warm_start_lib
-from tunixlike.rl import hooks as hooks_lib, in_flight as in_flight_lib
+from tunixlike.rl import hooks as hooks_lib, in_flight as in_flight_lib, transport as transport_lib
 from tunixlike.rl.hooks import StepInfo
 from tunixlike.rl.preemption import Preemption
 from tunixlike.rl.prompts import PromptStream
@@ -56,14 +55,18 @@ class SetupError(ValueError):
   """Bad input found while building the run (mesh sizes, model files, data, workdir): one clear line."""
 
 
-def run(cfg: Config, workdir: str, *, on_second_interrupt=None, stages=None, **user) -> dict[str, Any]:
-  """Trains (or resumes the run in `workdir`); returns a summary. See the module docstring.
+def run(cfg: Config, workdir: str, *, on_second_interrupt=None, on_host_fault=None, stages=None,
+        **user) -> dict[str, Any]:
+  """Trains (or resumes the run in `workdir`); returns a summary or raises: the library never ends the
+  process, its entry point decides how to (`tunixlike.train`). See the module docstring.
   `user`: in-memory `dataset`, `eval_dataset`, `rewards`, `env`, `agent`, `hooks` (see `tunixlike.train`).
   `on_second_interrupt()`: what a second Ctrl-C does (the CLI exits at once); None raises KeyboardInterrupt.
-  `stages(run)`: the stages after the build, on this run's `_Run` (default: one policy's; `multi_agent.trainer`)."""
+  `on_host_fault(line, host)`: what a learner host does when a sampler host failed while its loop is
+  stuck in a collective or transfer (the CLI exits at once); None says `line` and raises once the
+  stuck call returns. `stages(run)`: the stages after the build, on this run's `_Run` (default: one
+  policy's; `multi_agent.trainer`)."""
   try:  # before anything touches a JAX backend (the checkpointer does)
-    distributed.initialize(cfg.distributed, whole_hosts=rendezvous.hello(cfg))
-    build_lib.check_process_split(cfg, jax.process_count())
+    build_lib.start_processes(cfg)
   except ValueError as e:
     raise SetupError(str(e)) from e
   mine = workdir_lib.local_dir(workdir, jax.process_index())
@@ -77,7 +80,7 @@ def run(cfg: Config, workdir: str, *, on_second_interrupt=None, stages=None, **u
     with Preemption(on_second=on_second_interrupt) as preemption:
       if build_lib.is_sampler_host(cfg):
         return _sampler_host(cfg, workdir, preemption, **user)
-      r = _Run(cfg, workdir, preemption, **user)
+      r = _Run(cfg, workdir, preemption, on_host_fault=on_host_fault, **user)
       try:
         return (stages or _stages)(r)
       except BaseException:
@@ -161,7 +164,7 @@ def _start_fresh(r: _Run) -> _Data | None:
   if cfg.warm_start.max_steps and not _warm_start(r):
     return None
   rl = r.build_rl()
-  stream = r.new_stream()
+  stream = r.transport.stream(r.setup.train_pipe)
   data = _Data(stream, build_lib.make_queue(cfg, rl.policy, stream))
   r.eval()
   r.save(data, force=True)  # the warm start and the first eval are never redone
@@ -241,26 +244,18 @@ def _restore(r: _Run) -> _Data:
   kept = None if data_changed else r.kept_rollouts(meta, policy.version)
   # The queue's counters continue; the checkpoint's rollouts in flight come first.
   with_queue = lambda stream: _Data(stream, build_lib.make_queue(r.cfg, policy, stream, meta.get("queue"), kept), kept)
-  streams = meta.get("streams", [meta["stream"]])  # one per process (each reads its own data shard)
-  readers = r.cfg.mesh.sampler_hosts or jax.process_count()  # or one per sampler host
+  streams = meta.get("streams", [meta["stream"]])  # one per process that reads prompts (its own data shard)
+  readers = r.transport.stream_readers
   if len(streams) != readers:
     raise SetupError(f"{where} was saved by a run whose prompts {len(streams)} processes read; resuming needs the "
                      f"same number, not {readers}" + (" (mesh.sampler_hosts)" if r.cfg.mesh.sampler_hosts else ""))
-  if r.setup.meshes.hosts is not None:  # the sampler hosts' streams continue from there
-    stream = r.new_stream(None if data_changed else streams)
-    r.counters["groups_regenerated"] += stream.replayed
-    if policy.version < r.cfg.rl.num_steps:
-      r.say(f"resumed from {where} at step {policy.version}; the sampler hosts regenerate {stream.replayed} prompts "
-            "that were in flight")
-    return with_queue(stream)
-  mine = streams[r.pid]
+  mine = r.transport.own(streams)
   if data_changed:  # data.allow_change: positions in the old data mean nothing in the new
     r.say(f"resumed from {where} at step {policy.version} on changed data ({'; '.join(data_changed)}); "
           f"data.allow_change: the prompt stream starts again at the start of the new data, and the "
-          f"{len(mine['outstanding'])} prompts in flight in the old data are not regenerated")
-    return with_queue(PromptStream(r.setup.train_pipe))
-  stream = PromptStream(r.setup.train_pipe, mine["position"], replay=mine["outstanding"],
-                        kept=kept.stream_indices if kept is not None else ())
+          f"{sum(len(s['outstanding']) for s in mine)} prompts in flight in the old data are not regenerated")
+    return with_queue(r.transport.stream(r.setup.train_pipe))
+  stream = r.transport.stream(r.setup.train_pipe, mine, kept)
   r.counters["groups_regenerated"] += stream.replayed
   if kept is not None:
     r.counters["groups_continued"] += len(kept.scored) + len(kept.in_flight)
@@ -275,7 +270,7 @@ def _rl(r: _Run, data: _Data) -> dict[str, Any]:
   cfg, rl = r.cfg, r.rl
   if r.stop_requested():  # stopped during the first eval: the step-0 checkpoint has it
     return _stopped(r, data, {})
-  r.start_sampler_hosts(data)
+  r.transport.start(data.stream)
   recorder = r.schedule_recorder(data)
   runtime = build_lib.make_runtime(r.setup, rl, data.stream, num_steps=max(cfg.rl.num_steps - r.version, 0),
                                    collapse=build_lib.collapse_detector(cfg, rl.policy), queue=data.queue, say=r.say,
@@ -300,8 +295,8 @@ def _rl(r: _Run, data: _Data) -> dict[str, Any]:
     r.say("policy collapsed: the collapsed state is not saved; "
           + (f"the best checkpoint is {r.ckpt.step_dir(best)}" if best is not None else "no eval checkpoint yet"))
     raise
-  except kv_lib.HostTimeout as e:  # a sampler host died or hangs: the learner hosts cannot save without it
-    raise kv_lib.HostTimeout(r.fault_line(e), e.host) from None
+  except transport_lib.PeerFault as e:  # the other end died or hangs: the run cannot save without it
+    raise type(e)(r.fault_line(e), e.host) from None
   except BaseException:
     fault = r.fault_elsewhere()
     if fault is not None:  # another learner host stopped on a fault first, and this one's collective with it failed
@@ -370,12 +365,8 @@ def checkpoint_meta(setup: build_lib.Setup, rl: build_lib.RLStack, stream: Promp
   position to resume from, where it is not `stream.state()` (a deterministic run's round start)."""
   cfg, model_cfg = setup.cfg, rl.policy.model().cfg
   own = stream.state() if stream_state is None else stream_state
-  # Each process reads its own data shard: keep every process's stream position (in process order);
-  # with whole sampler hosts, every sampler host's (`SamplerStreams`, a collective of the learner hosts).
-  if setup.meshes.hosts is not None:
-    streams = stream.state()
-  else:
-    streams = distributed.allgather_json(own) if distributed.is_multiprocess() else None
+  # Each reader of the prompts (a process, or a sampler host) keeps its stream position, in order.
+  streams = setup.transport.stream_states(stream, own)
   return json.loads(json.dumps({
       "version": rl.policy.version, "stream": own if streams is None else streams[0],
       **({"streams": streams} if streams is not None else {}), "counters": counters,
@@ -423,8 +414,8 @@ def as_trained(cfg: Config, setup: build_lib.Setup, user: dict) -> Config:
 class _Run:
   """One run: its setup and RL stack, logs, checkpoints, prompt accounting, evals and hooks."""
 
-  def __init__(self, cfg: Config, workdir: str, preemption: Preemption, hooks=(), **user):
-    self.cfg, self.workdir, self.preemption = cfg, workdir, preemption
+  def __init__(self, cfg: Config, workdir: str, preemption: Preemption, hooks=(), on_host_fault=None, **user):
+    self.cfg, self.workdir, self.preemption, self.on_host_fault = cfg, workdir, preemption, on_host_fault
     self.user_hooks = hooks_lib.user_hooks(hooks)  # (fn, every): `tunixlike.train(hooks=...)`
     self.pid = jax.process_index()
     self.dir = workdir_lib.local_dir(workdir, self.pid)  # this process's logs (WORKDIR itself on process 0)
@@ -440,9 +431,9 @@ class _Run:
     # (a sampler.max_new_tokens sized from the data).
     self.cfg = cfg = as_trained(self.setup.cfg, self.setup, user)
     self.setup = dataclasses.replace(self.setup, cfg=cfg)
-    # Whole sampler hosts (mesh.sampler_hosts) take no part in checkpoints: the learner hosts write them.
+    self.transport = self.setup.transport  # to the sampler side, wherever it is
     self.ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), keep=cfg.checkpoint.keep,
-                                            processes=distributed.group() if cfg.mesh.sampler_hosts else None,
+                                            processes=self.transport.checkpoint_processes,
                                             save_every_steps=cfg.checkpoint.every_steps,
                                             save_every_seconds=cfg.checkpoint.every_seconds,
                                             save_frozen=not (cfg.model.hf_path and cfg.lora.rank),
@@ -496,20 +487,6 @@ class _Run:
     """Several processes train in lockstep (the learner hosts, with whole sampler hosts)."""
     return distributed.is_multiprocess()
 
-  def new_stream(self, states: list | None = None):
-    """The prompt stream from its start (or a checkpoint's `states`): this process's own, or with
-    whole sampler hosts the learner hosts' record of theirs."""
-    hosts = self.setup.meshes.hosts
-    if hosts is None:
-      return PromptStream(self.setup.train_pipe)
-    from tunixlike.hosts.learner_host import SamplerStreams
-    return SamplerStreams(len(hosts.sampler_hosts), states)
-
-  def start_sampler_hosts(self, data: _Data) -> None:
-    """Whole sampler hosts: tells them where their prompt streams start (they wait for it)."""
-    if self.setup.meshes.hosts is not None and self.pid == 0:
-      kv_lib.put(learner_host.START, json.dumps({"streams": data.stream.states()}).encode())
-
   def build_rl(self) -> build_lib.RLStack:
     self.rl = build_lib.build_rl(self.setup, synced_weights_dir=_synced_weights_dir(self.cfg, self.dir))
     return self.rl
@@ -520,20 +497,13 @@ class _Run:
     return distributed.any_process(flag) if self.multi else flag
 
   def stop_requested(self) -> bool:
-    """A preemption seen by any process (a signal reaches the hosts at different times; a sampler
-    host's reaches the learner hosts through the key-value store)."""
-    asked = self.setup.meshes.hosts is not None and self.pid == 0 and self._asked_by_sampler_host()
-    return self.agreed(self.preemption.requested or asked)
-
-  def _asked_by_sampler_host(self) -> bool:
-    host = kv_lib.try_get(learner_host.STOP_REQUEST)
-    if host is None:  # nobody asked
-      return False
-    host = host.decode()
-    if not self.preemption.requested:
+    """A preemption seen by any process (a signal reaches the hosts at different times; one on the
+    other end of the transport reaches this side through it)."""
+    asked = self.transport.stop_asked()
+    if asked is not None and not self.preemption.requested:
       self.preemption.requested = True
-      self.say(f"sampler host {host} received a signal: finishing the current step, saving a checkpoint")
-    return True
+      self.say(f"{asked} received a signal: finishing the current step, saving a checkpoint")
+    return self.agreed(self.preemption.requested)
 
   def check_resumable(self, meta: dict | None, step: int, model_cfg: dict | None = None) -> list[str]:
     """A restart whose config would change what checkpoint `step` was trained with is refused; so is
@@ -572,15 +542,14 @@ class _Run:
     self.say(f"tunixlike: task {cfg.data.task}, {n_params:,} params, sampler {dict(setup.meshes.sampler.shape)}, "
              f"learner {dict(setup.meshes.learner.shape)}")
     self.say(lockstep_lib.describe(cfg))
-    if setup.meshes.hosts is not None:  # whole hosts per side: this host's role and devices
-      lines = setup.meshes.hosts.describe()
-      for line in (lines if self.pid == 0 else lines[self.pid:self.pid + 1]):
-        self.say(line)
+    lines = self.transport.describe()  # the layout: this process's role and devices
+    for line in (lines if self.pid == 0 else lines[self.pid:self.pid + 1]):
+      self.say(line)
 
   def close(self, quietly: bool = False):
     """Closes what the run opened (tracer, logs, checkpointer, reward threads) and uploads a remote
     workdir's logs. `quietly`: failures are logged, not raised (an error is already on its way)."""
-    closers = [self._release_sampler_hosts, self.setup.tracer.close, self._close_logs, self.ckpt.close]
+    closers = [self.transport.end, self.setup.tracer.close, self._close_logs, self.ckpt.close]
     closers += [self.rl.close] if self.rl is not None else []
     closers += [] if quietly else [lambda: workdir_lib.upload_logs(self.workdir, self.pid, self.say)]
     for close in closers:
@@ -597,24 +566,21 @@ class _Run:
     latest = self.ckpt.latest_step()
     line = (f"{error}; the last checkpoint is {self.ckpt.step_dir(latest) if latest is not None else 'none yet'}: "
             "run the same command again to resume from it")
-    learner_host.end_run(failure=line, host=getattr(error, "host", None))
+    self.transport.end(failure=line, host=getattr(error, "host", None))
     return line
 
-  def fault_elsewhere(self) -> kv_lib.HostTimeout | None:
-    """Whole sampler hosts: the fault another host stopped the run on (its line), or None."""
-    over = learner_host.run_over() if self.setup.meshes.hosts is not None else None
-    return None if not over or not over["failure"] else kv_lib.HostTimeout(over["failure"], over.get("host"))
+  def fault_elsewhere(self) -> transport_lib.PeerFault | None:
+    """The fault another process stopped the run on (its line), or None."""
+    return self.transport.fault_elsewhere()
 
   def host_fault(self, error: BaseException) -> None:
-    """A sampler host failed while this learner host's loop is stuck (`RemoteSampling`): says so, exits."""
+    """A sampler host failed while this learner host's loop is stuck (`RemoteSampling`): says so and
+    hands the decision to the entry point (`on_host_fault`); a library call raises when the loop returns."""
     line = self.fault_line(error)
-    cli.exit_now("tunixlike.train", line, 1,
-                 before_exit=lambda: learner_host.leave_after_fault(line, getattr(error, "host", None)))
-
-  def _release_sampler_hosts(self):
-    """Whole sampler hosts: the run is over (also when it ended before its RL loop started)."""
-    if self.setup.meshes.hosts is not None and self.pid == 0:
-      learner_host.end_run()
+    if self.on_host_fault is not None:
+      self.on_host_fault(line, getattr(error, "host", None))
+    else:
+      self.say(line)
 
   def _close_logs(self):
     if self.logger is not None:

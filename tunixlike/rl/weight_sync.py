@@ -40,6 +40,7 @@ from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tunixlike import trace as trace_lib
 from tunixlike.sampler import params as params_lib
@@ -467,3 +468,26 @@ def for_learner(learner, targets: Any, *, dtype=None, bucket_bytes: int = DEFAUL
       keep = all(s.is_fully_replicated for s in jax.tree.leaves(targets))
       return WeightSync(targets, layout, mode="packed", learner_mesh=mesh, keep_packed=keep, **common)
   return WeightSync(targets, sampler_params, mode="full", **common)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _checksum(leaves, dtype):
+  total = jnp.uint32(0)
+  for k, x in enumerate(leaves):
+    if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+      x = x.astype(dtype)
+    if x.dtype == jnp.bool_ or x.dtype.itemsize not in (1, 2, 4):
+      bits = x.astype(jnp.uint32)
+    else:
+      bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize])
+    total += bits.astype(jnp.uint32).sum(dtype=jnp.uint32) * jnp.uint32(k + 1)
+  return total
+
+
+def checksum(tree: Any, dtype=None) -> int:
+  """The bits of every array of `tree` (floats cast to `dtype` first) summed as uint32, each array
+  weighted by its place: integer sums wrap and do not depend on the order of reduction, so the
+  learner's sharded arrays and the sampler's copy give the same number exactly when their bits
+  are the same. A collective where `tree` spans hosts."""
+  name = None if dtype is None else jnp.dtype(dtype).name
+  return int(np.asarray(_checksum(jax.tree.leaves(tree), name).addressable_data(0)))

@@ -1,11 +1,13 @@
 """Several processes of this machine as one multi-controller JAX job, each with its own virtual CPU
 devices: how the tests and benchmarks run whole hosts (and the per-host split) without a cluster.
+A launcher, not part of the library: benchmarks import it beside them, tests through
+tests/multiprocess_job.py.
 
     results = local_job.run([sys.executable, "-m", "tunixlike.train", ...], 4, devices=2)
     for rc, output in results: ...
 
 Process i gets JAX_PROCESS_ID=i, the coordinator on a free port of 127.0.0.1, the job's secret
-(`hosts.seal`: one per job, in the environment, never on a command line) and `devices` CPU
+(`tunixlike.hosts.seal`: one per job, in the environment, never on a command line) and `devices` CPU
 devices (`xla_flags`, which the benchmarks' children use too), the same command as the others (as
 on real hosts); the children import this same tunixlike. Every wait is bounded: when one process
 fails, or the time runs out, the others are killed, so a test or benchmark never hangs on a job that
