@@ -140,8 +140,10 @@ class Drafter:
     """(drafts int32 [num_slots, draft_tokens] with NO_DRAFT padding, lengths [num_slots]), or None
     when no sequence has one (the plain decode program runs)."""
     out, lengths = None, np.zeros((num_slots,), np.int32)
-    for seq in sequences:
-      draft = self._draft(seq)
+    sequences = list(sequences)
+    own = [self._text(seq) for seq in sequences]  # every live text up to date first: each is the others' source
+    for seq, text in zip(sequences, own):
+      draft = self._draft(seq, text)
       if draft:
         if out is None:
           out = np.full((num_slots, self.draft_tokens), NO_DRAFT, np.int32)
@@ -149,16 +151,21 @@ class Drafter:
         lengths[seq.slot] = len(draft)
     return None if out is None else (out, lengths)
 
-  def _draft(self, seq: Live) -> list[int]:
-    length = min(self.draft_tokens, seq.budget)
-    control = self._control.get((seq.group, seq.index))
-    if length <= 0 or (control is not None and len(seq.tokens) < control.paused_until):
-      return []
+  def _text(self, seq: Live) -> NgramIndex:
+    """The sequence's indexed text (prompt + tokens), brought up to date."""
     group = self._group(seq)
     own = group.samples.get(seq.index)
     if own is None:
       own = group.samples[seq.index] = NgramIndex(self.ngram, seq.prompt_ids)
     own.extend(seq.tokens[len(own.tokens) - len(seq.prompt_ids):])
+    return own
+
+  def _draft(self, seq: Live, own: NgramIndex) -> list[int]:
+    length = min(self.draft_tokens, seq.budget)
+    control = self._control.get((seq.group, seq.index))
+    if length <= 0 or (control is not None and len(seq.tokens) < control.paused_until):
+      return []
+    group = self._groups[seq.group]
     sources = [t for i, t in group.samples.items() if i != seq.index] + group.history + [own]
     for n in range(min(self.ngram, len(own.tokens)), MIN_NGRAM - 1, -1):
       pattern = tuple(own.tokens[-n:])

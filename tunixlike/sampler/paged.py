@@ -110,7 +110,7 @@ class PagedEngine(Engine):
     """(shared full prompt blocks, own blocks per sample) of a sequence inserted at true_length:
     its own cover the prompt's partly filled block and the positions of its first generate call."""
     filled = true_length - 1  # KV positions the prefill wrote
-    first_call = min(filled + self.config.steps_per_call, self.config.cache_length)
+    first_call = self._call_end(filled)
     full = filled // self.block_size
     return full, blocks_for(first_call, self.block_size) - full
 
