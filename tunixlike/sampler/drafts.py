@@ -1,25 +1,29 @@
 """Drafts for speculative decoding from text the sampler already holds (`sampler.speculative`).
 
-A sequence's draft is what followed the latest earlier occurrence of its last n tokens (n =
-`sampler.draft_ngram` down to 2; prompt lookup decoding, Saxena 2023) in, all at once:
-  * the other samples of its GRPO group, live or finished (prompt + their tokens so far): the G
-    samples of one prompt share long stretches of text, more so as the policy sharpens, and the
-    last, long samples of a batch find theirs finished;
+A sequence's draft is what followed its last n tokens (n = `sampler.draft_ngram` down to 2; prompt
+lookup decoding, Saxena 2023) in
+  * the other samples of its GRPO group, live or finished (prompt + their tokens so far), at the
+    occurrence nearest its own position: the G samples of one prompt share long stretches of text,
+    more so as the policy sharpens, and the last, long samples of a batch find theirs finished;
   * its prompt's earlier completions (`sampler.draft_history` per prompt, kept on the host: a
     prompt seen again, e.g. in the next epoch);
-  * its own prompt and completion (repetition).
-The longest continuation found wins (ties: in that order). Any draft is safe: verification keeps
-exactly the tokens plain decoding samples (`speculative`); a draft only decides how many come per
-forward.
+the longest continuation found (ties: in that order), or, if none is `draft_tokens` long, the
+sequence's own repetition (`NgramIndex.repeat`) if that is longer. Any draft is safe: verification
+keeps exactly the tokens plain decoding samples (`speculative`); a draft only decides how many come
+per forward.
 
-Adaptive: a sequence whose drafts were accepted less than `sampler.draft_min_acceptance` over its
-last `WINDOW` tries stops drafting for `FIRST_PAUSE` tokens, twice as long after each further
-failure (up to `MAX_PAUSE`), so text that does not repeat costs a few verify forwards per sequence,
-not one per step. Lookups use an n-gram index per text, extended as the text grows (O(1) per token).
+Adaptive, twice: a sequence whose drafts were accepted less than `sampler.draft_min_acceptance`
+over its last `WINDOW` tries stops drafting for `FIRST_PAUSE` tokens, twice as long after each
+further failure (up to `MAX_PAUSE`), so text that does not repeat costs a few verify forwards per
+sequence, not one per step; and a decode call verifies drafts only when the tokens they are expected
+to add (each draft's length times its sequence's recent acceptance) pay for the verify forward's
+cost, measured against a plain call's at the same decode width (`Drafter._pays`). Neither changes a
+token: only how many come per call. Lookups use an n-gram index per text, extended as the text grows (O(1) per token).
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 from typing import Iterable, NamedTuple, Sequence
@@ -33,33 +37,64 @@ FIRST_PAUSE = 16  # tokens a sequence decodes without drafting after its drafts 
 MAX_PAUSE = 1024
 MIN_NGRAM = 2  # a one-token match proposes mostly noise
 HISTORY_TOKENS = 1 << 22  # tokens of earlier completions kept over all prompts (16 MiB as int32)
+PRIOR_ACCEPTANCE = 0.5  # a sequence's expected acceptance before its first verified draft
+TIME_SMOOTHING = 0.3  # weight of the latest call in the smoothed seconds per call
 
 
 class NgramIndex:
-  """A growing text and, per n-gram (n in [MIN_NGRAM, ngram]) followed by at least one token, where it
-  last started."""
+  """A growing text and, per n-gram (n in [MIN_NGRAM, ngram]) followed by at least one token, where
+  it started (ascending)."""
 
-  def __init__(self, ngram: int, tokens: Iterable[int] = ()):
+  def __init__(self, ngram: int, tokens: Iterable[int] = (), *, growing: Sequence[int] | None = None):
+    """`tokens`, then `growing` (a list another part appends to, read up to its end at each lookup)."""
     self.ngram = ngram
     self.tokens: list[int] = []
-    self._last: dict[tuple[int, ...], int] = {}
+    self._starts: dict[tuple[int, ...], list[int]] = {}
     self.extend(tokens)
+    self._growing, self._offset = growing, len(self.tokens)
+
+  def sync(self) -> None:
+    """Indexes what the growing list gained since the last lookup."""
+    if self._growing is not None:
+      self.extend(self._growing[len(self.tokens) - self._offset:])
 
   def extend(self, tokens: Iterable[int]) -> None:
     for token in tokens:
       i = len(self.tokens)
       for n in range(MIN_NGRAM, self.ngram + 1):
         if i >= n:  # tokens[i - n:i] is now followed by `token`
-          self._last[tuple(self.tokens[i - n:i])] = i - n
+          self._starts.setdefault(tuple(self.tokens[i - n:i]), []).append(i - n)
       self.tokens.append(int(token))
 
-  def follow(self, pattern: tuple[int, ...], length: int) -> list[int]:
-    """Up to `length` tokens after the latest occurrence of `pattern` ([] if none)."""
-    start = self._last.get(pattern)
-    if start is None:
+  def freeze(self) -> None:
+    """Indexes the growing list to its end and lets go of it (its text is complete)."""
+    self.sync()
+    self._growing = None
+
+  def follow(self, pattern: tuple[int, ...], length: int, near: int) -> list[int]:
+    """Up to `length` tokens after the occurrence of `pattern` that starts nearest to position `near`
+    ([] if none). Texts of one prompt share its tokens' positions, so a sibling's text at the asking
+    sequence's own position is what that sample wrote at this point."""
+    self.sync()
+    starts = self._starts.get(pattern)
+    if not starts:
       return []
-    start += len(pattern)
+    i = bisect.bisect_left(starts, near)
+    start = min(starts[max(i - 1, 0):i + 1], key=lambda s: abs(s - near)) + len(pattern)
     return self.tokens[start:start + length]
+
+  def repeat(self, length: int) -> list[int]:
+    """The text's own continuation if it repeats its last stretch: what followed the latest earlier
+    occurrence of its suffix, continued with the period that occurrence implies (a text that has
+    repeated one stretch so far goes on repeating it), for the longest suffix that has occurred."""
+    self.sync()
+    end = len(self.tokens)
+    for n in range(min(self.ngram, end - 1), MIN_NGRAM - 1, -1):
+      starts = self._starts.get(tuple(self.tokens[end - n:]))
+      if starts:
+        period = end - n - starts[-1]
+        return [self.tokens[end - period + k % period] for k in range(length)]
+    return []
 
 
 class History:
@@ -125,54 +160,87 @@ class Drafter:
   sampler thread. The driver calls `drafts` before a call, `observe` after a verify call, and, as a
   `driver.Recorder`, `completion` and `group` as sequences and groups end."""
 
-  def __init__(self, draft_tokens: int, ngram: int, min_acceptance: float, history: int):
+  def __init__(self, draft_tokens: int, ngram: int, min_acceptance: float, history: int, steps_per_call: int = 1):
     self.draft_tokens, self.ngram, self.min_acceptance = draft_tokens, ngram, min_acceptance
+    self.steps_per_call = steps_per_call
     self.history = History(history)
     self._groups: dict[int, _Group] = {}
     self._control: dict[tuple[int, int], _Control] = {}
+    self._seconds: dict[tuple[bool, int], float] = {}  # (verify call?, decode width) -> seconds per call (EMA)
 
   @classmethod
   def from_config(cls, config) -> Drafter:
     """From a `SamplerConfig`."""
-    return cls(config.draft_tokens, config.draft_ngram, config.draft_min_acceptance, config.draft_history)
+    return cls(config.draft_tokens, config.draft_ngram, config.draft_min_acceptance, config.draft_history,
+               config.steps_per_call)
 
-  def drafts(self, sequences: Iterable[Live], num_slots: int) -> tuple[np.ndarray, np.ndarray] | None:
+  def drafts(self, sequences: Iterable[Live], num_slots: int,
+             width: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """(drafts int32 [num_slots, draft_tokens] with NO_DRAFT padding, lengths [num_slots]), or None
-    when no sequence has one (the plain decode program runs)."""
-    out, lengths = None, np.zeros((num_slots,), np.int32)
+    when no sequence has one, or (given the call's decode `width`) when the tokens the drafts are
+    expected to add do not pay for a verify call (`_pays`): the plain decode program runs."""
     sequences = list(sequences)
-    own = [self._text(seq) for seq in sequences]  # every live text up to date first: each is the others' source
-    for seq, text in zip(sequences, own):
-      draft = self._draft(seq, text)
-      if draft:
-        if out is None:
-          out = np.full((num_slots, self.draft_tokens), NO_DRAFT, np.int32)
-        out[seq.slot, :len(draft)] = draft
-        lengths[seq.slot] = len(draft)
-    return None if out is None else (out, lengths)
+    asking, bound = [], 0.0  # sequences that draft now (not paused), the most their drafts can add
+    for seq in sequences:
+      group = self._group(seq)
+      if seq.index not in group.samples:  # its text, indexed as it grows (a source for its siblings too)
+        group.samples[seq.index] = NgramIndex(self.ngram, seq.prompt_ids, growing=seq.tokens)
+      control = self._control.get((seq.group, seq.index))
+      length = min(self.draft_tokens, seq.budget)
+      if length > 0 and (control is None or len(seq.tokens) >= control.paused_until):
+        asking.append((seq, length, self._acceptance(seq)))
+        bound += length * asking[-1][2]
+    if not asking or (width is not None and not self._pays(bound, len(sequences), width)):
+      return None  # (no lookups: most steps of text that does not repeat end here)
+    out = np.full((num_slots, self.draft_tokens), NO_DRAFT, np.int32)
+    lengths, gain = np.zeros((num_slots,), np.int32), 0.0
+    for seq, length, acceptance in asking:
+      draft = self._draft(seq, length)
+      out[seq.slot, :len(draft)] = draft
+      lengths[seq.slot] = len(draft)
+      gain += len(draft) * acceptance
+    if not lengths.any() or (width is not None and not self._pays(gain, len(sequences), width)):
+      return None
+    return out, lengths
 
-  def _text(self, seq: Live) -> NgramIndex:
-    """The sequence's indexed text (prompt + tokens), brought up to date."""
-    group = self._group(seq)
-    own = group.samples.get(seq.index)
-    if own is None:
-      own = group.samples[seq.index] = NgramIndex(self.ngram, seq.prompt_ids)
-    own.extend(seq.tokens[len(own.tokens) - len(seq.prompt_ids):])
-    return own
-
-  def _draft(self, seq: Live, own: NgramIndex) -> list[int]:
-    length = min(self.draft_tokens, seq.budget)
+  def _acceptance(self, seq: Live) -> float:
+    """The sequence's acceptance over its last tries (PRIOR_ACCEPTANCE before any)."""
     control = self._control.get((seq.group, seq.index))
-    if length <= 0 or (control is not None and len(seq.tokens) < control.paused_until):
-      return []
+    if control is None or not control.tries:
+      return PRIOR_ACCEPTANCE
+    return sum(a for _, a in control.tries) / sum(d for d, _ in control.tries)
+
+  def _pays(self, gain: float, live: int, width: int) -> bool:
+    """Whether a verify call is expected to give more tokens per second than a plain one: the live
+    sequences' steps_per_call tokens each plus the drafts' expected `gain`, over the measured seconds
+    of each kind of call at this decode width (a verify forward costs more where compute, not memory,
+    bounds a step: several times a decode step's on CPU, about one on an accelerator at small widths).
+    Each kind is run once at a width before the measurements decide."""
+    plain, verify = self._seconds.get((False, width)), self._seconds.get((True, width))
+    if plain is None or verify is None:
+      return plain is not None  # measure a plain call first, then a verify call
+    tokens = live * self.steps_per_call
+    return (tokens + gain) / verify > tokens / plain
+
+  def timed(self, verified: bool, width: int, seconds: float) -> None:
+    """A decode call's duration (the driver reports each), smoothed per kind and width."""
+    key = (verified, width)
+    old = self._seconds.get(key)
+    self._seconds[key] = seconds if old is None else old + TIME_SMOOTHING * (seconds - old)
+
+  def _draft(self, seq: Live, length: int) -> list[int]:
     group = self._groups[seq.group]
-    sources = [t for i, t in group.samples.items() if i != seq.index] + group.history + [own]
+    own = group.samples[seq.index]
+    own.sync()
+    sources = [t for i, t in group.samples.items() if i != seq.index] + group.history
     for n in range(min(self.ngram, len(own.tokens)), MIN_NGRAM - 1, -1):
-      pattern = tuple(own.tokens[-n:])
-      best = max((s.follow(pattern, length) for s in sources), key=len)  # max keeps the first of equals
-      if best:
+      pattern, near = tuple(own.tokens[-n:]), len(own.tokens) - n
+      best = max((s.follow(pattern, length, near) for s in sources), key=len, default=[])  # max keeps the first
+      if len(best) == length:
         return best
-    return []
+      if best:
+        break
+    return max((best, own.repeat(length)), key=len)
 
   def _group(self, seq: Live) -> _Group:
     group = self._groups.get(seq.group)
@@ -201,12 +269,14 @@ class Drafter:
   def completion(self, key: tuple[int, int], prompt_ids, tokens, request) -> None:
     """A sample ended: its text stays a draft source for its group and joins its prompt's history."""
     group = self._groups.get(key[0])
-    if group is not None:
-      index = group.samples.setdefault(key[1], NgramIndex(self.ngram, prompt_ids))
-      index.extend(tokens[len(index.tokens) - len(prompt_ids):])
-    else:  # ended before it ever asked for a draft: its siblings still may
-      self._groups[key[0]] = _Group(samples={key[1]: NgramIndex(self.ngram, [*prompt_ids, *tokens])},
-                                    history=[NgramIndex(self.ngram, t) for t in self.history.texts(prompt_ids)])
+    if group is None:  # it ended before its group asked for a draft: its siblings still may
+      group = self._groups[key[0]] = _Group(samples={}, history=[NgramIndex(self.ngram, t)
+                                                                 for t in self.history.texts(prompt_ids)])
+    index = group.samples.get(key[1])
+    if index is None:
+      group.samples[key[1]] = NgramIndex(self.ngram, [*prompt_ids, *tokens])
+    else:
+      index.freeze()
     self.history.add(prompt_ids, tokens)
     self._control.pop(key, None)
 

@@ -320,7 +320,11 @@ class RolloutDriver:
       for src, dst in moves:
         self._slots[dst], self._slots[src] = self._slots[src], None
       self.stats.moves += len(moves)
-      drafted = None if self._drafter is None else self._drafter.drafts(self._draft_requests(), len(self._slots))
+      if self._drafter is not None:
+        width = self.engine.decode_width(self._state)
+        drafted = self._drafter.drafts(self._draft_requests(), len(self._slots), width)
+      else:
+        drafted = None
       t0 = time.perf_counter()
       with self.tracer.span("generate", cat="sampler", version=self._version, verify=drafted is not None):
         if drafted is None:
@@ -329,6 +333,8 @@ class RolloutDriver:
         else:
           self._state, host = self.engine.verify(self._params, self._state, drafted[0])
       self.stats.busy_time_s += time.perf_counter() - t0
+      if self._drafter is not None:
+        self._drafter.timed(drafted is not None, width, time.perf_counter() - t0)
     self.stats.generate_calls += 1
     self._count_steps(host, drafted)
     self._collect(host)
