@@ -13,9 +13,11 @@ in `--long-every`, as when a batch waits for its last, longest completions). Two
   trained: the main job's policy after its RL stage (the final checkpoint of `--workdir`, else of
            the plain end-to-end run below), whose G samples of a prompt agree;
   random:  the same architecture with random weights, whose samples share nothing.
-Per model, plain and speculative decoding alternate (`--repeats` each, the first of each left out as
-compilation) on the same weights, prompts and noise keys; per mode the fastest later run (a later run
-may still compile a program a timed choice reaches first): `batch_s` (time to finish the batch),
+With --warmup both engines first compile every decode program (`Engine.warmup`, as sampler.warmup
+does; `warmup_s`). Per model, plain and speculative decoding alternate (`--repeats` each; without
+--warmup the first of each is left out as compilation) on the same weights, prompts and noise keys;
+per mode its fastest run (the machine is shared; each speculative run's drafter starts from the seconds
+per call the earlier runs measured, as one driver of a run measures them once for every batch): `batch_s` (time to finish the batch),
 `tokens_per_s`, generate calls, and for speculative runs the draft acceptance, tokens per decode step
 (per live slot and forward) and verify calls; `runs`: every run. `identical_tokens`: every
 completion's tokens equal; `max_logprob_difference`: the largest difference of a token's logprob
@@ -73,7 +75,7 @@ from tunixlike.data import pipeline  # noqa: E402
 from tunixlike.learner import state as state_lib  # noqa: E402
 from tunixlike.rl import build, weight_sync  # noqa: E402
 from tunixlike.rl.prompts import requests_for  # noqa: E402
-from tunixlike.sampler import RolloutDriver, make_engine  # noqa: E402
+from tunixlike.sampler import RolloutDriver, drafts as drafts_lib, make_engine  # noqa: E402
 
 PAGED = ["--config.sampler.kv_layout=paged"]
 TARGETS = {"trained": 0.67, "random": 1.05}
@@ -120,10 +122,15 @@ def requests(setup, n: int):
   return out
 
 
-def decode(engine, params, reqs) -> tuple[dict, dict]:
-  """One batch through a fresh driver: (stats, completions by prompt)."""
+def decode(engine, params, reqs, call_seconds: dict) -> tuple[dict, dict]:
+  """One batch through a fresh driver: (stats, completions by prompt). A speculative driver's drafter
+  starts from the seconds per call the previous runs measured (`call_seconds`, updated): in a run the
+  driver lives for every batch and measures each kind of call once, not once per batch."""
   got = []
-  driver = RolloutDriver(engine, params, source=iter(reqs), sink=got.append)
+  drafter = drafts_lib.Drafter.from_config(engine.config) if engine.config.speculative else None
+  if drafter is not None:
+    drafter.call_seconds = call_seconds
+  driver = RolloutDriver(engine, params, source=iter(reqs), sink=got.append, drafter=drafter)
   t0 = time.perf_counter()
   driver.run(max_wall_s=1800)
   batch_s = time.perf_counter() - t0
@@ -163,14 +170,14 @@ def batch(setup, trained, random_state, s_cfg) -> dict:
         engine.warmup(params)
         out["warmup_s"][mode] = round(time.perf_counter() - t0, 1)
     runs = {mode: [] for mode in engines}
-    completions = {}
+    completions, call_seconds = {}, {}
     for i in range(ARGS.repeats):
       for mode, engine in engines.items():  # alternated: a load change falls on both modes alike
-        stats, completions[mode] = decode(engine, params, reqs)
+        stats, completions[mode] = decode(engine, params, reqs, call_seconds)
         runs[mode].append(stats)
-    # The first run of each mode compiles; a later one may still compile a program that a timed choice
-    # (Drafter._pays) first reaches, so each mode's fastest later run is its figure.
-    best = {mode: min(r[1:] or r, key=lambda s: s["batch_s"]) for mode, r in runs.items()}
+    # Without --warmup the first run of each mode compiles (and a later one may still compile a program a
+    # timed choice first reaches). The machine is shared: each mode's fastest run is its figure.
+    best = {mode: min(r[0 if ARGS.warmup else 1:] or r, key=lambda s: s["batch_s"]) for mode, r in runs.items()}
     lengths = [len(c.token_ids) for cs in completions["plain"].values() for c in cs]
     out[name] = {**best, **compare(completions["plain"], completions["speculative"]),
                  "ratio_batch_s": round(best["speculative"]["batch_s"] / best["plain"]["batch_s"], 3),

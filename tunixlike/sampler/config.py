@@ -91,7 +91,7 @@ class SamplerConfig:
                               "group's other samples and its prompt's earlier rollouts, verified in one forward; "
                               "the same tokens and logprobs as plain decoding (needs kv_layout='paged')",
                               resumable=True)
-  draft_tokens: int = setting(4, "most draft tokens verified per sequence and call (one verify program per decode "
+  draft_tokens: int = setting(8, "most draft tokens verified per sequence and call (one verify program per decode "
                               "width: the draft length is fixed)", check=positive_int, resumable=True)
   draft_ngram: int = setting(3, "longest suffix of a sequence looked up in the draft sources (shorter ones down to 2 "
                              "if it is not found)", check=ints_at_least(2), resumable=True)

@@ -16,7 +16,8 @@ Adaptive, twice: a sequence whose drafts were accepted less than `sampler.draft_
 over its last `WINDOW` tries stops drafting for `FIRST_PAUSE` tokens, twice as long after each
 further failure (up to `MAX_PAUSE`), so text that does not repeat costs a few verify forwards per
 sequence, not one per step; and a decode call verifies drafts only when the tokens they are expected
-to add (each draft's length times its sequence's recent acceptance) pay for the verify forward's
+to add (each draft's length times its sequence's recent acceptance, or all drafts' recent acceptance
+for a sequence without tries) pay for the verify forward's
 cost, measured against a plain call's at the same decode width (`Drafter._pays`). Neither changes a
 token: only how many come per call. Lookups use an n-gram index per text, extended as the text grows (O(1) per token).
 """
@@ -37,8 +38,10 @@ FIRST_PAUSE = 16  # tokens a sequence decodes without drafting after its drafts 
 MAX_PAUSE = 1024
 MIN_NGRAM = 2  # a one-token match proposes mostly noise
 HISTORY_TOKENS = 1 << 22  # tokens of earlier completions kept over all prompts (16 MiB as int32)
-PRIOR_ACCEPTANCE = 0.5  # a sequence's expected acceptance before its first verified draft
+PRIOR_ACCEPTANCE = 0.5  # the expected acceptance of a draft before any was verified
+RECENT_SMOOTHING = 0.05  # weight of one try in the recent acceptance of all drafts (a new sequence's estimate)
 TIME_SMOOTHING = 0.3  # weight of the latest call in the smoothed seconds per call
+RETRY_EVERY = 32  # refused verify calls (of drafts worth a token) at a width before one measures again
 
 
 class NgramIndex:
@@ -166,7 +169,10 @@ class Drafter:
     self.history = History(history)
     self._groups: dict[int, _Group] = {}
     self._control: dict[tuple[int, int], _Control] = {}
-    self._seconds: dict[tuple[bool, int], float] = {}  # (verify call?, decode width) -> seconds per call (EMA)
+    # (verify call?, decode width) -> seconds per call (EMA); a new drafter may start from another's.
+    self.call_seconds: dict[tuple[bool, int], float] = {}
+    self._recent = PRIOR_ACCEPTANCE  # acceptance of the latest tries of every sequence (EMA)
+    self._refused: dict[int, int] = {}  # decode width -> verify calls refused since the last one there
 
   @classmethod
   def from_config(cls, config) -> Drafter:
@@ -190,7 +196,7 @@ class Drafter:
       if length > 0 and (control is None or len(seq.tokens) >= control.paused_until):
         asking.append((seq, length, self._acceptance(seq)))
         bound += length * asking[-1][2]
-    if not asking or (width is not None and not self._pays(bound, len(sequences), width)):
+    if not asking or (width is not None and not self._pays(bound, len(sequences), width, final=False)):
       return None  # (no lookups: most steps of text that does not repeat end here)
     out = np.full((num_slots, self.draft_tokens), NO_DRAFT, np.int32)
     lengths, gain = np.zeros((num_slots,), np.int32), 0.0
@@ -204,29 +210,40 @@ class Drafter:
     return out, lengths
 
   def _acceptance(self, seq: Live) -> float:
-    """The sequence's acceptance over its last tries (PRIOR_ACCEPTANCE before any)."""
+    """The sequence's acceptance over its last tries; before any, the recent acceptance of all drafts."""
     control = self._control.get((seq.group, seq.index))
     if control is None or not control.tries:
-      return PRIOR_ACCEPTANCE
+      return self._recent
     return sum(a for _, a in control.tries) / sum(d for d, _ in control.tries)
 
-  def _pays(self, gain: float, live: int, width: int) -> bool:
+  def _pays(self, gain: float, live: int, width: int, *, final: bool = True) -> bool:
     """Whether a verify call is expected to give more tokens per second than a plain one: the live
     sequences' steps_per_call tokens each plus the drafts' expected `gain`, over the measured seconds
     of each kind of call at this decode width (a verify forward costs more where compute, not memory,
     bounds a step: several times a decode step's on CPU, about one on an accelerator at small widths).
     Each kind is run once at a width before the measurements decide."""
-    plain, verify = self._seconds.get((False, width)), self._seconds.get((True, width))
+    if gain < 1:  # not a token's worth
+      return False
+    plain, verify = self.call_seconds.get((False, width)), self.call_seconds.get((True, width))
     if plain is None or verify is None:
       return plain is not None  # measure a plain call first, then a verify call
     tokens = live * self.steps_per_call
-    return (tokens + gain) / verify > tokens / plain
+    if (tokens + gain) / verify > tokens / plain:
+      return True
+    # A measurement can be an unlucky one (a shared machine): after RETRY_EVERY refusals at a width, one
+    # verify call measures again. (`final`: the decision itself; before the lookups, whether to look.)
+    due = self._refused.get(width, 0) + 1 >= RETRY_EVERY
+    if due and final:
+      self._refused[width] = 0
+    elif not due:
+      self._refused[width] = self._refused.get(width, 0) + 1
+    return due
 
   def timed(self, verified: bool, width: int, seconds: float) -> None:
     """A decode call's duration (the driver reports each), smoothed per kind and width."""
     key = (verified, width)
-    old = self._seconds.get(key)
-    self._seconds[key] = seconds if old is None else old + TIME_SMOOTHING * (seconds - old)
+    old = self.call_seconds.get(key)
+    self.call_seconds[key] = seconds if old is None else old + TIME_SMOOTHING * (seconds - old)
 
   def _draft(self, seq: Live, length: int) -> list[int]:
     group = self._groups[seq.group]
@@ -254,6 +271,7 @@ class Drafter:
     now `length` tokens long."""
     control = self._control.setdefault((group, index), _Control())
     control.tries.append((drafted, accepted))
+    self._recent += RECENT_SMOOTHING * (accepted / drafted - self._recent)
     if len(control.tries) == WINDOW:
       rate = sum(a for _, a in control.tries) / sum(d for d, _ in control.tries)
       if rate < self.min_acceptance:

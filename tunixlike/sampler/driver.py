@@ -177,7 +177,8 @@ class RolloutDriver:
                static_batching: bool = False, tracer: trace_lib.Tracer = trace_lib.NULL_TRACER,
                recorders: Sequence[Recorder] = (), first_seq: int = 0,
                next_round: Callable[[float], tuple[Any, int] | None] | None = None,
-               on_step: Callable[[int | None, int, bool], None] | None = None):
+               on_step: Callable[[int | None, int, bool], None] | None = None,
+               drafter: drafts_lib.Drafter | None = None):
     """`source` yields PromptRequests (None = nothing available yet, try later; exhaustion ends it).
 
     `sink` is a callable or a queue with put(item, timeout). `static_batching=True` waits for all
@@ -188,7 +189,8 @@ class RolloutDriver:
     or None when nothing came within the timeout. `on_step(swapped_to, admitted, generated)` after
     each step that did something: the version it swapped to (or None), the groups it admitted and
     whether it ran a generate call; with the prompts, what a step does follows from these three
-    (`rl.schedule` records them to replay a run).
+    (`rl.schedule` records them to replay a run). `drafter`: sampler.speculative's (default: a new
+    one from the config).
     """
     cfg = engine.config
     if cfg.stop_strings and detokenize is None:
@@ -201,7 +203,7 @@ class RolloutDriver:
     self._detokenize = detokenize
     self._static = static_batching
     # sampler.speculative: drafts from the groups' texts; it hears of ended completions as a recorder.
-    self._drafter = drafts_lib.Drafter.from_config(cfg) if cfg.speculative else None
+    self._drafter = (drafter or drafts_lib.Drafter.from_config(cfg)) if cfg.speculative else None
     self._recorders = tuple(recorders) + ((self._drafter,) if self._drafter else ())
     self.tracer = tracer  # spans of prefill / generate on the sampler thread's track
     self._state = engine.init_decode_state(self._version)
