@@ -127,9 +127,7 @@ def decode(engine, params, reqs, call_seconds: dict) -> tuple[dict, dict]:
   starts from the seconds per call the previous runs measured (`call_seconds`, updated): in a run the
   driver lives for every batch and measures each kind of call once, not once per batch."""
   got = []
-  drafter = drafts_lib.Drafter.from_config(engine.config) if engine.config.speculative else None
-  if drafter is not None:
-    drafter.call_seconds = call_seconds
+  drafter = drafts_lib.Drafter.from_config(engine.config, call_seconds) if engine.config.speculative else None
   driver = RolloutDriver(engine, params, source=iter(reqs), sink=got.append, drafter=drafter)
   t0 = time.perf_counter()
   driver.run(max_wall_s=1800)

@@ -84,9 +84,9 @@ def test_verify_gives_plain_decodings_tokens_with_right_partly_right_and_wrong_d
   assert calls["right"] < calls["partly right"] < calls["wrong"]
 
 
-def _run(engine, requests, params):
+def _run(engine, requests, params, drafter=None):
   out = []
-  driver = RolloutDriver(engine, params, source=iter(requests), sink=out.append)
+  driver = RolloutDriver(engine, params, source=iter(requests), sink=out.append, drafter=drafter)
   driver.run(max_wall_s=300)
   return {g.prompt_id: g for g in out}, driver.stats
 
@@ -169,8 +169,10 @@ def test_nothing_compiles_after_warmup_and_one_verify_program_per_width(make_eng
   assert warm["_verify_impl"] == warm["_narrow_generate_impl"] > 0  # one verify program per generate program
   requests = [PromptRequest(prompt_id=i, token_ids=p, max_new_tokens=12 if i % 5 == 3 else 4)
               for i, p in enumerate(random_prompts(24, seed=5))]
+  # Call times that make every verify call pay: the run verifies at every width it reaches.
+  fast_verify = {(verify, w): 1e-3 if verify else 1.0 for verify in (False, True) for w in (8, 16)}
   with count_traces() as traces:
-    _, stats = _run(engine, requests, params)
+    _, stats = _run(engine, requests, params, drafts_lib.Drafter.from_config(engine.config, fast_verify))
   assert stats.verify_calls > 0
   assert not any(engine_counts(traces).values()), traces
 

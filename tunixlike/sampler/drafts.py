@@ -163,22 +163,25 @@ class Drafter:
   sampler thread. The driver calls `drafts` before a call, `observe` after a verify call, and, as a
   `driver.Recorder`, `completion` and `group` as sequences and groups end."""
 
-  def __init__(self, draft_tokens: int, ngram: int, min_acceptance: float, history: int, steps_per_call: int = 1):
+  def __init__(self, draft_tokens: int, ngram: int, min_acceptance: float, history: int, steps_per_call: int = 1,
+               call_seconds: dict[tuple[bool, int], float] | None = None):
+    """`call_seconds`: (verify call?, decode width) -> seconds per call, as another drafter measured
+    them (taken as measured; updated in place)."""
     self.draft_tokens, self.ngram, self.min_acceptance = draft_tokens, ngram, min_acceptance
     self.steps_per_call = steps_per_call
     self.history = History(history)
     self._groups: dict[int, _Group] = {}
     self._control: dict[tuple[int, int], _Control] = {}
-    # (verify call?, decode width) -> seconds per call (EMA); a new drafter may start from another's.
-    self.call_seconds: dict[tuple[bool, int], float] = {}
+    self.call_seconds = {} if call_seconds is None else call_seconds  # (verify?, width) -> seconds (smoothed)
     self._recent = PRIOR_ACCEPTANCE  # acceptance of the latest tries of every sequence (EMA)
     self._refused: dict[int, int] = {}  # decode width -> verify calls refused since the last one there
+    self._first_calls = set(self.call_seconds)  # (verify?, width) whose first call was seen
 
   @classmethod
-  def from_config(cls, config) -> Drafter:
+  def from_config(cls, config, call_seconds: dict[tuple[bool, int], float] | None = None) -> Drafter:
     """From a `SamplerConfig`."""
     return cls(config.draft_tokens, config.draft_ngram, config.draft_min_acceptance, config.draft_history,
-               config.steps_per_call)
+               config.steps_per_call, call_seconds)
 
   def drafts(self, sequences: Iterable[Live], num_slots: int,
              width: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
@@ -208,6 +211,12 @@ class Drafter:
     if not lengths.any() or (width is not None and not self._pays(gain, len(sequences), width)):
       return None
     return out, lengths
+
+  def may_pay(self, live: int, width: int) -> bool:
+    """Whether drafts for `live` sequences could pay for a verify call at this width, judged by the
+    recent acceptance of all drafts: when not, the driver skips the lookups (and builds no requests),
+    so a workload where speculation does not pay costs a dict lookup per call."""
+    return self._pays(live * self.draft_tokens * self._recent, live, width, final=False)
 
   def _acceptance(self, seq: Live) -> float:
     """The sequence's acceptance over its last tries; before any, the recent acceptance of all drafts."""
@@ -240,16 +249,22 @@ class Drafter:
     return due
 
   def timed(self, verified: bool, width: int, seconds: float) -> None:
-    """A decode call's duration (the driver reports each), smoothed per kind and width."""
+    """A decode call's duration (the driver reports each), smoothed per kind and width. The first of
+    each is left out (it may have compiled its program); a faster call is believed at once (a shared
+    machine makes calls slower, never faster)."""
     key = (verified, width)
+    if key not in self._first_calls:
+      self._first_calls.add(key)
+      return
     old = self.call_seconds.get(key)
-    self.call_seconds[key] = seconds if old is None else old + TIME_SMOOTHING * (seconds - old)
+    self.call_seconds[key] = seconds if old is None or seconds < old else old + TIME_SMOOTHING * (seconds - old)
 
   def _draft(self, seq: Live, length: int) -> list[int]:
     group = self._groups[seq.group]
     own = group.samples[seq.index]
     own.sync()
     sources = [t for i, t in group.samples.items() if i != seq.index] + group.history
+    best = []
     for n in range(min(self.ngram, len(own.tokens)), MIN_NGRAM - 1, -1):
       pattern, near = tuple(own.tokens[-n:]), len(own.tokens) - n
       best = max((s.follow(pattern, length, near) for s in sources), key=len, default=[])  # max keeps the first

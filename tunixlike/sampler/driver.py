@@ -322,11 +322,11 @@ class RolloutDriver:
       for src, dst in moves:
         self._slots[dst], self._slots[src] = self._slots[src], None
       self.stats.moves += len(moves)
+      drafted = None
       if self._drafter is not None:
         width = self.engine.decode_width(self._state)
-        drafted = self._drafter.drafts(self._draft_requests(), len(self._slots), width)
-      else:
-        drafted = None
+        if self._drafter.may_pay(sum(isinstance(s, _Slot) for s in self._slots), width):
+          drafted = self._drafter.drafts(self._draft_requests(), len(self._slots), width)
       t0 = time.perf_counter()
       with self.tracer.span("generate", cat="sampler", version=self._version, verify=drafted is not None):
         if drafted is None:
