@@ -182,3 +182,24 @@ def test_speculation_needs_the_paged_cache_and_single_turn_rollouts(tiny_model):
     SamplerConfig(max_new_tokens=8, speculative=True)
   with pytest.raises(ConfigError, match=r"sampler.draft_ngram=1: must be an int >= 2"):
     SamplerConfig(max_new_tokens=8, kv_layout="paged", speculative=True, draft_ngram=1)
+
+
+def test_a_verify_call_runs_only_where_the_drafts_pay_for_it():
+  """The gate by hand: a verify call measured at 1.5 times a plain call's seconds pays when the drafts
+  are expected to add more than half the tokens the plain call gives (8 live sequences x 4 steps)."""
+  prompt = np.asarray([1, 2], np.int32)
+  live = [drafts_lib.Live(s, s, 0, prompt, [5, 6, 7, 8] * 3, 100) for s in range(8)]  # each repeats: 8-token drafts
+  times = {(False, 8): 1.0, (True, 8): 1.5}
+  drafter = drafts_lib.Drafter(draft_tokens=8, ngram=3, min_acceptance=0.3, history=0, steps_per_call=4,
+                               call_seconds=times)
+  assert drafter.may_pay(8, width=8)  # 8 x 8 x 0.5 (the prior acceptance) = 32 more: 64 / 1.5 > 32 / 1
+  assert drafter.drafts(live, 8, width=8) is not None
+  for g in range(40):  # other sequences' drafts were mostly wrong: the recent acceptance falls toward 1/8
+    drafter.observe(100 + g, 0, drafted=8, accepted=1, length=12)
+  assert not drafter.may_pay(8, width=8) and drafter.drafts(live, 8, width=8) is None
+  assert drafter.drafts(live, 8, width=None) is not None  # without a width: no gate
+  # An unmeasured width: a plain call is measured first, then a verify call.
+  assert not drafter.may_pay(8, width=16)
+  drafter.timed(False, 16, 5.0)  # the first call of a kind at a width may compile: left out
+  drafter.timed(False, 16, 1.0)
+  assert times[(False, 16)] == 1.0 and drafter.may_pay(8, width=16)
