@@ -30,7 +30,9 @@ held-out accuracy at the first and last eval, s/step (metrics.jsonl's `time_s` o
 after the first 10 and outside evals, as determinism.py measures it), draft acceptance and tokens per
 decode step at the last step. The run is asynchronous, so the two runs' batches differ by thread
 timing: accuracy is compared, not completions.
---quick: 4 prompts, short limits, 1 + 1 runs, no end-to-end runs (needs --workdir; a smoke test).
+Without --workdir and with --no-e2e the plain main job runs once for its policy. --quick: the tiny
+variant's policy (unless --workdir), 4 prompts, short limits, 2 + 2 runs, no end-to-end runs (a
+smoke test).
 """
 
 from __future__ import annotations
@@ -193,16 +195,16 @@ def batch(setup, trained, random_state, s_cfg) -> dict:
 
 def main():
   if ARGS.quick:
-    ARGS.prompts, ARGS.short, ARGS.long, ARGS.long_every, ARGS.repeats, ARGS.no_e2e = 4, 8, 32, 2, 1, True
-    if ARGS.workdir is None:
-      raise SystemExit("speculative: --quick needs --workdir (a finished main-job run; it trains none)")
+    ARGS.prompts, ARGS.short, ARGS.long, ARGS.long_every, ARGS.repeats, ARGS.no_e2e = 4, 8, 32, 2, 2, True
   out = {}
   with tempfile.TemporaryDirectory(prefix="speculative_") as tmp:
     if not ARGS.no_e2e:
       out["e2e"] = e2e(pathlib.Path(tmp))
+    elif ARGS.workdir is None:  # the policy of a run of its own (--quick: the tiny variant's)
+      rl_step._run(rl_step.REPO, pathlib.Path(tmp) / "plain", None, ARGS.quick, PAGED, ARGS.seed)
     workdir = ARGS.workdir or str(pathlib.Path(tmp) / "plain")
     out["batch"] = batch(*load(workdir))
-    out["batch"]["policy"] = "--workdir" if ARGS.workdir else "the plain end-to-end run's final checkpoint"
+    out["batch"]["policy"] = "--workdir" if ARGS.workdir else "the plain main-job run's final checkpoint"
   harness.report(out, ARGS, indent=2)
 
 
