@@ -13,7 +13,7 @@ import jax
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 # The Engine's jitted bodies (JAX names a trace after the function it traces).
 ENGINE_PROGRAMS = ("_prefill_impl", "_insert_impl", "_release_impl", "_generate_impl", "_resize_impl",
-                   "_move_impl", "_extend_impl", "_paged_insert_impl")
+                   "_move_impl", "_extend_impl", "_paged_insert_impl", "_narrow_generate_impl", "_verify_impl")
 
 
 @contextlib.contextmanager

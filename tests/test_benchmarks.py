@@ -271,3 +271,17 @@ def test_defaults_benchmark_runs_a_config_of_data_answer_and_reward_only(tmp_pat
   keys = {line.split("=")[0].strip() for line in config_text.splitlines() if line.strip().startswith("c.")}
   assert keys == {"c.data.task", "c.data.train", "c.data.eval", "c.data.prompt_field", "c.data.answer_field",
                   "c.data.num_eval_examples", "c.rewards"}
+
+
+@pytest.mark.slow
+def test_speculative_benchmark(tmp_path):
+  r = run_benchmark("speculative", tmp_path, timeout_s=900)
+  for name in ("trained", "random"):
+    b = r["batch"][name]
+    assert b["identical_tokens"] is True and b["max_logprob_difference"] < 1e-4
+    assert_positive(b["plain"], "batch_s", "tokens_per_s")
+    assert_positive(b["speculative"], "batch_s", "tokens_per_s", "tokens_per_decode_step")
+    assert b["plain"]["tokens"] == b["speculative"]["tokens"] == b["completion_tokens"]["total"]
+    assert b["ratio_batch_s"] == pytest.approx(b["speculative"]["batch_s"] / b["plain"]["batch_s"], abs=1e-3)
+    assert b["target_met"] == (b["ratio_batch_s"] <= b["target"])
+    assert all(len(runs) == 2 for runs in b["runs"].values())

@@ -414,6 +414,8 @@ class Config:
                                                 and self.algo.estimator != "ppo"),
             "sampler.record_routing", True, "is supported for single-turn GRPO-family runs only (not rl.env or "
             "rl.agent episodes, whose environment tokens the decode loop never routes, nor algo.estimator='ppo')")
+    require(not self.sampler.speculative or (self.rl.env is None and self.rl.agent is None), "sampler.speculative",
+            True, "is for single-turn rollouts: rl.env and rl.agent turns are not drafted (set one or the other)")
     require(not self.rl.deterministic or (self.rl.env is None and self.rl.agent is None and not self.mesh.sampler_hosts),
             "rl.deterministic", True, "covers single-turn rollouts on one host's sampler: rl.env and rl.agent episodes "
             "take their turns when an outside program answers, and mesh.sampler_hosts decode on other hosts' clocks")

@@ -245,19 +245,20 @@ def test_nothing_compiles_after_warmup(make_engine):
 def test_pallas_kernel_equals_pool_attention():
   """The TPU kernel (run here in Pallas's TPU interpret mode) and the plain-JAX pool attention agree,
   a block shared by two slots included, and a block a slot holds ahead of its position (reserved for
-  the call's later steps, all of it masked) adds nothing however large its K and V."""
+  the call's later steps, all of it masked) adds nothing however large its K and V. Each slot has two
+  queries at consecutive positions (a verify forward's), each attending up to its own."""
   from jax.experimental.pallas import tpu as pltpu
   rng = np.random.default_rng(0)
-  r, slots, hkv, g, d, blocks, bs = 1, 3, 2, 2, 64, 12, 16
+  r, slots, hkv, g, d, blocks, bs, t_q = 1, 3, 2, 2, 64, 12, 16, 2
   pool_k = jnp.asarray(rng.normal(size=(r, hkv, blocks, bs, d)), jnp.float32)
   pool_v = jnp.asarray(rng.normal(size=(r, hkv, blocks, bs, d)), jnp.float32)
   pool_k, pool_v = pool_k.at[0, :, 5].set(30.0), pool_v.at[0, :, 5].set(1e4)
   tables = [[3, 1], [3, 7, 9, 2], [4, 5]]  # block 3 is a prompt block slots 0 and 1 share; 5 is ahead of slot 2
-  positions = np.asarray([20, 50, 3], np.int32)
-  q = jnp.asarray(rng.normal(size=(slots, hkv, g, d)), jnp.float32)
-  # This step's K/V are what the pool already holds at each position: the writes change nothing.
-  at = [(t[p // bs], p % bs) for t, p in zip(tables, positions)]
-  k_new, v_new = (jnp.stack([x[0, :, b, o] for b, o in at]) for x in (pool_k, pool_v))
+  positions = np.asarray([20, 50, 3], np.int32)[:, None] + np.arange(t_q, dtype=np.int32)  # [S, T]
+  q = jnp.asarray(rng.normal(size=(slots, t_q, hkv, g, d)), jnp.float32)
+  # The K/V written are what the pool already holds at each position: the writes change nothing.
+  at = [[(t[p // bs], p % bs) for p in ps] for t, ps in zip(tables, positions)]
+  k_new, v_new = (jnp.stack([jnp.stack([x[0, :, b, o] for b, o in row]) for row in at]) for x in (pool_k, pool_v))
   owner, column = np.full((r, blocks), slots, np.int32), np.zeros((r, blocks), np.int32)
   extra = np.zeros((r, 8, 3), np.int32)
   extra[0, :, 1] = slots
@@ -276,10 +277,11 @@ def test_pallas_kernel_equals_pool_attention():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2)
   # and the pool attention equals attention over each slot's positions laid out in order
   for s, t in enumerate(tables):
-    k = np.concatenate([pool_k[0, :, b] for b in t], axis=1)[:, :positions[s] + 1]  # [Hkv, L, D]
-    v = np.concatenate([pool_v[0, :, b] for b in t], axis=1)[:, :positions[s] + 1]
-    p = jax.nn.softmax(np.einsum("kgd,kld->kgl", q[s], k) / np.sqrt(d), axis=-1)
-    np.testing.assert_allclose(np.asarray(want[s]), np.einsum("kgl,kld->kgd", p, v), atol=1e-4)
+    for j in range(t_q):
+      k = np.concatenate([pool_k[0, :, b] for b in t], axis=1)[:, :positions[s, j] + 1]  # [Hkv, L, D]
+      v = np.concatenate([pool_v[0, :, b] for b in t], axis=1)[:, :positions[s, j] + 1]
+      p = jax.nn.softmax(np.einsum("kgd,kld->kgl", q[s, j], k) / np.sqrt(d), axis=-1)
+      np.testing.assert_allclose(np.asarray(want[s, j]), np.einsum("kgl,kld->kgd", p, v), atol=1e-4)
 
 
 def test_bad_paged_settings_are_one_line_errors(make_engine, tiny_model):

@@ -139,11 +139,13 @@ class Attention(nnx.Module):
     """
     cfg = self.cfg
     b = x_bd.shape[0]
+    if plan is not None:
+      o, k_cache, v_cache = self.decode_chunk(x_bd[:, None], cos_bd[:, None], sin_bd[:, None], positions_b[:, None],
+                                              k_cache, v_cache, plan)
+      return o[:, 0], k_cache, v_cache
     q, k, v = self._qkv(x_bd[:, None], cos_bd[:, None], sin_bd[:, None])  # [B,1,H,D] ...
     q = q.reshape(b, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
-    if plan is not None:
-      o, k_cache, v_cache = paged_cache.attend(q, k[:, 0], v[:, 0], positions_b, k_cache, v_cache, plan)
-    elif block is None:
+    if block is None:
       o, k_cache, v_cache = _attend_cache(q, k[:, 0], v[:, 0], positions_b, k_cache, v_cache, attend_len)
     else:
       n = len(k_cache)
@@ -154,6 +156,17 @@ class Attention(nnx.Module):
       k_cache, v_cache = tuple(p[1] for p in parts), tuple(p[2] for p in parts)
     return self.o_proj(o.reshape(b, 1, -1).astype(x_bd.dtype))[:, 0], k_cache, v_cache
 
+
+  def decode_chunk(self, x_btd, cos_btd, sin_btd, positions_bt, k_cache, v_cache,
+                   plan: paged_cache.PoolPlan | paged_cache.KernelPlan, written_bt=None):
+    """T new tokens per row at positions_bt over a paged cache (`paged_cache.attend`): each is written
+    (where written_bt), then attends its row's positions up to its own. Returns (out [B,T,E], k_cache, v_cache)."""
+    cfg = self.cfg
+    b, t = x_btd.shape[:2]
+    q, k, v = self._qkv(x_btd, cos_btd, sin_btd)  # [B,T,H,D], [B,T,Hkv,D] ...
+    q = q.reshape(b, t, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
+    o, k_cache, v_cache = paged_cache.attend(q, k, v, positions_bt, k_cache, v_cache, plan, written_bt)
+    return self.o_proj(o.reshape(b, t, -1).astype(x_btd.dtype)), k_cache, v_cache
 
   def extend(self, x_bcd, cos, sin, k_cache, v_cache, start, live_bc):
     """Chunked prefill: the chunk's K/V go into the cache at [start, start + C) (zero where not
@@ -228,6 +241,12 @@ class Block(nnx.Module):
     x, routed = self._mlp(x + a, forced)
     return x, k_cache, v_cache, routed
 
+
+  def decode_chunk(self, x, cos, sin, positions_bt, k_cache, v_cache, plan, written_bt=None):
+    a, k_cache, v_cache = self.attn.decode_chunk(self.input_layernorm(x), cos, sin, positions_bt, k_cache, v_cache,
+                                                 plan, written_bt)
+    x, _ = self._mlp(x + a, None)
+    return x, k_cache, v_cache
 
   def extend(self, x, cos, sin, k_cache, v_cache, start, live_bc):
     a, k_cache, v_cache = self.attn.extend(self.input_layernorm(x), cos, sin, k_cache, v_cache, start, live_bc)
@@ -428,6 +447,25 @@ class Transformer(nnx.Module):
       new_cache = KVCache(k=tuple(ks), v=tuple(vs))
     out = self.unembed(self.norm(x)), new_cache
     return (*out, _stack_routing(routed, tokens_b.shape, self.cfg).routing_btlk) if return_routing else out
+
+
+  def decode_chunk(self, tokens_bt, positions_bt, cache: paged_cache.PagedKVCache,
+                   plan: paged_cache.PoolPlan | paged_cache.KernelPlan, written_bt=None):
+    """T tokens per row at positions_bt over a paged cache, in one forward (speculative decoding's
+    verify: a row's next input and its draft): each token's K/V is written (where written_bt, bool
+    [B,T], default all), and each attends its row's positions up to its own. Returns (logits [B,T,V]
+    float32, cache)."""
+    if not isinstance(cache, paged_cache.PagedKVCache) or plan is None:
+      raise ValueError("decode_chunk: needs a PagedKVCache and its plan")
+    cos, sin = rope_cos_sin(positions_bt, self.cfg)  # [B, T, D]
+    x = self.embed_tokens(tokens_bt)  # [B, T, E]
+    ks, vs = [], []
+    for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+      x, k_cache, v_cache = layer.decode_chunk(x, cos, sin, positions_bt, k_cache, v_cache, plan, written_bt)
+      ks.append(k_cache)
+      vs.append(v_cache)
+    new_cache = paged_cache.PagedKVCache(k=tuple(ks), v=tuple(vs), kernel_layout=cache.kernel_layout)
+    return self.unembed(self.norm(x)), new_cache
 
 
 def with_attention(model: Transformer, **fields) -> Transformer:

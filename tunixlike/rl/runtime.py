@@ -256,6 +256,8 @@ class AsyncRuntime:
         "sampler/busy_frac": (stats.busy_time_s - self._busy_before) / wall,
         "sampler/tokens_per_s": (stats.tokens_generated - self._tokens_before) / wall,
         "sampler/slot_occupancy": stats.slot_occupancy, "sampler/preemptions": stats.preemptions,
+        **({"sampler/draft_acceptance": stats.draft_acceptance, "sampler/tokens_per_decode_step":
+            stats.tokens_per_decode_step} if self.driver.config.speculative else {}),
         "sync/ms": synced.ms, "deterministic": int(cfg.deterministic),
         "nonfinite_in_a_row": self._nonfinite_in_a_row, **self.queue.stats(),
     })

@@ -7,8 +7,8 @@ import math
 from typing import ClassVar
 
 from tunixlike.sampler.sampling import SamplingParams
-from tunixlike.settings import (DTYPES, ConfigError, an_int, check_fields, in_range, library_setting, one_of,
-                                optional, positive_int, run_value, setting)
+from tunixlike.settings import (DTYPES, ConfigError, an_int, check_fields, in_range, ints_at_least, library_setting,
+                                one_of, optional, positive_int, run_value, setting)
 
 
 def _token_ids(v) -> str | None:
@@ -87,6 +87,19 @@ class SamplerConfig:
                                        check=optional(positive_int), resumable=True)
   prefill_chunk: int = setting(512, "prompts longer than this prefill a chunk per call (one program per chunk "
                                "size; decoding goes on between chunks)", check=_power_of_two, resumable=True)
+  speculative: bool = setting(False, "speculative decoding: drafts by n-gram lookup in the sequence's own text, its "
+                              "group's other samples and its prompt's earlier rollouts, verified in one forward; "
+                              "the same tokens and logprobs as plain decoding (needs kv_layout='paged')",
+                              resumable=True)
+  draft_tokens: int = setting(8, "most draft tokens verified per sequence and call (one verify program per decode "
+                              "width: the draft length is fixed)", check=positive_int, resumable=True)
+  draft_ngram: int = setting(3, "longest suffix of a sequence looked up in the draft sources (shorter ones down to 2 "
+                             "if it is not found)", check=ints_at_least(2), resumable=True)
+  draft_min_acceptance: float = setting(0.3, "a sequence whose drafts were accepted less than this over its last "
+                                        "tries stops drafting for a while (then tries again, waiting longer each "
+                                        "time)", check=in_range(0, 1), resumable=True)
+  draft_history: int = setting(4, "earlier completions of each prompt kept on the host as draft sources (0 = none)",
+                               check=ints_at_least(0), resumable=True)
   idle_wait_s: float = setting(0.01, "how long the driver sleeps when it has nothing to do",
                                check=in_range(0, 10, low_open=True))
   eos_ids: tuple[int, ...] = run_value((), "the tokenizer's stop ids: sampling one ends the completion (kept)",
@@ -109,6 +122,12 @@ class SamplerConfig:
     if self.kv_layout == "paged" and self.slot_groups > 1:
       raise ConfigError(f"sampler.slot_groups={self.slot_groups} needs sampler.kv_layout='contiguous' (a paged "
                         "cache reads each sequence's own blocks already)")
+    if self.speculative and self.kv_layout != "paged":
+      raise ConfigError("sampler.speculative=True needs sampler.kv_layout='paged' (drafts are verified over the "
+                        f"paged cache), got sampler.kv_layout={self.kv_layout!r}")
+    if self.speculative and self.record_routing:
+      raise ConfigError("sampler.speculative=True does not record routing (sampler.record_routing=True): a verify "
+                        "forward routes several tokens at once")
     try:
       self.sampling  # validates temperature / top_k / top_p
     except ValueError as e:

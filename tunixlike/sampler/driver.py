@@ -41,6 +41,7 @@ import numpy as np
 
 from tunixlike import device_turns, trace as trace_lib
 from tunixlike.rollout import Completion, RolloutGroup
+from tunixlike.sampler import drafts as drafts_lib
 from tunixlike.sampler.engine import Engine, PromptError
 
 
@@ -140,11 +141,24 @@ class DriverStats:
   preemptions: int = 0  # sequences whose blocks a paged cache took back (each resumed later)
   resumed: int = 0  # preempted (or checkpoint-kept) sequences prefilled again and decoding
   tokens_kept: int = 0  # tokens of sequences continued from a checkpoint (`resume`), not decoded again
+  verify_calls: int = 0  # generate calls whose first step verified drafts (sampler.speculative)
+  drafted_tokens: int = 0  # draft tokens verified
+  accepted_tokens: int = 0  # draft tokens accepted (emitted as drafted)
+  decoded_tokens: int = 0  # tokens the decode calls emitted (preempted or stop-string tails included)
   busy_time_s: float = 0.0  # time in prefill / insert / generate (incl. fetching results)
 
   @property
   def slot_occupancy(self) -> float:
     return self.live_slot_steps / self.total_slot_steps if self.total_slot_steps else 0.0
+
+  @property
+  def tokens_per_decode_step(self) -> float:
+    """Tokens per live slot and model forward: 1 for plain decoding, more as drafts are accepted."""
+    return self.decoded_tokens / self.live_slot_steps if self.live_slot_steps else 0.0
+
+  @property
+  def draft_acceptance(self) -> float:
+    return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
 class DriverError(RuntimeError):
@@ -192,7 +206,7 @@ class RolloutDriver:
                recorders: Sequence[Recorder] = (), first_seq: int = 0,
                next_round: Callable[[float], tuple[Any, int] | None] | None = None,
                on_step: Callable[[int | None, int, bool], None] | None = None,
-               resume: Sequence[InFlightGroup] = ()):
+               resume: Sequence[InFlightGroup] = (), drafter: drafts_lib.Drafter | None = None):
     """`source` yields PromptRequests (None = nothing available yet, try later; exhaustion ends it).
 
     `sink` is a callable or a queue with put(item, timeout). `static_batching=True` waits for all
@@ -205,6 +219,7 @@ class RolloutDriver:
     whether it ran a generate call; with the prompts, what a step does follows from these three
     (`rl.schedule` records them to replay a run). `resume`: a checkpoint's `in_flight()` groups,
     continued before any new group is admitted (`first_seq` must come after their start orders).
+    `drafter`: sampler.speculative's (default: a new one from the config).
     """
     cfg = engine.config
     if cfg.stop_strings and detokenize is None:
@@ -216,7 +231,9 @@ class RolloutDriver:
     self._may_start = may_start_group or (lambda version: True)
     self._detokenize = detokenize
     self._static = static_batching
-    self._recorders = tuple(recorders)
+    # sampler.speculative: drafts from the groups' texts; it hears of ended completions as a recorder.
+    self._drafter = (drafter or drafts_lib.Drafter.from_config(cfg)) if cfg.speculative else None
+    self._recorders = tuple(recorders) + ((self._drafter,) if self._drafter else ())
     self.tracer = tracer  # spans of prefill / generate on the sampler thread's track
     self._state = engine.init_decode_state(self._version)
     self._slots: list[_Slot | None] = [None] * engine.max_concurrent_decodes
@@ -429,16 +446,55 @@ class RolloutDriver:
       for src, dst in moves:
         self._slots[dst], self._slots[src] = self._slots[src], None
       self.stats.moves += len(moves)
+      drafted = None
+      if self._drafter is not None:
+        width = self.engine.decode_width(self._state)
+        if self._drafter.may_pay(sum(isinstance(s, _Slot) for s in self._slots), width):
+          drafted = self._drafter.drafts(self._draft_requests(), len(self._slots), width)
       t0 = time.perf_counter()
-      with self.tracer.span("generate", cat="sampler", version=self._version):
-        self._state, result = self.engine.generate(self._params, self._state)
-        host = jax.device_get(result)
+      with self.tracer.span("generate", cat="sampler", version=self._version, verify=drafted is not None):
+        if drafted is None:
+          self._state, result = self.engine.generate(self._params, self._state)
+          host = jax.device_get(result)
+        else:
+          self._state, host = self.engine.verify(self._params, self._state, drafted[0])
       self.stats.busy_time_s += time.perf_counter() - t0
+      if self._drafter is not None:
+        self._drafter.timed(drafted is not None, width, time.perf_counter() - t0)
     self.stats.generate_calls += 1
+    self._count_steps(host, drafted)
     self._collect(host)
     if self._on_step is not None:
       self._on_step(swapped, self._next_seq - seq_before, True)
     return True
+
+  def _draft_requests(self) -> Iterator[drafts_lib.Live]:
+    """The live single-turn sequences, for the drafter (other slot kinds decode without drafts)."""
+    for s, info in enumerate(self._slots):
+      if isinstance(info, _Slot):
+        yield drafts_lib.Live(s, info.group.seq, info.index, info.group.prompt_ids, info.tokens,
+                              info.max_new - len(info.tokens) - 1)
+
+  def _count_steps(self, host, drafted) -> None:
+    """Slot steps of a generate call (a verify call's first K rows are its one verify forward), and
+    how each draft fared (the adaptive switch hears of it before the tokens are collected)."""
+    valid_ks = host.valid_ks
+    first = 0 if drafted is None else self.config.draft_tokens + 1
+    forwards = valid_ks.shape[0] - max(first - 1, 0)
+    self.stats.total_slot_steps += forwards * valid_ks.shape[1]
+    self.stats.live_slot_steps += int(valid_ks[first:].sum()) + int(valid_ks[:first].any(0).sum())
+    self.stats.decoded_tokens += int(valid_ks.sum())
+    if drafted is None:
+      return
+    self.stats.verify_calls += 1
+    tokens, lengths = drafted
+    for s in np.flatnonzero(lengths):
+      info, n = self._slots[s], int(lengths[s])
+      emitted = host.tokens_ks[:n, s][valid_ks[:n, s]]
+      accepted = int(np.cumprod(emitted == tokens[s, :len(emitted)]).sum())
+      self.stats.drafted_tokens += n
+      self.stats.accepted_tokens += accepted
+      self._drafter.observe(info.group.seq, info.index, n, accepted, len(info.tokens) + accepted + 1)
 
   def _prepare(self) -> None:
     """Runs before slots are refilled: subclasses bring in other work (EpisodeDriver: env results)."""
@@ -719,9 +775,6 @@ class RolloutDriver:
     tokens_ks, logprobs_ks, valid_ks = host.tokens_ks, host.logprobs_ks, host.valid_ks
     version = int(host.version)
     eos = set(self.config.eos_ids)
-    k_steps, n_slots = tokens_ks.shape
-    self.stats.total_slot_steps += k_steps * n_slots
-    self.stats.live_slot_steps += int(valid_ks.sum())
     for s, info in enumerate(self._slots):
       if info is None:
         continue

@@ -755,6 +755,10 @@ class Engine:
 
   def _generate_impl(self, params, arrays, plan=None):
     model = nnx.merge(self._graphdef, params_lib.materialize(params))
+    return self._decode_steps(model, arrays, self.config.steps_per_call, plan)
+
+  def _decode_steps(self, model, arrays, steps: int, plan=None):
+    """`steps` decode steps of every slot (traced): (new arrays, GenerateResult of [steps, S] tokens)."""
     sp, record = self._sampling, self.config.record_sampling_mask
     record_routing = self.config.record_routing
     eos = jnp.asarray(self._eos_ids)
@@ -780,7 +784,7 @@ class Engine:
 
     carry = (arrays["cache"], arrays["tokens"], arrays["positions"], arrays["num_generated"],
              arrays["done"])
-    carry, outs = jax.lax.scan(step, carry, None, length=self.config.steps_per_call)
+    carry, outs = jax.lax.scan(step, carry, None, length=steps)
     cache, tokens, positions, n_gen, done = carry
     new = dict(arrays, cache=cache, tokens=tokens, positions=positions, num_generated=n_gen, done=done)
     result = GenerateResult(tokens_ks=outs[0], logprobs_ks=outs[1], valid_ks=outs[2], done_s=done,

@@ -27,10 +27,12 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from tunixlike import mesh as mesh_lib
 from tunixlike.models import kv_cache as kv_cache_lib
 from tunixlike.models import paged_cache
+from tunixlike.sampler import params as params_lib, speculative
 from tunixlike.sampler.blocks import BlockTables, OutOfBlocks, SlotBlocks, blocks_for
 from tunixlike.sampler.engine import DecodeState, Engine, GenerateResult, ParkedKV, Prefix
 
@@ -75,6 +77,8 @@ class PagedEngine(Engine):
                                     out_shardings=(self._pool_shardings, small))
     self._paged_generate_fn = jax.jit(self._narrow_generate_impl, donate_argnums=(1,), static_argnames=("width",),
                                       out_shardings=(self._paged_shardings, self._replicated))
+    self._verify_fn = jax.jit(self._verify_impl, donate_argnums=(1,), static_argnames=("width",),
+                              out_shardings=(self._paged_shardings, self._replicated))
     self._move_slots_fn = jax.jit(self._move_slots_impl, donate_argnums=(0,), out_shardings=small)
     self._gather_fn = jax.jit(self._gather_impl, static_argnums=(3,), out_shardings=self._replicated)
     self._move_fn = jax.jit(self._move_impl, donate_argnums=(0,), out_shardings=self._pool_shardings)
@@ -106,7 +110,7 @@ class PagedEngine(Engine):
     """(shared full prompt blocks, own blocks per sample) of a sequence inserted at true_length:
     its own cover the prompt's partly filled block and the positions of its first generate call."""
     filled = true_length - 1  # KV positions the prefill wrote
-    first_call = min(filled + self.config.steps_per_call, self.config.cache_length)
+    first_call = self._call_end(filled)
     full = filled // self.block_size
     return full, blocks_for(first_call, self.block_size) - full
 
@@ -168,8 +172,10 @@ class PagedEngine(Engine):
     return decode_state, preempted
 
   def _call_end(self, position) -> int:
-    """Positions [0, end) a slot at `position` may have written by the end of its next call."""
-    return int(min(position + self.config.steps_per_call, self.config.cache_length))
+    """Positions [0, end) a slot at `position` may have written by the end of its next call (a verify
+    call writes its draft's positions too)."""
+    reach = self.config.steps_per_call + (self.config.draft_tokens if self.config.speculative else 0)
+    return int(min(position + reach, self.config.cache_length))
 
   # ------------------------------------------------------------------ multi-turn
 
@@ -308,22 +314,46 @@ class PagedEngine(Engine):
 
   def generate(self, params, decode_state: PagedDecodeState) -> tuple[PagedDecodeState, GenerateResult]:
     """As `Engine.generate`. Every live slot must have its blocks for this call (`reserve`)."""
-    tables, live = decode_state.tables, decode_state.host_live
-    for slot in np.flatnonzero(live):
+    decode_state, width, plan = self._before_call(decode_state, "generate")
+    arrays, result = self._paged_generate_fn(params, decode_state.arrays, plan, width=width)
+    k, live = self.config.steps_per_call, decode_state.host_live
+    positions = np.where(live, np.minimum(decode_state.host_positions + k, self.config.cache_length - 1),
+                         decode_state.host_positions)
+    return PagedDecodeState(arrays, positions, live.copy(), tables=decode_state.tables), result
+
+  def verify(self, params, decode_state: PagedDecodeState, drafts_sd) -> tuple[PagedDecodeState, GenerateResult]:
+    """`generate` whose first step verifies each slot's draft (`sampler.speculative`): one forward over
+    the slot's next input and its draft (int [S, sampler.draft_tokens], `speculative.NO_DRAFT` padding;
+    a slot without one emits one token there), emitting the tokens plain decoding samples there up to
+    the first that differs from the draft (`speculative.verify`), then steps_per_call - 1 decode steps.
+    The tokens, logprobs and stops are plain decoding's; the K/V written at rejected positions lies
+    past the slot's position, so nothing attends it, and the next tokens overwrite it. Returns the
+    result fetched to the host (a slot's position depends on how much of its draft was accepted)."""
+    drafts_sd = np.asarray(drafts_sd, np.int32)
+    want = (self.max_concurrent_decodes, self.config.draft_tokens)
+    if drafts_sd.shape != want:
+      raise ValueError(f"verify: drafts of shape {drafts_sd.shape}, expected {want} (slots, sampler.draft_tokens)")
+    decode_state, width, plan = self._before_call(decode_state, "verify")
+    arrays, result = self._verify_fn(params, decode_state.arrays, plan, drafts_sd, width=width)
+    result = jax.device_get(result)
+    live = decode_state.host_live
+    positions = np.where(live, np.minimum(decode_state.host_positions + result.valid_ks.sum(0),
+                                          self.config.cache_length - 1), decode_state.host_positions)
+    return PagedDecodeState(arrays, positions, live.copy(), tables=decode_state.tables), result
+
+  def _before_call(self, decode_state: PagedDecodeState, what: str):
+    """Blocks for every live slot's next call, the pool compacted and sized: (state, decode width, plan)."""
+    tables = decode_state.tables
+    for slot in np.flatnonzero(decode_state.host_live):
       try:
         tables.grow(slot, self._call_end(decode_state.host_positions[slot]))
       except OutOfBlocks as e:
-        raise OutOfBlocks(f"generate: slot {slot} needs a block and the pool is empty ({e}); "
-                          "call PagedEngine.reserve before generate") from None
+        raise OutOfBlocks(f"{what}: slot {slot} needs a block and the pool is empty ({e}); "
+                          f"call PagedEngine.reserve before {what}") from None
     if not self.use_kernel:
       decode_state = self._fit_pool(self._compact(decode_state))
     width = self.decode_width(decode_state)
-    plan = self._plan(decode_state, width)
-    arrays, result = self._paged_generate_fn(params, decode_state.arrays, plan, width=width)
-    k = self.config.steps_per_call
-    positions = np.where(live, np.minimum(decode_state.host_positions + k, self.config.cache_length - 1),
-                         decode_state.host_positions)
-    return PagedDecodeState(arrays, positions, live.copy(), tables=tables), result
+    return decode_state, width, self._plan(decode_state, width)
 
   @staticmethod
   def bucket(n: int, least: int = 1) -> int:
@@ -381,18 +411,27 @@ class PagedEngine(Engine):
     return out
 
   def _narrow_generate_impl(self, params, arrays, plan, *, width: int):
-    """`Engine._generate_impl` over each replica's first `width` slots (the others hold nothing),
-    written back into the full arrays; the results cover every slot (the others as empty ones)."""
+    """`Engine._generate_impl` over each replica's first `width` slots (`_narrowed`)."""
+    return self._narrowed(lambda a: self._generate_impl(params, a, plan), arrays, width)
+
+  def _verify_impl(self, params, arrays, plan, drafts_sd, *, width: int):
+    """`verify`'s program over each replica's first `width` slots (`_narrowed`)."""
+    new, result = self._narrowed(lambda a: self._verify_body(params, a, plan), dict(arrays, drafts=drafts_sd), width)
+    del new["drafts"]
+    return new, result
+
+  def _narrowed(self, fn, arrays, width: int):
+    """fn(arrays) -> (arrays, GenerateResult) over each replica's first `width` slots (the others hold
+    nothing), written back into the full arrays; the results cover every slot (the others as empty ones)."""
     r, per = self.replicas, self._slots_per_replica
     if width == per:
-      return self._generate_impl(params, arrays, plan)
+      return fn(arrays)
     cache, small = self._split_arrays(arrays)
     per_slot = [k for k in small if k != "version"]
     split = lambda x, axis: x.reshape(*x.shape[:axis], r, x.shape[axis] // r, *x.shape[axis + 1:])
     join = lambda x, axis: x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
     head = lambda x: join(split(x, 0)[:, :width], 0)
-    new, result = self._generate_impl(params, dict({k: head(small[k]) for k in per_slot}, cache=cache,
-                                                   version=small["version"]), plan)
+    new, result = fn(dict({k: head(small[k]) for k in per_slot}, cache=cache, version=small["version"]))
     put = lambda full, part: join(split(full, 0).at[:, :width].set(split(part, 0)), 0)
     out = dict({k: put(small[k], new[k]) for k in per_slot}, cache=new["cache"], version=new["version"])
 
@@ -406,6 +445,40 @@ class PagedEngine(Engine):
         mask_ksw=None if result.mask_ksw is None else widen(result.mask_ksw),
         routing_kslk=None if result.routing_kslk is None else widen(result.routing_kslk))
     return out, result
+
+  def _verify_body(self, params, arrays, plan):
+    """One verify forward (the slot's next input and its draft, arrays['drafts']), its tokens accepted
+    by `speculative.verify`, then steps_per_call - 1 decode steps (traced)."""
+    model = nnx.merge(self._graphdef, params_lib.materialize(params))
+    drafts, record = arrays["drafts"], self.config.record_sampling_mask
+    n_gen, positions, live = arrays["num_generated"], arrays["positions"], ~arrays["done"]
+    steps = jnp.arange(drafts.shape[1] + 1)
+    inputs = jnp.concatenate([arrays["tokens"][:, None], jnp.maximum(drafts, 0)], axis=1)  # [S, T]
+    has_input = jnp.concatenate([jnp.ones_like(drafts[:, :1], bool), drafts != speculative.NO_DRAFT], axis=1)
+    logits_stv, cache = model.decode_chunk(inputs, positions[:, None] + steps, arrays["cache"], plan,
+                                           has_input & live[:, None])
+    ver = speculative.verify(logits_stv, drafts, arrays["keys"], n_gen, self._sampling, return_mask=record)
+    emit = (steps <= ver.accepted_s[:, None]) & live[:, None]
+    stop = n_gen[:, None] + steps + 1 >= arrays["max_new"][:, None]  # as a decode step stops at the limit
+    if self._eos_ids.size:
+      stop = stop | jnp.isin(ver.tokens_st, jnp.asarray(self._eos_ids))
+    stop = (stop & emit).astype(jnp.int32)
+    valid = emit & (jnp.cumsum(stop, axis=1) - stop == 0)  # nothing after the first stop
+    count = valid.sum(axis=1).astype(jnp.int32)
+    last = jnp.take_along_axis(ver.tokens_st, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+    done = arrays["done"] | jnp.any(valid & (stop > 0), axis=1)
+    new = dict(arrays, cache=cache, tokens=jnp.where(count > 0, last, arrays["tokens"]), positions=positions + count,
+               num_generated=n_gen + count, done=done)
+    first = GenerateResult(tokens_ks=ver.tokens_st.T, logprobs_ks=ver.logprobs_st.T, valid_ks=valid.T, done_s=done,
+                           version=arrays["version"], mask_ksw=None if not record else jnp.swapaxes(ver.mask_stw, 0, 1))
+    if self.config.steps_per_call == 1:
+      return new, first
+    new, rest = self._decode_steps(model, new, self.config.steps_per_call - 1, plan)
+    cat = lambda a, b: None if a is None else jnp.concatenate([a, b])
+    return new, dataclasses.replace(rest, tokens_ks=cat(first.tokens_ks, rest.tokens_ks),
+                                    logprobs_ks=cat(first.logprobs_ks, rest.logprobs_ks),
+                                    valid_ks=cat(first.valid_ks, rest.valid_ks),
+                                    mask_ksw=cat(first.mask_ksw, rest.mask_ksw))
 
   def _live_blocks(self, decode_state: PagedDecodeState, replica: int):
     """(blocks, local slots, columns) of every block reference of the replica's live slots."""
@@ -535,11 +608,12 @@ class PagedEngine(Engine):
   def warmup(self, params) -> None:
     """Compiles, for every size the pool array takes (`_fit_pool`; one with the kernel), prefill per
     prompt bucket and batch size and the paged insert of each, generate per decode width and plan
-    shape (`_warmup_plans`), compaction's copies and slot moves, and every resize between sizes."""
+    shape (`_warmup_plans`; verify too with sampler.speculative), compaction's copies and slot moves, and every resize between sizes."""
     lengths: dict[int, int] = {}  # prompt bucket -> a prompt length that lands in it
     for n in range(1, self.max_prefill_length + 1):
       lengths.setdefault(self.prefill_bucket(n - 1), n)
     state, key = self.init_decode_state(), np.zeros((2,), np.uint32)
+    no_drafts = np.full((self.max_concurrent_decodes, self.config.draft_tokens), speculative.NO_DRAFT, np.int32)
     sizes = [self.num_blocks] if self.use_kernel else self._pool_sizes()
     pool, small = self._split_arrays(state.arrays)
     for size in sizes:
@@ -556,6 +630,8 @@ class PagedEngine(Engine):
           small = self._release_fn(small, np.int32(0))
       for slots, plan in self._warmup_plans(size):
         arrays, _ = self._paged_generate_fn(params, dict(small, cache=pool), plan, width=slots)
+        if self.config.speculative:
+          arrays, _ = self._verify_fn(params, arrays, plan, no_drafts, width=slots)
         pool, small = self._split_arrays(arrays)
       n = 1  # compaction's copies: at most half the pool moves
       while not self.use_kernel and n <= max(size // 2, 1):

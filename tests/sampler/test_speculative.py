@@ -1,0 +1,205 @@
+"""Speculative decoding (sampler.speculative): the tokens and logprobs of plain decoding on the same
+keys, whatever the drafts; drafts from a group's samples, its prompt's history and its own text; the
+adaptive switch-off; one verify program per decode width."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jit_traces import count_traces, engine_counts
+from sampler_prompts import VOCAB, random_prompts
+from test_engine import _decode_all
+from tunixlike.sampler import PromptRequest, RolloutDriver, SamplerConfig, drafts as drafts_lib, sampling
+from tunixlike.sampler.speculative import NO_DRAFT, position_uniforms, verify
+from tunixlike.settings import ConfigError
+
+SPEC = dict(kv_layout="paged", kv_block_size=4, speculative=True, draft_tokens=4)
+SAMPLING = {"temperature 1": dict(temperature=1.0), "top-p and top-k": dict(temperature=1.0, top_p=0.8, top_k=20),
+            "greedy": dict(temperature=0.0)}
+
+
+def test_verify_accepts_the_draft_while_it_equals_plain_decodings_tokens():
+  """By hand: 3 positions, a point-mass-like distribution at each (logit 30 on one token), so the
+  token sampled there is that token whatever the noise; drafts right, half right and wrong."""
+  want = np.array([[7, 2, 9], [7, 2, 9], [7, 2, 9]])
+  logits = jnp.asarray(np.where(np.arange(16) == want[..., None], 30.0, 0.0), jnp.float32)  # [S=3, T=3, V=16]
+  drafts = jnp.asarray([[7, 2], [7, 5], [1, 2]], jnp.int32)
+  keys, n_gen = jnp.zeros((3, 2), jnp.uint32), jnp.asarray([0, 5, 9], jnp.int32)
+  out = verify(logits, drafts, keys, n_gen, sampling.SamplingParams(temperature=1.0))
+  np.testing.assert_array_equal(out.tokens_st, want)
+  np.testing.assert_array_equal(out.accepted_s, [2, 1, 0])
+  # The noise of position t is the engine's for token n_gen + t.
+  u = position_uniforms(keys, n_gen, 3)
+  assert float(u[1, 2]) == float(jax.random.uniform(jax.random.fold_in(keys[1], 7), (), jnp.float32))
+  # Each logprob is the processed distribution's: log softmax of the row at the sampled token.
+  np.testing.assert_allclose(out.logprobs_st, jax.nn.log_softmax(logits, -1)[0, [0, 1, 2], want[0]][None].repeat(3, 0),
+                             rtol=1e-6)
+
+
+def _verify_all(engine, params, prompts, keys, draft_for):
+  """Each prompt in its own slot, decoded by verify calls with draft_for(i, tokens so far) as the
+  slot's draft; returns (tokens, logprobs, calls)."""
+  state = engine.init_decode_state()
+  for i, p in enumerate(prompts):
+    state = engine.insert(engine.prefill(params, p), state, i, key=keys[i])
+  toks, lps = [[] for _ in prompts], [[] for _ in prompts]
+  for calls in range(1, 100):
+    drafts = np.full((engine.max_concurrent_decodes, engine.config.draft_tokens), NO_DRAFT, np.int32)
+    for i in range(len(prompts)):
+      d = draft_for(i, toks[i])[:engine.config.draft_tokens]
+      drafts[i, :len(d)] = d
+    state, res = engine.verify(params, state, drafts)
+    for k in range(res.tokens_ks.shape[0]):
+      for i in range(len(prompts)):
+        if res.valid_ks[k, i]:
+          toks[i].append(int(res.tokens_ks[k, i]))
+          lps[i].append(float(res.logprobs_ks[k, i]))
+    state = engine.mark_finished(state, res.done_s)
+    if res.done_s[:len(prompts)].all():
+      return toks, lps, calls
+  raise AssertionError("decode did not finish")
+
+
+@pytest.mark.parametrize("sampler", list(SAMPLING))
+def test_verify_gives_plain_decodings_tokens_with_right_partly_right_and_wrong_drafts(make_engine, sampler):
+  kw = dict(SAMPLING[sampler], eos_ids=(3,))
+  plain = make_engine(kv_layout="paged", kv_block_size=4, **kw)
+  spec = make_engine(**SPEC, **kw)
+  params = plain.load_params()
+  prompts = random_prompts(4, seed=2)
+  keys = [jax.random.PRNGKey(11 + i) for i in range(4)]
+  want, want_lps, _ = _decode_all(plain, params, prompts, keys)
+  rng = np.random.default_rng(0)
+  drafts = {"right": lambda i, t: want[i][len(t):],
+            "partly right": lambda i, t: want[i][len(t):len(t) + 2] + [int(x) for x in rng.integers(0, VOCAB, 2)],
+            "wrong": lambda i, t: [(x + 1) % VOCAB for x in want[i][len(t):]]}
+  calls = {}
+  for name, draft_for in drafts.items():
+    got, lps, calls[name] = _verify_all(spec, params, prompts, keys, draft_for)
+    assert got == want, name
+    np.testing.assert_allclose(np.concatenate(lps), np.concatenate(want_lps), atol=1e-6, err_msg=name)
+  longest = max(len(t) for t in want)
+  assert calls["wrong"] == -(-longest // spec.config.steps_per_call)  # a wrong draft costs no tokens
+  assert calls["right"] < calls["partly right"] < calls["wrong"]
+
+
+def _run(engine, requests, params, drafter=None):
+  out = []
+  driver = RolloutDriver(engine, params, source=iter(requests), sink=out.append, drafter=drafter)
+  driver.run(max_wall_s=300)
+  return {g.prompt_id: g for g in out}, driver.stats
+
+
+@pytest.mark.parametrize("sampler", list(SAMPLING))
+def test_speculative_rollouts_equal_plain_ones_on_the_same_keys(make_engine, sampler):
+  """Groups of 4 through the driver: the same completions, logprobs within 1e-6 (fp32) and versions;
+  drafts were verified, and with greedy decoding (samples repeat each other) accepted."""
+  kw = dict(SAMPLING[sampler], group_size=4, max_new_tokens=24, max_concurrent_decodes=8, eos_ids=(3,))
+  plain = make_engine(kv_layout="paged", kv_block_size=4, **kw)
+  spec = make_engine(**SPEC, **kw)
+  params = plain.load_params()
+  requests = [PromptRequest(prompt_id=i, token_ids=p) for i, p in enumerate(random_prompts(6, seed=1))]
+  want, plain_stats = _run(plain, requests, params)
+  got, stats = _run(spec, requests, params)
+  assert sorted(got) == sorted(want) == list(range(6))
+  for pid, g in got.items():
+    for c, w in zip(g.completions, want[pid].completions):
+      np.testing.assert_array_equal(c.token_ids, w.token_ids)
+      np.testing.assert_allclose(c.logprobs, w.logprobs, atol=1e-6)
+      np.testing.assert_array_equal(c.policy_versions, w.policy_versions)
+      assert c.finish_reason == w.finish_reason
+  assert stats.verify_calls > 0 and stats.drafted_tokens > 0
+  assert plain_stats.tokens_per_decode_step == 1.0 and plain_stats.verify_calls == 0
+  if sampler == "greedy":
+    assert stats.draft_acceptance > 0.5 and stats.tokens_per_decode_step > 1.1
+    assert stats.generate_calls < plain_stats.generate_calls
+
+
+def test_drafts_come_from_siblings_history_and_the_sequence_itself():
+  drafter = drafts_lib.Drafter(draft_tokens=3, ngram=3, min_acceptance=0.3, history=2)
+  prompt = np.asarray([1, 2], np.int32)
+  live = lambda slot, index, tokens, budget=10: drafts_lib.Live(slot, 0, index, prompt, tokens, budget)
+  # Sample 1 ran ahead: sample 0, at the same text, drafts what followed there.
+  out, lengths = drafter.drafts([live(0, 0, [5, 6]), live(1, 1, [5, 6, 7, 8, 9, 4])], num_slots=2)
+  np.testing.assert_array_equal(out[0], [7, 8, 9])
+  assert lengths[1] == 0  # sample 1's suffix occurs nowhere with a continuation
+  # The budget (the sequence's remaining limit - 1) caps the draft.
+  out, _ = drafter.drafts([live(0, 0, [5, 6], budget=2), live(1, 1, [5, 6, 7, 8, 9, 4])], num_slots=2)
+  np.testing.assert_array_equal(out[0], [7, 8, NO_DRAFT])
+  # Its own text: a repeated stretch (no sibling has the suffix).
+  out, _ = drafter.drafts([live(0, 2, [40, 41, 42, 43, 40, 41])], num_slots=1)
+  np.testing.assert_array_equal(out[0], [42, 43, 40])
+  # The prompt's earlier completions: a group started later drafts from what this one wrote.
+  for index, tokens in enumerate(([5, 6, 7, 8, 9], [5, 6, 7, 8, 9, 4])):
+    drafter.completion((0, index), prompt, tokens, None)
+  drafter.group(0, None)
+  out, _ = drafter.drafts([drafts_lib.Live(0, 1, 0, prompt, [5, 6, 7], 10)], num_slots=1)
+  np.testing.assert_array_equal(out[0], [8, 9, 4])
+  assert drafter.drafts([drafts_lib.Live(0, 2, 0, np.asarray([9, 9]), [5, 6, 7], 10)], num_slots=1) is None
+
+
+def test_a_sequence_whose_drafts_fail_stops_drafting_and_tries_again_later():
+  drafter = drafts_lib.Drafter(draft_tokens=4, ngram=3, min_acceptance=0.3, history=0)
+  prompt = np.asarray([1, 2], np.int32)
+  # A text that repeats itself: every length has a draft, unless the sequence is paused.
+  ask = lambda n, index=0: drafter.drafts([drafts_lib.Live(0, 0, index, prompt, ([5, 6, 7, 8] * 100)[:n], 100)], 1)
+  for _ in range(drafts_lib.WINDOW - 1):
+    assert ask(8) is not None
+    drafter.observe(0, 0, drafted=4, accepted=1, length=8)  # 25% < 30%
+  assert ask(8) is not None  # judged over WINDOW tries
+  drafter.observe(0, 0, drafted=4, accepted=1, length=8)
+  assert ask(8) is None and ask(8 + drafts_lib.FIRST_PAUSE - 1) is None  # paused for FIRST_PAUSE tokens
+  assert ask(8 + drafts_lib.FIRST_PAUSE) is not None  # then it tries again
+  for _ in range(drafts_lib.WINDOW):
+    drafter.observe(0, 0, drafted=4, accepted=0, length=30)
+  assert ask(30 + 2 * drafts_lib.FIRST_PAUSE - 1) is None  # failing again: a pause twice as long
+  assert ask(30 + 2 * drafts_lib.FIRST_PAUSE) is not None
+  for _ in range(3 * drafts_lib.WINDOW):  # drafts that are accepted keep it drafting
+    drafter.observe(0, 1, drafted=4, accepted=3, length=10)
+  assert ask(10, index=1) is not None
+
+
+def test_nothing_compiles_after_warmup_and_one_verify_program_per_width(make_engine):
+  engine = make_engine(temperature=0.0, group_size=2, max_concurrent_decodes=16, kv_cache_bytes=32 * 2048,
+                       **{**SPEC, "kv_block_size": 8})
+  params = engine.load_params()
+  with count_traces() as warm:
+    engine.warmup(params)
+  assert warm["_verify_impl"] == warm["_narrow_generate_impl"] > 0  # one verify program per generate program
+  requests = [PromptRequest(prompt_id=i, token_ids=p, max_new_tokens=12 if i % 5 == 3 else 4)
+              for i, p in enumerate(random_prompts(24, seed=5))]
+  # Call times that make every verify call pay: the run verifies at every width it reaches.
+  fast_verify = {(verify, w): 1e-3 if verify else 1.0 for verify in (False, True) for w in (8, 16)}
+  with count_traces() as traces:
+    _, stats = _run(engine, requests, params, drafts_lib.Drafter.from_config(engine.config, fast_verify))
+  assert stats.verify_calls > 0
+  assert not any(engine_counts(traces).values()), traces
+
+
+def test_speculation_needs_the_paged_cache_and_single_turn_rollouts(tiny_model):
+  with pytest.raises(ConfigError, match=r"sampler.speculative=True needs sampler.kv_layout='paged'"):
+    SamplerConfig(max_new_tokens=8, speculative=True)
+  with pytest.raises(ConfigError, match=r"sampler.draft_ngram=1: must be an int >= 2"):
+    SamplerConfig(max_new_tokens=8, kv_layout="paged", speculative=True, draft_ngram=1)
+
+
+def test_a_verify_call_runs_only_where_the_drafts_pay_for_it():
+  """The gate by hand: a verify call measured at 1.5 times a plain call's seconds pays when the drafts
+  are expected to add more than half the tokens the plain call gives (8 live sequences x 4 steps)."""
+  prompt = np.asarray([1, 2], np.int32)
+  live = [drafts_lib.Live(s, s, 0, prompt, [5, 6, 7, 8] * 3, 100) for s in range(8)]  # each repeats: 8-token drafts
+  times = {(False, 8): 1.0, (True, 8): 1.5}
+  drafter = drafts_lib.Drafter(draft_tokens=8, ngram=3, min_acceptance=0.3, history=0, steps_per_call=4,
+                               call_seconds=times)
+  assert drafter.may_pay(8, width=8)  # 8 x 8 x 0.5 (the prior acceptance) = 32 more: 64 / 1.5 > 32 / 1
+  assert drafter.drafts(live, 8, width=8) is not None
+  for g in range(40):  # other sequences' drafts were mostly wrong: the recent acceptance falls toward 1/8
+    drafter.observe(100 + g, 0, drafted=8, accepted=1, length=12)
+  assert not drafter.may_pay(8, width=8) and drafter.drafts(live, 8, width=8) is None
+  assert drafter.drafts(live, 8, width=None) is not None  # without a width: no gate
+  # An unmeasured width: a plain call is measured first, then a verify call.
+  assert not drafter.may_pay(8, width=16)
+  drafter.timed(False, 16, 5.0)  # the first call of a kind at a width may compile: left out
+  drafter.timed(False, 16, 1.0)
+  assert times[(False, 16)] == 1.0 and drafter.may_pay(8, width=16)

@@ -1,0 +1,318 @@
+"""Drafts for speculative decoding from text the sampler already holds (`sampler.speculative`).
+
+A sequence's draft is what followed its last n tokens (n = `sampler.draft_ngram` down to 2; prompt
+lookup decoding, Saxena 2023) in
+  * the other samples of its GRPO group, live or finished (prompt + their tokens so far), at the
+    occurrence nearest its own position: the G samples of one prompt share long stretches of text,
+    more so as the policy sharpens, and the last, long samples of a batch find theirs finished;
+  * its prompt's earlier completions (`sampler.draft_history` per prompt, kept on the host: a
+    prompt seen again, e.g. in the next epoch);
+the longest continuation found (ties: in that order), or, if none is `draft_tokens` long, the
+sequence's own repetition (`NgramIndex.repeat`) if that is longer. Any draft is safe: verification
+keeps exactly the tokens plain decoding samples (`speculative`); a draft only decides how many come
+per forward.
+
+Adaptive, twice: a sequence whose drafts were accepted less than `sampler.draft_min_acceptance`
+over its last `WINDOW` tries stops drafting for `FIRST_PAUSE` tokens, twice as long after each
+further failure (up to `MAX_PAUSE`), so text that does not repeat costs a few verify forwards per
+sequence, not one per step; and a decode call verifies drafts only when the tokens they are expected
+to add (each draft's length times its sequence's recent acceptance, or all drafts' recent acceptance
+for a sequence without tries) pay for the verify forward's
+cost, measured against a plain call's at the same decode width (`Drafter._pays`). Neither changes a
+token: only how many come per call. Lookups use an n-gram index per text, extended as the text grows (O(1) per token).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+from typing import Iterable, NamedTuple, Sequence
+
+import numpy as np
+
+from tunixlike.sampler.speculative import NO_DRAFT
+
+WINDOW = 4  # tries a sequence's acceptance is judged over
+FIRST_PAUSE = 16  # tokens a sequence decodes without drafting after its drafts failed
+MAX_PAUSE = 1024
+MIN_NGRAM = 2  # a one-token match proposes mostly noise
+HISTORY_TOKENS = 1 << 22  # tokens of earlier completions kept over all prompts (16 MiB as int32)
+PRIOR_ACCEPTANCE = 0.5  # the expected acceptance of a draft before any was verified
+RECENT_SMOOTHING = 0.05  # weight of one try in the recent acceptance of all drafts (a new sequence's estimate)
+TIME_SMOOTHING = 0.3  # weight of the latest call in the smoothed seconds per call
+RETRY_EVERY = 32  # refused verify calls (of drafts worth a token) at a width before one measures again
+
+
+class NgramIndex:
+  """A growing text and, per n-gram (n in [MIN_NGRAM, ngram]) followed by at least one token, where
+  it started (ascending)."""
+
+  def __init__(self, ngram: int, tokens: Iterable[int] = (), *, growing: Sequence[int] | None = None):
+    """`tokens`, then `growing` (a list another part appends to, read up to its end at each lookup)."""
+    self.ngram = ngram
+    self.tokens: list[int] = []
+    self._starts: dict[tuple[int, ...], list[int]] = {}
+    self.extend(tokens)
+    self._growing, self._offset = growing, len(self.tokens)
+
+  def sync(self) -> None:
+    """Indexes what the growing list gained since the last lookup."""
+    if self._growing is not None:
+      self.extend(self._growing[len(self.tokens) - self._offset:])
+
+  def extend(self, tokens: Iterable[int]) -> None:
+    for token in tokens:
+      i = len(self.tokens)
+      for n in range(MIN_NGRAM, self.ngram + 1):
+        if i >= n:  # tokens[i - n:i] is now followed by `token`
+          self._starts.setdefault(tuple(self.tokens[i - n:i]), []).append(i - n)
+      self.tokens.append(int(token))
+
+  def freeze(self) -> None:
+    """Indexes the growing list to its end and lets go of it (its text is complete)."""
+    self.sync()
+    self._growing = None
+
+  def follow(self, pattern: tuple[int, ...], length: int, near: int) -> list[int]:
+    """Up to `length` tokens after the occurrence of `pattern` that starts nearest to position `near`
+    ([] if none). Texts of one prompt share its tokens' positions, so a sibling's text at the asking
+    sequence's own position is what that sample wrote at this point."""
+    self.sync()
+    starts = self._starts.get(pattern)
+    if not starts:
+      return []
+    i = bisect.bisect_left(starts, near)
+    start = min(starts[max(i - 1, 0):i + 1], key=lambda s: abs(s - near)) + len(pattern)
+    return self.tokens[start:start + length]
+
+  def repeat(self, length: int) -> list[int]:
+    """The text's own continuation if it repeats its last stretch: what followed the latest earlier
+    occurrence of its suffix, continued with the period that occurrence implies (a text that has
+    repeated one stretch so far goes on repeating it), for the longest suffix that has occurred."""
+    self.sync()
+    end = len(self.tokens)
+    for n in range(min(self.ngram, end - 1), MIN_NGRAM - 1, -1):
+      starts = self._starts.get(tuple(self.tokens[end - n:]))
+      if starts:
+        period = end - n - starts[-1]
+        return [self.tokens[end - period + k % period] for k in range(length)]
+    return []
+
+
+class History:
+  """Each prompt's latest `per_prompt` completions (prompt + completion, int32), `HISTORY_TOKENS` in
+  all, the least recently used prompt dropped first."""
+
+  def __init__(self, per_prompt: int, max_tokens: int = HISTORY_TOKENS):
+    self.per_prompt, self.max_tokens = per_prompt, max_tokens
+    self._texts: collections.OrderedDict[bytes, collections.deque] = collections.OrderedDict()
+    self._tokens = 0
+
+  @staticmethod
+  def key(prompt_ids) -> bytes:
+    return np.asarray(prompt_ids, np.int32).tobytes()
+
+  def add(self, prompt_ids, completion) -> None:
+    if self.per_prompt == 0:
+      return
+    text = np.concatenate([np.asarray(prompt_ids, np.int32), np.asarray(completion, np.int32)])
+    texts = self._texts.setdefault(self.key(prompt_ids), collections.deque())
+    self._texts.move_to_end(self.key(prompt_ids))
+    texts.append(text)
+    self._tokens += len(text)
+    if len(texts) > self.per_prompt:
+      self._tokens -= len(texts.popleft())
+    while self._tokens > self.max_tokens and self._texts:
+      self._tokens -= sum(len(t) for t in self._texts.popitem(last=False)[1])
+
+  def texts(self, prompt_ids) -> list[np.ndarray]:
+    return list(self._texts.get(self.key(prompt_ids), ()))
+
+
+@dataclasses.dataclass
+class _Control:
+  """One sequence's adaptive switch: its last tries and until when it does not draft."""
+
+  tries: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=WINDOW))
+  paused_until: int = 0  # completion length from which it drafts again
+  pause: int = FIRST_PAUSE
+
+
+@dataclasses.dataclass
+class _Group:
+  """The texts of one group's samples (prompt + tokens) and of its prompt's earlier completions."""
+
+  samples: dict[int, NgramIndex]
+  history: list[NgramIndex]
+
+
+class Live(NamedTuple):
+  """A live sequence the driver asks a draft for."""
+
+  slot: int
+  group: int  # the group's start order
+  index: int  # sample index in the group
+  prompt_ids: np.ndarray
+  tokens: Sequence[int]  # its completion so far (read only)
+  budget: int  # most draft tokens it can use (its remaining limit - 1)
+
+
+class Drafter:
+  """Drafts per decode call and the adaptive switch (see the module docstring). Host-side, on the
+  sampler thread. The driver calls `drafts` before a call, `observe` after a verify call, and, as a
+  `driver.Recorder`, `completion` and `group` as sequences and groups end."""
+
+  def __init__(self, draft_tokens: int, ngram: int, min_acceptance: float, history: int, steps_per_call: int = 1,
+               call_seconds: dict[tuple[bool, int], float] | None = None):
+    """`call_seconds`: (verify call?, decode width) -> seconds per call, as another drafter measured
+    them (taken as measured; updated in place)."""
+    self.draft_tokens, self.ngram, self.min_acceptance = draft_tokens, ngram, min_acceptance
+    self.steps_per_call = steps_per_call
+    self.history = History(history)
+    self._groups: dict[int, _Group] = {}
+    self._control: dict[tuple[int, int], _Control] = {}
+    self.call_seconds = {} if call_seconds is None else call_seconds  # (verify?, width) -> seconds (smoothed)
+    self._recent = PRIOR_ACCEPTANCE  # acceptance of the latest tries of every sequence (EMA)
+    self._refused: dict[int, int] = {}  # decode width -> verify calls refused since the last one there
+    self._first_calls = set(self.call_seconds)  # (verify?, width) whose first call was seen
+
+  @classmethod
+  def from_config(cls, config, call_seconds: dict[tuple[bool, int], float] | None = None) -> Drafter:
+    """From a `SamplerConfig`."""
+    return cls(config.draft_tokens, config.draft_ngram, config.draft_min_acceptance, config.draft_history,
+               config.steps_per_call, call_seconds)
+
+  def drafts(self, sequences: Iterable[Live], num_slots: int,
+             width: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(drafts int32 [num_slots, draft_tokens] with NO_DRAFT padding, lengths [num_slots]), or None
+    when no sequence has one, or (given the call's decode `width`) when the tokens the drafts are
+    expected to add do not pay for a verify call (`_pays`): the plain decode program runs."""
+    sequences = list(sequences)
+    asking, bound = [], 0.0  # sequences that draft now (not paused), the most their drafts can add
+    for seq in sequences:
+      group = self._group(seq)
+      if seq.index not in group.samples:  # its text, indexed as it grows (a source for its siblings too)
+        group.samples[seq.index] = NgramIndex(self.ngram, seq.prompt_ids, growing=seq.tokens)
+      control = self._control.get((seq.group, seq.index))
+      length = min(self.draft_tokens, seq.budget)
+      if length > 0 and (control is None or len(seq.tokens) >= control.paused_until):
+        asking.append((seq, length, self._acceptance(seq)))
+        bound += length * asking[-1][2]
+    if not asking or (width is not None and not self._pays(bound, len(sequences), width, final=False)):
+      return None  # (no lookups: most steps of text that does not repeat end here)
+    out = np.full((num_slots, self.draft_tokens), NO_DRAFT, np.int32)
+    lengths, gain = np.zeros((num_slots,), np.int32), 0.0
+    for seq, length, acceptance in asking:
+      draft = self._draft(seq, length)
+      out[seq.slot, :len(draft)] = draft
+      lengths[seq.slot] = len(draft)
+      gain += len(draft) * acceptance
+    if not lengths.any() or (width is not None and not self._pays(gain, len(sequences), width)):
+      return None
+    return out, lengths
+
+  def may_pay(self, live: int, width: int) -> bool:
+    """Whether drafts for `live` sequences could pay for a verify call at this width, judged by the
+    recent acceptance of all drafts: when not, the driver skips the lookups (and builds no requests),
+    so a workload where speculation does not pay costs a dict lookup per call."""
+    return self._pays(live * self.draft_tokens * self._recent, live, width, final=False)
+
+  def _acceptance(self, seq: Live) -> float:
+    """The sequence's acceptance over its last tries; before any, the recent acceptance of all drafts."""
+    control = self._control.get((seq.group, seq.index))
+    if control is None or not control.tries:
+      return self._recent
+    return sum(a for _, a in control.tries) / sum(d for d, _ in control.tries)
+
+  def _pays(self, gain: float, live: int, width: int, *, final: bool = True) -> bool:
+    """Whether a verify call is expected to give more tokens per second than a plain one: the live
+    sequences' steps_per_call tokens each plus the drafts' expected `gain`, over the measured seconds
+    of each kind of call at this decode width (a verify forward costs more where compute, not memory,
+    bounds a step: several times a decode step's on CPU, about one on an accelerator at small widths).
+    Each kind is run once at a width before the measurements decide."""
+    if gain < 1:  # not a token's worth
+      return False
+    plain, verify = self.call_seconds.get((False, width)), self.call_seconds.get((True, width))
+    if plain is None or verify is None:
+      return plain is not None  # measure a plain call first, then a verify call
+    tokens = live * self.steps_per_call
+    if (tokens + gain) / verify > tokens / plain:
+      return True
+    # A measurement can be an unlucky one (a shared machine): after RETRY_EVERY refusals at a width, one
+    # verify call measures again. (`final`: the decision itself; before the lookups, whether to look.)
+    due = self._refused.get(width, 0) + 1 >= RETRY_EVERY
+    if due and final:
+      self._refused[width] = 0
+    elif not due:
+      self._refused[width] = self._refused.get(width, 0) + 1
+    return due
+
+  def timed(self, verified: bool, width: int, seconds: float) -> None:
+    """A decode call's duration (the driver reports each), smoothed per kind and width. The first of
+    each is left out (it may have compiled its program); a faster call is believed at once (a shared
+    machine makes calls slower, never faster)."""
+    key = (verified, width)
+    if key not in self._first_calls:
+      self._first_calls.add(key)
+      return
+    old = self.call_seconds.get(key)
+    self.call_seconds[key] = seconds if old is None or seconds < old else old + TIME_SMOOTHING * (seconds - old)
+
+  def _draft(self, seq: Live, length: int) -> list[int]:
+    group = self._groups[seq.group]
+    own = group.samples[seq.index]
+    own.sync()
+    sources = [t for i, t in group.samples.items() if i != seq.index] + group.history
+    best = []
+    for n in range(min(self.ngram, len(own.tokens)), MIN_NGRAM - 1, -1):
+      pattern, near = tuple(own.tokens[-n:]), len(own.tokens) - n
+      best = max((s.follow(pattern, length, near) for s in sources), key=len, default=[])  # max keeps the first
+      if len(best) == length:
+        return best
+      if best:
+        break
+    return max((best, own.repeat(length)), key=len)
+
+  def _group(self, seq: Live) -> _Group:
+    group = self._groups.get(seq.group)
+    if group is None:
+      history = [NgramIndex(self.ngram, t) for t in self.history.texts(seq.prompt_ids)]
+      group = self._groups[seq.group] = _Group(samples={}, history=history)
+    return group
+
+  def observe(self, group: int, index: int, drafted: int, accepted: int, length: int) -> None:
+    """A verify call's outcome for one sequence: `accepted` of its `drafted` tokens, its completion
+    now `length` tokens long."""
+    control = self._control.setdefault((group, index), _Control())
+    control.tries.append((drafted, accepted))
+    self._recent += RECENT_SMOOTHING * (accepted / drafted - self._recent)
+    if len(control.tries) == WINDOW:
+      rate = sum(a for _, a in control.tries) / sum(d for d, _ in control.tries)
+      if rate < self.min_acceptance:
+        control.paused_until = length + control.pause
+        control.pause = min(2 * control.pause, MAX_PAUSE)
+        control.tries.clear()
+
+  # ------------------------------------------------------------------ driver.Recorder
+
+  def token(self, key, prompt_ids, tokens, request) -> None:
+    pass
+
+  def completion(self, key: tuple[int, int], prompt_ids, tokens, request) -> None:
+    """A sample ended: its text stays a draft source for its group and joins its prompt's history."""
+    group = self._groups.get(key[0])
+    if group is None:  # it ended before its group asked for a draft: its siblings still may
+      group = self._groups[key[0]] = _Group(samples={}, history=[NgramIndex(self.ngram, t)
+                                                                 for t in self.history.texts(prompt_ids)])
+    index = group.samples.get(key[1])
+    if index is None:
+      group.samples[key[1]] = NgramIndex(self.ngram, [*prompt_ids, *tokens])
+    else:
+      index.freeze()
+    self.history.add(prompt_ids, tokens)
+    self._control.pop(key, None)
+
+  def group(self, seq: int, group) -> None:
+    """The group left the driver: its texts are no longer needed."""
+    self._groups.pop(seq, None)
