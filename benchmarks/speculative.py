@@ -17,7 +17,8 @@ With --warmup both engines first compile every decode program (`Engine.warmup`, 
 does; `warmup_s`). Per model, plain and speculative decoding alternate (`--repeats` each; without
 --warmup the first of each is left out as compilation) on the same weights, prompts and noise keys;
 per mode its fastest run (the machine is shared; each speculative run's drafter starts from the seconds
-per call the earlier runs measured, as one driver of a run measures them once for every batch): `batch_s` (time to finish the batch),
+per call and the recent draft acceptance the earlier runs of that model measured, not from their
+texts, as one driver of a run learns them once for every batch): `batch_s` (time to finish the batch),
 `tokens_per_s`, generate calls, and for speculative runs the draft acceptance, tokens per decode step
 (per live slot and forward) and verify calls; `runs`: every run. `identical_tokens`: every
 completion's tokens equal; `max_logprob_difference`: the largest difference of a token's logprob
@@ -124,16 +125,22 @@ def requests(setup, n: int):
   return out
 
 
-def decode(engine, params, reqs, call_seconds: dict) -> tuple[dict, dict]:
+def decode(engine, params, reqs, learned: dict) -> tuple[dict, dict]:
   """One batch through a fresh driver: (stats, completions by prompt). A speculative driver's drafter
-  starts from the seconds per call the previous runs measured (`call_seconds`, updated): in a run the
-  driver lives for every batch and measures each kind of call once, not once per batch."""
+  starts from what the previous runs learned (`learned`: the seconds per call, updated in place, and
+  the recent acceptance of all drafts), not from their texts: in a run one driver lives for every
+  batch and learns these once, not once per batch."""
   got = []
-  drafter = drafts_lib.Drafter.from_config(engine.config, call_seconds) if engine.config.speculative else None
+  drafter = None
+  if engine.config.speculative:
+    drafter = drafts_lib.Drafter.from_config(engine.config, learned.setdefault("call_seconds", {}))
+    drafter.recent_acceptance = learned.get("recent_acceptance", drafter.recent_acceptance)
   driver = RolloutDriver(engine, params, source=iter(reqs), sink=got.append, drafter=drafter)
   t0 = time.perf_counter()
   driver.run(max_wall_s=1800)
   batch_s = time.perf_counter() - t0
+  if drafter is not None:
+    learned["recent_acceptance"] = drafter.recent_acceptance
   s = driver.stats
   stats = {"batch_s": round(batch_s, 3), "tokens_per_s": round(s.tokens_generated / batch_s, 1),
            "tokens": s.tokens_generated, "generate_calls": s.generate_calls}
@@ -170,10 +177,10 @@ def batch(setup, trained, random_state, s_cfg) -> dict:
         engine.warmup(params)
         out["warmup_s"][mode] = round(time.perf_counter() - t0, 1)
     runs = {mode: [] for mode in engines}
-    completions, call_seconds = {}, {}
+    completions, learned = {}, {}
     for i in range(ARGS.repeats):
       for mode, engine in engines.items():  # alternated: a load change falls on both modes alike
-        stats, completions[mode] = decode(engine, params, reqs, call_seconds)
+        stats, completions[mode] = decode(engine, params, reqs, learned)
         runs[mode].append(stats)
     # Without --warmup the first run of each mode compiles (and a later one may still compile a program a
     # timed choice first reaches). The machine is shared: each mode's fastest run is its figure.

@@ -166,14 +166,14 @@ class Drafter:
   def __init__(self, draft_tokens: int, ngram: int, min_acceptance: float, history: int, steps_per_call: int = 1,
                call_seconds: dict[tuple[bool, int], float] | None = None):
     """`call_seconds`: (verify call?, decode width) -> seconds per call, as another drafter measured
-    them (taken as measured; updated in place)."""
+    them (taken as measured; updated in place). `recent_acceptance` (an attribute) may be set too."""
     self.draft_tokens, self.ngram, self.min_acceptance = draft_tokens, ngram, min_acceptance
     self.steps_per_call = steps_per_call
     self.history = History(history)
     self._groups: dict[int, _Group] = {}
     self._control: dict[tuple[int, int], _Control] = {}
     self.call_seconds = {} if call_seconds is None else call_seconds  # (verify?, width) -> seconds (smoothed)
-    self._recent = PRIOR_ACCEPTANCE  # acceptance of the latest tries of every sequence (EMA)
+    self.recent_acceptance = PRIOR_ACCEPTANCE  # acceptance of the latest tries of every sequence (EMA)
     self._refused: dict[int, int] = {}  # decode width -> verify calls refused since the last one there
     self._first_calls = set(self.call_seconds)  # (verify?, width) whose first call was seen
 
@@ -216,13 +216,13 @@ class Drafter:
     """Whether drafts for `live` sequences could pay for a verify call at this width, judged by the
     recent acceptance of all drafts: when not, the driver skips the lookups (and builds no requests),
     so a workload where speculation does not pay costs a dict lookup per call."""
-    return self._pays(live * self.draft_tokens * self._recent, live, width, final=False)
+    return self._pays(live * self.draft_tokens * self.recent_acceptance, live, width, final=False)
 
   def _acceptance(self, seq: Live) -> float:
     """The sequence's acceptance over its last tries; before any, the recent acceptance of all drafts."""
     control = self._control.get((seq.group, seq.index))
     if control is None or not control.tries:
-      return self._recent
+      return self.recent_acceptance
     return sum(a for _, a in control.tries) / sum(d for d, _ in control.tries)
 
   def _pays(self, gain: float, live: int, width: int, *, final: bool = True) -> bool:
@@ -286,7 +286,7 @@ class Drafter:
     now `length` tokens long."""
     control = self._control.setdefault((group, index), _Control())
     control.tries.append((drafted, accepted))
-    self._recent += RECENT_SMOOTHING * (accepted / drafted - self._recent)
+    self.recent_acceptance += RECENT_SMOOTHING * (accepted / drafted - self.recent_acceptance)
     if len(control.tries) == WINDOW:
       rate = sum(a for _, a in control.tries) / sum(d for d, _ in control.tries)
       if rate < self.min_acceptance:
