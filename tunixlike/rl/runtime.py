@@ -257,7 +257,7 @@ class AsyncRuntime:
         "sampler/tokens_per_s": (stats.tokens_generated - self._tokens_before) / wall,
         "sampler/slot_occupancy": stats.slot_occupancy, "sampler/preemptions": stats.preemptions,
         **({"sampler/draft_acceptance": stats.draft_acceptance, "sampler/tokens_per_decode_step":
-            stats.tokens_per_decode_step} if stats.speculative else {}),
+            stats.tokens_per_decode_step} if stats.drafts else {}),
         "sync/ms": synced.ms, "deterministic": int(cfg.deterministic),
         "nonfinite_in_a_row": self._nonfinite_in_a_row, **self.queue.stats(),
     })

@@ -470,8 +470,8 @@ class _Run:
       return ()
     path = os.path.join(self.dir, schedule_lib.FILE)
     starts = {r["segment"] for r in schedule_lib.read(path) if "segment" in r} if os.path.exists(path) else set()
-    with checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(self.workdir), read_only=True) as saved:
-      latest = saved.latest_step()
+    # A listing, not an orbax manager: its start is a collective the processes would reach at different times.
+    latest = checkpoint_lib.last_saved_step(checkpoint_lib.workdir_checkpoints(self.workdir))
     return tuple(sorted(starts | {0} | ({latest} if latest is not None else set())))
 
   def schedule_recorder(self, data: _Data) -> schedule_lib.Recorder | None:

@@ -145,7 +145,7 @@ class DriverStats:
   drafted_tokens: int = 0  # draft tokens verified
   accepted_tokens: int = 0  # draft tokens accepted (emitted as drafted)
   decoded_tokens: int = 0  # tokens the decode calls emitted (preempted or stop-string tails included)
-  speculative: bool = False  # the driver drafts (sampler.speculative): its step metrics include the drafts'
+  drafts: bool = False  # the driver drafts (sampler.speculative): its step metrics include the drafts'
   busy_time_s: float = 0.0  # time in prefill / insert / generate (incl. fetching results)
 
   @property
@@ -261,7 +261,7 @@ class RolloutDriver:
     self._stop_event = threading.Event()
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
-    self.stats = DriverStats(speculative=self._drafter is not None)
+    self.stats = DriverStats(drafts=self._drafter is not None)
     for group in resume:
       self._continue(group)
 
