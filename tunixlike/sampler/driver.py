@@ -274,27 +274,33 @@ class RolloutDriver:
                    completions=[None] * self.config.group_size, started=self.config.group_size,
                    keys=np.asarray(saved.keys, np.uint32), version=saved.version, resumed_at=self._version)
     self._in_flight[group.seq] = group
-    key = lambda i: (group.seq, i)
     for i, sample in enumerate(saved.samples):
       if isinstance(sample, Completion):
         group.completions[i] = sample
-        for r in self._recorders:  # recorders see what they saw before the checkpoint
-          for n in range(1, sample.num_tokens + 1):
-            r.token(key(i), group.prompt_ids, list(sample.token_ids[:n]), group.request)
-          r.completion(key(i), group.prompt_ids, list(sample.token_ids), group.request)
+        self._retell(group, i, sample.token_ids, finished=True)
         continue
       info = _Slot(group=group, index=i, max_new=self._limit(group), tokens=[int(t) for t in sample["tokens"]],
                    logprobs=[float(x) for x in sample["logprobs"]], versions=[int(v) for v in sample["versions"]],
                    masks=list(sample["masks"]) if sample.get("masks") is not None else [])
       info.kept = len(info.tokens)
       self.stats.tokens_kept += info.kept
-      for r in self._recorders:
-        for n in range(1, info.kept + 1):
-          r.token(key(i), group.prompt_ids, info.tokens[:n], group.request)
+      self._retell(group, i, info.tokens, finished=False)
       self._preempted.append(info)
     if all(c is not None for c in group.completions):  # emitted now: no step of its own (a replay's record has none)
       del self._in_flight[group.seq]
       self._emit(self._rollout_group(group))
+
+  def _retell(self, group: _Group, index: int, tokens, finished: bool) -> None:
+    """Recorders see a kept sample's tokens as they saw them before the checkpoint: one `token` call
+    per token on one growing list (as decoding calls them), then `completion` if it had finished."""
+    key = (group.seq, index)
+    for r in self._recorders:
+      so_far: list[int] = []
+      for token in tokens:
+        so_far.append(int(token))
+        r.token(key, group.prompt_ids, so_far, group.request)
+      if finished:
+        r.completion(key, group.prompt_ids, so_far, group.request)
 
   def in_flight(self, timeout_s: float) -> list[InFlightGroup] | None:
     """Every group admitted and not yet emitted, in start order, as it stands between two steps
