@@ -655,10 +655,11 @@ class _Run:
               f"kept, not decoded again)" + (f"; regenerating {regenerated}" if regenerated else ""))
     line = f"regenerating {regenerated} prompts that were in flight"
     tokens = (meta.get("in_flight_tokens") or [None] * (self.pid + 1))[self.pid]
+    why = in_flight_lib.why_not(self.cfg)
     if tokens:
       line += f" ({tokens} tokens decoded again; checkpoint.keep_rollouts=true keeps them)"
-    elif in_flight_lib.why_not(self.cfg):
-      line += f" (not kept with {in_flight_lib.why_not(self.cfg)})"
+    elif why:
+      line += f" (not kept with {why})"
     return line
 
   def restore_records(self, meta: dict) -> None:
