@@ -30,7 +30,7 @@ may be shared: the load average is recorded (`harness.py`).
 setting at a time grows from the main job's: completion length (`sampler.max_new_tokens` 8, 64,
 256; an untrained model rarely stops early), prompts per step (8, 32, 128) and the model (the base
 model, hidden 128 and 256: about 4x and 16x its parameters), in each layout. JSON key `grid`: one
-row per run. `--seeds`: the whole main job (warm start, 300 steps, evals) once per seed
+row per run. `--seeds`: the whole main job (warm start, all its RL steps, evals) once per seed
 (`seed = data.shuffle_seed = N`) in each layout, with its held-out gain and wall clock (the run's
 own `time_s` at its last eval). JSON key `seeds`.
 """
@@ -69,12 +69,11 @@ def _run(root: pathlib.Path, workdir: pathlib.Path, steps: int | None, quick: bo
   """Runs the main job from the checkout at `root` (`steps` None: all of it); returns its metrics records."""
   config = f"{root / 'configs' / 'addition_grpo.py'}{':size=tiny' if quick else ''}"
   env = {**os.environ, "PYTHONPATH": str(root), "XLA_FLAGS": harness.xla_flags(8)}
-  cmd = [sys.executable, "-m", "tunixlike.train", "--config", config, "--workdir", str(workdir),
-         f"--config.rl.num_steps={steps}", "--config.eval.every_steps=0", f"--config.seed={seed}",
+  # `steps` None: the whole main job, with its own steps and evals (and `extra`'s seed and settings)
+  timed = [] if steps is None else [f"--config.rl.num_steps={steps}", "--config.eval.every_steps=0",
+                                    f"--config.seed={seed}"]
+  cmd = [sys.executable, "-m", "tunixlike.train", "--config", config, "--workdir", str(workdir), *timed,
          "--config.log.progress_bar=false", *extra]
-  if steps is None:  # the whole main job, with its own steps and evals
-    cmd = [c for c in cmd if not c.startswith(("--config.rl.num_steps=", "--config.eval.every_steps=",
-                                                 "--config.seed="))]
   done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
   if done.returncode:
     raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")

@@ -21,6 +21,6 @@ def get_config(arg: str | None = None):
   c.algo.vf_coef = 0.1  # the value loss shapes the shared trunk; 0.5 (with a random-init head) collapsed to 0%
   c.algo.vf_clip = 0.2
   if variant.size == "default":
-    c.rl.num_steps = 300  # as the GRPO job; the figures: README's results table, docs/benchmarks.md#the-ppo-job
+    c.rl.num_steps = 300  # the figures: README's results table, docs/benchmarks.md#the-ppo-job
     c.eval.every_steps = 50
   return c
