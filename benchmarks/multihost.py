@@ -33,7 +33,7 @@ Part 2, 3 processes (1 learner host, 2 sampler hosts), the full weights: `direct
 sends to each sampler host) vs `relay` (it sends to the first, which sends on to the second), timed
 until both sampler hosts have them; `fan_out_winner` says which was faster.
 Part 3, the same RL job twice on 2 processes of 4 devices (4 sampler + 4 learner devices in all):
-`trainer.run` (what `python -m tunixlike.train` runs) on the tiny addition model, --rl-steps async
+`layouts.run` (what `python -m tunixlike.train` runs) on the tiny addition model, --rl-steps async
 GRPO steps (`rl.max_staleness=1`, 8 prompts x 8 samples per step; --quick: 4 x 4 in 32 decode slots,
 one layer, 4 held-out prompts), `per_host` (each process 2 + 2 devices) vs `by_host`
 (`mesh.sampler_hosts=1`: process 0 trains, process 1 decodes). `s_per_step`:
@@ -109,7 +109,7 @@ def _start(args):
   config = distributed.resolve(distributed.DistributedConfig(timeout_s=120))
   transfer_server.enable(config.coordinator_address, me, timeout_s=120, transfer_size=args.transfer_size,
                          connections=args.connections)
-  assert distributed.initialize(config, whole_hosts=rendezvous.Hello({}, 120))
+  assert rendezvous.initialize(config, rendezvous.Hello({}, 120))
   return me, kv.client()
 
 
@@ -324,8 +324,7 @@ def rl_worker(args):
   """Part 3: the same RL job in `args.layout` on 2 processes of 4 devices each (4 sampler + 4 learner
   devices in all): `per_host` splits each process 2 + 2, `by_host` makes process 0 a learner host and
   process 1 a sampler host. Each process reports what it measured."""
-  from tunixlike import config as config_lib, workdir as workdir_lib
-  from tunixlike.rl import trainer
+  from tunixlike import config as config_lib, layouts, workdir as workdir_lib
   by_host = args.layout == "by_host"
   c = config_lib.load(os.path.join(ROOT, "configs", "addition_grpo.py"), "size=tiny")
   c.rewards = ({"fn": "stopped", "weight": 1.0},)  # rewards with variance from the first step: every step trains
@@ -340,7 +339,7 @@ def rl_worker(args):
     c.rl.prompts_per_step, c.algo.group_size, c.sampler.max_concurrent_decodes = 4, 4, 32
     c.data.num_eval_examples = 4
   cfg = config_lib.from_config_dict(c)
-  summary = trainer.run(cfg, args.workdir)
+  summary = layouts.run(cfg, args.workdir)
   me, name = int(os.environ["JAX_PROCESS_ID"]), f"rl_{args.layout}"
   if by_host and me == 1:  # the sampler host: its driver's busy fraction at the last weight sync
     result = {f"{name}_sampler_busy_frac": summary["busy_frac"]}

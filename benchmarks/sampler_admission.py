@@ -107,7 +107,7 @@ def main():
   tok, task = build.build_task(cfg)
   meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices)
   model = build.build_model(cfg, tok, meshes.learner)
-  s_cfg = build.sampler_config(cfg, tok)
+  s_cfg = build.sampler_config(cfg, tok, decoders=1)  # one process decodes
   engine = Engine(model, s_cfg, mesh=meshes.sampler)
   params = engine.load_params()
   per_step = cfg.rl.prompts_per_step

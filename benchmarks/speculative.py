@@ -112,12 +112,12 @@ def load(workdir: str):
   random_state = nnx.state(models.Transformer(setup.model.cfg, rngs=nnx.Rngs(ARGS.seed + 1)))
   trained, _ = state_lib.restore_policy_weights(ckpt, step, build.policy_model(setup), lora=False, ppo=False)
   ckpt.close()
-  return setup, trained, random_state, build.sampler_config(setup.cfg, setup.tok)
+  return setup, trained, random_state, build.sampler_config(setup.cfg, setup.tok, setup.transport.decoders)
 
 
 def requests(setup, n: int):
   """n held-out prompts, every `--long-every`-th group with the long limit, the rest short."""
-  pipe_cfg = build.pipeline_config(setup.cfg, shuffle=False, num_epochs=1)
+  pipe_cfg = build.pipeline_config(setup.cfg, setup.transport.data_shard, shuffle=False, num_epochs=1)
   records = list(zip(range(n), pipeline.from_task(setup.task, setup.tok, split="test", config=pipe_cfg)))
   out = requests_for([r for _, r in records])
   for i, r in enumerate(out):

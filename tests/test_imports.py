@@ -210,8 +210,6 @@ def package_pairs(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]
 KNOWN_PAIRS = {
     ("config", "multi_agent"),  # likewise `multi_agent/config.py`
     ("config", "rl"),  # the config tree is made of its sections, `rl/config.py` one of them
-    ("distributed", "hosts"),  # `distributed.initialize` starts the whole hosts' rendezvous and transfer server
-    ("hosts", "rl"),  # `build.make_transport` / `make_meshes` and the trainer's sampler-host run pick `hosts/`
 }
 
 

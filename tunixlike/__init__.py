@@ -90,9 +90,9 @@ def train(config: str | Mapping | Config, workdir: str, *, dataset=None, eval_da
 
   cfg = load_config(config)
   hooks_lib.user_hooks(hooks)  # bad hooks are refused here, before JAX starts
+  from tunixlike import layouts  # JAX starts here: set XLA_FLAGS before calling
   from tunixlike.multi_agent import trainer as multi_agent_trainer
-  from tunixlike.rl import trainer  # JAX starts here: set XLA_FLAGS before calling
 
-  run = trainer.run if cfg.multi_agent.env is None else multi_agent_trainer.run  # several policies: their own stages
+  run = layouts.run if cfg.multi_agent.env is None else multi_agent_trainer.run  # several policies: their own stages
   return run(cfg, workdir, dataset=dataset, eval_dataset=eval_dataset, rewards=rewards, env=env, agent=agent,
              hooks=hooks)

@@ -90,17 +90,35 @@ def bind_address(cfg: DistributedConfig) -> str:
   return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def initialize(cfg: DistributedConfig = DistributedConfig(), *, whole_hosts=None) -> bool:
+def split_address(address: str) -> tuple[str, int]:
+  """(host, port) of 'HOST:PORT' ('[::1]:PORT' too)."""
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit():
+    raise ValueError(f"{address!r} is not HOST:PORT")
+  return host.strip("[]"), int(port)
+
+
+def check_port_free(host: str, port: int, what: str) -> str | None:
+  """None if this machine can listen on host:port, else the line that says why not."""
+  try:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+      s.bind((host, port))
+  except OSError as e:
+    return f"{what} {host}:{port} cannot be used ({e.strerror}): " + (
+        f"another process listens there (`ss -ltnp 'sport = :{port}'`): stop it or pick another coordinator port"
+        if e.errno in (98, 48) else "it is not an address of this machine")
+  return None
+
+
+def initialize(cfg: DistributedConfig = DistributedConfig(), *, meet=None) -> bool:
   """Starts multi-controller JAX when configured; returns True if this is a multi-process run.
 
   Must run before anything touches a JAX backend (`jax.devices()`, any array). A no-op for a
   single process and when already initialized (tests, notebooks, a second `run`). Process 0's
   coordinator listens on `bind_address(cfg)`.
-  `whole_hosts` (a `hosts.rendezvous.Hello`: whole sampler hosts and learner hosts, `tunixlike.hosts`):
-  first the start-up rendezvous (`hosts.rendezvous.meet`: every process there, same config, free
-  ports, the run's secret, or one line saying what is wrong), then JAX's transfer server for
-  `jax.device_put` between the device sets of different processes, and JAX's heartbeat timeout
-  beyond the hosts' own (so that a host's fault is named by tunixlike before JAX aborts).
+  `meet(cfg, bind)`: a start-up step of every process before JAX's coordination service, given the
+  resolved config and process 0's bind address (whole hosts: `hosts.rendezvous.initialize`, which
+  checks the coordinator's port itself); returns the heartbeat timeout JAX is to use.
   """
   if jax.distributed.is_initialized():
     return jax.process_count() > 1
@@ -114,24 +132,18 @@ def initialize(cfg: DistributedConfig = DistributedConfig(), *, whole_hosts=None
       raise ValueError(f"distributed.process_id={cfg.process_id}: must be in [0, {cfg.num_processes})")
     bind = bind_address(cfg) if cfg.process_id == 0 else None  # only process 0 listens
     heartbeat_s = _JAX_HEARTBEAT_S
-    if whole_hosts is not None:
-      from tunixlike.hosts import kv, rendezvous, seal, transfer_server
-      secret, run_id = rendezvous.meet(cfg.coordinator_address, bind, cfg.process_id, cfg.num_processes, whole_hosts)
-      kv.use(seal.Sealer(secret, run_id, cfg.process_id))
-      if not transfer_server.enabled():
-        transfer_server.enable(cfg.coordinator_address, cfg.process_id, timeout_s=cfg.timeout_s)
-      heartbeat_s = int(2 * whole_hosts.timeout_s) + 60  # after the hosts' own faults have been named
+    if meet is not None:
+      heartbeat_s = meet(cfg, bind)
     elif cfg.process_id == 0:
-      from tunixlike.hosts import rendezvous
-      problem = rendezvous.check_port_free(*rendezvous.split_address(bind), "host 0: the coordinator address")
+      problem = check_port_free(*split_address(bind), "host 0: the coordinator address")
       if problem:
         raise ValueError(problem)
     jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes,
                                process_id=cfg.process_id, initialization_timeout=cfg.timeout_s,
                                coordinator_bind_address=bind, heartbeat_timeout_seconds=heartbeat_s)
   elif cfg.auto_detect:
-    if whole_hosts is not None:
-      raise ValueError("distributed.auto_detect with whole sampler hosts: set distributed.coordinator_address, "
+    if meet is not None:
+      raise ValueError("distributed.auto_detect with mesh.sampler_hosts: set distributed.coordinator_address, "
                        "num_processes and process_id (the transfer server's address derives from them)")
     jax.distributed.initialize(initialization_timeout=cfg.timeout_s, coordinator_bind_address=(
         cfg.coordinator_bind_address or os.environ.get(ENV_BIND)))

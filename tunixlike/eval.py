@@ -139,12 +139,12 @@ def _evaluate(cfg, ckpt, step, split, num_examples, samples, temperature, say) -
   say(f"restored {ckpt.step_dir(step)} (policy version {version}) in {time.monotonic() - start:.1f} s")
 
   # The prompts are built exactly as training built them (templates, system prompt, chat messages).
-  pipe_cfg = build.pipeline_config(cfg, shuffle=False, num_epochs=1)
+  pipe_cfg = build.pipeline_config(cfg, setup.transport.data_shard, shuffle=False, num_epochs=1)
   records = list(itertools.islice(iter(pipeline.from_task(setup.task, setup.tok, split=split, config=pipe_cfg)),
                                   num_examples))
   requests = requests_for(records)
   correctness = build.correctness_reward(setup)
-  s_cfg = build.sampler_config(cfg, setup.tok)
+  s_cfg = build.sampler_config(cfg, setup.tok, setup.transport.decoders)
   engine = make_engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
   params, _ = weight_sync.sync(nnx.state(model), engine.param_shardings, dtype=cfg.rl.sync_dtype)
 

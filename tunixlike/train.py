@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
     cli.fail(prog, "--workdir is required")
   _watched(cfg, prog)
   compilation_cache.enable()  # before any compile: a second start loads its programs (TUNIXLIKE_COMPILATION_CACHE)
-  from tunixlike import checkpoint, mesh
+  from tunixlike import checkpoint, layouts, mesh
   from tunixlike.multi_agent import trainer as multi_agent_trainer
   from tunixlike.rl import trainer  # heavy imports only once the config is known to be good
   # Orbax's async writes leave failed asyncio tasks behind when a save fails (a full disk): their
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG, module=None, check=
   from tunixlike.models.sharding import ShardingError
   from tunixlike.rl.preemption import StartupInterrupted
   try:
-    run = trainer.run if cfg.multi_agent.env is None else multi_agent_trainer.run  # several policies: their own stages
+    run = layouts.run if cfg.multi_agent.env is None else multi_agent_trainer.run  # several policies: their own stages
     run(cfg, workdir, on_second_interrupt=lambda: interrupted(prog, workdir),
         on_host_fault=functools.partial(_host_fault, prog))
   except StartupInterrupted as e:  # nothing to save yet: exit now, as the signal's default would (128 + its number)

@@ -46,7 +46,7 @@ def main(sampler_hosts: int, sampler_tensor: int):
   from tunixlike import distributed
   from tunixlike.hosts import kv, layout as layout_lib, rendezvous, transfer
   me = int(os.environ["JAX_PROCESS_ID"])
-  assert distributed.initialize(distributed.DistributedConfig(timeout_s=20), whole_hosts=rendezvous.Hello({}, 20))
+  assert rendezvous.initialize(distributed.DistributedConfig(timeout_s=20), rendezvous.Hello({}, 20))
   import jax
   from jax.sharding import NamedSharding, PartitionSpec as P
 

@@ -28,7 +28,7 @@ def group(prompt_id):
 def main():
   from tunixlike import distributed
   from tunixlike.hosts import kv, rendezvous, rollouts, seal, wire
-  assert distributed.initialize(whole_hosts=rendezvous.Hello({}, 30))
+  assert rendezvous.initialize(distributed.DistributedConfig(), rendezvous.Hello({}, 30))
   import jax
   prefix = f"{rollouts.PREFIX}/groups/0/"
   client = kv.client()

@@ -34,7 +34,7 @@ def group(prompt_id, version):
 def main():
   from tunixlike import distributed
   from tunixlike.hosts import kv, rendezvous, rollouts
-  assert distributed.initialize(whole_hosts=rendezvous.Hello({}, 30))
+  assert rendezvous.initialize(distributed.DistributedConfig(), rendezvous.Hello({}, 30))
   import jax
   n_learners = int(sys.argv[1])
   hang_after = int(sys.argv[2]) if len(sys.argv) > 2 else None  # a sampler host that hangs after this many groups

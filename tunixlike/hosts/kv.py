@@ -40,7 +40,7 @@ def use(sealer: seal_lib.Sealer | None) -> None:
 def sealer() -> seal_lib.Sealer:
   if _sealer is None:
     raise RuntimeError("messages between hosts need the run's secret: start the processes with "
-                       "distributed.initialize(..., whole_hosts=...) (hosts.rendezvous)")
+                       "hosts.rendezvous.initialize")
   return _sealer
 
 

@@ -33,7 +33,9 @@ import threading
 import time
 from typing import Any
 
-from tunixlike.hosts import seal, transfer_server
+from tunixlike import distributed
+from tunixlike.distributed import check_port_free, split_address
+from tunixlike.hosts import kv, seal, transfer_server
 
 log = logging.getLogger("tunixlike")
 
@@ -110,27 +112,24 @@ def _canonical(obj: dict) -> bytes:
   return json.dumps(obj, sort_keys=True).encode()
 
 
-def split_address(address: str) -> tuple[str, int]:
-  host, _, port = address.rpartition(":")
-  if not host or not port.isdigit():
-    raise RendezvousError(f"{address!r} is not HOST:PORT")
-  return host.strip("[]"), int(port)
-
-
-def check_port_free(host: str, port: int, what: str) -> str | None:
-  """None if this machine can listen on host:port, else the line that says why not."""
-  try:
-    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
-      s.bind((host, port))
-  except OSError as e:
-    return f"{what} {host}:{port} cannot be used ({e.strerror}): " + (
-        f"another process listens there (`ss -ltnp 'sport = :{port}'`): stop it or pick another coordinator port"
-        if e.errno in (98, 48) else "it is not an address of this machine")
-  return None
-
-
 def _family(host: str) -> int:
   return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def initialize(cfg: distributed.DistributedConfig, hello_: Hello) -> bool:
+  """`distributed.initialize` for whole hosts: first the rendezvous (`meet`: every process there, same
+  config, free ports, the run's secret, or one line saying what is wrong), then the store sealed under
+  the run's secret, JAX's transfer server for `jax.device_put` between the device sets of different
+  processes, and JAX's heartbeat timeout beyond the hosts' own (so that a host's fault is named by
+  tunixlike before JAX aborts). Returns True if this is a multi-process run."""
+  def meet_first(resolved: distributed.DistributedConfig, bind: str | None) -> int:
+    secret, run_id = meet(resolved.coordinator_address, bind, resolved.process_id, resolved.num_processes, hello_)
+    kv.use(seal.Sealer(secret, run_id, resolved.process_id))
+    if not transfer_server.enabled():
+      transfer_server.enable(resolved.coordinator_address, resolved.process_id, timeout_s=resolved.timeout_s)
+    return int(2 * hello_.timeout_s) + 60  # after the hosts' own faults have been named
+
+  return distributed.initialize(cfg, meet=meet_first)
 
 
 def meet(coordinator_address: str, bind_address: str | None, process_id: int, num_processes: int,

@@ -24,6 +24,7 @@ import jax
 from flax import nnx
 
 from tunixlike.hosts import kv, learner_host, rollouts, weights
+from tunixlike.models import lora as lora_lib
 from tunixlike.rl import build as build_lib, weight_sync
 from tunixlike.rl.prompts import PromptStream
 from tunixlike.rl.runtime import RewardStage
@@ -98,14 +99,25 @@ def _receiver(setup: build_lib.Setup, model: nnx.Module, engine, *, dump_dir: st
                           dump_dir=dump_dir)
 
 
+def _policy_structure(setup: build_lib.Setup) -> nnx.Module:
+  """The policy's structure: `setup.model` (abstract where a process only decodes, `build.build`), with
+  abstract adapters when lora.rank > 0: they arrive with the weights."""
+  cfg = setup.cfg
+  if not cfg.lora.rank:
+    return setup.model
+  lora = lora_lib.LoRAConfig.from_config(cfg)
+  return nnx.eval_shape(lambda model: lora_lib.apply_lora(model, lora, seed=cfg.seed), setup.model)
+
+
 def run(setup: build_lib.Setup, preemption, say=print, synced_weights_dir: str | None = None) -> dict:
   """Samples for the learner hosts until they end the run; returns this host's counts and `busy_frac`
   (its driver's decode time over its wall clock since the driver started, at the last weight sync).
   `synced_weights_dir`: where every weight sync that arrives is written (mesh.save_synced_weights)."""
   cfg, layout, me = setup.cfg, setup.meshes.hosts, jax.process_index()
   index, count = layout.sampler_hosts.index(me), len(layout.sampler_hosts)
-  model = build_lib.policy_model(setup)
-  engine = make_engine(model, build_lib.sampler_config(cfg, setup.tok), mesh=setup.meshes.sampler)
+  model = _policy_structure(setup)
+  engine = make_engine(model, build_lib.sampler_config(cfg, setup.tok, setup.transport.decoders),
+                       mesh=setup.meshes.sampler)
   receiver = _receiver(setup, model, engine, dump_dir=synced_weights_dir)
   del model  # abstract (`build_lib.build_model`): the weights are the learner's, from the first sync on
   scorer = build_lib.build_scorer(setup)

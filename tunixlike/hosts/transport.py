@@ -1,5 +1,5 @@
-"""`CrossHost`: the `rl.transport.Transport` of whole sampler hosts (mesh.sampler_hosts > 0), the
-learner hosts' end.
+"""`CrossHost`: the `rl.transport.Transport` of whole sampler hosts (mesh.sampler_hosts > 0), chosen
+at the entry (`tunixlike.layouts.start`, after `rendezvous.initialize`); the learner hosts' end.
 
     rollouts      sampler hosts -> key-value store -> this host's queue (`learner_host.RemoteSampling`)
     weights       policy -> cross-host `jax.device_put` (`weights.Sender`; a sampler host's `Receiver`)
@@ -10,30 +10,82 @@ The sampler hosts' end is `sampler_host.run`, which composes the same sampler si
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
+import numpy as np
 
 from tunixlike import distributed, mesh as mesh_lib
 from tunixlike.hosts import kv, learner_host, weights
-from tunixlike.hosts.layout import HostLayout
+from tunixlike.hosts.layout import HostLayout, make_host_layout
 from tunixlike.rl import transport, weight_sync
+
+
+def check_split(cfg, n: int) -> None:
+  """Keys that are totals over all hosts must split evenly: the batch over the learner hosts, the
+  decode slots over the sampler hosts, of `n` processes."""
+  s = cfg.mesh.sampler_hosts
+  if not 0 < s < n:
+    raise ValueError(f"mesh.sampler_hosts={s} must leave a learner host among the {n} processes")
+  for key, total, hosts, what in (("rl.prompts_per_step", cfg.rl.prompts_per_step, n - s, "learner"),
+                                  ("sampler.max_concurrent_decodes", cfg.sampler.max_concurrent_decodes, s, "sampler")):
+    if total % hosts:
+      raise ValueError(f"{key}={total} must be divisible by the {hosts} {what} processes (each host takes its share)")
 
 
 class CrossHost:
   """Whole sampler hosts: rollouts and control through the key-value store, weights by cross-host
-  `jax.device_put`; checkpoints are the learner hosts' alone."""
+  `jax.device_put`; checkpoints are the learner hosts' alone. Built once the processes have started:
+  the learner hosts' collectives leave the sampler hosts out from then on."""
 
-  def __init__(self, cfg, layout: HostLayout):
-    self.cfg, self.layout = cfg, layout
+  def __init__(self, cfg):
+    self.cfg = cfg
+    n, s = jax.process_count(), cfg.mesh.sampler_hosts
+    check_split(cfg, n)
+    distributed.set_process_group(range(n - s))
+
+  @functools.cached_property
+  def layout(self) -> HostLayout:
+    m = self.cfg.mesh
+    return make_host_layout(m.sampler_hosts, m.sampler_tensor, m.learner_tensor)
 
   @property
   def checkpoint_processes(self):
-    return distributed.group()  # the learner hosts (`build`: their process group)
+    return distributed.group()  # the learner hosts (their process group)
 
   @property
-  def stream_readers(self) -> int:
-    return len(self.layout.sampler_hosts)  # each sampler host reads its shard of the prompts
+  def decoders(self) -> int:
+    return self.cfg.mesh.sampler_hosts
+
+  @property
+  def learns(self) -> bool:
+    return jax.process_index() < jax.process_count() - self.cfg.mesh.sampler_hosts  # the last N processes decode
+
+  @property
+  def data_shard(self) -> tuple[int, int]:
+    """Each sampler host its shard of the training prompts, each learner host its shard of the
+    held-out ones (the side that reads them)."""
+    me, learners = jax.process_index(), jax.process_count() - self.cfg.mesh.sampler_hosts
+    return (me, learners) if self.learns else (me - learners, self.decoders)
+
+  def meshes(self) -> mesh_lib.Meshes:
+    """One learner mesh over the learner hosts, and as this process's sampler mesh its own devices
+    (a learner host evaluates there)."""
+    m, layout = self.cfg.mesh, self.layout
+    local = len(jax.local_devices())
+    for key, n, hosts in (("mesh.sampler_devices", m.sampler_devices, len(layout.sampler_hosts)),
+                          ("mesh.learner_devices", m.learner_devices, len(layout.learner_hosts))):
+      if n != hosts * local:
+        raise mesh_lib.MeshError(f"{key}={n}: with mesh.sampler_hosts={m.sampler_hosts} it counts the devices of "
+                                 f"its side's {hosts} hosts, {hosts} x {local} = {hosts * local}")
+    me = jax.process_index()
+    if me in layout.samplers:
+      sampler = layout.samplers[me]
+    else:  # the learner host's own devices, as a sampler mesh for its evals
+      sampler = mesh_lib.Mesh(np.array(jax.local_devices()).reshape(local // m.sampler_tensor, m.sampler_tensor),
+                              mesh_lib.SAMPLER_AXES)
+    return mesh_lib.Meshes(sampler=sampler, learner=layout.learner, hosts=layout)
 
   def describe(self) -> list[str]:
     return self.layout.describe()

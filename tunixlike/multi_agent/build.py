@@ -32,8 +32,8 @@ def build_policies(setup: build_lib.Setup, group_sizes: Mapping[str, int], batch
     rows = batch_episodes * (turns_per_episode or {}).get(name, 1) * g
     per_prompt = max(g, 2)  # rows in whole groups of at least 2, as a run's batch of algo.group_size >= 2
     model = nnx.clone(setup.model)
-    s_cfg = dataclasses.replace(build_lib.sampler_config(setup.cfg, setup.tok), group_size=g,
-                                **(sampler or {}).get(name, {}))
+    s_cfg = dataclasses.replace(build_lib.sampler_config(setup.cfg, setup.tok, setup.transport.decoders),
+                                group_size=g, **(sampler or {}).get(name, {}))
     # The policy's own sampler values: its learner scores at its temperature, its rows fit its lengths.
     cfg = dataclasses.replace(setup.cfg, sampler=s_cfg)
     learner = build_lib.build_learner(cfg, model, setup.meshes.learner)

@@ -26,7 +26,6 @@ from tunixlike import device_turns, distributed, mesh as mesh_lib, models, rewar
 from tunixlike import config as config_lib
 from tunixlike.config import Config
 from tunixlike.data import char_tokenizer, pipeline, tasks, tokenizer as tokenizer_lib
-from tunixlike.hosts import rendezvous
 from tunixlike.learner import offload as offload_lib, ppo as ppo_lib, prompt_rows, value as value_lib
 from tunixlike.learner.config import LearnerConfig
 from tunixlike.learner.train_step import Learner
@@ -66,76 +65,31 @@ def learner_config(cfg: Config) -> LearnerConfig:
   return LearnerConfig(algo=algo, optim=dataclasses.replace(cfg.optim, total_steps=total))
 
 
-def sampler_config(cfg: Config, tok) -> SamplerConfig:
-  """This process's sampler: the decode slots of sampler.max_concurrent_decodes are split over the hosts
-  that decode (its checks see this process's share: a group must fit in it)."""
-  slots = cfg.sampler.max_concurrent_decodes // (cfg.mesh.sampler_hosts or jax.process_count())
+def sampler_config(cfg: Config, tok, decoders: int) -> SamplerConfig:
+  """This process's sampler: the decode slots of sampler.max_concurrent_decodes are split over the
+  `decoders` processes that decode (`Transport.decoders`; its checks see this process's share: a group
+  must fit in it)."""
+  slots = cfg.sampler.max_concurrent_decodes // decoders
   return dataclasses.replace(cfg.sampler, max_concurrent_decodes=slots, eos_ids=tuple(tok.stop_ids),
                              group_size=cfg.algo.group_size, seed=cfg.seed)
 
 
-def start_processes(cfg: Config) -> None:
-  """This process's part of a multi-process run, started (whole sampler hosts: their rendezvous
-  first), and the keys that split across the processes checked. Before anything touches a JAX
-  backend; a no-op when started already."""
-  distributed.initialize(cfg.distributed, whole_hosts=rendezvous.hello(cfg))
+def start_processes(cfg: Config) -> InProcess:
+  """This process's part of a multi-process run started, with the sampler side in every process
+  (`InProcess`), and the keys that split across the processes checked. Before anything touches a JAX
+  backend; a no-op when started already. The entry point starts other layouts (`tunixlike.layouts`)."""
+  transport = InProcess(cfg, local_sampler_side)
+  distributed.initialize(cfg.distributed)
   check_process_split(cfg, jax.process_count())
+  return transport
 
 
 def check_process_split(cfg: Config, n: int):
-  """Keys that are totals over all hosts must split evenly across the `n` processes (with whole
-  sampler hosts: the batch over the learner hosts, the decode slots over the sampler hosts)."""
-  s = cfg.mesh.sampler_hosts
-  if s and not 0 < s < n:
-    raise ValueError(f"mesh.sampler_hosts={s} must leave a learner host among the {n} processes")
-  if n == 1:
-    return
-  for key, total, hosts, what in (("rl.prompts_per_step", cfg.rl.prompts_per_step, n - s if s else n, "learner"),
-                                  ("sampler.max_concurrent_decodes", cfg.sampler.max_concurrent_decodes, s or n,
-                                   "sampler")):
-    if total % hosts:
-      raise ValueError(f"{key}={total} must be divisible by the {hosts} {what + ' ' if s else ''}processes "
-                       "(each host takes its share)")
-
-
-def is_sampler_host(cfg: Config) -> bool:
-  """This process only decodes (mesh.sampler_hosts: the last N processes)."""
-  s = cfg.mesh.sampler_hosts
-  return bool(s) and jax.process_index() >= jax.process_count() - s
-
-
-def data_shard(cfg: Config) -> tuple[int, int]:
-  """(index, count): this process's shard of the prompts. Each process reads its own; with whole
-  sampler hosts each sampler host its shard of the training prompts and each learner host its
-  shard of the held-out ones (the side that reads them)."""
-  n, me, s = jax.process_count(), jax.process_index(), cfg.mesh.sampler_hosts
-  if not s:
-    return me, n
-  return (me - (n - s), s) if is_sampler_host(cfg) else (me, n - s)
-
-
-def make_meshes(cfg: Config) -> mesh_lib.Meshes:
-  """The run's meshes. With whole sampler hosts (`hosts.layout`): one learner mesh over the learner
-  hosts, and as this process's sampler mesh its own devices (a learner host evaluates there)."""
-  m = cfg.mesh
-  if not m.sampler_hosts:
-    return mesh_lib.make_meshes(m.sampler_devices, m.learner_devices, m.sampler_tensor, m.learner_tensor,
-                                layout=m.layout)
-  from tunixlike.hosts import layout as layout_lib
-  layout = layout_lib.make_host_layout(m.sampler_hosts, m.sampler_tensor, m.learner_tensor)
-  local = len(jax.local_devices())
-  for key, n, hosts in (("mesh.sampler_devices", m.sampler_devices, len(layout.sampler_hosts)),
-                        ("mesh.learner_devices", m.learner_devices, len(layout.learner_hosts))):
-    if n != hosts * local:
-      raise mesh_lib.MeshError(f"{key}={n}: with mesh.sampler_hosts={m.sampler_hosts} it counts the devices of "
-                               f"its side's {hosts} hosts, {hosts} x {local} = {hosts * local}")
-  me = jax.process_index()
-  if me in layout.samplers:
-    sampler = layout.samplers[me]
-  else:  # the learner host's own devices, as a sampler mesh for its evals
-    sampler = mesh_lib.Mesh(np.array(jax.local_devices()).reshape(local // m.sampler_tensor, m.sampler_tensor),
-                            mesh_lib.SAMPLER_AXES)
-  return mesh_lib.Meshes(sampler=sampler, learner=layout.learner, hosts=layout)
+  """Keys that are totals over all hosts must split evenly across the `n` processes."""
+  for key, total in (("rl.prompts_per_step", cfg.rl.prompts_per_step),
+                     ("sampler.max_concurrent_decodes", cfg.sampler.max_concurrent_decodes)):
+    if total % n:
+      raise ValueError(f"{key}={total} must be divisible by the {n} processes (each host takes its share)")
 
 
 # ---- before training: meshes, data, model ----------------------------------------------------------
@@ -150,23 +104,17 @@ class Setup:
   meshes: mesh_lib.Meshes
   tok: tokenizer_lib.Tokenizer
   task: Task
-  model: nnx.Module  # the policy on the learner submesh (warm-started in place); abstract on a sampler host
+  model: nnx.Module  # the policy on the learner submesh (warm-started in place); abstract where it only decodes
   train_pipe: pipeline.PromptPipeline | None  # None when built to sample a checkpoint (`build(training=False)`)
   eval_records: list  # this process's share of the held-out prompts
   tracer: trace_lib.Tracer
-  transport: transport_lib.Transport  # between the learner and the sampler side (`make_transport`)
+  transport: transport_lib.Transport  # the layout: where this process's work runs, and the way to the sampler side
   reward: rewards_lib.CombinedReward | None = None  # the training reward; its first term is the evals' verifier
   make_env: Callable[[], Env] | None = None  # rl.env: builds one `Env` per episode (None: single-turn)
   agent: Callable[..., Any] | None = None  # rl.agent: run_episode(base_url, api_key, episode_id, row), behind the agent server
   warm_start_records: list | None = None  # held-out set of the warm start: the same on every process
   critic: nnx.Module | None = None  # PPO's separate critic trunk (model.critic_path), on the learner mesh
   teacher: distill_lib.Teacher | None = None  # on-policy distillation's frozen teacher (model.teacher_path)
-
-  @property
-  def sampler_host(self) -> bool:
-    """This process only decodes (mesh.sampler_hosts); `model` is then abstract (`build_model`), its
-    sharding annotations for its own sampler mesh."""
-    return self.meshes.hosts is not None and jax.process_index() in self.meshes.hosts.samplers
 
 
 def with_inputs(cfg: Config, *, dataset=None, eval_dataset=None, env=None, agent=None) -> Config:
@@ -275,22 +223,20 @@ def check_fits(model_cfg: models.ModelConfig, mesh) -> None:
 
 
 def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bool = True, dataset=None,
-          eval_dataset=None, rewards=None, env=None, agent=None) -> Setup:
+          eval_dataset=None, rewards=None, env=None, agent=None, transport=None) -> Setup:
   """Meshes, tokenizer, task, data, rewards and the (not yet warm-started) model on the learner submesh.
   `training=False`: only what sampling a checkpoint needs (no critic, no teacher, no training prompts). `dataset`,
   `eval_dataset`, `rewards`, `env` and `agent` are in-memory objects that replace data.train, data.eval,
   rewards, rl.env and rl.agent (see `tunixlike.train`). User code is loaded and checked before the model is built.
   A sampler.max_new_tokens left None is sized from the data (`sized_completions`), an optim.learning_rate,
   sampler.temperature or warm_start.max_steps left None chosen by what the run starts from (`starting_point`):
-  `Setup.cfg` holds them."""
+  `Setup.cfg` holds them. `transport`: the layout the entry point chose and started (None: the
+  sampler side in every process, `start_processes`); the build asks it where this process's work runs."""
   with_inputs(cfg, dataset=dataset, eval_dataset=eval_dataset, env=env, agent=agent)  # the config's checks
-  start_processes(cfg)
+  transport = transport or start_processes(cfg)
   wrong_backend = attention.backend_error(cfg.model.attention, jax.default_backend())
   if wrong_backend:  # before any compile: a backend's kernel elsewhere fails deep in tracing
     raise ValueError(wrong_backend)
-  sampler_host = is_sampler_host(cfg)
-  if cfg.mesh.sampler_hosts:  # the learner hosts' collectives leave the sampler hosts out
-    distributed.set_process_group(range(jax.process_count() - cfg.mesh.sampler_hosts))
   tok, task = build_task(cfg, dataset, eval_dataset)
   cfg, lines = starting_point.resolved(cfg)
   for line in lines:
@@ -299,7 +245,8 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
     limit, line = sized_completions(cfg, tok, task)
     say(line)
     cfg = config_lib.replace(cfg, sampler=dict(max_new_tokens=limit))
-  sampler_config(cfg, tok)  # this process's share of the decode slots holds a group: checked before the model
+  # This process's share of the decode slots holds a group: checked before the model.
+  sampler_config(cfg, tok, transport.decoders)
   terms = tasks.reward_terms(cfg.rewards, task, rewards)
   # What a reward can name besides the rollout's fields (`PromptStream` passes every other column).
   columns = ([c for c in task.columns() if c not in prompts_lib.NOT_COLUMNS] if isinstance(task, tasks.DatasetTask)
@@ -312,15 +259,15 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
                       [str(r.get(field, "")) for r in rows])
   make_env = env_factory(cfg, env)
   agent = agent_function(cfg, agent)
-  meshes = make_meshes(cfg)
-  # A sampler host computes only on its own devices, with the weights the learner hosts send: its
-  # policy is only the structure its engine and weight receiver need (compiling and running the
-  # initialiser there would cost every sampler host seconds of start-up for weights never used).
-  model = (build_model(cfg, tok, meshes.sampler, mesh_lib.SAMPLER_RULES, abstract=True) if sampler_host
-           else build_model(cfg, tok, meshes.learner))
+  meshes = transport.meshes()
+  # A process that only decodes computes only on its own devices, with the weights the learner's
+  # processes send: its policy is only the structure its engine and weight receiver need (compiling
+  # and running the initialiser there would cost it seconds of start-up for weights never used).
+  model = (build_model(cfg, tok, meshes.learner) if transport.learns
+           else build_model(cfg, tok, meshes.sampler, mesh_lib.SAMPLER_RULES, abstract=True))
   mesh_lib.check_whole_heads(model.cfg.num_heads, model.cfg.num_kv_heads, cfg.mesh.sampler_tensor,
                              cfg.mesh.learner_tensor)
-  training = training and not sampler_host
+  training = training and transport.learns
   critic = None
   if training and cfg.model.critic_path:  # loaded (and checked against the policy) before any training starts
     critic = value_lib.load_critic(hub.resolve(cfg.model.critic_path, key="model.critic_path"), model, mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
@@ -329,18 +276,18 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
   if training and cfg.model.teacher_path:  # frozen, on the learner submesh; it scores groups in the reward stage
     teacher = distill_lib.Teacher.load(hub.resolve(cfg.model.teacher_path, key="model.teacher_path"), mesh=meshes.learner, rules=mesh_lib.LEARNER_RULES,
                                        dtype=cfg.model.param_dtype, vocab_size=model.cfg.vocab_size, pad_id=tok.pad_id)
-  pipe_cfg = pipeline_config(cfg)
+  pipe_cfg = pipeline_config(cfg, transport.data_shard)
   # Not for an eval: the pipeline formats and tokenizes every training prompt up front (5 s for a built-in task).
   train_pipe = pipeline.from_task(task, tok, split="train", size=cfg.data.train_size,
-                                  config=pipe_cfg) if training or sampler_host else None
+                                  config=pipe_cfg) if training or not transport.learns else None
   eval_pipe = pipeline.from_task(task, tok, split="test", config=dataclasses.replace(pipe_cfg, shuffle=False,
                                                                                       num_epochs=1))
   # Each process evaluates its shard; together they cover data.num_eval_examples prompts.
-  index, count = data_shard(cfg)
-  n_local = 0 if sampler_host else len(range(index, cfg.data.num_eval_examples, count))
+  index, count = transport.data_shard
+  n_local = len(range(index, cfg.data.num_eval_examples, count)) if transport.learns else 0
   eval_records = list(itertools.islice(iter(eval_pipe), n_local))
   warm_records = None
-  if distributed.group_size() > 1 and cfg.warm_start.max_steps and not sampler_host:
+  if distributed.group_size() > 1 and cfg.warm_start.max_steps and transport.learns:
     # The warm start is a learner (global) computation: its held-out batch must be the same everywhere.
     whole = eval_pipe.resharded(shard_index=0, shard_count=1)
     warm_records = list(itertools.islice(iter(whole), cfg.data.num_eval_examples))
@@ -354,22 +301,14 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
     say(f"data: {train_bad} train and {eval_pipe.num_bad_rows} held-out rows whose prompt is not "
         "text skipped (data.skip_bad_lines)")
   return Setup(cfg, meshes, tok, task, model, train_pipe, eval_records, trace_lib.Tracer(trace_path),
-               make_transport(cfg, meshes), reward=reward, make_env=make_env, agent=agent,
+               transport, reward=reward, make_env=make_env, agent=agent,
                warm_start_records=warm_records, critic=critic, teacher=teacher)
 
 
-def make_transport(cfg: Config, meshes: mesh_lib.Meshes) -> transport_lib.Transport:
-  """The run's one choice of layout: the sampler side in this process, or on whole sampler hosts
-  (`hosts.transport.CrossHost`). Nothing after this asks which."""
-  if meshes.hosts is None:
-    return InProcess(local_sampler_side)
-  from tunixlike.hosts.transport import CrossHost
-  return CrossHost(cfg, meshes.hosts)
-
-
-def pipeline_config(cfg: Config, **changes) -> pipeline.PipelineConfig:
-  """The prompt pipeline's settings from the data section (this process's shard of the data)."""
-  index, count = data_shard(cfg)
+def pipeline_config(cfg: Config, shard: tuple[int, int], **changes) -> pipeline.PipelineConfig:
+  """The prompt pipeline's settings from the data section, for `shard` (index, count) of the data
+  (`Transport.data_shard`: this process's)."""
+  index, count = shard
   return pipeline.PipelineConfig.from_config(cfg, **{"shard_index": index, "shard_count": count, **changes})
 
 
@@ -428,7 +367,8 @@ def warm_start(setup: Setup, say=print, should_stop=lambda: False, on_step=lambd
   pipe = setup.train_pipe.resharded(shard_index=0, shard_count=1)
   records = (pipe.dataset[i] for i in itertools.count(start_step * cfg.warm_start.batch_size))
   held_out = setup.eval_records if setup.warm_start_records is None else setup.warm_start_records
-  engine = make_engine(setup.model, eval_lib.eval_sampler_config(sampler_config(cfg, tok)), mesh=setup.meshes.sampler)
+  engine = make_engine(setup.model, eval_lib.eval_sampler_config(sampler_config(cfg, tok, setup.transport.decoders)),
+                       mesh=setup.meshes.sampler)
   correctness = correctness_reward(setup)
 
   def evaluate_held_out(limit: int | None) -> dict:  # greedy, scored by the first reward's verifier, as the RL evals
@@ -480,8 +420,6 @@ def policy_model(setup: Setup) -> nnx.Module:
   if not cfg.lora.rank:
     return setup.model
   lora = lora_lib.LoRAConfig.from_config(cfg)
-  if setup.sampler_host:  # abstract adapters too: they arrive with the weights (`hosts.sampler_host`)
-    return nnx.eval_shape(lambda model: lora_lib.apply_lora(model, lora, seed=cfg.seed), setup.model)
   return lora_lib.apply_lora(setup.model, lora, seed=cfg.seed, mesh=setup.meshes.learner, rules=mesh_lib.LEARNER_RULES)
 
 
@@ -521,7 +459,7 @@ def build_rl(setup: Setup, *, reward: rewards_lib.CombinedReward | None = None,
   cfg, tok, transport = setup.cfg, setup.tok, setup.transport
   model = policy_model(setup)
   learner = build_learner(cfg, model, setup.meshes.learner, critic=setup.critic)
-  s_cfg = sampler_config(cfg, tok)
+  s_cfg = sampler_config(cfg, tok, transport.decoders)
   engine = transport.engine(lambda: make_engine(model, s_cfg, mesh=setup.meshes.sampler))
   eval_engine = make_engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
   sync = transport.weight_sync(setup, learner, dump_dir=synced_weights_dir)

@@ -10,23 +10,37 @@ from typing import Callable
 
 import jax
 
-from tunixlike import distributed
+from tunixlike import distributed, mesh as mesh_lib
 from tunixlike.rl.prompts import PromptStream
 from tunixlike.rl.transport import PeerFault, SamplerSide
 
 
 class InProcess:
-  """The sampler side in this process: a shared queue, `jax.device_put` weight sync. `compose(setup,
-  rl, stream, queue, **kw)` builds its `SamplerSide` (`build.local_sampler_side`)."""
+  """The sampler side in this process: a shared queue, `jax.device_put` weight sync; every process
+  decodes and learns. `compose(setup, rl, stream, queue, **kw)` builds its `SamplerSide`
+  (`build.local_sampler_side`)."""
 
   checkpoint_processes = None
+  learns = True
 
-  def __init__(self, compose: Callable[..., SamplerSide]):
-    self.compose = compose
+  def __init__(self, cfg, compose: Callable[..., SamplerSide]):
+    if cfg.mesh.sampler_hosts:  # whole sampler hosts start with their rendezvous, before JAX does
+      raise ValueError(f"mesh.sampler_hosts={cfg.mesh.sampler_hosts}: whole sampler hosts are started by the entry "
+                       "point (tunixlike.train, python -m tunixlike.train: `tunixlike.layouts.start`)")
+    self.mesh, self.compose = cfg.mesh, compose
 
   @property
-  def stream_readers(self) -> int:
+  def decoders(self) -> int:
     return jax.process_count()
+
+  @property
+  def data_shard(self) -> tuple[int, int]:
+    return jax.process_index(), jax.process_count()
+
+  def meshes(self) -> mesh_lib.Meshes:
+    m = self.mesh
+    return mesh_lib.make_meshes(m.sampler_devices, m.learner_devices, m.sampler_tensor, m.learner_tensor,
+                                layout=m.layout)
 
   def describe(self) -> list[str]:
     return []

@@ -20,6 +20,7 @@ computations and depend on local state (preemption, time-based checkpoints) are 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -55,10 +56,12 @@ class SetupError(ValueError):
   """Bad input found while building the run (mesh sizes, model files, data, workdir): one clear line."""
 
 
-def run(cfg: Config, workdir: str, *, on_second_interrupt=None, on_host_fault=None, stages=None,
-        **user) -> dict[str, Any]:
+def run(cfg: Config, workdir: str, *, transport: transport_lib.Transport | None = None, on_second_interrupt=None,
+        on_host_fault=None, stages=None, **user) -> dict[str, Any]:
   """Trains (or resumes the run in `workdir`); returns a summary or raises: the library never ends the
   process, its entry point decides how to (`tunixlike.train`). See the module docstring.
+  `transport`: the run's layout, chosen and started by the entry point (`tunixlike.layouts.start`;
+  None: the sampler side in every process, `build.start_processes`).
   `user`: in-memory `dataset`, `eval_dataset`, `rewards`, `env`, `agent`, `hooks` (see `tunixlike.train`).
   `on_second_interrupt()`: what a second Ctrl-C does (the CLI exits at once); None raises KeyboardInterrupt.
   `on_host_fault(line, host)`: what a learner host does when a sampler host failed while its loop is
@@ -66,9 +69,22 @@ def run(cfg: Config, workdir: str, *, on_second_interrupt=None, on_host_fault=No
   stuck call returns. `stages(run)`: the stages after the build, on this run's `_Run` (default: one
   policy's; `multi_agent.trainer`)."""
   try:  # before anything touches a JAX backend (the checkpointer does)
-    build_lib.start_processes(cfg)
+    transport = transport or build_lib.start_processes(cfg)
   except ValueError as e:
     raise SetupError(str(e)) from e
+  with claimed(workdir, on_second_interrupt) as preemption:
+    r = _Run(cfg, workdir, preemption, transport, on_host_fault=on_host_fault, **user)
+    try:
+      return (stages or _stages)(r)
+    except BaseException:
+      r.close(quietly=True)  # the run's own error is the one to report
+      raise
+
+
+@contextlib.contextmanager
+def claimed(workdir: str, on_second_interrupt=None):
+  """This process's part of `workdir` prepared and locked, and its signals handled (`Preemption`,
+  yielded), for the block: every process of a run, whatever its role."""
   mine = workdir_lib.local_dir(workdir, jax.process_index())
   try:
     for directory in dict.fromkeys([workdir, mine] if not workdir_lib.is_remote(workdir) else [mine]):
@@ -78,38 +94,22 @@ def run(cfg: Config, workdir: str, *, on_second_interrupt=None, on_host_fault=No
     raise SetupError(str(e)) from e
   try:
     with Preemption(on_second=on_second_interrupt) as preemption:
-      if build_lib.is_sampler_host(cfg):
-        return _sampler_host(cfg, workdir, preemption, **user)
-      r = _Run(cfg, workdir, preemption, on_host_fault=on_host_fault, **user)
-      try:
-        return (stages or _stages)(r)
-      except BaseException:
-        r.close(quietly=True)  # the run's own error is the one to report
-        raise
+      yield preemption
   finally:
     lock.release()
 
 
-def _sampler_host(cfg: Config, workdir: str, preemption: Preemption, hooks=(), **user) -> dict[str, Any]:
-  """A sampler host's run (mesh.sampler_hosts): it samples for the learner hosts until they end the
-  run; the learner hosts keep the logs, evals and checkpoints (`hosts.sampler_host`)."""
-  from tunixlike.hosts import sampler_host
+def built(cfg: Config, preemption: Preemption, trace_path: str | None = None, **kw) -> build_lib.Setup:
+  """`build.build`, stopped by a signal with nothing to save (`StartupInterrupted`); bad input raises
+  `SetupError` (one line), before any output."""
   try:
     with preemption.starting():
-      setup = build_lib.build(cfg, **user)
+      return build_lib.build(cfg, trace_path, **kw)
   except (ValueError, OSError, models.CheckpointError) as e:
     raise SetupError(str(e)) from e
-  print(setup.meshes.hosts.describe()[jax.process_index()], flush=True)
-  say = lambda line: print(line, flush=True)
-  preemption.say = say
-  synced = _synced_weights_dir(cfg, workdir_lib.local_dir(workdir, jax.process_index()))
-  try:
-    return sampler_host.run(setup, preemption, say=say, synced_weights_dir=synced)
-  finally:
-    setup.tracer.close()
 
 
-def _synced_weights_dir(cfg: Config, local_dir: str) -> str | None:
+def synced_weights_dir(cfg: Config, local_dir: str) -> str | None:
   """Where this host writes every weight sync across hosts (mesh.save_synced_weights), or None."""
   return os.path.join(local_dir, "synced_weights") if cfg.mesh.save_synced_weights else None
 
@@ -245,10 +245,10 @@ def _restore(r: _Run) -> _Data:
   # The queue's counters continue; the checkpoint's rollouts in flight come first.
   with_queue = lambda stream: _Data(stream, build_lib.make_queue(r.cfg, policy, stream, meta.get("queue"), kept), kept)
   streams = meta.get("streams", [meta["stream"]])  # one per process that reads prompts (its own data shard)
-  readers = r.transport.stream_readers
+  readers = r.transport.decoders
   if len(streams) != readers:
     raise SetupError(f"{where} was saved by a run whose prompts {len(streams)} processes read; resuming needs the "
-                     f"same number, not {readers}" + (" (mesh.sampler_hosts)" if r.cfg.mesh.sampler_hosts else ""))
+                     f"same number, not {readers}")
   mine = r.transport.own(streams)
   if data_changed:  # data.allow_change: positions in the old data mean nothing in the new
     r.say(f"resumed from {where} at step {policy.version} on changed data ({'; '.join(data_changed)}); "
@@ -414,18 +414,16 @@ def as_trained(cfg: Config, setup: build_lib.Setup, user: dict) -> Config:
 class _Run:
   """One run: its setup and RL stack, logs, checkpoints, prompt accounting, evals and hooks."""
 
-  def __init__(self, cfg: Config, workdir: str, preemption: Preemption, hooks=(), on_host_fault=None, **user):
+  def __init__(self, cfg: Config, workdir: str, preemption: Preemption, transport: transport_lib.Transport, hooks=(),
+               on_host_fault=None, **user):
     self.cfg, self.workdir, self.preemption, self.on_host_fault = cfg, workdir, preemption, on_host_fault
     self.user_hooks = hooks_lib.user_hooks(hooks)  # (fn, every): `tunixlike.train(hooks=...)`
     self.pid = jax.process_index()
     self.dir = workdir_lib.local_dir(workdir, self.pid)  # this process's logs (WORKDIR itself on process 0)
     self.say = print
     self.trace_path = os.path.join(self.dir, "trace.json") if cfg.log.trace else None
-    try:  # fails fast on bad meshes, model files or data, before any output (and before orbax's threads)
-      with preemption.starting():
-        self.setup = build_lib.build(cfg, self.trace_path, **user)
-    except (ValueError, OSError, models.CheckpointError) as e:
-      raise SetupError(str(e)) from e
+    # Fails fast on bad meshes, model files or data, before any output (and before orbax's threads).
+    self.setup = built(cfg, preemption, self.trace_path, transport=transport, **user)
     self.data_fingerprints = resume_lib.data_fingerprints(self.setup.task)  # kept in every checkpoint
     # What the checkpoints record (and a resume compares): the config as trained, with what build resolved
     # (a sampler.max_new_tokens sized from the data).
@@ -488,7 +486,7 @@ class _Run:
     return distributed.is_multiprocess()
 
   def build_rl(self) -> build_lib.RLStack:
-    self.rl = build_lib.build_rl(self.setup, synced_weights_dir=_synced_weights_dir(self.cfg, self.dir))
+    self.rl = build_lib.build_rl(self.setup, synced_weights_dir=synced_weights_dir(self.cfg, self.dir))
     return self.rl
 
   def agreed(self, flag: bool) -> bool:

@@ -1,11 +1,13 @@
-"""The transport between a run's sampler side and its learner side, chosen once at build time.
+"""The transport between a run's sampler side and its learner side: the run's layout, chosen once at
+the entry (`tunixlike.layouts.start`; `build.start_processes` where no entry chose one).
 
     sampler side --- rollout groups ---> queue -> learner side (the RL loop)
                  <--- weights + version --- policy.sync_weights
                  <--- faults, stop ------>
 
-The learner side (`build.make_runtime`, `trainer.py`) holds a `Transport` (`build.make_transport`
-picks it once) and does not know which one it has:
+The build asks it where this process's work runs (its meshes, its shard of the prompts, its share
+of the decode slots, whether it learns); the learner side (`build.make_runtime`, `trainer.py`) holds
+it and does not know which one it has:
 
 - `in_process.InProcess`: the sampler side runs in this process (split or colocated meshes). Its
   driver admits from and scores into the shared `RolloutQueue`; weights cross by `jax.device_put`
@@ -49,10 +51,19 @@ class SamplerSide:
 
 
 class Transport(Protocol):
-  """The learner side's view of its sampler side."""
+  """The run's layout as the build asks it, and the learner side's view of its sampler side."""
 
   checkpoint_processes: Any  # the processes that write checkpoints (None: every process)
-  stream_readers: int  # how many prompt streams a checkpoint keeps (one per process that reads prompts)
+  # The processes that decode: each takes its share of sampler.max_concurrent_decodes and reads its
+  # own shard of the training prompts (a checkpoint keeps a prompt stream for each).
+  decoders: int
+  # This process holds the learner. False: it only decodes; its model is the structure alone (the
+  # weights arrive from the learner's processes) and it evaluates none of the held-out prompts.
+  learns: bool
+  data_shard: tuple[int, int]  # (index, count): this process's shard of the prompts it reads
+
+  def meshes(self) -> Any:
+    """This process's `mesh.Meshes` (built when the build asks: after the data's checks)."""
 
   def describe(self) -> list[str]:
     """This run's layout, a line per process ([]: nothing beyond the meshes line)."""
