@@ -74,9 +74,9 @@ def fingerprint(cfg) -> dict[str, str]:
   return out
 
 
-def hello(cfg) -> Hello | None:
-  """The rendezvous a run needs: whole sampler hosts (mesh.sampler_hosts > 0), else None."""
-  return Hello(fingerprint(cfg), cfg.mesh.host_timeout_s) if cfg.mesh.sampler_hosts else None
+def hello(cfg) -> Hello:
+  """What this host brings to the rendezvous of a run's processes."""
+  return Hello(fingerprint(cfg), cfg.mesh.host_timeout_s)
 
 
 def differing(mine: dict, theirs: dict) -> list[str]:

@@ -109,16 +109,16 @@ def _policy_structure(setup: build_lib.Setup) -> nnx.Module:
   return nnx.eval_shape(lambda model: lora_lib.apply_lora(model, lora, seed=cfg.seed), setup.model)
 
 
-def run(setup: build_lib.Setup, preemption, say=print, synced_weights_dir: str | None = None) -> dict:
+def run(setup: build_lib.Setup, preemption, say=print) -> dict:
   """Samples for the learner hosts until they end the run; returns this host's counts and `busy_frac`
   (its driver's decode time over its wall clock since the driver started, at the last weight sync).
-  `synced_weights_dir`: where every weight sync that arrives is written (mesh.save_synced_weights)."""
+  Every weight sync that arrives is written to `CrossHost.synced_weights_dir` (mesh.save_synced_weights)."""
   cfg, layout, me = setup.cfg, setup.meshes.hosts, jax.process_index()
   index, count = layout.sampler_hosts.index(me), len(layout.sampler_hosts)
   model = _policy_structure(setup)
   engine = make_engine(model, build_lib.sampler_config(cfg, setup.tok, setup.transport.decoders),
                        mesh=setup.meshes.sampler)
-  receiver = _receiver(setup, model, engine, dump_dir=synced_weights_dir)
+  receiver = _receiver(setup, model, engine, dump_dir=setup.transport.synced_weights_dir)
   del model  # abstract (`build_lib.build_model`): the weights are the learner's, from the first sync on
   scorer = build_lib.build_scorer(setup)
   stopping = lambda: preemption.requested or learner_host.run_over() is not None

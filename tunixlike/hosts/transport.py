@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 import jax
 import numpy as np
@@ -37,10 +38,12 @@ def check_split(cfg, n: int) -> None:
 class CrossHost:
   """Whole sampler hosts: rollouts and control through the key-value store, weights by cross-host
   `jax.device_put`; checkpoints are the learner hosts' alone. Built once the processes have started:
-  the learner hosts' collectives leave the sampler hosts out from then on."""
+  the learner hosts' collectives leave the sampler hosts out from then on. `local_dir`: this
+  process's logs, where mesh.save_synced_weights writes every weight sync it sends or receives."""
 
-  def __init__(self, cfg):
+  def __init__(self, cfg, local_dir: str):
     self.cfg = cfg
+    self.synced_weights_dir = os.path.join(local_dir, "synced_weights") if cfg.mesh.save_synced_weights else None
     n, s = jax.process_count(), cfg.mesh.sampler_hosts
     check_split(cfg, n)
     distributed.set_process_group(range(n - s))
@@ -93,10 +96,10 @@ class CrossHost:
   def engine(self, make):
     return None  # the sampler hosts sample: this host only evaluates
 
-  def weight_sync(self, setup, learner, *, dump_dir: str | None = None) -> weight_sync.WeightSync:
+  def weight_sync(self, setup, learner) -> weight_sync.WeightSync:
     """Full weights, or LoRA's adapters after the first, to every sampler host; the targets are the
-    sampler's shardings on a sampler host's mesh. `dump_dir`: where learner host 0 writes what it
-    sends (mesh.save_synced_weights)."""
+    sampler's shardings on a sampler host's mesh. Learner host 0 writes what it sends to
+    `synced_weights_dir` (mesh.save_synced_weights)."""
     from tunixlike.models import sharding as sharding_lib
     cfg, layout = self.cfg, self.layout
     model_state = learner.sampler_params(learner.state)
@@ -105,7 +108,7 @@ class CrossHost:
     parts = {weights.MODEL: jax.tree.structure(model_state)}
     if learner.lora:
       parts[weights.ADAPTERS] = jax.tree.structure(learner.state.params)
-    sender = weights.Sender(layout, parts, timeout_s=cfg.mesh.host_timeout_s, dump_dir=dump_dir)
+    sender = weights.Sender(layout, parts, timeout_s=cfg.mesh.host_timeout_s, dump_dir=self.synced_weights_dir)
     return weight_sync.for_learner(learner, targets, dtype=cfg.rl.sync_dtype, across_hosts=sender,
                                    tracer=setup.tracer)
 

@@ -452,17 +452,16 @@ def correctness_reward(setup: Setup) -> rewards_lib.CombinedReward:
 
 
 def build_rl(setup: Setup, *, reward: rewards_lib.CombinedReward | None = None,
-             correctness: rewards_lib.CombinedReward | None = None, synced_weights_dir: str | None = None) -> RLStack:
+             correctness: rewards_lib.CombinedReward | None = None) -> RLStack:
   """LoRA (if configured), the policy, the sampler engines and the reward stage. `reward` and
-  `correctness` replace the task's training reward and its eval verifier. `synced_weights_dir`:
-  where the transport writes every weight sync it sends across hosts (mesh.save_synced_weights)."""
+  `correctness` replace the task's training reward and its eval verifier."""
   cfg, tok, transport = setup.cfg, setup.tok, setup.transport
   model = policy_model(setup)
   learner = build_learner(cfg, model, setup.meshes.learner, critic=setup.critic)
   s_cfg = sampler_config(cfg, tok, transport.decoders)
   engine = transport.engine(lambda: make_engine(model, s_cfg, mesh=setup.meshes.sampler))
   eval_engine = make_engine(model, eval_lib.eval_sampler_config(s_cfg), mesh=setup.meshes.sampler)
-  sync = transport.weight_sync(setup, learner, dump_dir=synced_weights_dir)
+  sync = transport.weight_sync(setup, learner)
   policy = build_policy(cfg, learner, engine, tok.pad_id, tracer=setup.tracer, sync=sync)
   correctness = correctness or correctness_reward(setup)
   return RLStack(policy, engine, eval_engine, build_scorer(setup, reward), correctness)

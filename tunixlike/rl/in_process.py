@@ -48,7 +48,7 @@ class InProcess:
   def engine(self, make):
     return make()
 
-  def weight_sync(self, setup, learner, *, dump_dir=None):
+  def weight_sync(self, setup, learner):
     return None
 
   def eval_weights(self, setup, rl):

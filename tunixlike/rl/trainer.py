@@ -109,11 +109,6 @@ def built(cfg: Config, preemption: Preemption, trace_path: str | None = None, **
     raise SetupError(str(e)) from e
 
 
-def synced_weights_dir(cfg: Config, local_dir: str) -> str | None:
-  """Where this host writes every weight sync across hosts (mesh.save_synced_weights), or None."""
-  return os.path.join(local_dir, "synced_weights") if cfg.mesh.save_synced_weights else None
-
-
 def _stages(r: _Run) -> dict[str, Any]:
   latest = r.ckpt.latest_step()
   if latest is not None:
@@ -298,7 +293,7 @@ def _rl(r: _Run, data: _Data) -> dict[str, Any]:
   except transport_lib.PeerFault as e:  # the other end died or hangs: the run cannot save without it
     raise type(e)(r.fault_line(e), e.host) from None
   except BaseException:
-    fault = r.fault_elsewhere()
+    fault = r.transport.fault_elsewhere()
     if fault is not None:  # another learner host stopped on a fault first, and this one's collective with it failed
       raise fault from None
     if r.multi:  # a save needs every process, and the others may be gone: rely on periodic saves
@@ -486,7 +481,7 @@ class _Run:
     return distributed.is_multiprocess()
 
   def build_rl(self) -> build_lib.RLStack:
-    self.rl = build_lib.build_rl(self.setup, synced_weights_dir=synced_weights_dir(self.cfg, self.dir))
+    self.rl = build_lib.build_rl(self.setup)
     return self.rl
 
   def agreed(self, flag: bool) -> bool:
@@ -566,10 +561,6 @@ class _Run:
             "run the same command again to resume from it")
     self.transport.end(failure=line, host=getattr(error, "host", None))
     return line
-
-  def fault_elsewhere(self) -> transport_lib.PeerFault | None:
-    """The fault another process stopped the run on (its line), or None."""
-    return self.transport.fault_elsewhere()
 
   def host_fault(self, error: BaseException) -> None:
     """A sampler host failed while this learner host's loop is stuck (`RemoteSampling`): says so and

@@ -71,7 +71,7 @@ class Transport(Protocol):
   def engine(self, make: Callable[[], Any]):
     """The rollout engine `make()` builds when the sampler side is here; None when it is elsewhere."""
 
-  def weight_sync(self, setup, learner, *, dump_dir: str | None):
+  def weight_sync(self, setup, learner):
     """The policy's weight sync to the sampler side; None: the policy's own (`jax.device_put`)."""
 
   def eval_weights(self, setup, rl) -> tuple[Any, int]:
