@@ -36,7 +36,8 @@ def main(num_steps: int, workdir: str):
   me = jax.process_index()
   print(f"PROCESS {me} sampler {dict(setup.meshes.sampler.shape)} learner {dict(setup.meshes.learner.shape)}",
         flush=True)
-  rl = build.build_rl(setup, reward=rewards.CombinedReward(["stopped"]))  # rewards with variance: weights move
+  # Rewards with variance: weights move.
+  rl = build.build_rl(setup, reward=rewards.CombinedReward(["stopped"], timeout_s=cfg.rl.reward_timeout_s))
   initial = multihost_utils.process_allgather(rl.policy.full_params(), tiled=True)
   losses = []
   stream = PromptStream(setup.train_pipe)
