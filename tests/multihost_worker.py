@@ -71,7 +71,8 @@ def main(num_steps: int, workdir: str):
   print("EVAL " + json.dumps({k: out[k] for k in ("eval/accuracy", "eval/num_prompts")}), flush=True)
 
   # Orbax saves the global learner state from both processes; the meta keeps each host's stream.
-  ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), keep=1)
+  ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir),
+                                     checkpoint_lib.CheckpointSchedule.from_config(cfg, keep=1))
   meta = trainer.checkpoint_meta(setup, rl, stream, {"groups_trained": 0})
   ckpt.save(rl.policy.version, rl.policy.state, meta, force=True)
   ckpt.wait()

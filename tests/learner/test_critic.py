@@ -106,7 +106,8 @@ def test_offloaded_learner_keeps_state_on_host_and_checkpoints_round_trip(tiny_m
   assert wrapped.mesh is learner.mesh and wrapped.policy is not None  # everything else is the learner's
   wrapped.state, m = wrapped.train_step(wrapped.state, wrapped.put_batch(host_batch(8)), jax.random.key(0))
   assert "vf_loss" in m and int(wrapped.state.step) == 1
-  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ckpt"))
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ckpt"),
+                                     checkpoint_lib.CheckpointSchedule(keep=1, every_steps=0, every_seconds=0))
   ckpt.save(1, wrapped.state, {"version": 1}, force=True)
   ckpt.wait()
   saved = _np(wrapped.state)

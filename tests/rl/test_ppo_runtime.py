@@ -71,7 +71,8 @@ def test_ppo_with_critic_and_offload_through_the_runtime(tmp_path):
   assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
   assert kinds(learner.state.params["critic"]) == {"pinned_host"}  # still offloaded after the steps
   # The run's checkpoint path: save the (offloaded) state, restore it into the same layout.
-  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ckpt"))
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ckpt"),
+                                     checkpoint_lib.CheckpointSchedule(keep=1, every_steps=0, every_seconds=0))
   ckpt.save(2, learner.state, {"version": 2}, force=True)
   ckpt.wait()
   saved = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(learner.state))]
