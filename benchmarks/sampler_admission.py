@@ -105,7 +105,8 @@ def main():
   if a.quick:  # one layer: compiling every program at warm-up is most of a smoke run (the same calls are counted)
     cfg = config_lib.replace(cfg, model=dict(num_layers=1))
   tok, task = build.build_task(cfg)
-  meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices)
+  m = cfg.mesh
+  meshes = mesh_lib.make_meshes(m.sampler_devices, m.learner_devices, m.sampler_tensor, m.learner_tensor, layout=m.layout)
   model = build.build_model(cfg, tok, meshes.learner)
   s_cfg = build.sampler_config(cfg, tok)
   engine = Engine(model, s_cfg, mesh=meshes.sampler)
