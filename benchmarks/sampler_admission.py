@@ -81,7 +81,7 @@ class CallCounter:
 
 
 def requests(task, tok, n: int, lengths: str) -> list[PromptRequest]:
-  source = task.source("train")
+  source = task.source("train", seed=0)
   out = []
   for i in range(n):
     record = source[i]
