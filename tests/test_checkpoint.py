@@ -18,9 +18,13 @@ from tunixlike import mesh as mesh_lib
 from tunixlike import models
 from tunixlike.learner import batch as batch_lib
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
+from tunixlike.learner.group_advantages import AdvantageConfig
 from tunixlike.learner.train_step import Learner
 from tunixlike.models import lora
 from tunixlike.rollout import Completion, RolloutGroup
+
+# Groups no reward stage scored get their advantages in assemble_batch: the run's algo keys at their defaults.
+UNSCORED = AdvantageConfig.from_config(config_lib.Config())
 
 RUN = config_lib.Config()  # the lora section at its defaults
 TINY = models.tiny_config(vocab_size=128, hidden_size=32, intermediate_size=64, head_dim=8)
@@ -57,7 +61,8 @@ def host_batch(num_rows=8, seed=0, vocab=128):
                               (-4.8 + 0.3 * rng.normal(size=n)).astype(np.float32), np.zeros(n, np.int32), "eos"))
     groups.append(RolloutGroup(prompt_id=gi, prompt_token_ids=rng.integers(1, vocab, size=3).astype(np.int32),
                                completions=comps, rewards=rng.integers(0, 2, size=4).astype(np.float32)))
-  return batch_lib.assemble_batch(groups, num_rows=num_rows, seq_buckets=(16,), advantage="grpo")
+  return batch_lib.assemble_batch(groups, num_rows=num_rows, seq_buckets=(16,), sampling_mask=False, routing=False,
+                                  unscored=UNSCORED)
 
 
 def meta_for(step):

@@ -162,6 +162,26 @@ def _keys_named(param: str, leaves: dict[str, list[str]]) -> list[str]:
 # Parameters named like a key that are not that key, each with what it is instead. Anything else named like a
 # key takes it from the caller (no default) or from the section it is part of.
 NOT_THE_KEY = {
+    "tunixlike.checkpoint.Checkpointer.keep_every_steps": "steps kept for replays (a run passes log.replay_every), "
+                                                          "not checkpoint.every_steps, the save interval",
+    "tunixlike.flops.peak_matmul_flops.dtype": "the dtype of the matmul whose peak it measures, not the model's",
+    "tunixlike.learner.gae.kl_penalized_rewards.estimator": "the KL estimate PPO folds into its rewards "
+                                                            "(ppo.KL_REWARD_ESTIMATOR), not algo.estimator",
+    "tunixlike.learner.gae.masked_whiten.eps": "whitening's epsilon, not Adam's (optim.eps)",
+    "tunixlike.learner.logprobs.chunked_token_logprobs.temperature": "what the logits are divided by: 1.0 is the "
+                                                                     "model's own distribution",
+    "tunixlike.learner.sampling_mask.processed_logits.temperature": "what the logits are divided by: 1.0 is the "
+                                                                    "model's own distribution",
+    "tunixlike.models.context_parallel.attend.layout": "the order of the tokens it is given (contiguous: the row's "
+                                                       "own; model.context_parallel_layout's values), not mesh.layout",
+    "tunixlike.models.testing.tiny_hf_config.tie_embeddings": "a test checkpoint's own description",
+    "tunixlike.models.testing.write_random_hf_checkpoint.tie_embeddings": "a test checkpoint's own description",
+    "tunixlike.models.testing.write_random_hf_checkpoint.seed": "a test checkpoint's own description",
+    "tunixlike.models.testing.write_random_hf_checkpoint.dtype": "a test checkpoint's own description",
+    "tunixlike.rl.evaluate.eval_sampler_config.temperature": "the held-out eval's decoding: 0 = greedy, as every "
+                                                             "eval; not the training sampler's",
+    "tunixlike.sampler.paged.PagedEngine.attention": "the paged decode attention (auto | pool | kernel), not "
+                                                     "model.attention, the training and prefill kernel",
 }
 
 
