@@ -78,7 +78,7 @@ def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets
   benchmarks; a run's groups are scored by `rl/scoring.py` from its config), which it then needs.
   With sampling_mask=True (a run's algo.keep_sampling_mask) every completion must carry
   `Completion.sampling_mask` (the sampler's `record_sampling_mask`), and each token the policy produced
-  must be in its own kept set. With routing=True (algo.keep_routing) every completion must carry
+  must be in its own kept set. With routing=True (sampler.record_routing) every completion must carry
   `expert_routing` and `prompt_routing` (the sampler's `record_routing`).
   With per-token advantages (process rewards, distillation: `token_advantages.py`) the batch also holds
   `token_advantages` float32 [B, T] (0 off the completion), which the loss uses instead of `advantages`.
