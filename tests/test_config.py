@@ -155,8 +155,8 @@ def _keys_named(param: str, leaves: dict[str, list[str]]) -> list[str]:
   """The config keys a parameter named `param` stands for: a key's last part is `param`, or one of the two
   names ends with the other after an underscore, where the shorter has an underscore itself
   (`max_turns`: rl.env_max_turns; `save_every_steps`: checkpoint.every_steps; not `mode` or `every`)."""
-  return [key for leaf, keys in leaves.items() for key in keys
-          if leaf == param or "_" in param and leaf.endswith("_" + param) or "_" in leaf and param.endswith("_" + leaf)]
+  return [key for leaf, keys in leaves.items() for key in keys if leaf == param
+          or "_" in param and leaf.endswith("_" + param) or "_" in leaf and param.endswith("_" + leaf)]
 
 
 # Parameters named like a key that are not that key, each with what it is instead. Anything else named like a
@@ -221,7 +221,8 @@ def test_a_default_in_a_signature_that_restates_a_key_is_found():
       ...  # rl.env_max_turns, checkpoint.every_steps; `mode` names no key; None is "not given"; no default
 
   problems = _restated_defaults({"stop": inspect.signature(stop), "Coordinator": inspect.signature(Coordinator)})
-  assert [p.split("=")[0] for p in problems] == ["stop(timeout_s", "Coordinator(max_turns", "Coordinator(save_every_steps"]
+  assert [p.split("=")[0] for p in problems] == ["stop(timeout_s", "Coordinator(max_turns",
+                                                 "Coordinator(save_every_steps"]
   assert "rl.env_max_turns" in problems[1] and "checkpoint.every_steps" in problems[2], problems
 
 
