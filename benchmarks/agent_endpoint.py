@@ -93,7 +93,7 @@ def _timed(make_driver):
     driver.run(max_wall_s=600)
   finally:
     seconds = time.perf_counter() - t0
-    driver.stop()
+    driver.stop(timeout_s=config_lib.Config().rl.wait_timeout_s)
   tokens = sum(int(c.loss_mask.sum()) for g in out for c in g.completions)
   return seconds, tokens, driver.stats
 

@@ -108,7 +108,8 @@ def run_one(impl: str, t: int, steps: int, compile_only: bool = False, quick: bo
                        optim=OptimConfig(learning_rate=1e-5, context_parallel=devices > 1), logprob_chunk_size=128)
   if devices > 1:
     mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices, 1), mesh_lib.LEARNER_AXES)
-    learner = Learner(models.create_sharded(cfg, mesh, mesh_lib.LEARNER_RULES), lcfg, mesh, mesh_lib.LEARNER_RULES)
+    model = models.create_sharded(cfg, mesh, mesh_lib.LEARNER_RULES, seed=0)
+    learner = Learner(model, lcfg, mesh, mesh_lib.LEARNER_RULES)
   else:
     learner = Learner(models.Transformer(cfg, rngs=__import__("flax").nnx.Rngs(0)), lcfg)
   batch = learner.put_batch(learner_timing.synthetic_batch(np.random.default_rng(0), cfg.vocab_size, 1, t, PROMPT_LEN))

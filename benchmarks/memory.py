@@ -51,12 +51,16 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from tunixlike import mesh as mesh_lib, models  # noqa: E402
+from tunixlike import config as config_lib, mesh as mesh_lib, models  # noqa: E402
 from tunixlike.learner import batch as batch_lib, offload as offload_lib  # noqa: E402
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig  # noqa: E402
+from tunixlike.learner.group_advantages import AdvantageConfig  # noqa: E402
 from tunixlike.learner.ppo import PPOLearner  # noqa: E402
 from tunixlike.learner.value import PolicyWithCritic  # noqa: E402
 from tunixlike.rollout import Completion, RolloutGroup  # noqa: E402
+
+# Groups no reward stage scored get their advantages in assemble_batch: the run's algo keys at their defaults.
+UNSCORED = AdvantageConfig.from_config(config_lib.Config())
 
 # The largest pair that runs the five settings in a few minutes on a 2-core CPU:
 # policy ~25M params (6 layers, d_model 512, ffn 1536, vocab 8192, tied), critic ~5M (4 layers, d_model 256).
@@ -84,7 +88,8 @@ def host_batch(vocab: int) -> dict:
     groups.append(RolloutGroup(prompt_id=gi, prompt_token_ids=rng.integers(1, vocab, BATCH["prompt"]).astype(np.int32),
                                completions=comps, rewards=rng.integers(0, 2, 2).astype(np.float32)))
   t = BATCH["prompt"] + BATCH["completion"]
-  return batch_lib.assemble_batch(groups, num_rows=BATCH["rows"], seq_buckets=(t,))
+  return batch_lib.assemble_batch(groups, num_rows=BATCH["rows"], seq_buckets=(t,), sampling_mask=False, routing=False,
+                                  unscored=UNSCORED)
 
 
 def make_learner(mesh) -> PPOLearner:
@@ -92,7 +97,7 @@ def make_learner(mesh) -> PPOLearner:
   critic = models.create_sharded(models.ModelConfig(**CRITIC), mesh, mesh_lib.LEARNER_RULES, seed=ARGS.seed + 1)
   cfg = LearnerConfig(algo=AlgoConfig(kl_reward_coef=0.05), optim=OptimConfig(learning_rate=1e-4, weight_decay=0.01),
                       logprob_chunk_size=64)
-  return PPOLearner(PolicyWithCritic.create(policy, critic), cfg, mesh=mesh, rules=mesh_lib.LEARNER_RULES)
+  return PPOLearner(PolicyWithCritic.create(policy, critic, seed=0), cfg, mesh=mesh, rules=mesh_lib.LEARNER_RULES)
 
 
 def where_bytes(state) -> dict[str, int]:

@@ -57,11 +57,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from tunixlike import models  # noqa: E402
+from tunixlike import config as config_lib, models  # noqa: E402
 from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig  # noqa: E402
 from tunixlike.learner import routing as routing_lib  # noqa: E402
 from tunixlike.learner.batch import assemble_batch  # noqa: E402
+from tunixlike.learner.group_advantages import AdvantageConfig  # noqa: E402
 from tunixlike.sampler import Engine, PromptRequest, RolloutDriver, SamplerConfig  # noqa: E402
+
+# Groups no reward stage scored get their advantages in assemble_batch: the run's algo keys at their defaults.
+UNSCORED = AdvantageConfig.from_config(config_lib.Config())
 
 SIZES = dict(vocab_size=512, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
              num_kv_heads=2, head_dim=64, max_position_embeddings=1024)
@@ -141,7 +145,8 @@ def routing_mismatch(a, sizes, prompts) -> dict:
     groups = sample(s_model, _cast(params, dtype), s_cfg, prompts)
     for g in groups:  # rewards 0..G-1: non-zero advantages for the staleness=1 step
       g.rewards = np.arange(g.group_size, dtype=np.float32)
-    return assemble_batch(groups, num_rows=rows, seq_buckets=(seq,), routing=True)
+    return assemble_batch(groups, num_rows=rows, seq_buckets=(seq,), sampling_mask=False, routing=True,
+                          unscored=UNSCORED)
 
   out = {}
   f32 = batch_from("float32")
@@ -188,7 +193,8 @@ def main():
                             record_sampling_mask=True, group_size=a.group, steps_per_call=8, attend_bucket=32,
                             seed=a.seed)
       groups = sample(s_model, s_params, s_cfg, prompts)
-      batch = assemble_batch(groups, num_rows=rows, seq_buckets=(seq,), sampling_mask=True)
+      batch = assemble_batch(groups, num_rows=rows, seq_buckets=(seq,), sampling_mask=True, routing=False,
+                             unscored=UNSCORED)
       completion = batch["loss_mask"] > 0
       kept = np.unpackbits(batch["sampling_mask"][completion], axis=-1, count=vocab).sum(-1)
       entry = dict(tokens=int(completion.sum()), kept_vocab_frac=float(kept.mean() / vocab))

@@ -169,8 +169,8 @@ def pair_worker(args):
   full_host, lora_host = _tree(args.mb, args.width, np)
   result = {}
   fresh = lambda tree: jax.tree.map(lambda x: x + 0, tree)  # a new learner copy per sync, as after a step
-  layout = layout_lib.make_host_layout(1)
-  tensor_layout = layout_lib.make_host_layout(1, sampler_tensor=4)
+  layout = layout_lib.make_host_layout(1, sampler_tensor=1, learner_tensor=1)
+  tensor_layout = layout_lib.make_host_layout(1, sampler_tensor=4, learner_tensor=1)
   # the sampler's tensor-parallel layout of an MLP: up [d, 4d] split by columns, down [4d, d] by rows
   tensor_spec = {name: {"up": P(None, "tensor"), "down": P("tensor", None)} for name in full_host}
   variants = (("full", full_host, layout, jax.tree.map(lambda _: P(), full_host)),
@@ -205,7 +205,7 @@ def pair_worker(args):
       result[f"by_host_{kind}_stages_s"] = {k: round(v, 5) for k, v in stages.items()}
     if kind == "tp_full":
       continue  # the per-host split below is the replicated sampler's
-    meshes = mesh_lib.make_meshes(4, 4)  # the per-host split: every process both sides
+    meshes = mesh_lib.make_meshes(4, 4, 1, 1, layout="split")  # the per-host split: every process both sides
     src = jax.device_put(host_tree, jax.tree.map(
         lambda x: NamedSharding(meshes.learner, P("fsdp") if kind == "full" else P()), host_tree))
     targets = jax.tree.map(lambda _: NamedSharding(meshes.sampler, P()), host_tree)
@@ -293,7 +293,7 @@ def trio_worker(args):
   from jax.sharding import PartitionSpec as P
   from tunixlike.hosts import layout as layout_lib, transfer
   full_host, _ = _tree(args.mb, args.width, np)
-  direct = layout_lib.make_host_layout(2)
+  direct = layout_lib.make_host_layout(2, sampler_tensor=1, learner_tensor=1)
   layouts = {"direct": direct, "relay": dataclasses.replace(direct, senders={1: 0, 2: 1})}
   spec = jax.tree.map(lambda _: P(), full_host)
   src = _learner_copy(full_host, direct, fsdp=True) if me == 0 else None

@@ -81,7 +81,7 @@ class CallCounter:
 
 
 def requests(task, tok, n: int, lengths: str) -> list[PromptRequest]:
-  source = task.source("train")
+  source = task.source("train", seed=0)
   out = []
   for i in range(n):
     record = source[i]
@@ -105,7 +105,8 @@ def main():
   if a.quick:  # one layer: compiling every program at warm-up is most of a smoke run (the same calls are counted)
     cfg = config_lib.replace(cfg, model=dict(num_layers=1))
   tok, task = build.build_task(cfg)
-  meshes = mesh_lib.make_meshes(cfg.mesh.sampler_devices, cfg.mesh.learner_devices)
+  m = cfg.mesh
+  meshes = mesh_lib.make_meshes(m.sampler_devices, m.learner_devices, m.sampler_tensor, m.learner_tensor, layout=m.layout)
   model = build.build_model(cfg, tok, meshes.learner)
   s_cfg = build.sampler_config(cfg, tok, decoders=1)  # one process decodes
   engine = Engine(model, s_cfg, mesh=meshes.sampler)

@@ -293,7 +293,7 @@ def main():
     layout = a.layout or ("colocated" if len(devices) == 1 else "split")
     half = len(devices) // 2
     sizes = (len(devices), 0) if layout == "colocated" else (half, len(devices) - half)
-    meshes = mesh_lib.make_meshes(*sizes, sampler_tensor=a.sampler_tensor, layout=layout)
+    meshes = mesh_lib.make_meshes(*sizes, sampler_tensor=a.sampler_tensor, learner_tensor=1, layout=layout)
     out["layout"] = {"layout": layout, "sampler": dict(meshes.sampler.shape), "learner": dict(meshes.learner.shape)}
 
     with PeakRSS() as rss:

@@ -136,7 +136,7 @@ def check_equal(out, ref_tree, targets):
 
 
 def bench_layout(sampler_tensor: int, sizes, repeats: int, warmup: int) -> dict:
-  meshes = mesh_lib.make_meshes(4, 4, sampler_tensor=sampler_tensor)
+  meshes = mesh_lib.make_meshes(4, 4, sampler_tensor, 1, layout="split")
   model = models.create_sharded(model_config(sizes), meshes.learner, mesh_lib.LEARNER_RULES, seed=ARGS.seed)
   params = nnx.state(model, nnx.Param)
   targets = models.state_shardings(params, meshes.sampler, mesh_lib.SAMPLER_RULES)
@@ -202,7 +202,7 @@ def bench_layout(sampler_tensor: int, sizes, repeats: int, warmup: int) -> dict:
 
 def lora_vs_full(sizes, repeats: int, warmup: int) -> dict:
   """Full vs LoRA-only (rank 8) sync of one model, default sampler layout (4 replicas)."""
-  meshes = mesh_lib.make_meshes(4, 4, sampler_tensor=1)
+  meshes = mesh_lib.make_meshes(4, 4, 1, 1, layout="split")
   model = models.create_sharded(model_config(sizes), meshes.learner, mesh_lib.LEARNER_RULES, seed=ARGS.seed)
   params = nnx.state(model, nnx.Param)
   targets = models.state_shardings(params, meshes.sampler, mesh_lib.SAMPLER_RULES)

@@ -36,7 +36,8 @@ def main(num_steps: int, workdir: str):
   me = jax.process_index()
   print(f"PROCESS {me} sampler {dict(setup.meshes.sampler.shape)} learner {dict(setup.meshes.learner.shape)}",
         flush=True)
-  rl = build.build_rl(setup, reward=rewards.CombinedReward(["stopped"]))  # rewards with variance: weights move
+  # Rewards with variance: weights move.
+  rl = build.build_rl(setup, reward=rewards.CombinedReward(["stopped"], timeout_s=cfg.rl.reward_timeout_s))
   initial = multihost_utils.process_allgather(rl.policy.full_params(), tiled=True)
   losses = []
   stream = PromptStream(setup.train_pipe)
@@ -70,7 +71,8 @@ def main(num_steps: int, workdir: str):
   print("EVAL " + json.dumps({k: out[k] for k in ("eval/accuracy", "eval/num_prompts")}), flush=True)
 
   # Orbax saves the global learner state from both processes; the meta keeps each host's stream.
-  ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), keep=1)
+  ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir),
+                                     checkpoint_lib.CheckpointSchedule.from_config(cfg, keep=1))
   meta = trainer.checkpoint_meta(setup, rl, stream, {"groups_trained": 0})
   ckpt.save(rl.policy.version, rl.policy.state, meta, force=True)
   ckpt.wait()

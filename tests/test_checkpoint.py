@@ -18,12 +18,21 @@ from tunixlike import mesh as mesh_lib
 from tunixlike import models
 from tunixlike.learner import batch as batch_lib
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
+from tunixlike.learner.group_advantages import AdvantageConfig
 from tunixlike.learner.train_step import Learner
 from tunixlike.models import lora
 from tunixlike.rollout import Completion, RolloutGroup
 
+# Groups no reward stage scored get their advantages in assemble_batch: the run's algo keys at their defaults.
+UNSCORED = AdvantageConfig.from_config(config_lib.Config())
+
 RUN = config_lib.Config()  # the lora section at its defaults
 TINY = models.tiny_config(vocab_size=128, hidden_size=32, intermediate_size=64, head_dim=8)
+
+
+def schedule(**values):
+  """A writer's schedule: the run's `checkpoint` keys at their defaults, but for `values`."""
+  return ckpt_lib.CheckpointSchedule.from_config(RUN, **values)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +61,8 @@ def host_batch(num_rows=8, seed=0, vocab=128):
                               (-4.8 + 0.3 * rng.normal(size=n)).astype(np.float32), np.zeros(n, np.int32), "eos"))
     groups.append(RolloutGroup(prompt_id=gi, prompt_token_ids=rng.integers(1, vocab, size=3).astype(np.int32),
                                completions=comps, rewards=rng.integers(0, 2, size=4).astype(np.float32)))
-  return batch_lib.assemble_batch(groups, num_rows=num_rows, seq_buckets=(16,), advantage="grpo")
+  return batch_lib.assemble_batch(groups, num_rows=num_rows, seq_buckets=(16,), sampling_mask=False, routing=False,
+                                  unscored=UNSCORED)
 
 
 def meta_for(step):
@@ -87,7 +97,7 @@ def run(mesh4, tmp_path_factory):
   placed = learner.put_batch(host_batch())
   root = tmp_path_factory.mktemp("run") / "ck"
   state, saved = learner.state, {}
-  with ckpt_lib.Checkpointer(root, keep=3) as ck:
+  with ckpt_lib.Checkpointer(root, schedule(keep=3)) as ck:
     assert ck.latest_step() is None
     for step in (1, 2):
       state, _ = learner.train_step(state, placed, jax.random.key(0))
@@ -135,7 +145,7 @@ def test_restore_reshards_onto_another_mesh(run):
 
 def test_should_save_by_steps_and_time_and_keep(run, tmp_path):
   state = run[2]
-  ck = ckpt_lib.Checkpointer(tmp_path, keep=2, save_every_steps=2)
+  ck = ckpt_lib.Checkpointer(tmp_path, schedule(keep=2, every_steps=2))
   assert [s for s in range(0, 7) if ck.should_save(s)] == [2, 4, 6]
   saved = [s for s in range(1, 7) if ck.save(s, state, meta_for(s))]
   assert saved == [2, 4, 6]
@@ -147,7 +157,7 @@ def test_should_save_by_steps_and_time_and_keep(run, tmp_path):
 
   # A controlled clock: a loaded CI machine can stall longer than any real interval we would wait.
   clock = [1000.0]
-  timed = ckpt_lib.Checkpointer(tmp_path / "t", save_every_seconds=30, clock=lambda: clock[0])
+  timed = ckpt_lib.Checkpointer(tmp_path / "t", schedule(every_seconds=30), clock=lambda: clock[0])
   assert not timed.should_save(1)
   clock[0] += 31
   assert timed.should_save(1)
@@ -158,9 +168,14 @@ def test_should_save_by_steps_and_time_and_keep(run, tmp_path):
   timed.close()
 
   with pytest.raises(ValueError, match="keep=0"):
-    ckpt_lib.Checkpointer(tmp_path, keep=0)
-  with pytest.raises(ValueError, match="save_every_seconds=-1"):
-    ckpt_lib.Checkpointer(tmp_path, save_every_seconds=-1)
+    ckpt_lib.Checkpointer(tmp_path, schedule(keep=0))
+  with pytest.raises(ValueError, match="every_seconds=-1"):
+    ckpt_lib.Checkpointer(tmp_path, schedule(every_seconds=-1))
+  with pytest.raises(ValueError, match="one that writes needs a schedule"):
+    ckpt_lib.Checkpointer(tmp_path)
+  # A library user's schedule is a CLI user's: saved every checkpoint.every_steps = 50 steps.
+  with ckpt_lib.Checkpointer(tmp_path / "cli", schedule()) as cli:
+    assert [s for s in range(1, 101) if cli.should_save(s)] == [50, 100]
 
 
 def test_lora_saves_adapters_and_optimizer_without_frozen_base(mesh4, tmp_path):
@@ -168,7 +183,7 @@ def test_lora_saves_adapters_and_optimizer_without_frozen_base(mesh4, tmp_path):
   saved_host = host_copy(state)
   saved = {}  # subtree -> arrays orbax wrote for it (directory sizes vary with OCDBT's file layout)
   for name, keep_frozen in (("small", False), ("full", True)):
-    with ckpt_lib.Checkpointer(tmp_path / name, save_frozen=keep_frozen) as ck:
+    with ckpt_lib.Checkpointer(tmp_path / name, schedule(), save_frozen=keep_frozen) as ck:
       ck.save(1, state, meta_for(1), force=True)
     # after close: the save is asynchronous
     tree = ocp.StandardCheckpointer().metadata(os.path.join(ck.step_dir(1), "state")).item_metadata.tree
@@ -183,7 +198,7 @@ def test_lora_saves_adapters_and_optimizer_without_frozen_base(mesh4, tmp_path):
   # Resume: the base weights come from the live model (as from hf_path), the adapters from disk.
   fresh = make_learner(mesh4, seed=0, lora_rank=4, lora_seed=1)  # same base, other adapters
   fresh_frozen = fresh.state.frozen
-  with ckpt_lib.Checkpointer(tmp_path / "small", save_frozen=False) as ck:
+  with ckpt_lib.Checkpointer(tmp_path / "small", schedule(), save_frozen=False) as ck:
     restored, meta = ck.restore(abstract_state=fresh.state)
     assert meta["in_flight"] == ["p17", "p18"]
     assert restored.frozen is fresh_frozen
@@ -200,7 +215,7 @@ def test_missing_directory_is_a_fresh_start(tmp_path):
   assert not missing.exists()  # read-only never creates anything
   with pytest.raises(ckpt_lib.CheckpointError, match=f"{missing}: no complete checkpoint"):
     ro.restore(abstract_state={})
-  ck = ckpt_lib.Checkpointer(missing)
+  ck = ckpt_lib.Checkpointer(missing, schedule())
   assert ck.latest_step() is None
   ck.close()
 
@@ -296,7 +311,7 @@ REWARDS = {1: 0.2, 2: 0.8, 3: 0.5, 4: None, 5: 0.1, 6: float("nan")}
 def test_best_checkpoint_survives_rotation_and_a_resume(run, tmp_path, caplog):
   state, target = run[2], ckpt_lib.abstract_like(run[2])
   root = tmp_path / "ck"
-  with ckpt_lib.Checkpointer(root, keep=2, best_metric="reward") as ck:
+  with ckpt_lib.Checkpointer(root, schedule(keep=2), best_metric="reward") as ck:
     assert ck.best_step() is None
     for step, reward in REWARDS.items():
       metrics = None if reward is None else {"reward": reward, "loss": 1.5}
@@ -314,7 +329,7 @@ def test_best_checkpoint_survives_rotation_and_a_resume(run, tmp_path, caplog):
   reader.close()
 
   # A resumed run (another process) remembers the best and keeps preserving it.
-  with ckpt_lib.Checkpointer(root, keep=2, best_metric="reward") as ck:
+  with ckpt_lib.Checkpointer(root, schedule(keep=2), best_metric="reward") as ck:
     assert ck.all_steps() == [2, 5, 6] and ck.best_step() == 2
     for step, reward in ((7, 0.3), (8, 0.4)):
       ck.save(step, state, meta_for(step), metrics={"reward": reward}, force=True)
@@ -334,17 +349,17 @@ def test_best_checkpoint_survives_rotation_and_a_resume(run, tmp_path, caplog):
   shutil.rmtree(root / "8")
 
   # A better checkpoint replaces the best; without best_metric only the latest are kept.
-  with ckpt_lib.Checkpointer(root, keep=2, best_metric="reward") as ck:
+  with ckpt_lib.Checkpointer(root, schedule(keep=2), best_metric="reward") as ck:
     ck.save(9, state, meta_for(9), metrics={"reward": 0.9}, force=True)
     ck.wait()
     assert ck.all_steps() == [7, 9] and ck.best_step() == 9
-  with ckpt_lib.Checkpointer(root, keep=1) as ck:
+  with ckpt_lib.Checkpointer(root, schedule(keep=1)) as ck:
     assert ck.best_step() is None
     ck.save(10, state, meta_for(10), metrics={"reward": 1.0}, force=True)  # recorded only with a best_metric
     ck.wait()
     assert ck.all_steps() == [10]
 
-  with ckpt_lib.Checkpointer(tmp_path / "min", keep=1, best_metric="loss", best_mode="min") as ck:
+  with ckpt_lib.Checkpointer(tmp_path / "min", schedule(keep=1), best_metric="loss", best_mode="min") as ck:
     for step, loss in ((1, 0.5), (2, 0.1), (3, 0.7)):
       ck.save(step, state, meta_for(step), metrics={"loss": loss}, force=True)
     ck.wait()
@@ -353,7 +368,7 @@ def test_best_checkpoint_survives_rotation_and_a_resume(run, tmp_path, caplog):
     ck.wait()
     assert ck.all_steps() == [4] and ck.best_step() == 4
   with pytest.raises(ValueError, match="best_mode='best'"):
-    ckpt_lib.Checkpointer(tmp_path, best_metric="loss", best_mode="best")
+    ckpt_lib.Checkpointer(tmp_path, schedule(), best_metric="loss", best_mode="best")
 
 
 def test_incompatible_model_shape(run, mesh4):
@@ -385,7 +400,7 @@ def test_partial_restore_reads_only_the_weights(run):
 
 def test_meta_must_be_json(run, tmp_path):
   state = run[2]
-  ck = ckpt_lib.Checkpointer(tmp_path)
+  ck = ckpt_lib.Checkpointer(tmp_path, schedule())
   with pytest.raises(TypeError, match=r"meta\['counters'\]\['loss'\] is a float32"):
     ck.save(1, state, {"counters": {"loss": np.float32(1.0)}}, force=True)
   with pytest.raises(ValueError, match=r"meta\['x'\]\[1\]=nan is not finite"):

@@ -1,6 +1,7 @@
 import dataclasses
 import functools
 import importlib
+import inspect
 import pathlib
 
 import pytest
@@ -38,26 +39,37 @@ def test_every_key_is_a_field_with_a_why_and_run_values_are_not_keys():
 
 
 @functools.cache
-def _library_configs():
-  """Every dataclass of the package that is not a section of the run's config tree: the `*Config`s and
-  the other library inputs (`SamplingParams`, the tasks, `ExampleFormat`, ...). A module of an optional
+def _modules() -> dict:
+  """Every module of the package by name, also in packages without an __init__. A module of an optional
   extra that is not installed is left out, once its ImportError has said which extra to install."""
   package = pathlib.Path(config_lib.__file__).parent
+  found = {}
+  for path in sorted(package.rglob("*.py")):
+    name = ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__")
+    if name in ("tunixlike.train", "tunixlike.sft", "tunixlike.eval", "tunixlike.export", "tunixlike.__main__"):
+      continue  # the commands define absl flags on import; they declare no config classes
+    try:
+      found[name] = importlib.import_module(name)
+    except ImportError as e:  # a module of an optional extra: as a user without the extra meets it
+      assert "pip install 'tunixlike[" in str(e), f"{name} needs a package that is not installed: {e}"
+  return found
+
+
+def _tree_sections() -> set[type]:
   sections, stack = set(), [config_lib.Config]
   while stack:
     cls = stack.pop()
     sections.add(cls)
     stack += [type(f.default) for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.default)]
-  found = {}
-  for path in sorted(package.rglob("*.py")):  # every module, also in packages without an __init__
-    name = ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__")
-    if name in ("tunixlike.train", "tunixlike.sft", "tunixlike.eval", "tunixlike.export", "tunixlike.__main__"):
-      continue  # the commands define absl flags on import; they declare no config classes
-    try:
-      module = importlib.import_module(name)
-    except ImportError as e:  # a module of an optional extra: as a user without the extra meets it
-      assert "pip install 'tunixlike[" in str(e), f"{name} needs a package that is not installed: {e}"
-      continue
+  return sections
+
+
+@functools.cache
+def _library_configs():
+  """Every dataclass of the package that is not a section of the run's config tree: the `*Config`s and
+  the other library inputs (`SamplingParams`, the tasks, `ExampleFormat`, ...)."""
+  sections, found = _tree_sections(), {}
+  for name, module in _modules().items():
     for obj in vars(module).values():
       if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == name and obj not in sections:
         found[f"{name}.{obj.__name__}"] = obj
@@ -109,6 +121,109 @@ def test_a_copied_default_or_a_key_that_does_not_exist_is_found():
   problems = _copied_defaults({"CopyConfig": CopyConfig})
   assert [p.split(":")[0].split("=")[0] for p in problems] == [
       "CopyConfig.spike_factor", "CopyConfig.num_steps", "CopyConfig.prompts_per_step"], problems
+
+
+def _public_signatures() -> dict[str, inspect.Signature]:
+  """'module.function', 'module.Class' (its constructor) and 'module.Class.method' -> signature, for every
+  public function, class and method the package defines (a dataclass's constructor is its fields: the
+  test above checks those)."""
+  found = {}
+
+  def add(path, fn):
+    try:
+      found[path] = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin's, e.g. an inherited object.__init__
+      pass
+
+  for name, module in _modules().items():
+    for attr, obj in vars(module).items():
+      if attr.startswith("_") or getattr(obj, "__module__", None) != name:
+        continue
+      if inspect.isfunction(obj):
+        add(f"{name}.{attr}", obj)
+      elif isinstance(obj, type):
+        if not dataclasses.is_dataclass(obj) and "__init__" in vars(obj):
+          add(f"{name}.{attr}", obj.__init__)
+        for method, fn in vars(obj).items():
+          fn = fn.__func__ if isinstance(fn, (classmethod, staticmethod)) else fn
+          if not method.startswith("_") and inspect.isfunction(fn):
+            add(f"{name}.{attr}.{method}", fn)
+  return found
+
+
+def _keys_named(param: str, leaves: dict[str, list[str]]) -> list[str]:
+  """The config keys a parameter named `param` stands for: a key's last part is `param`, or one of the two
+  names ends with the other after an underscore, where the shorter has an underscore itself
+  (`max_turns`: rl.env_max_turns; `save_every_steps`: checkpoint.every_steps; not `mode` or `every`)."""
+  return [key for leaf, keys in leaves.items() for key in keys if leaf == param
+          or "_" in param and leaf.endswith("_" + param) or "_" in leaf and param.endswith("_" + leaf)]
+
+
+# Parameters named like a key that are not that key, each with what it is instead. Anything else named like a
+# key takes it from the caller (no default) or from the section it is part of.
+NOT_THE_KEY = {
+    "tunixlike.checkpoint.Checkpointer.keep_every_steps": "steps kept for replays (a run passes log.replay_every), "
+                                                          "not checkpoint.every_steps, the save interval",
+    "tunixlike.flops.peak_matmul_flops.dtype": "the dtype of the matmul whose peak it measures, not the model's",
+    "tunixlike.learner.gae.kl_penalized_rewards.estimator": "the KL estimate PPO folds into its rewards "
+                                                            "(ppo.KL_REWARD_ESTIMATOR), not algo.estimator",
+    "tunixlike.learner.gae.masked_whiten.eps": "whitening's epsilon, not Adam's (optim.eps)",
+    "tunixlike.learner.logprobs.chunked_token_logprobs.temperature": "what the logits are divided by: 1.0 is the "
+                                                                     "model's own distribution",
+    "tunixlike.learner.sampling_mask.processed_logits.temperature": "what the logits are divided by: 1.0 is the "
+                                                                    "model's own distribution",
+    "tunixlike.models.context_parallel.attend.layout": "the order of the tokens it is given (contiguous: the row's "
+                                                       "own; model.context_parallel_layout's values), not mesh.layout",
+    "tunixlike.models.testing.tiny_hf_config.tie_embeddings": "a test checkpoint's own description",
+    "tunixlike.models.testing.write_random_hf_checkpoint.tie_embeddings": "a test checkpoint's own description",
+    "tunixlike.models.testing.write_random_hf_checkpoint.seed": "a test checkpoint's own description",
+    "tunixlike.models.testing.write_random_hf_checkpoint.dtype": "a test checkpoint's own description",
+    "tunixlike.rl.evaluate.eval_sampler_config.temperature": "the held-out eval's decoding: 0 = greedy, as every "
+                                                             "eval; not the training sampler's",
+    "tunixlike.sampler.paged.PagedEngine.attention": "the paged decode attention (auto | pool | kernel), not "
+                                                     "model.attention, the training and prefill kernel",
+}
+
+
+def _restated_defaults(signatures: dict[str, inspect.Signature], not_the_key=()) -> list[str]:
+  """What breaks "each setting defined once" in signatures: a parameter named like a config key with a
+  default of its own (None, "not given", excepted). Its callers pass the key's value, or it takes the
+  section (or its `FromConfig` class) the key is part of."""
+  leaves: dict[str, list[str]] = {}
+  for key, _ in settings.keys(config_lib.Config):
+    leaves.setdefault(key.rpartition(".")[2], []).append(key)
+  problems = []
+  for path, sig in signatures.items():
+    for p in sig.parameters.values():
+      keys = _keys_named(p.name, leaves)
+      if keys and p.default is not inspect.Parameter.empty and p.default is not None \
+          and f"{path}.{p.name}" not in not_the_key:
+        problems.append(f"{path}({p.name}={p.default!r}): a default for {', '.join(keys)}; make it required "
+                        "or take the section")
+  return problems
+
+
+def test_no_public_signature_declares_a_default_of_the_tree():
+  signatures = _public_signatures()
+  assert {"tunixlike.checkpoint.Checkpointer", "tunixlike.rewards.combine.CombinedReward",
+          "tunixlike.sampler.driver.RolloutDriver.stop", "tunixlike.mesh.make_meshes"} <= set(signatures)
+  problems = _restated_defaults(signatures, NOT_THE_KEY)
+  assert not problems, "\n".join(problems)
+  flagged = {p.split("(")[0] + "." + p.split("(")[1].split("=")[0] for p in _restated_defaults(signatures)}
+  assert set(NOT_THE_KEY) <= flagged, f"no longer named like a key: {sorted(set(NOT_THE_KEY) - flagged)}"
+
+
+def test_a_default_in_a_signature_that_restates_a_key_is_found():
+  def stop(timeout_s: float = 60.0): ...  # distributed.timeout_s, eval.timeout_s
+
+  class Coordinator:
+    def __init__(self, *, max_turns: int = 8, save_every_steps: int = 0, mode: str = "full", seed=None, keep: int):
+      ...  # rl.env_max_turns, checkpoint.every_steps; `mode` names no key; None is "not given"; no default
+
+  problems = _restated_defaults({"stop": inspect.signature(stop), "Coordinator": inspect.signature(Coordinator)})
+  assert [p.split("=")[0] for p in problems] == ["stop(timeout_s", "Coordinator(max_turns",
+                                                 "Coordinator(save_every_steps"]
+  assert "rl.env_max_turns" in problems[1] and "checkpoint.every_steps" in problems[2], problems
 
 
 @pytest.mark.parametrize("path", sorted(path for path, cls in _library_configs().items()

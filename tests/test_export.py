@@ -26,6 +26,7 @@ from tunixlike.models import hf, lora
 from tunixlike.models.testing import write_random_hf_checkpoint
 
 RUN = config_lib.Config()  # the lora section at its defaults
+ONE = ckpt_lib.CheckpointSchedule(keep=1, every_steps=0, every_seconds=0)  # saves only when told, keeps one
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -62,7 +63,7 @@ def save_run(workdir, learner, state, cfg, *, lora_cfg=None, hf_path=None, save_
                                                  "targets": list(lora_cfg.targets)}}
   if hf_path is not None:
     meta["hf_path"] = str(hf_path)
-  with ckpt_lib.Checkpointer(ckpt_lib.workdir_checkpoints(workdir), save_frozen=save_frozen) as ck:
+  with ckpt_lib.Checkpointer(ckpt_lib.workdir_checkpoints(workdir), ONE, save_frozen=save_frozen) as ck:
     assert ck.save(step, state, meta, force=True)
 
 
@@ -193,7 +194,7 @@ def test_best_exports_the_checkpoint_with_the_best_held_out_accuracy(mesh4, tmp_
   with pytest.raises(ckpt_lib.CheckpointError, match="no checkpoint saved with a 'eval/accuracy' metric"):
     export_lib.export(tmp_path / "run", tmp_path / "hf", best=True)
   states = {4: perturb_params(learner.state, 1), 5: perturb_params(learner.state, 2)}
-  with ckpt_lib.Checkpointer(ckpt_lib.workdir_checkpoints(tmp_path / "run"), keep=1,
+  with ckpt_lib.Checkpointer(ckpt_lib.workdir_checkpoints(tmp_path / "run"), ONE,
                              best_metric=ckpt_lib.RUN_BEST_METRIC) as ck:
     for step, acc in ((4, 0.6), (5, 0.1)):  # the newest (5) is worse than 4
       meta = {"policy_version": step, "config": {"seed": 0, "algo": {"estimator": "grpo_family"}},
@@ -216,17 +217,17 @@ def perturb_params(state, seed):
 def test_bad_meta_names_the_problem(mesh4, tmp_path):
   learner = Learner(models.create_sharded(TINY, mesh4, mesh_lib.LEARNER_RULES, seed=0), LEARNER_CONFIG,
                     mesh=mesh4, rules=mesh_lib.LEARNER_RULES)
-  with ckpt_lib.Checkpointer(tmp_path / "a") as ck:
+  with ckpt_lib.Checkpointer(tmp_path / "a", ONE) as ck:
     ck.save(1, learner.state, {"config": {}}, force=True)
   with pytest.raises(export_lib.ExportError, match=r"1: meta has no 'model'"):
     export_lib.export(tmp_path / "a", tmp_path / "hf")
   bad = {**dataclasses.asdict(TINY), "hidden_size": -1}
-  with ckpt_lib.Checkpointer(tmp_path / "b") as ck:
+  with ckpt_lib.Checkpointer(tmp_path / "b", ONE) as ck:
     ck.save(1, learner.state, {"model": bad, "lora": None}, force=True)
   with pytest.raises(export_lib.ExportError, match=r"not a valid ModelConfig \(ModelConfig.hidden_size=-1"):
     export_lib.export(tmp_path / "b", tmp_path / "hf")
   wrong = {**dataclasses.asdict(TINY), "hidden_size": 64}  # meta and arrays disagree
-  with ckpt_lib.Checkpointer(tmp_path / "c") as ck:
+  with ckpt_lib.Checkpointer(tmp_path / "c", ONE) as ck:
     ck.save(1, learner.state, {"model": wrong, "lora": None}, force=True)
   with pytest.raises(ckpt_lib.CheckpointError, match=r"params/embed_tokens/embedding has shape \[128, 32\]"):
     export_lib.export(tmp_path / "c", tmp_path / "hf")

@@ -62,7 +62,8 @@ def test_a_second_ctrl_c_exits_130_every_time(tmp_path):
 def test_the_second_ctrl_c_line_names_the_checkpoint_the_workdir_keeps(tmp_path):
   import jax.numpy as jnp  # noqa: PLC0415
   from tunixlike import checkpoint  # noqa: PLC0415
-  with checkpoint.Checkpointer(checkpoint.workdir_checkpoints(tmp_path)) as saved:
+  schedule = checkpoint.CheckpointSchedule(keep=1, every_steps=0, every_seconds=0)
+  with checkpoint.Checkpointer(checkpoint.workdir_checkpoints(tmp_path), schedule) as saved:
     saved.save(3, {"w": jnp.ones(4)}, {"step": 3}, force=True)
   proc = _start(str(tmp_path))
   try:

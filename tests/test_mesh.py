@@ -5,7 +5,7 @@ from tunixlike import mesh as mesh_lib
 
 
 def test_split_4_plus_4_with_axes():
-  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=2, learner_tensor=1)
+  meshes = mesh_lib.make_meshes(4, 4, 2, 1, layout="split")
   assert meshes.sampler.axis_names == ("replica", "tensor")
   assert meshes.learner.axis_names == ("fsdp", "tensor")
   assert dict(meshes.sampler.shape) == {"replica": 2, "tensor": 2}
@@ -16,25 +16,25 @@ def test_split_4_plus_4_with_axes():
 
 
 def test_colocated_puts_both_submeshes_on_every_device_in_the_same_order():
-  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=2, layout="colocated")
+  meshes = mesh_lib.make_meshes(4, 4, 2, 1, layout="colocated")
   assert dict(meshes.sampler.shape) == {"replica": 4, "tensor": 2}
   assert dict(meshes.learner.shape) == {"fsdp": 8, "tensor": 1}
   assert list(meshes.sampler.devices.flat) == list(meshes.learner.devices.flat) == jax.devices()
-  assert meshes.colocated and not mesh_lib.make_meshes().colocated
+  assert meshes.colocated and not mesh_lib.make_meshes(4, 4, 1, 1, layout="split").colocated
   with pytest.raises(mesh_lib.MeshError, match="mesh.layout='shared' must be 'split' or 'colocated'"):
-    mesh_lib.make_meshes(layout="shared")
+    mesh_lib.make_meshes(4, 4, 1, 1, layout="shared")
   # Colocated, only the total counts: 8 + 0 is every device (one accelerator is 1 + 0).
-  whole = mesh_lib.make_meshes(sampler_devices=8, learner_devices=0, layout="colocated")
+  whole = mesh_lib.make_meshes(8, 0, 1, 1, layout="colocated")
   assert list(whole.sampler.devices.flat) == list(whole.learner.devices.flat) == jax.devices()
   with pytest.raises(mesh_lib.MeshError, match="learner_devices=0 only with mesh.layout='colocated'"):
-    mesh_lib.make_meshes(sampler_devices=8, learner_devices=0)
+    mesh_lib.make_meshes(8, 0, 1, 1, layout="split")
 
 
 def test_sizes_that_do_not_add_up_or_divide():
   with pytest.raises(mesh_lib.MeshError, match="= 7, but there are 8 devices"):
-    mesh_lib.make_meshes(sampler_devices=4, learner_devices=3)
+    mesh_lib.make_meshes(4, 3, 1, 1, layout="split")
   with pytest.raises(mesh_lib.MeshError, match="mesh.sampler_tensor=3"):
-    mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=3)
+    mesh_lib.make_meshes(4, 4, 3, 1, layout="split")
 
 
 def test_tensor_parallelism_must_give_each_device_whole_heads():
@@ -48,7 +48,7 @@ def test_tensor_parallelism_must_give_each_device_whole_heads():
 
 def test_a_parameter_its_mesh_axis_does_not_divide_names_the_mesh_keys():
   from tunixlike.models import sharding
-  mesh = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=2).sampler
+  mesh = mesh_lib.make_meshes(4, 4, 2, 1, layout="split").sampler
   with pytest.raises(sharding.ShardingError, match=r"embed_tokens: dimension 'vocab' of size 83 does not divide "
                                                    r"mesh axis 'tensor' of size 2.*mesh.sampler_tensor"):
     sharding.partition_spec((83, 64), ("vocab", "embed"), mesh, mesh_lib.SAMPLER_RULES, what="embed_tokens")

@@ -23,6 +23,12 @@ HANG_TIMEOUT_S = 60  # the scripts finish in seconds; a hang fails the test inst
 LIMIT_BYTES = 256 * 1024  # RLIMIT_FSIZE of the fallback: smaller than what the scripts write
 
 
+def logger_at(workdir, **on):
+  """A MetricsLogger writing to `workdir` with the logs in `on` (the others off)."""
+  return metrics.MetricsLogger(workdir, **{"tensorboard": False, "progress_bar": False, "wandb": False,
+                                           "wandb_project": "tunixlike", **on})
+
+
 @contextlib.contextmanager
 def small_disk(path):
   """A 2 MB tmpfs mounted at `path` (True), or False where mounting is not allowed (not root, CI).
@@ -61,7 +67,7 @@ WRITE_UNTIL_FULL = """
 import json, sys
 from tunixlike import metrics
 workdir, want = sys.argv[1], sys.argv[2].split(",")
-logger = metrics.MetricsLogger(workdir, progress_bar=False, tensorboard=True)
+logger = metrics.MetricsLogger(workdir, progress_bar=False, tensorboard=True, wandb=False, wandb_project="tunixlike")
 # LIMIT
 errors, steps = [], 0
 while steps < 20_000 and not all(any(w in e for e in errors) for w in want):
@@ -163,7 +169,7 @@ def _events(logdir):
 
 
 def test_tensorboard_events_hold_every_scalar(tmp_path):
-  logger = metrics.MetricsLogger(str(tmp_path), progress_bar=False)
+  logger = logger_at(str(tmp_path), tensorboard=True)
   logger.write(1, {"reward/mean": 0.25, "accuracy": 1, "done": True, "note": "text"})
   logger.write(2, {"reward/mean": float("nan")})
   logger.close()
@@ -187,7 +193,7 @@ def test_a_nan_metric_is_null_and_every_reader_takes_it(tmp_path):
   import pandas as pd
   from tunixlike.rl import resume
 
-  logger = metrics.MetricsLogger(str(tmp_path), progress_bar=False)
+  logger = logger_at(str(tmp_path), tensorboard=True)
   logger.write(0, {"warm_start/loss": float("nan"), "warm_start/accuracy": 0.25}, advance=False)
   logger.write(0, {"eval/accuracy": 0.25}, advance=False)
   logger.write(1, {"loss": np.float32("nan"), "reward/mean": float("inf"), "kl": np.array([0.5, np.nan])})
@@ -278,8 +284,7 @@ def test_logger_appends_after_a_torn_line_and_continues_the_clock(tmp_path, capl
   _write_lines(path, *_records(0, 1, 2), '{"step": 3, "time_s": 3', end="")
   assert metrics.last_time_s(path) == 20.0
   before = time.monotonic()
-  logger = metrics.MetricsLogger(str(tmp_path), progress_bar=False, tensorboard=False,
-                                 time_offset_s=metrics.last_time_s(path))
+  logger = logger_at(str(tmp_path), time_offset_s=metrics.last_time_s(path))
   with caplog.at_level(logging.WARNING):
     record = logger.write(3, {"reward/mean": 0.5})
   logger.close()
@@ -290,7 +295,7 @@ def test_logger_appends_after_a_torn_line_and_continues_the_clock(tmp_path, capl
   assert records[-1] == record and 20.0 <= record["time_s"] <= 20.0 + since
   # A whole last record lacking its newline gets one before the next record.
   _write_lines(path, *_records(0, 1), end="")
-  logger = metrics.MetricsLogger(str(tmp_path), progress_bar=False, tensorboard=False)
+  logger = logger_at(str(tmp_path))
   logger.write(2, {})
   logger.close()
   assert [r["step"] for r in metrics.read_jsonl(path)] == [0, 1, 2]
@@ -304,7 +309,7 @@ def test_last_time_s_without_records(tmp_path):
 
 
 def test_each_stage_has_its_own_progress_bar(tmp_path, capsys):
-  logger = metrics.MetricsLogger(str(tmp_path), progress_bar=True, tensorboard=False)
+  logger = logger_at(str(tmp_path), progress_bar=True)
   logger.info("before any stage")  # no bar yet: a plain line
   assert capsys.readouterr().err == ""
   logger.progress("warm start", total=4, initial=1)
@@ -365,8 +370,7 @@ def _items(items):
 def test_wandb_gets_every_record_and_a_resumed_logger_continues_its_run(tmp_path, monkeypatch):
   monkeypatch.setenv("WANDB_MODE", "offline")  # no account, no network: the run stays in WORKDIR/wandb
   workdir = str(tmp_path)
-  logger = metrics.MetricsLogger(workdir, progress_bar=False, tensorboard=False, wandb=True,
-                                 config={"rl": {"num_steps": 3}})
+  logger = logger_at(workdir, wandb=True, config={"rl": {"num_steps": 3}})
   for step in range(3):
     logger.write(step, {"reward/mean": 0.25 * step, "note": "not a scalar"})
   logger.write(2, {"eval/accuracy": 0.5}, advance=False)  # the same step: one W&B row
@@ -385,7 +389,7 @@ def test_wandb_gets_every_record_and_a_resumed_logger_continues_its_run(tmp_path
   assert _items(run.config.update)["rl"] == {"num_steps": 3}
 
   # metrics.jsonl goes on: the same W&B run goes on.
-  logger = metrics.MetricsLogger(workdir, progress_bar=False, tensorboard=False, wandb=True)
+  logger = logger_at(workdir, wandb=True)
   logger.write(3, {"reward/mean": 1.0})
   again = _close_and_read_wandb(logger)
   assert [r.run.run_id for r in again if r.HasField("run")] == [run.run_id]
@@ -393,7 +397,7 @@ def test_wandb_gets_every_record_and_a_resumed_logger_continues_its_run(tmp_path
 
   # A fresh start (no records kept in metrics.jsonl) is a new W&B run.
   os.remove(logger.path)
-  logger = metrics.MetricsLogger(workdir, progress_bar=False, tensorboard=False, wandb=True)
+  logger = logger_at(workdir, wandb=True)
   assert [r.run.run_id for r in _close_and_read_wandb(logger) if r.HasField("run")] != [run.run_id]
 
 
@@ -404,13 +408,13 @@ def test_wandb_without_the_package_is_named_in_one_line(tmp_path, monkeypatch):
     config_lib.LogSection(wandb=True)
   assert str(error.value) == "log.wandb=True: needs the wandb package: pip install wandb"
   with pytest.raises(ImportError, match="^log.wandb=True needs the wandb package: pip install wandb$"):
-    metrics.MetricsLogger(str(tmp_path), progress_bar=False, tensorboard=False, wandb=True)
+    logger_at(str(tmp_path), wandb=True)
   config_lib.LogSection(wandb=False)  # off: never looked for
 
 
 def test_completions_go_to_their_jsonl_a_tensorboard_text_and_a_wandb_table(tmp_path, monkeypatch):
   monkeypatch.setenv("WANDB_MODE", "offline")
-  logger = metrics.MetricsLogger(str(tmp_path), progress_bar=False, wandb=True)
+  logger = logger_at(str(tmp_path), tensorboard=True, wandb=True)
   rows = [{"step": 4, "prompt": "1+2=", "completion": "3", "reward": 1.0, "rewards": {"correct": 1.0}},
           {"step": 4, "prompt": "1+2=", "completion": "4", "reward": 0.0, "rewards": {"correct": 0.0}}]
   logger.write(4, {"reward/mean": 0.5})

@@ -44,6 +44,7 @@ then takes them from the live state passed as `abstract_state`.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import logging
@@ -57,6 +58,8 @@ import jax
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
+
+from tunixlike import settings
 
 log = logging.getLogger("tunixlike")
 
@@ -205,10 +208,30 @@ def _step_files(root: epath.Path) -> list[str]:
 
 
 # ---- the checkpointer -------------------------------------------------------------------------------
-class Checkpointer:
-  """Keeps the last `keep` checkpoints of one run in `directory` (local path or gs://...).
+@dataclasses.dataclass(frozen=True)
+class CheckpointSchedule(settings.FromConfig):
+  """When a writing `Checkpointer` saves on its own (`should_save`) and how many saves it keeps: the run's
+  `checkpoint` keys (`CheckpointSchedule.from_config(cfg)`)."""
 
-  save_every_steps / save_every_seconds: when `should_save(step)` says yes (0 turns either off).
+  keep: int = settings.tree_key("checkpoint.keep")
+  every_steps: int = settings.tree_key("checkpoint.every_steps")  # 0: off
+  every_seconds: float = settings.tree_key("checkpoint.every_seconds")  # 0: off
+
+  def __post_init__(self):
+    if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
+      raise ValueError(f"CheckpointSchedule keep={self.keep!r} must be an int >= 1")
+    if not isinstance(self.every_steps, int) or isinstance(self.every_steps, bool) or self.every_steps < 0:
+      raise ValueError(f"CheckpointSchedule every_steps={self.every_steps!r} must be an int >= 0")
+    if not (isinstance(self.every_seconds, (int, float)) and math.isfinite(self.every_seconds)
+            and self.every_seconds >= 0):
+      raise ValueError(f"CheckpointSchedule every_seconds={self.every_seconds!r} must be a finite number >= 0")
+
+
+class Checkpointer:
+  """Keeps the last `schedule.keep` checkpoints of one run in `directory` (local path or gs://...).
+
+  schedule: when `should_save(step)` says yes and how many to keep (`CheckpointSchedule.from_config(cfg)`);
+    a read-only Checkpointer needs none.
   best_metric / best_mode: also keep the checkpoint whose `save(..., metrics=)[best_metric]` is the
     highest ("max") or lowest ("min") so far; None keeps only the latest `keep`.
   keep_steps / keep_every_steps: also keep these steps / every step that is a multiple of it (0: none).
@@ -217,26 +240,20 @@ class Checkpointer:
     learner state and take no part).
   """
 
-  def __init__(self, directory, *, keep: int = 2, save_every_steps: int = 0, save_every_seconds: float = 0,
-               save_frozen: bool = True, read_only: bool = False, best_metric: str | None = None,
-               best_mode: str = "max", clock=time.monotonic, processes=None, keep_steps: tuple[int, ...] = (),
-               keep_every_steps: int = 0):
-    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-      raise ValueError(f"Checkpointer keep={keep!r} must be an int >= 1")
+  def __init__(self, directory, schedule: CheckpointSchedule | None = None, *, save_frozen: bool = True,
+               read_only: bool = False, best_metric: str | None = None, best_mode: str = "max", clock=time.monotonic,
+               processes=None, keep_steps: tuple[int, ...] = (), keep_every_steps: int = 0):
+    if schedule is None and not read_only:
+      raise ValueError(f"Checkpointer({os.fspath(directory)!r}): one that writes needs a schedule "
+                       "(CheckpointSchedule.from_config(cfg))")
     if best_metric is not None and not (isinstance(best_metric, str) and best_metric):
       raise ValueError(f"Checkpointer best_metric={best_metric!r} must be a metric name or None")
     if best_mode not in ("max", "min"):
       raise ValueError(f"Checkpointer best_mode={best_mode!r} must be 'max' or 'min'")
-    if not isinstance(save_every_steps, int) or isinstance(save_every_steps, bool) or save_every_steps < 0:
-      raise ValueError(f"Checkpointer save_every_steps={save_every_steps!r} must be an int >= 0")
-    if not (isinstance(save_every_seconds, (int, float)) and math.isfinite(save_every_seconds)
-            and save_every_seconds >= 0):
-      raise ValueError(f"Checkpointer save_every_seconds={save_every_seconds!r} must be a finite number >= 0")
     directory = os.fspath(directory)
     self.directory = directory if "://" in directory else os.path.abspath(directory)
-    self.keep, self.save_frozen, self.read_only = keep, save_frozen, read_only
+    self.schedule, self.save_frozen, self.read_only = schedule, save_frozen, read_only
     self.best_metric, self.best_mode = best_metric, best_mode
-    self.save_every_steps, self.save_every_seconds = save_every_steps, float(save_every_seconds)
     self._clock = clock  # seconds; tests pass a controlled one
     self._last_save_time = clock()
     self._last_saved_step: int | None = None
@@ -249,7 +266,7 @@ class Checkpointer:
     if read_only and not epath.Path(self.directory).is_dir():
       return  # nothing to read; latest_step() is None
     policy = ocp.checkpoint_managers
-    preserve = policy.LatestN(n=keep)
+    preserve = policy.LatestN(n=schedule.keep if schedule else None)  # read-only: removes nothing
     if keep_steps:  # e.g. step 0, where a replay of the run starts
       preserve = policy.AnyPreservationPolicy([preserve, policy.CustomSteps(steps=list(keep_steps))])
     if keep_every_steps:  # e.g. a run's replay points
@@ -343,11 +360,12 @@ class Checkpointer:
   # ---- saving
   def should_save(self, step: int) -> bool:
     """True when `step` is due by the step or the time interval (and not saved already)."""
-    if step <= 0 or (self._last_saved_step is not None and step <= self._last_saved_step):
+    if self.schedule is None or step <= 0 or (self._last_saved_step is not None and step <= self._last_saved_step):
       return False
-    if self.save_every_steps and step % self.save_every_steps == 0:
+    every_steps, every_seconds = self.schedule.every_steps, self.schedule.every_seconds
+    if every_steps and step % every_steps == 0:
       return True
-    return bool(self.save_every_seconds) and self._clock() - self._last_save_time >= self.save_every_seconds
+    return bool(every_seconds) and self._clock() - self._last_save_time >= every_seconds
 
   def save(self, step: int, state: Any, meta: dict, *, metrics: dict | None = None, force: bool = False,
            extra: dict[str, dict] | None = None) -> bool:

@@ -17,7 +17,7 @@ import time
 class DeviceTurns:
   """`with turns.learner():` / `with turns.sampler():` around each side's device work."""
 
-  def __init__(self, timeout_s: float = 300.0):
+  def __init__(self, timeout_s: float):
     self.timeout_s = timeout_s  # no wait without a timeout (rl.wait_timeout_s)
     self._cond = threading.Condition()
     self._learner_wants = 0  # learner turns asked for or running

@@ -138,7 +138,7 @@ def export(workdir, out, step: int | None = None, *, best: bool = False) -> path
       if frozen_saved:
         build = lambda: Transformer(cfg, rngs=nnx.Rngs(0))
         if lora_cfg is not None:
-          build = lambda b=build: lora_lib.apply_lora(b(), lora_cfg)
+          build = lambda b=build: lora_lib.apply_lora(b(), lora_cfg, seed=0)
         model = nnx.eval_shape(build)  # shapes only: every weight comes from the checkpoint
       else:
         if not hf_path or not os.path.isdir(hf_path):
@@ -146,7 +146,7 @@ def export(workdir, out, step: int | None = None, *, best: bool = False) -> path
                             f"hf_path {hf_path!r} is not a directory to read them from")
         model = hf.from_pretrained(hf_path, dtype=cfg.param_dtype)
         if lora_cfg is not None:
-          model = lora_lib.apply_lora(model, lora_cfg)
+          model = lora_lib.apply_lora(model, lora_cfg, seed=0)  # the adapters' values come from the checkpoint
       ppo = meta.get("config", {}).get("algo", {}).get("estimator") == "ppo"
       model, _ = state_lib.restore_policy_weights(ck, step, model, lora=lora_cfg is not None, ppo=ppo,
                                                   sharding=jax.sharding.SingleDeviceSharding(cpu))

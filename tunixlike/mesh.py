@@ -106,11 +106,10 @@ def split_devices(sampler_devices: int, learner_devices: int,
   return sampler, learner
 
 
-def make_meshes(sampler_devices: int = 4, learner_devices: int = 4, sampler_tensor: int = 1,
-                learner_tensor: int = 1, devices: Sequence[jax.Device] | None = None,
-                layout: str = "split") -> Meshes:
-  """Builds both submeshes from `devices` (default: all devices of the default backend).
-  layout='colocated': both on all sampler_devices + learner_devices devices."""
+def make_meshes(sampler_devices: int, learner_devices: int, sampler_tensor: int, learner_tensor: int,
+                devices: Sequence[jax.Device] | None = None, *, layout: str) -> Meshes:
+  """Builds both submeshes from `devices` (default: all devices of the default backend): a run passes its
+  `mesh` keys. layout='colocated': both on all sampler_devices + learner_devices devices."""
   if layout not in LAYOUTS:
     raise MeshError(f"mesh.layout={layout!r} must be 'split' or 'colocated'")
   # Colocated, only the total counts: one device is sampler_devices=1, learner_devices=0.

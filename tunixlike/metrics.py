@@ -182,9 +182,8 @@ class MetricsLogger:
   The console shows one progress bar per stage (`progress`), none before the first stage starts.
   """
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True, progress_bar: bool = True,
-               time_offset_s: float = 0.0, wandb: bool = False, wandb_project: str = "tunixlike",
-               config: Mapping[str, Any] | None = None):
+  def __init__(self, workdir: str, *, tensorboard: bool, progress_bar: bool, wandb: bool, wandb_project: str,
+               time_offset_s: float = 0.0, config: Mapping[str, Any] | None = None):
     try:
       os.makedirs(workdir, exist_ok=True)
     except OSError as e:

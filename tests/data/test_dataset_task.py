@@ -26,14 +26,14 @@ def test_messages_are_rendered_with_the_chat_template_and_a_system_prompt(char_t
   rows = [{"messages": [{"role": "user", "content": f"{i}+1="}], "total": i + 1} for i in range(20)]
   task = tasks.DatasetTask(rows, prompt_field="unused")
   cfg = pipe_config(shuffle=False, messages_field="messages", system_prompt="add")
-  e = next(iter(pipeline.PromptPipeline(task.source("train"), _chat_tok(char_tok), cfg)))
+  e = next(iter(pipeline.PromptPipeline(task.source("train", seed=0), _chat_tok(char_tok), cfg)))
   assert e["prompt_text"].startswith("<bos>S:add\nU:") and e["prompt_text"].endswith("+1=\nA:")
   assert e["prompt_token_ids"].tolist().count(_chat_tok(char_tok).bos_id) == 1
   with pytest.raises(ValueError, match=r"data.messages_field='messages' needs a tokenizer with a chat template"):
-    pipeline.PromptPipeline(task.source("train"), char_tok, cfg)
+    pipeline.PromptPipeline(task.source("train", seed=0), char_tok, cfg)
   bad = tasks.DatasetTask(rows[:10] + [{"messages": "hi", "total": 0}] + rows[10:])
   with pytest.raises(ValueError, match=r"column 'messages' \(data.messages_field\) must be a non-empty list"):
-    pipeline.PromptPipeline(bad.source("train"), _chat_tok(char_tok), pipe_config(
+    pipeline.PromptPipeline(bad.source("train", seed=0), _chat_tok(char_tok), pipe_config(
         shuffle=False, messages_field="messages", max_prompt_tokens=64))
 
 
@@ -49,4 +49,4 @@ def test_rows_in_memory_from_a_list_or_a_grain_dataset(char_tok):
     e = next(iter(pipeline.PromptPipeline(train, char_tok, pipe_config(shuffle=False))))
     assert e["prompt_text"] == e["prompt"] and "answer" in e
   with pytest.raises(ValueError, match=r"data.train: expected a path, a RecordSource or a sequence of dicts"):
-    tasks.DatasetTask([1, 2, 3]).source("train")
+    tasks.DatasetTask([1, 2, 3]).source("train", seed=0)

@@ -13,22 +13,22 @@ def test_a_file_changed_in_size_or_only_in_content_is_named(tmp_path):
   path = tmp_path / "train.jsonl"
   rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(400)]
   _write(path, rows)
-  before = fingerprint.fingerprint(sources.open_path(str(path)))
-  assert fingerprint.changes(before, fingerprint.fingerprint(sources.open_path(str(path)))) == []
+  before = fingerprint.fingerprint(sources.open_path(str(path), skip_bad_lines=False))
+  assert fingerprint.changes(before, fingerprint.fingerprint(sources.open_path(str(path), skip_bad_lines=False))) == []
   _write(path, rows[::-1])  # shuffled: the same bytes in another order
-  assert fingerprint.changes(before, fingerprint.fingerprint(sources.open_path(str(path)))) == [
+  assert fingerprint.changes(before, fingerprint.fingerprint(sources.open_path(str(path), skip_bad_lines=False))) == [
       f"{path} changed (the same size, other content)"]
   _write(path, rows[:150])
   size = path.stat().st_size
-  (change,) = fingerprint.changes(before, fingerprint.fingerprint(sources.open_path(str(path))))
+  (change,) = fingerprint.changes(before, fingerprint.fingerprint(sources.open_path(str(path), skip_bad_lines=False)))
   assert change.startswith(f"{path} changed (") and change.endswith(f" -> {size:,} bytes)")
 
 
 def test_a_glob_names_a_new_file_and_rows_in_memory_are_hashed(tmp_path):
   _write(tmp_path / "a.jsonl", [{"prompt": "x"}])
-  before = fingerprint.fingerprint(sources.open_path(str(tmp_path / "*.jsonl")))
+  before = fingerprint.fingerprint(sources.open_path(str(tmp_path / "*.jsonl"), skip_bad_lines=False))
   _write(tmp_path / "b.jsonl", [{"prompt": "y"}])
-  after = fingerprint.fingerprint(sources.open_path(str(tmp_path / "*.jsonl")))
+  after = fingerprint.fingerprint(sources.open_path(str(tmp_path / "*.jsonl"), skip_bad_lines=False))
   assert fingerprint.changes(before, after) == [f"{tmp_path / 'b.jsonl'} is new"]
   rows = [{"prompt": str(i)} for i in range(10)]
   mem = lambda r: fingerprint.fingerprint(sources.ListSource(r, "data.train"))

@@ -45,7 +45,7 @@ def _run(engine, tokenizer, agent, *, n=1, params=None, **ac):
   try:
     driver.run(max_wall_s=120)
   finally:
-    driver.stop()
+    driver.stop(timeout_s=60)
   return driver, out, episodes
 
 
@@ -419,7 +419,7 @@ def test_another_process_cannot_post_rewards_or_turns_with_or_without_the_key(ma
   try:
     driver.run(max_wall_s=300)
   finally:
-    driver.stop()
+    driver.stop(timeout_s=60)
   assert set(seen["no key"]) == {401} and set(seen["wrong key"]) == {401}
   assert set(seen["the key, guessed ids"]) == {404}
   assert driver.stats.unauthorized_requests == len(seen["no key"]) + len(seen["wrong key"])
@@ -559,7 +559,7 @@ def test_a_flood_of_idle_sockets_is_capped_and_neither_the_agents_nor_the_traine
   try:
     driver.run(max_wall_s=300)
   finally:
-    driver.stop()
+    driver.stop(timeout_s=60)
   assert seen["open"] == limit and seen["files"] == 200
   assert seen["fds"] <= before + limit + 20  # the server's sockets, not the flood's
   assert len(answered) == G and len(out) == 1  # every agent got through the flood, with the key

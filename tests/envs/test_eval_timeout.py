@@ -19,7 +19,7 @@ def nonempty(completions):
 
 def test_an_evaluation_past_eval_timeout_s_names_the_key(make_engine, tokenizer):
   engine = make_engine(max_new_tokens=8)
-  params, reward = engine.load_params(), rewards.CombinedReward([nonempty])
+  params, reward = engine.load_params(), rewards.CombinedReward([nonempty], timeout_s=10.0)
   with pytest.raises(DriverError, match=r"eval\.timeout_s=1e-06: the held-out evaluation of 6 prompts"):
     eval_lib.evaluate(engine, params, _requests(tokenizer), reward, tokenizer, timeout_s=1e-6)
   out = eval_lib.evaluate(engine, params, _requests(tokenizer), reward, tokenizer, timeout_s=600)

@@ -75,4 +75,4 @@ def test_timeout_is_reported_once_and_a_stuck_worker_is_replaced():
 @pytest.mark.parametrize("kw", [dict(num_workers=0), dict(timeout_s=0), dict(num_workers=1.5)])
 def test_bad_settings(kw):
   with pytest.raises(ValueError, match="EnvRunner"):
-    EnvRunner(**kw)
+    EnvRunner(**{"timeout_s": 30.0, **kw})

@@ -50,7 +50,7 @@ def main(sampler_hosts: int, sampler_tensor: int):
   import jax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  layout = layout_lib.make_host_layout(sampler_hosts, sampler_tensor=sampler_tensor)
+  layout = layout_lib.make_host_layout(sampler_hosts, sampler_tensor=sampler_tensor, learner_tensor=1)
   for line in layout.describe():
     print("LAYOUT " + line, flush=True)
   host_tree, step = expected_full()

@@ -9,9 +9,9 @@ from tunixlike.hosts import layout
 def test_one_process_cannot_be_split_into_whole_hosts():
   with pytest.raises(mesh_lib.MeshError, match=r"mesh.sampler_hosts=1 must be >= 1 and leave a learner host "
                                                r"among the 1 processes"):
-    layout.make_host_layout(1)
+    layout.make_host_layout(1, sampler_tensor=1, learner_tensor=1)
   with pytest.raises(mesh_lib.MeshError, match="mesh.sampler_hosts=0"):
-    layout.make_host_layout(0)
+    layout.make_host_layout(0, sampler_tensor=1, learner_tensor=1)
 
 
 def test_send_order_feeds_each_relay_before_it_sends():

@@ -7,9 +7,13 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from tunixlike import models
+from tunixlike import config as config_lib, models
 from tunixlike.learner import batch as batch_lib
+from tunixlike.learner.group_advantages import AdvantageConfig
 from tunixlike.rollout import Completion, RolloutGroup
+
+# Groups no reward stage scored get their advantages in assemble_batch: the run's algo keys at their defaults.
+UNSCORED = AdvantageConfig.from_config(config_lib.Config())
 
 TINY = models.tiny_config(vocab_size=128, hidden_size=32, intermediate_size=64, head_dim=8)
 
@@ -50,7 +54,7 @@ def long_tailed_batch():
   def make(num_rows=16, seed=0):
     tail = lambda rng: int(rng.integers(40, 57) if rng.random() < 0.125 else rng.integers(2, 10))
     return batch_lib.assemble_batch(make_groups(num_rows // 4, seed=seed, length=tail), num_rows=num_rows,
-                                    seq_buckets=(64,), advantage="grpo")
+                                    seq_buckets=(64,), sampling_mask=False, routing=False, unscored=UNSCORED)
   return make
 
 
@@ -58,5 +62,6 @@ def long_tailed_batch():
 def host_batch():
   def make(num_rows=8, seed=0, **kw):
     groups = make_groups(num_rows // 4, seed=seed, **kw)
-    return batch_lib.assemble_batch(groups, num_rows=num_rows, seq_buckets=(16,), advantage="grpo")
+    return batch_lib.assemble_batch(groups, num_rows=num_rows, seq_buckets=(16,), sampling_mask=False, routing=False,
+                                    unscored=UNSCORED)
   return make

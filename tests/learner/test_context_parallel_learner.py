@@ -9,11 +9,15 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import tunixlike
-from tunixlike import mesh as mesh_lib, models
+from tunixlike import config as config_lib, mesh as mesh_lib, models
 from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig, prompt_rows
 from tunixlike.learner.batch import assemble_batch
+from tunixlike.learner.group_advantages import AdvantageConfig
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.settings import ConfigError
+
+# Groups no reward stage scored get their advantages in assemble_batch: the run's algo keys at their defaults.
+UNSCORED = AdvantageConfig.from_config(config_lib.Config())
 
 # One layer: the row enters the zigzag layout before the layers and leaves it after them whatever their number,
 # and each (unrolled) layer's ring attention on the mesh is most of the compilation, forward and backward.
@@ -69,7 +73,7 @@ def test_rows_split_along_tokens_train_as_on_one_device(row_kind):
   groups = _groups(3)
   optim = {}
   if row_kind == "padded":
-    batch = assemble_batch(groups, num_rows=9, seq_buckets=(48,))
+    batch = assemble_batch(groups, num_rows=9, seq_buckets=(48,), sampling_mask=False, routing=False, unscored=UNSCORED)
   else:
     optim = dict(share_prompts=True, pack_tokens=200)
     rows = prompt_rows.pack(groups, 200)

@@ -54,7 +54,7 @@ def test_load_critic_errors_name_the_key_path_and_tensor(tmp_path, tiny_model, c
 @pytest.mark.slow
 def test_separate_critic_trains_without_touching_the_policy_trunk_values(tiny_model, host_batch, critic_dir):
   policy = tiny_model()
-  both = PolicyWithCritic.create(policy, load_critic(critic_dir, policy))
+  both = PolicyWithCritic.create(policy, load_critic(critic_dir, policy), seed=0)
   learner = PPOLearner(both, _cfg(vf_coef=1.0))
   state = learner.state
   assert set(state.params) == {"policy", "critic", "value_head"}
@@ -78,7 +78,7 @@ def test_separate_critic_trains_without_touching_the_policy_trunk_values(tiny_mo
 def test_offloaded_critic_step_equals_plain_step(tiny_model, host_batch, critic_dir):
   def make():
     policy = tiny_model()
-    return PPOLearner(PolicyWithCritic.create(policy, load_critic(critic_dir, policy)), _cfg())
+    return PPOLearner(PolicyWithCritic.create(policy, load_critic(critic_dir, policy), seed=0), _cfg())
   plain, other = make(), make()
   off = offload_lib.HostOffload(other, ("critic", "optimizer"))
   s_plain, s_off = plain.state, off.offload(other.state)
@@ -99,14 +99,15 @@ def test_offloaded_critic_step_equals_plain_step(tiny_model, host_batch, critic_
 
 @pytest.mark.slow
 def test_offloaded_learner_keeps_state_on_host_and_checkpoints_round_trip(tiny_model, host_batch, tmp_path):
-  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(kl_reward_coef=0.05))
+  learner = PPOLearner(PolicyWithValue.create(tiny_model(), seed=0), _cfg(kl_reward_coef=0.05))
   wrapped = offload_lib.OffloadedLearner(learner, ("reference", "optimizer"))
   assert learner.state is None  # no device copy left behind
   assert _kinds(wrapped.state.opt_state) == {"pinned_host"} and _kinds(wrapped.state.ref_params) == {"pinned_host"}
   assert wrapped.mesh is learner.mesh and wrapped.policy is not None  # everything else is the learner's
   wrapped.state, m = wrapped.train_step(wrapped.state, wrapped.put_batch(host_batch(8)), jax.random.key(0))
   assert "vf_loss" in m and int(wrapped.state.step) == 1
-  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ckpt"))
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ckpt"),
+                                     checkpoint_lib.CheckpointSchedule(keep=1, every_steps=0, every_seconds=0))
   ckpt.save(1, wrapped.state, {"version": 1}, force=True)
   ckpt.wait()
   saved = _np(wrapped.state)

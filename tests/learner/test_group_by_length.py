@@ -100,8 +100,8 @@ def test_grouped_step_on_a_sharded_mesh_with_kl(tiny_model, long_tailed_batch, m
 @pytest.mark.slow
 def test_ppo_columns_are_sorted_with_the_rows(tiny_model, long_tailed_batch):
   batch = long_tailed_batch()
-  padded = PPOLearner(PolicyWithValue.create(tiny_model(**ONE_LAYER)), _cfg(group=0))
-  grouped = PPOLearner(PolicyWithValue.create(tiny_model(**ONE_LAYER)), _cfg(group=2))  # sorted all the same
+  padded = PPOLearner(PolicyWithValue.create(tiny_model(**ONE_LAYER), seed=0), _cfg(group=0))
+  grouped = PPOLearner(PolicyWithValue.create(tiny_model(**ONE_LAYER), seed=0), _cfg(group=2))  # sorted all the same
   _assert_same_step(padded, grouped, batch,
                     metrics=("loss", "grad_norm", "vf_loss", "value_mean", "return_mean", "token_advantage_abs"))
 

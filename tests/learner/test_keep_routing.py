@@ -13,13 +13,17 @@ import pytest
 from flax import nnx
 
 from jit_traces import count_traces
-from tunixlike import models
+from tunixlike import config as config_lib, models
 from tunixlike.learner import batch as batch_lib, routing as routing_lib
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
+from tunixlike.learner.group_advantages import AdvantageConfig
 from tunixlike.learner.train_step import Learner
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler import PromptRequest, RolloutDriver, SamplerConfig
 from tunixlike.sampler.engine import Engine
+
+# Groups no reward stage scored get their advantages in assemble_batch: the run's algo keys at their defaults.
+UNSCORED = AdvantageConfig.from_config(config_lib.Config())
 
 VOCAB = 128
 # 32 experts, top-2: a few dozen routed positions leave some experts unused in every layer.
@@ -68,7 +72,8 @@ def _learner(keep: bool, perturb_with=None):
 @pytest.fixture(scope="module")
 def rollouts():
   groups = _rollouts()
-  batch = batch_lib.assemble_batch(groups, num_rows=ROWS, seq_buckets=(SEQ,), routing=True)
+  batch = batch_lib.assemble_batch(groups, num_rows=ROWS, seq_buckets=(SEQ,), sampling_mask=False, routing=True,
+                                   unscored=UNSCORED)
   return groups, batch
 
 
@@ -158,19 +163,24 @@ def _group(*comps):
 
 
 def test_batch_checks_routing():
-  b = batch_lib.assemble_batch([_group(_comp(2), _comp(1))], num_rows=2, seq_buckets=(8,), routing=True)
+  b = batch_lib.assemble_batch([_group(_comp(2), _comp(1))], num_rows=2, seq_buckets=(8,), sampling_mask=False,
+                               routing=True, unscored=UNSCORED)
   assert b["routing"].shape == (2, 8, 2, 2)
   assert (b["routing"][0, :2] == 7).all() and (b["routing"][0, 4:] == -1).all()
   np.testing.assert_array_equal(b["routing"][0, 2:4], _comp(2).expert_routing)
-  assert "routing" not in batch_lib.assemble_batch([_group(_comp(2), _comp(1))], num_rows=2, seq_buckets=(8,))
+  assert "routing" not in batch_lib.assemble_batch([_group(_comp(2), _comp(1))], num_rows=2, seq_buckets=(8,),
+                                                   sampling_mask=False, routing=False, unscored=UNSCORED)
   with pytest.raises(ValueError, match=r"completions\[1\].expert_routing is None.*record_routing"):
-    batch_lib.assemble_batch([_group(_comp(2), _comp(2, routing=False))], num_rows=2, seq_buckets=(8,), routing=True)
+    batch_lib.assemble_batch([_group(_comp(2), _comp(2, routing=False))], num_rows=2, seq_buckets=(8,),
+                             sampling_mask=False, routing=True, unscored=UNSCORED)
   with pytest.raises(ValueError, match=r"\[L, k\] = \(3, 2\), other completions have \(2, 2\)"):
-    batch_lib.assemble_batch([_group(_comp(2), _comp(2, layers=3))], num_rows=2, seq_buckets=(8,), routing=True)
+    batch_lib.assemble_batch([_group(_comp(2), _comp(2, layers=3))], num_rows=2, seq_buckets=(8,), sampling_mask=False,
+                             routing=True, unscored=UNSCORED)
   short = _comp(2)
   short.prompt_routing = short.prompt_routing[:1]
   with pytest.raises(ValueError, match=r"prompt_routing has shape \(1, 2, 2\).*expected integer \[2, L, k\]"):
-    batch_lib.assemble_batch([_group(_comp(1), short)], num_rows=2, seq_buckets=(8,), routing=True)
+    batch_lib.assemble_batch([_group(_comp(1), short)], num_rows=2, seq_buckets=(8,), sampling_mask=False, routing=True,
+                             unscored=UNSCORED)
   with pytest.raises(ValueError, match="expert_routing has shape"):
     Completion(np.arange(2, dtype=np.int32), np.zeros(2, np.float32), np.zeros(2, np.int32), "eos",
                expert_routing=np.zeros((2, 2), np.int32))

@@ -14,7 +14,7 @@ RUN = config_lib.Config()  # the lora section at its defaults
 
 @pytest.mark.slow
 def test_lora_trains_only_adapters_with_base_as_reference(tiny_model, host_batch):
-  model = lora.apply_lora(tiny_model(), lora.LoRAConfig.from_config(RUN, rank=4, alpha=8.0))
+  model = lora.apply_lora(tiny_model(), lora.LoRAConfig.from_config(RUN, rank=4, alpha=8.0), seed=0)
   cfg = LearnerConfig(algo=AlgoConfig(kl_coef=0.1), optim=OptimConfig(learning_rate=1e-2), logprob_chunk_size=8)
   learner = Learner(model, cfg)
   state = learner.state
@@ -39,7 +39,7 @@ def test_lora_trains_only_adapters_with_base_as_reference(tiny_model, host_batch
   assert all(float(jnp.abs(v.get_value()).max()) > 0 for p, v in adapters if p[-1] == "lora_b")
 
   # adapter-only weight sync: the sampler's copy changes and then matches the learner
-  sampler_model = lora.apply_lora(tiny_model(), lora.LoRAConfig.from_config(RUN, rank=4, alpha=8.0))
+  sampler_model = lora.apply_lora(tiny_model(), lora.LoRAConfig.from_config(RUN, rank=4, alpha=8.0), seed=0)
   tokens = jnp.asarray(np.asarray(db["tokens"]).reshape(8, -1))
   trained = learner.model(state)
   before = sampler_model(tokens)

@@ -82,8 +82,8 @@ def test_offloaded_ppo_step_equals_plain_step(tiny_model, host_batch):
   from tunixlike.learner.ppo import PPOLearner
   from tunixlike.learner.value import PolicyWithValue
   ppo = _cfg(kl_coef=0.0, kl_reward_coef=0.1)  # prepare reads the (offloaded) reference
-  plain = PPOLearner(PolicyWithValue.create(tiny_model()), ppo)
-  other = PPOLearner(PolicyWithValue.create(tiny_model()), ppo)
+  plain = PPOLearner(PolicyWithValue.create(tiny_model(), seed=0), ppo)
+  other = PPOLearner(PolicyWithValue.create(tiny_model(), seed=0), ppo)
   off = offload_lib.HostOffload(other, ("optimizer", "reference"))
   s_plain, s_off = plain.state, off.offload(other.state)
   for seed in range(2):

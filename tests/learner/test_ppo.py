@@ -23,14 +23,14 @@ def _leaf(tree, *path):
 
 
 def test_value_head_shapes_and_axes(tiny_model):
-  model = PolicyWithValue.create(tiny_model())
+  model = PolicyWithValue.create(tiny_model(), seed=0)
   h = model.hidden_states(jnp.ones((2, 5), jnp.int32))
   v = model.values(h)
   assert v.shape == (2, 5) and v.dtype == jnp.float32
   assert model.value_head.proj.kernel.get_metadata()["out_sharding"] == ("embed", None)
   assert np.abs(np.asarray(model.value_head.proj.kernel.get_value())).max() > 0  # non-zero: trunk gets gradient
   with pytest.raises(ValueError, match="hidden_size"):
-    ValueHead(0, rngs=nnx.Rngs(0))
+    ValueHead(0, rngs=nnx.Rngs(0), param_dtype="float32")
 
 
 def test_ppo_settings_are_the_algo_sections_and_bad_values_are_refused(tiny_model):
@@ -41,13 +41,13 @@ def test_ppo_settings_are_the_algo_sections_and_bad_values_are_refused(tiny_mode
   with pytest.raises(ValueError, match="algo.vf_clip=-0.1"):
     AlgoConfig(vf_clip=-0.1)
   with pytest.raises(ValueError, match="algo.loss='gspo'"):
-    PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(loss="gspo"))
+    PPOLearner(PolicyWithValue.create(tiny_model(), seed=0), _cfg(loss="gspo"))
   with pytest.raises(ValueError, match="PolicyWithValue"):
     PPOLearner(tiny_model(), _cfg())
 
 
 def test_prepare_matches_gae_by_hand(tiny_model, host_batch):
-  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(micro=2, gamma=0.9, gae_lambda=0.8,
+  learner = PPOLearner(PolicyWithValue.create(tiny_model(), seed=0), _cfg(micro=2, gamma=0.9, gae_lambda=0.8,
                                                                           whiten_advantages=False))
   host = host_batch(8)
   batch, stats = learner.prepare(learner.state, learner.put_batch(host))
@@ -73,7 +73,7 @@ def test_prepare_matches_gae_by_hand(tiny_model, host_batch):
 
 @pytest.mark.slow
 def test_policy_and_value_train_together_without_recompiling(tiny_model, host_batch):
-  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(micro=2, lr=3e-3, gamma=1.0, gae_lambda=1.0,
+  learner = PPOLearner(PolicyWithValue.create(tiny_model(), seed=0), _cfg(micro=2, lr=3e-3, gamma=1.0, gae_lambda=1.0,
                                                                           kl_reward_coef=0.05))
   state = learner.state
   head0 = _leaf(state.params, "value_head", "proj", "kernel")
@@ -106,7 +106,7 @@ def test_policy_and_value_train_together_without_recompiling(tiny_model, host_ba
 def test_value_loss_falls_on_a_fixed_batch(tiny_model, host_batch):
   # gamma = lambda = 1: the value targets are Monte-Carlo returns, fixed whatever the critic says;
   # vf_coef large and lr high so that a handful of steps must reduce the critic's error.
-  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(lr=1e-2, gamma=1.0, gae_lambda=1.0,
+  learner = PPOLearner(PolicyWithValue.create(tiny_model(), seed=0), _cfg(lr=1e-2, gamma=1.0, gae_lambda=1.0,
                                                                           vf_coef=1.0, vf_clip=0.0))
   placed = learner.put_batch(host_batch(8, seed=3))
   state, vf = learner.state, []
@@ -121,8 +121,8 @@ def test_value_loss_falls_on_a_fixed_batch(tiny_model, host_batch):
 @pytest.mark.slow
 def test_ppo_on_a_sharded_mesh(tiny_model, host_batch, mesh4):
   host = host_batch(8)
-  plain = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(micro=2))
-  sharded = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg(micro=2), mesh=mesh4, rules=LEARNER_RULES)
+  plain = PPOLearner(PolicyWithValue.create(tiny_model(), seed=0), _cfg(micro=2))
+  sharded = PPOLearner(PolicyWithValue.create(tiny_model(), seed=0), _cfg(micro=2), mesh=mesh4, rules=LEARNER_RULES)
   kern = sharded.state.params["value_head"]["proj"]["kernel"].get_value()
   assert kern.sharding.spec[0] == "fsdp"  # ('embed', None) under the learner rules
   b1, _ = plain.prepare(plain.state, plain.put_batch(host))
@@ -137,7 +137,7 @@ def test_ppo_on_a_sharded_mesh(tiny_model, host_batch, mesh4):
 
 
 def test_train_step_prepares_an_unprepared_batch(tiny_model, host_batch):
-  learner = PPOLearner(PolicyWithValue.create(tiny_model()), _cfg())
+  learner = PPOLearner(PolicyWithValue.create(tiny_model(), seed=0), _cfg())
   assert learner.model(learner.state).cfg is learner.policy(learner.state).cfg
   host = host_batch(8)
   placed = learner.put_batch(host)
@@ -162,7 +162,7 @@ def test_several_updates_per_batch_keep_the_targets_of_the_batch_start(tiny_mode
   # the later updates move the ratio (the clip binds) and the whole batch is one step.
   cfg = LearnerConfig(algo=AlgoConfig(estimator="ppo", eps_low=0.02, eps_high=0.02),
                       optim=OptimConfig(learning_rate=3e-2, updates_per_batch=3), logprob_chunk_size=8)
-  learner = PPOLearner(PolicyWithValue.create(tiny_model()), cfg)
+  learner = PPOLearner(PolicyWithValue.create(tiny_model(), seed=0), cfg)
   state, metrics = learner.train_step(learner.state, learner.put_batch(host_batch(8)), jax.random.key(0))
   assert int(state.step) == 1 and float(metrics["updates_taken"]) == 3
   assert float(metrics["clip_frac"]) > 0.02 and np.isfinite(float(metrics["vf_loss"]))

@@ -8,11 +8,15 @@ import pytest
 from flax import nnx
 
 import tunixlike
-from tunixlike import models
+from tunixlike import config as config_lib, models
 from tunixlike.learner import AlgoConfig, Learner, LearnerConfig, OptimConfig, prompt_rows
 from tunixlike.learner.batch import assemble_batch
+from tunixlike.learner.group_advantages import AdvantageConfig
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.settings import ConfigError
+
+# Groups no reward stage scored get their advantages in assemble_batch: the run's algo keys at their defaults.
+UNSCORED = AdvantageConfig.from_config(config_lib.Config())
 
 V = 32
 CFG = models.ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -88,7 +92,7 @@ def test_an_answer_sees_the_prompt_and_itself_only():
 def test_shared_rows_train_as_a_row_per_answer(algo, token_advantages):
   rng = np.random.default_rng(0)
   groups = [_group(rng, i, token_advantages=token_advantages) for i in range(3)]
-  padded = assemble_batch(groups, num_rows=12, seq_buckets=(16,))
+  padded = assemble_batch(groups, num_rows=12, seq_buckets=(16,), sampling_mask=False, routing=False, unscored=UNSCORED)
   shared = prompt_rows.assemble(groups, num_rows=4, seq_buckets=(40,))
   assert shared["tokens"].size < padded["tokens"].size
   results = []
@@ -159,7 +163,7 @@ def test_packed_rows_train_as_a_row_per_answer(algo, attention):
   """Several groups per row: the loss, gradients and every metric of a row per answer."""
   rng = np.random.default_rng(5)
   groups = [_group(rng, i) for i in range(5)]
-  padded = assemble_batch(groups, num_rows=20, seq_buckets=(16,))
+  padded = assemble_batch(groups, num_rows=20, seq_buckets=(16,), sampling_mask=False, routing=False, unscored=UNSCORED)
   rows = prompt_rows.pack(groups, 64)
   assert len(rows) < len(groups) and max(map(len, rows)) > 1
   packed = prompt_rows.assemble(groups, num_rows=len(rows), seq_buckets=(64,), rows=rows)

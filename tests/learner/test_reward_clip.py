@@ -40,7 +40,7 @@ def test_huge_finite_rewards_are_clipped_and_counted(estimator):
 
 def test_a_sum_of_rewards_past_float32_saturates_then_clips():
   big = lambda prompts, completions, **_: [3e38] * len(completions)
-  reward = CombinedReward([{"fn": big, "name": "a"}, {"fn": big, "name": "b"}])
+  reward = CombinedReward([{"fn": big, "name": "a"}, {"fn": big, "name": "b"}], timeout_s=10.0)
   total, metrics = reward(["p"] * 2, ["x", "y"])
   assert np.isfinite(total).all() and np.isfinite(metrics["rewards/total"])
   group = _group(total)
@@ -67,14 +67,15 @@ def test_weighted_terms_of_opposite_huge_scores_neither_overflow_nor_cancel_into
   up = lambda prompts, completions, **_: [1e308] * len(completions)
   down = lambda prompts, completions, **_: [-1e308] * len(completions)
   reward = CombinedReward([{"fn": up, "weight": 10.0, "name": "up"}, {"fn": down, "weight": 10.0, "name": "down"},
-                           {"fn": up, "weight": 1e308, "name": "heavy"}])
+                           {"fn": up, "weight": 1e308, "name": "heavy"}], timeout_s=10.0)
   total, terms, metrics = reward.score(["p"] * 2, ["x", "y"])
   f32 = float(np.finfo(np.float32).max)
   np.testing.assert_array_equal(total, [f32, f32])  # saturated, then algo.reward_clip clips it
   assert np.isfinite(terms["up"]).all() and np.isfinite(terms["down"]).all()
   assert all(np.isfinite(v) for v in metrics.values()), metrics  # no inf reaches metrics.jsonl
   assert metrics["rewards/up"] == f32 and metrics["rewards/down"] == -f32
-  balanced = CombinedReward([{"fn": up, "weight": 10.0, "name": "up"}, {"fn": down, "weight": 10.0, "name": "down"}])
+  balanced = CombinedReward([{"fn": up, "weight": 10.0, "name": "up"}, {"fn": down, "weight": 10.0, "name": "down"}],
+                            timeout_s=10.0)
   np.testing.assert_array_equal(balanced(["p"], ["x"])[0], [0.0])
   group = _group(total)
   group_advantages.set_advantages(group, _advantages())

@@ -6,13 +6,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tunixlike import models
+from tunixlike import config as config_lib, models
 from tunixlike.learner import batch as batch_lib, logprobs, sampling_mask
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
+from tunixlike.learner.group_advantages import AdvantageConfig
 from tunixlike.learner.train_step import Learner
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler import PromptRequest, RolloutDriver, SamplerConfig
 from tunixlike.sampler.engine import Engine
+
+# Groups no reward stage scored get their advantages in assemble_batch: the run's algo keys at their defaults.
+UNSCORED = AdvantageConfig.from_config(config_lib.Config())
 
 VOCAB = 128
 CFG = models.tiny_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, head_dim=8)
@@ -82,7 +86,8 @@ def _learner_vs_sampler(groups, keep: bool):
   learner = Learner(models.Transformer(CFG, rngs=nnx.Rngs(0)),
                     LearnerConfig(algo=AlgoConfig(keep_sampling_mask=keep, sampling_temperature=TEMPERATURE),
                                   optim=OptimConfig(learning_rate=1e-3), logprob_chunk_size=8))
-  batch = batch_lib.assemble_batch(groups, num_rows=8, seq_buckets=(32,), sampling_mask=True)
+  batch = batch_lib.assemble_batch(groups, num_rows=8, seq_buckets=(32,), sampling_mask=True, routing=False,
+                                   unscored=UNSCORED)
   placed = learner.put_batch(batch)
   logp = np.asarray(learner.token_logprobs(learner.state, placed))[0]
   m = batch["loss_mask"] > 0
@@ -122,24 +127,27 @@ def test_batch_checks_masks():
                         rewards=np.arange(len(comps), dtype=np.float32))
 
   g = group(comp([3, 5], sampling_mask=mask), comp([3], sampling_mask=mask[:1]))
-  b = batch_lib.assemble_batch([g], num_rows=4, seq_buckets=(4,), sampling_mask=True)
+  b = batch_lib.assemble_batch([g], num_rows=4, seq_buckets=(4,), sampling_mask=True, routing=False, unscored=UNSCORED)
   assert b["sampling_mask"].shape == (4, 4, 2) and b["sampling_mask"].dtype == np.uint8
   np.testing.assert_array_equal(b["sampling_mask"][0, 1:3], mask)
   np.testing.assert_array_equal(b["sampling_mask"][1, 1:2], mask[:1])
   assert not b["sampling_mask"][:, 0].any() and not b["sampling_mask"][1, 2:].any() and not b["sampling_mask"][2:].any()
-  assert "sampling_mask" not in batch_lib.assemble_batch([g], num_rows=4, seq_buckets=(4,))
+  assert "sampling_mask" not in batch_lib.assemble_batch([g], num_rows=4, seq_buckets=(4,), sampling_mask=False,
+                                                         routing=False, unscored=UNSCORED)
 
   swapped = comp([5, 3], sampling_mask=mask)
   with pytest.raises(ValueError, match=r"prompt_id='p'.*completions\[1\].sampling_mask: token 0 \(id 5\)"):
-    batch_lib.assemble_batch([group(comp([3], sampling_mask=mask[:1]), swapped)], num_rows=4,
-                             seq_buckets=(4,), sampling_mask=True)
+    batch_lib.assemble_batch([group(comp([3], sampling_mask=mask[:1]), swapped)], num_rows=4, seq_buckets=(4,),
+                             sampling_mask=True, routing=False, unscored=UNSCORED)
   swapped.loss_mask = np.zeros(2, np.int32)  # environment tokens: not checked
-  batch_lib.assemble_batch([group(swapped, swapped)], num_rows=4, seq_buckets=(4,), sampling_mask=True)
+  batch_lib.assemble_batch([group(swapped, swapped)], num_rows=4, seq_buckets=(4,), sampling_mask=True, routing=False,
+                           unscored=UNSCORED)
   with pytest.raises(ValueError, match=r"completions\[0\].sampling_mask is None.*record_sampling_mask"):
-    batch_lib.assemble_batch([group(comp([3]), swapped)], num_rows=4, seq_buckets=(4,), sampling_mask=True)
+    batch_lib.assemble_batch([group(comp([3]), swapped)], num_rows=4, seq_buckets=(4,), sampling_mask=True,
+                             routing=False, unscored=UNSCORED)
   with pytest.raises(ValueError, match="bytes per token, other completions have 2"):
     batch_lib.assemble_batch([group(swapped, comp([3], sampling_mask=np.zeros((1, 3), np.uint8)))], num_rows=4,
-                             seq_buckets=(4,), sampling_mask=True)
+                             seq_buckets=(4,), sampling_mask=True, routing=False, unscored=UNSCORED)
 
 
 def test_learner_needs_the_mask_when_asked(host_batch):

@@ -222,7 +222,7 @@ def test_several_updates_per_batch_resume_exactly(tiny_model, host_batch, tmp_pa
   straight = Learner(tiny_model(), cfg)
   batches = [straight.put_batch(host_batch(8, seed=s)) for s in (0, 1)]
   state, _ = straight.train_step(straight.state, batches[0], jax.random.key(0))
-  ck = ckpt_lib.Checkpointer(str(tmp_path / "ck"))
+  ck = ckpt_lib.Checkpointer(str(tmp_path / "ck"), ckpt_lib.CheckpointSchedule(keep=1, every_steps=0, every_seconds=0))
   ck.save(1, state, {"version": 1}, force=True)
   ck.wait()
   state, last = straight.train_step(state, batches[1], jax.random.key(1))

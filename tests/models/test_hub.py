@@ -46,7 +46,7 @@ def test_a_hub_name_is_read_from_the_cache_offline(hf_home):
       cfg = tunixlike.load_config("configs/addition_grpo.py:size=tiny", {{"model.hf_path": "tiny-org/tiny-model"}})
       config_lib.check_paths(cfg)
       tok, task = build.build_task(cfg)
-      model = build.build_model(cfg, tok, mesh_lib.make_meshes(4, 4).learner)
+      model = build.build_model(cfg, tok, mesh_lib.make_meshes(4, 4, 1, 1, layout="split").learner)
       print(model.cfg.vocab_size, tok.vocab_size)
   ''', hf_home)
   assert out.returncode == 0, out.stderr[-3000:]

@@ -29,7 +29,7 @@ def _randomise_b(model, seed=1):
 def test_zero_b_gives_exactly_the_base_logits():
   model = _model()
   base = model(TOKENS)
-  lora.apply_lora(model, lora.LoRAConfig.from_config(RUN, rank=4, alpha=8.0))
+  lora.apply_lora(model, lora.LoRAConfig.from_config(RUN, rank=4, alpha=8.0), seed=0)
   assert isinstance(model.layers[0].attn.q_proj, lora.LoRALinear)
   assert isinstance(model.layers[1].mlp.down_proj, nnx.Linear)  # still a Linear (HF mapping, type checks)
   np.testing.assert_array_equal(model(TOKENS), base)
@@ -40,7 +40,7 @@ def test_zero_b_gives_exactly_the_base_logits():
 def test_paths_of_base_weights_are_unchanged_and_only_adapters_are_lora_params():
   model = _model()
   before = {p for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-  lora.apply_lora(model, lora.LoRAConfig.from_config(RUN, rank=2, targets=("q_proj", "v_proj")))
+  lora.apply_lora(model, lora.LoRAConfig.from_config(RUN, rank=2, targets=("q_proj", "v_proj")), seed=0)
   base_paths = {p for p, _ in nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))}
   assert base_paths == before
   adapter_paths = sorted("/".join(map(str, p)) for p, _ in nnx.to_flat_state(lora.adapter_params(model)))
@@ -50,7 +50,7 @@ def test_paths_of_base_weights_are_unchanged_and_only_adapters_are_lora_params()
 
 def test_target_matching_no_module_names_the_key():
   with pytest.raises(ValueError, match=r"lora.targets entry 'qproj' matches no projection.*'q_proj'"):
-    lora.apply_lora(_model(), lora.LoRAConfig.from_config(RUN, rank=2, targets=("q_proj", "qproj")))
+    lora.apply_lora(_model(), lora.LoRAConfig.from_config(RUN, rank=2, targets=("q_proj", "qproj")), seed=0)
   with pytest.raises(ValueError, match="lora.rank=0"):
     lora.LoRAConfig.from_config(RUN, rank=0)
 
@@ -64,14 +64,14 @@ def test_adapter_payload_moves_to_another_copy():
   assert all(isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(payload))
   lora.load_adapter_params(sampler_model, payload)
   np.testing.assert_array_equal(sampler_model(TOKENS), learner_model(TOKENS))
-  other = lora.apply_lora(_model(), lora.LoRAConfig.from_config(RUN, rank=4, targets=("q_proj",)))
+  other = lora.apply_lora(_model(), lora.LoRAConfig.from_config(RUN, rank=4, targets=("q_proj",)), seed=0)
   with pytest.raises(ValueError, match="payload and model adapters differ"):
     lora.load_adapter_params(other, payload)
 
 
 def test_merge_folds_adapters_into_the_base():
   model = lora.apply_lora(_model(tie_embeddings=False),
-                          lora.LoRAConfig.from_config(RUN, rank=4, targets=("q_proj", "down_proj")))
+                          lora.LoRAConfig.from_config(RUN, rank=4, targets=("q_proj", "down_proj")), seed=0)
   _randomise_b(model)
   merged = lora.merge_lora(model)
   np.testing.assert_allclose(merged(TOKENS), model(TOKENS), rtol=1e-4, atol=1e-5)
@@ -85,7 +85,7 @@ def test_adapters_are_replicated_beside_sharded_kernels():
   mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tensor"))
   rules = (("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"))
   model = models.create_sharded(CFG, mesh, rules, seed=0)
-  lora.apply_lora(model, lora.LoRAConfig.from_config(RUN, rank=4), mesh=mesh, rules=rules)
+  lora.apply_lora(model, lora.LoRAConfig.from_config(RUN, rank=4), mesh=mesh, rules=rules, seed=0)
   q = model.layers[0].attn.q_proj
   assert q.kernel.get_value().sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
   assert q.lora.lora_a.get_value().sharding.is_fully_replicated

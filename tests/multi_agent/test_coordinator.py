@@ -11,6 +11,7 @@ from tunixlike.multi_agent import EpisodeCoordinator
 
 def coordinator(make_drivers, tokenizer, make_env, episodes, sink, **kw):
   factories, _ = make_drivers
+  kw = {"max_turns": 8, "step_timeout_s": 30.0, "wait_timeout_s": 60.0, **kw}  # the test's own limits (a run's: rl.*)
   return EpisodeCoordinator(factories, make_env=make_env, records=({"i": i} for i in range(episodes)),
                             encode=tokenizer.encode, detokenize=tokenizer.decode, sink=sink, **kw)
 

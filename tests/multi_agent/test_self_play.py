@@ -25,7 +25,7 @@ def test_the_proposer_earns_most_when_the_solver_succeeds_half_the_time(answers,
 
 
 def test_text_that_is_not_a_problem_ends_the_episode_with_no_reward():
-  env = ProposeSolveEnv()
+  env = ProposeSolveEnv(digits=2)
   env.reset({})
   assert env.step(["hello"]) is None
   assert env.rewards() == [[0.0]]

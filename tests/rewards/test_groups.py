@@ -22,7 +22,7 @@ def test_score_groups_fills_rewards_from_decoded_tokens():
                    columns={"answer": "10"}, prompt_text="5+5="),
   ]
   reward = rewards.CombinedReward([("exact_match", 1.0), ("length_penalty", 1.0, {"max_length": 4}),
-                                   ("stopped", 0.5)])
+                                   ("stopped", 0.5)], timeout_s=10.0)
   metrics = rewards.score_groups(reward, groups, tokenizer=tok)
   # lengths in tokens: "975"+eos = 4, "97" = 2, "1"+eos = 2, "10"+eos = 3
   np.testing.assert_allclose(groups[0].rewards, [1 - 1.0 + 0.5, 0 - 0.5 + 0.0])
@@ -40,4 +40,4 @@ def test_score_groups_needs_text_or_tokenizer():
   tok = char_tokenizer.build()
   group = RolloutGroup("a", np.array([1], np.int32), [_completion(tok, "1")], columns={"answer": "1"})
   with pytest.raises(ValueError, match="no tokenizer"):
-    rewards.score_groups(rewards.CombinedReward(["exact_match"]), [group])
+    rewards.score_groups(rewards.CombinedReward(["exact_match"], timeout_s=10.0), [group])

@@ -1,6 +1,7 @@
 """Process rewards on partial rollouts: step boundaries, PRM calls pipelined with decoding (real threads,
 real engine, timestamps from the trace), failures, and per-token advantages consumed by a learner step."""
 
+import dataclasses
 import json
 import pathlib
 import threading
@@ -14,11 +15,15 @@ from tunixlike import config as config_lib, models, trace
 from tunixlike.data import char_tokenizer
 from tunixlike.learner import batch as batch_lib, token_advantages as tok_adv
 from tunixlike.learner.config import AlgoConfig, LearnerConfig, OptimConfig
+from tunixlike.learner.group_advantages import AdvantageConfig
 from tunixlike.learner.train_step import Learner
 from tunixlike.rewards import process
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler import Engine, PromptRequest, RolloutDriver, SamplerConfig
 from tunixlike.sampler.process_steps import ProcessRewardRecorder
+
+# Groups no reward stage scored get their advantages in assemble_batch: the run's algo keys at their defaults.
+UNSCORED = AdvantageConfig.from_config(config_lib.Config())
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
@@ -57,8 +62,9 @@ def test_process_supervised_advantages_match_the_hand_computation():
   np.testing.assert_allclose(a0, [hi + lo, hi + lo, lo, lo], rtol=1e-5)  # steps at or after each token
   np.testing.assert_allclose(a1, [hi, hi, hi], rtol=1e-5)
   # Through assemble_batch: outcome advantage (GRPO: +-1/sqrt(2) for two samples) + coef * process term.
-  b = batch_lib.assemble_batch([group], num_rows=2, seq_buckets=(8,),
-                               token_advantages=tok_adv.TokenAdvantageConfig(process_coef=0.5))
+  b = batch_lib.assemble_batch([group], num_rows=2, seq_buckets=(8,), sampling_mask=False, routing=False,
+                               unscored=dataclasses.replace(UNSCORED,
+                                                            token=tok_adv.TokenAdvantageConfig(process_coef=0.5)))
   out = 1 / np.sqrt(2)
   np.testing.assert_allclose(b["token_advantages"][0, 2:6], out + 0.5 * a0, atol=1e-5)
   np.testing.assert_allclose(b["token_advantages"][1, 2:5], -out + 0.5 * a1, atol=1e-5)
@@ -176,7 +182,8 @@ def test_a_learner_step_consumes_per_token_process_advantages():
                     LearnerConfig(algo=AlgoConfig(), optim=OptimConfig(learning_rate=1e-3)))
   losses = {}
   for name, tcfg in (("outcome", None), ("process", tok_adv.TokenAdvantageConfig(process_coef=1.0))):
-    host = batch_lib.assemble_batch([group], num_rows=2, seq_buckets=(8,), token_advantages=tcfg)
+    host = batch_lib.assemble_batch([group], num_rows=2, seq_buckets=(8,), sampling_mask=False, routing=False,
+                                    unscored=dataclasses.replace(UNSCORED, token=tcfg))
     logp = np.asarray(learner.token_logprobs(learner.state, learner.put_batch(host)))[0]
     host["behaviour_logprobs"] = logp * host["loss_mask"]  # behaviour = learner: every IS weight is 1
     placed = learner.put_batch(host)

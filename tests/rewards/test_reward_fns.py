@@ -49,7 +49,8 @@ def test_stopped():
 
 
 def test_combined_reward_weights_and_metrics():
-  reward = rewards.CombinedReward([("exact_match", 1.0), ("length_penalty", 0.5, {"max_length": 4}), "stopped"])
+  reward = rewards.CombinedReward([("exact_match", 1.0), ("length_penalty", 0.5, {"max_length": 4}), "stopped"],
+                                  timeout_s=10.0)
   total, metrics = reward(["p", "p"], ["975", "97"], answer=["975", "975"], completion_lengths=[4, 2],
                           finish_reasons=["eos", "length"])
   # sample 0: 1 + 0.5 * -1 + 1 = 1.5; sample 1: 0 + 0.5 * -0.5 + 0 = -0.25
@@ -60,8 +61,8 @@ def test_combined_reward_weights_and_metrics():
   assert metrics["rewards/total"] == pytest.approx(0.625)
   assert metrics["rewards/exact_match/failures"] == 0.0
   with pytest.raises(ValueError, match=r"rewards\[0\]\.fn='nope': not a registered name"):
-    rewards.CombinedReward(["nope"])
+    rewards.CombinedReward(["nope"], timeout_s=10.0)
   with pytest.raises(ValueError, match="repeat"):
-    rewards.CombinedReward(["stopped", "stopped"])
+    rewards.CombinedReward(["stopped", "stopped"], timeout_s=10.0)
   with pytest.raises(ValueError, match="weight=nan"):
     rewards.RewardSpec("stopped", math.nan)

@@ -8,7 +8,7 @@ from tunixlike.rewards import SafeReward
 
 
 def test_good_function_passes_through():
-  fn = SafeReward(lambda p, c, **_: [len(x) for x in c], name="len")
+  fn = SafeReward(lambda p, c, **_: [len(x) for x in c], name="len", timeout_s=10.0)
   assert fn(["", ""], ["ab", "abc"]) == ([2.0, 3.0], 0)
   assert fn([], []) == ([], 0)
   assert fn.failures == 0
@@ -39,13 +39,13 @@ def test_timeout_scores_zero_and_never_hangs():
 
 
 def test_nan_and_junk_values_score_zero_and_none_is_skipped():
-  fn = SafeReward(lambda p, c, **_: [1.0, math.nan, None, "x", math.inf, 2], name="junk")
+  fn = SafeReward(lambda p, c, **_: [1.0, math.nan, None, "x", math.inf, 2], name="junk", timeout_s=10.0)
   assert fn([""] * 6, ["c"] * 6) == ([1.0, 0.0, None, 0.0, 0.0, 2.0], 3)
 
 
 def test_wrong_number_of_values_scores_zero():
-  assert SafeReward(lambda p, c, **_: [1.0], name="short")([""] * 3, ["c"] * 3) == ([0.0] * 3, 3)
-  assert SafeReward(lambda p, c, **_: 1.0, name="scalar")([""] * 2, ["c"] * 2) == ([0.0] * 2, 2)
+  assert SafeReward(lambda p, c, **_: [1.0], name="short", timeout_s=10.0)([""] * 3, ["c"] * 3) == ([0.0] * 3, 3)
+  assert SafeReward(lambda p, c, **_: 1.0, name="scalar", timeout_s=10.0)([""] * 2, ["c"] * 2) == ([0.0] * 2, 2)
 
 
 def test_combined_reward_reports_failures_per_function():
@@ -70,6 +70,6 @@ def test_as_score_accepts_finite_numbers_only():
 
 def test_a_bool_is_a_pass_or_fail_score():
   """Documented (docs/data_and_rewards.md): True scores 1.0 and False 0.0, Python's or numpy's, as TRL reads them."""
-  fn = SafeReward(lambda p, c, **_: [True, False, np.bool_(True), np.bool_(False)], name="passed")
+  fn = SafeReward(lambda p, c, **_: [True, False, np.bool_(True), np.bool_(False)], name="passed", timeout_s=10.0)
   assert fn(["p"] * 4, ["a", "b", "c", "d"]) == ([1.0, 0.0, 1.0, 0.0], 0)
   assert fn.failures == 0

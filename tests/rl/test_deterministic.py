@@ -17,7 +17,7 @@ from tunixlike.rollout import Completion, RolloutGroup
 def run(cfg, reward=None):
   """A run's per-step metrics and trained completions, and the final parameters' checksum."""
   setup = build.build(cfg, None)
-  rl = build.build_rl(setup, reward=reward or rewards.CombinedReward(["stopped"]))
+  rl = build.build_rl(setup, reward=reward or rewards.CombinedReward(["stopped"], timeout_s=cfg.rl.reward_timeout_s))
   steps = []
   runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)))
   runtime.hooks.add(lambda info: steps.append((

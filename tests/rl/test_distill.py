@@ -12,10 +12,14 @@ from flax import nnx
 
 from tunixlike import config as config_lib, models
 from tunixlike.learner import batch as batch_lib, token_advantages as tok_adv
+from tunixlike.learner.group_advantages import AdvantageConfig
 from tunixlike.rl import build, distill
 from tunixlike.rl.prompts import PromptStream, requests_for
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler.driver import RolloutDriver
+
+# Groups no reward stage scored get their advantages in assemble_batch: the run's algo keys at their defaults.
+UNSCORED = AdvantageConfig.from_config(config_lib.Config())
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
@@ -54,8 +58,9 @@ def test_distill_advantage_is_teacher_minus_student_logprob_per_token():
   for c in group.completions:
     c.teacher_logprobs = (-2 + rng.normal(size=c.num_tokens)).astype(np.float32)
   group.rewards = np.array([1.0, 0.0, 1.0], np.float32)  # ignored by "distill": no outcome term
-  b = batch_lib.assemble_batch([group], num_rows=4, seq_buckets=(16,), advantage="distill",
-                               token_advantages=tok_adv.TokenAdvantageConfig(distill_coef=1.0))
+  b = batch_lib.assemble_batch([group], num_rows=4, seq_buckets=(16,), sampling_mask=False, routing=False,
+                               unscored=dataclasses.replace(UNSCORED, estimator="distill",
+                                                            token=tok_adv.TokenAdvantageConfig(distill_coef=1.0)))
   assert not b["advantages"].any()
   for i, c in enumerate(group.completions):
     np.testing.assert_allclose(b["token_advantages"][i, 4:4 + c.num_tokens], c.teacher_logprobs - c.logprobs,

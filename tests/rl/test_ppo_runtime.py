@@ -46,7 +46,8 @@ def test_ppo_with_critic_and_offload_through_the_runtime(tmp_path):
   cfg = ppo_config(model=dict(critic_path=critic), algo=dict(kl_reward_coef=0.05),
                    learner=dict(offload=("reference", "optimizer", "critic")))
   setup = build.build(cfg)
-  rl = build.build_rl(setup, reward=rewards.CombinedReward(["stopped"]))  # a reward with variance from a random model
+  # A reward with variance from a random model.
+  rl = build.build_rl(setup, reward=rewards.CombinedReward(["stopped"], timeout_s=cfg.rl.reward_timeout_s))
   learner = rl.policy.learner
   assert isinstance(learner, offload_lib.OffloadedLearner) and isinstance(learner.inner, ppo_lib.PPOLearner)
   kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
@@ -70,7 +71,8 @@ def test_ppo_with_critic_and_offload_through_the_runtime(tmp_path):
   assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
   assert kinds(learner.state.params["critic"]) == {"pinned_host"}  # still offloaded after the steps
   # The run's checkpoint path: save the (offloaded) state, restore it into the same layout.
-  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ckpt"))
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ckpt"),
+                                     checkpoint_lib.CheckpointSchedule(keep=1, every_steps=0, every_seconds=0))
   ckpt.save(2, learner.state, {"version": 2}, force=True)
   ckpt.wait()
   saved = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(learner.state))]

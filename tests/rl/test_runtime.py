@@ -67,7 +67,8 @@ def test_staleness_bound_holds_and_weights_reach_the_sampler(tmp_path, layout):
 
   # A random model never adds correctly; reward stopping (a real registered reward) so that
   # groups have variance and the weights move.
-  records, setup, rl = run_steps(cfg, threaded=True, before=before, reward=rewards.CombinedReward(["stopped"]),
+  records, setup, rl = run_steps(cfg, threaded=True, before=before,
+                                 reward=rewards.CombinedReward(["stopped"], timeout_s=cfg.rl.reward_timeout_s),
                                  workdir=str(tmp_path))
   assert all(m["staleness/max"] <= 1 for _, m in records)
   # The trace has a span of every kind, each on the track of the thread that ran it.
@@ -185,7 +186,8 @@ def test_a_collapsed_policy_is_flagged_and_stops_the_run():
                            warm_start=dict(max_steps=20, eval_every=20))
   setup = build.build(cfg)
   build.warm_start(setup)
-  rl = build.build_rl(setup, reward=rewards.CombinedReward(["stopped"]))  # rewards with variance: weights move
+  # Rewards with variance: weights move.
+  rl = build.build_rl(setup, reward=rewards.CombinedReward(["stopped"], timeout_s=cfg.rl.reward_timeout_s))
   records = []
   vocab = rl.policy.model().cfg.vocab_size
   runtime = build.make_runtime(setup, rl, PromptStream(iter(setup.train_pipe)),
@@ -206,7 +208,8 @@ def _raising(prompts, completions, **columns):
 def test_eval_counts_the_completions_its_verifier_failed_on():
   """A verifier that always raises is not a policy at 0% accuracy: the eval record says so."""
   setup = build.build(tiny_config())
-  rl = build.build_rl(setup, correctness=rewards.CombinedReward(["raising_for_tests"]))
+  rl = build.build_rl(setup, correctness=rewards.CombinedReward(["raising_for_tests"],
+                                                                 timeout_s=setup.cfg.rl.reward_timeout_s))
   out = build.evaluate(setup, rl)
   assert out["eval/accuracy"] == 0.0 and out["eval/reward_failures"] == out["eval/num_prompts"] == 16
 

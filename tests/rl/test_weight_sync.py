@@ -24,7 +24,7 @@ def _check(synced, source, targets):
 
 def _model_with_adapters(sampler_tensor: int):
   """(meshes, a tiny LoRA model on the learner mesh, its adapters with every entry distinct)."""
-  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=sampler_tensor)
+  meshes = mesh_lib.make_meshes(4, 4, sampler_tensor, 1, layout="split")
   model = models.create_sharded(models.tiny_config(), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
   lora_lib.apply_lora(model, lora_lib.LoRAConfig.from_config(RUN, rank=4), seed=0, mesh=meshes.learner,
                       rules=mesh_lib.LEARNER_RULES)
@@ -70,7 +70,7 @@ def _greedy(engine, params, prompts):
 
 
 def test_lora_adapters_kept_packed_decode_like_unpacked():
-  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4, sampler_tensor=2)
+  meshes = mesh_lib.make_meshes(4, 4, 2, 1, layout="split")
   model = models.create_sharded(models.tiny_config(), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
   lora_lib.apply_lora(model, lora_lib.LoRAConfig.from_config(RUN, rank=4), seed=0, mesh=meshes.learner,
                       rules=mesh_lib.LEARNER_RULES)
@@ -125,7 +125,7 @@ def _donate_all(tree):
 @pytest.mark.gpu
 def test_colocated_sync_reshards_in_new_buffers_and_a_queued_copy_survives_donation():
   n = len(jax.devices())  # every device, one included (a single GPU: mesh.sampler_devices=1, learner_devices=0)
-  meshes = mesh_lib.make_meshes(sampler_devices=n, learner_devices=0, layout="colocated")
+  meshes = mesh_lib.make_meshes(n, 0, 1, 1, layout="colocated")
   model = models.create_sharded(models.tiny_config(), meshes.learner, mesh_lib.LEARNER_RULES, seed=0)
   full = nnx.state(model)
   # Read from copies: on one CPU device a fetched array can share its buffer with numpy, which
@@ -141,7 +141,7 @@ def test_colocated_sync_reshards_in_new_buffers_and_a_queued_copy_survives_donat
 
 def test_split_sync_queued_copy_survives_donation():
   """The split layout's queued copy is the same: donating the source does not change what arrives."""
-  split = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4)
+  split = mesh_lib.make_meshes(4, 4, 1, 1, layout="split")
   model = models.create_sharded(models.tiny_config(), split.learner, mesh_lib.LEARNER_RULES, seed=1)
   full = nnx.state(model)
   expected = jax.device_get(full)
@@ -178,7 +178,7 @@ def _check_sampler_has(ws, state, targets, dtype=None):
 def test_weight_sync_object_modes_deliver_the_state_with_its_version(dtype):
   """`for_learner` picks the mode; each mode's sync lands the sampler's params of the state it is
   given, with that version, and a packed result computed for an older state is never sent."""
-  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4)
+  meshes = mesh_lib.make_meshes(4, 4, 1, 1, layout="split")
   learner, model = _learner(meshes)
   targets = models.state_shardings(nnx.state(model), meshes.sampler, mesh_lib.SAMPLER_RULES)
   ws = weight_sync.for_learner(learner, targets, dtype=dtype)
@@ -204,7 +204,7 @@ def test_weight_sync_object_modes_deliver_the_state_with_its_version(dtype):
 
 
 def test_weight_sync_object_lora_sends_the_base_once_then_adapters_packed_behind_the_step():
-  meshes = mesh_lib.make_meshes(sampler_devices=4, learner_devices=4)
+  meshes = mesh_lib.make_meshes(4, 4, 1, 1, layout="split")
   learner, model = _learner(meshes, lora_rank=4)
   targets = models.state_shardings(nnx.state(model), meshes.sampler, mesh_lib.SAMPLER_RULES)
   ws = weight_sync.for_learner(learner, targets)

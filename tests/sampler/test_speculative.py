@@ -117,7 +117,7 @@ def test_speculative_rollouts_equal_plain_ones_on_the_same_keys(make_engine, sam
 
 
 def test_drafts_come_from_siblings_history_and_the_sequence_itself():
-  drafter = drafts_lib.Drafter(draft_tokens=3, ngram=3, min_acceptance=0.3, history=2)
+  drafter = drafts_lib.Drafter(draft_tokens=3, ngram=3, min_acceptance=0.3, history=2, steps_per_call=1)
   prompt = np.asarray([1, 2], np.int32)
   live = lambda slot, index, tokens, budget=10: drafts_lib.Live(slot, 0, index, prompt, tokens, budget)
   # Sample 1 ran ahead: sample 0, at the same text, drafts what followed there.
@@ -140,7 +140,7 @@ def test_drafts_come_from_siblings_history_and_the_sequence_itself():
 
 
 def test_a_sequence_whose_drafts_fail_stops_drafting_and_tries_again_later():
-  drafter = drafts_lib.Drafter(draft_tokens=4, ngram=3, min_acceptance=0.3, history=0)
+  drafter = drafts_lib.Drafter(draft_tokens=4, ngram=3, min_acceptance=0.3, history=0, steps_per_call=1)
   prompt = np.asarray([1, 2], np.int32)
   # A text that repeats itself: every length has a draft, unless the sequence is paused.
   ask = lambda n, index=0: drafter.drafts([drafts_lib.Live(0, 0, index, prompt, ([5, 6, 7, 8] * 100)[:n], 100)], 1)

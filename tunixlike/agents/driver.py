@@ -184,7 +184,7 @@ class AgentDriver(RolloutDriver):
     with self._episode_lock:
       return self._episodes.get(episode_id)
 
-  def stop(self, timeout_s: float = 60.0) -> None:
+  def stop(self, timeout_s: float) -> None:
     try:
       super().stop(timeout_s)
     finally:  # requests still waiting get an answer, so the server's handlers end before it stops

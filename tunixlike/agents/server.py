@@ -61,6 +61,7 @@ from tunixlike.data import chat_template
 EPISODE_HEADER = "x-episode-id"
 CLAMPED_HEADER = "x-tunixlike-clamped"
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+START_TIMEOUT_S = 30.0  # uvicorn binds an open socket: it starts in milliseconds unless something is wrong
 
 _log = logging.getLogger(__name__)
 
@@ -210,11 +211,11 @@ class AgentServer:
         timeout_keep_alive=idle_timeout_s))
     self._thread: threading.Thread | None = None
 
-  def start(self, timeout_s: float = 30.0) -> None:
+  def start(self) -> None:
     self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                     name="agent-server", daemon=True)
     self._thread.start()
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + START_TIMEOUT_S
     while not self._server.started:
       if not self._thread.is_alive() or time.monotonic() > deadline:
         raise RuntimeError(f"the agent server did not start on {self.base_url}")

@@ -213,7 +213,7 @@ def from_task(task, tokenizer: Tokenizer, *, split: str = "train", size: int | N
 def from_file(path: str, tokenizer: Tokenizer, *, format: str | None = None,
               config: PipelineConfig) -> PromptPipeline:
   """A pipeline over a JSONL / Parquet / Arrow file or an HF `save_to_disk` directory."""
-  return PromptPipeline(sources.open_source(path, format), tokenizer, config)
+  return PromptPipeline(sources.open_source(path, format, skip_bad_lines=config.skip_bad_rows), tokenizer, config)
 
 
 def build(task: str | None = None, tokenizer: Tokenizer | None = None, *, path: str | None = None,

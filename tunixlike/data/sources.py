@@ -79,7 +79,7 @@ class HFDiskSource(RecordSource):
     return dict(self.dataset[int(index)])
 
 
-def read_jsonl(path: str, *, skip_bad_lines: bool = False) -> ListSource:
+def read_jsonl(path: str, *, skip_bad_lines: bool) -> ListSource:
   """Reads a JSONL file of objects; errors name the file and the 1-based line. With `skip_bad_lines`
   a line that is not a JSON object is skipped and counted (`ListSource.skipped`) instead."""
   if not os.path.isfile(path):
@@ -207,7 +207,7 @@ class ConcatSource(RecordSource):
     return part[i]
 
 
-def open_path(path: str, *, skip_bad_lines: bool = False) -> RecordSource:
+def open_path(path: str, *, skip_bad_lines: bool) -> RecordSource:
   """A file, a Hugging Face save_to_disk directory, or a glob of files (their records in file order)."""
   if not glob.has_magic(path):
     return open_source(path, skip_bad_lines=skip_bad_lines)
@@ -218,7 +218,7 @@ def open_path(path: str, *, skip_bad_lines: bool = False) -> RecordSource:
   return parts[0] if len(parts) == 1 else ConcatSource(parts, path)
 
 
-def open_source(path: str, format: str | None = None, *, skip_bad_lines: bool = False) -> RecordSource:
+def open_source(path: str, format: str | None = None, *, skip_bad_lines: bool) -> RecordSource:
   """Opens `path` as a record source; `format` is one of jsonl/parquet/arrow/hf_disk or inferred."""
   if format is None:
     if os.path.isdir(path):

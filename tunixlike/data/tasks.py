@@ -74,7 +74,7 @@ class SyntheticTask:
   def sample(self, rng: np.random.Generator) -> tuple[str, str]:
     raise NotImplementedError
 
-  def source(self, split: str = "train", *, size: int | None = None, seed: int = 0) -> SyntheticSource:
+  def source(self, split: str = "train", *, size: int | None = None, seed: int) -> SyntheticSource:
     default = 50_000 if split == "train" else 500
     return SyntheticSource(self, split, size or default, seed)
 
@@ -155,11 +155,11 @@ class Gsm8kTask:
   def directory(self) -> str:
     return self.path or GSM8K_DIR
 
-  def source(self, split: str = "train", *, size: int | None = None, seed: int = 0) -> sources.ListSource:
+  def source(self, split: str = "train", *, size: int | None = None, seed: int) -> sources.ListSource:
     """All problems of `split` (the first `size` if given); `seed` is unused (the file fixes the data)."""
     del seed
     path = os.path.join(self.directory, f"{split}.jsonl")
-    raw = sources.read_jsonl(path)
+    raw = sources.read_jsonl(path, skip_bad_lines=False)  # GSM8K's own files: a bad line is a broken copy
     records = []
     for i, r in enumerate(raw.records[:size]):
       if "question" not in r or "answer" not in r:
@@ -173,7 +173,7 @@ class Gsm8kTask:
     return sources.ListSource(records, path, raw.lines[:len(records)])
 
 
-def as_source(data: Any, *, key: str, skip_bad_lines: bool = False) -> sources.RecordSource:
+def as_source(data: Any, *, key: str, skip_bad_lines: bool) -> sources.RecordSource:
   """A record source from a path or glob (`sources.open_path`), a `RecordSource`, or an in-memory
   sequence of dicts (a list, a `grain.MapDataset`); `key` names it in errors. No rows is an error."""
   if isinstance(data, (str, os.PathLike)):
@@ -234,7 +234,7 @@ class DatasetTask:
     """The sources as given, by the key that names them: data.train and (when given) data.eval."""
     return {"data.train": self._train, **({"data.eval": self._eval} if self.eval is not None else {})}
 
-  def source(self, split: str = "train", *, size: int | None = None, seed: int = 0) -> sources.RecordSource:
+  def source(self, split: str = "train", *, size: int | None = None, seed: int) -> sources.RecordSource:
     if split not in SPLITS:
       raise ValueError(f"split={split!r}, expected one of {SPLITS}")
     if split == "test" and self.eval is not None:

@@ -59,9 +59,9 @@ class HostLayout:
     return lines
 
 
-def make_host_layout(sampler_hosts: int, sampler_tensor: int = 1, learner_tensor: int = 1,
+def make_host_layout(sampler_hosts: int, sampler_tensor: int, learner_tensor: int,
                      devices: Sequence[jax.Device] | None = None) -> HostLayout:
-  """The last `sampler_hosts` processes decode, the others train."""
+  """The last `sampler_hosts` processes decode, the others train (a run passes its `mesh` keys)."""
   devices = list(jax.devices() if devices is None else devices)
   by_process: dict[int, list] = {}
   for d in sorted(devices, key=lambda d: (d.process_index, d.id)):

@@ -53,19 +53,19 @@ def run_over() -> dict | None:
   return None if over is None else json.loads(over)
 
 
-def leave_after_fault(line: str, dead: int | None = None, timeout_s: float = LEAVE_WAIT_S) -> None:
+def leave_after_fault(line: str, dead: int | None = None) -> None:
   """Called by a host about to exit because a host died or hangs, having said so (`line`). Process 0
   holds the coordination service, and when it goes every other process's JAX aborts with a fatal
   error trace of its own, burying the line that says what happened: so every other host marks that
   it leaves, and process 0 tells the sampler hosts why the run ends (unless said before) and waits
-  for those hosts (all but the host `dead`) for at most `timeout_s`."""
+  for those hosts (all but the host `dead`) for at most `LEAVE_WAIT_S`."""
   try:
     me = jax.process_index()
     if me != 0:
       kv.put(f"{LEFT}/{me}", b"")
       return
     end_run(failure=line, host=dead)
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + LEAVE_WAIT_S
     for host in range(1, jax.process_count()):
       if host != dead and kv.wait(f"{LEFT}/{host}", deadline - time.monotonic()) is None:
         return

@@ -12,8 +12,9 @@ the group itself (`wire.encode`) goes to the learner host it was admitted for. T
 inbox thread moves both into its queue. The learner publishes `stop` at the end of the run.
 
 A sampler host that dies or hangs stops sending its heartbeat (written while it admits work, at
-most once a second); the learner host's inbox then fails within `silence_timeout_s`, naming the
-host (`check()`, which the learner's loop calls between steps).
+most once a second); the learner host's inbox then fails within `silence_timeout_s` (a run's
+`mesh.host_timeout_s`, as is the admission's `timeout_s`), naming the host (`check()`, which the
+learner's loop calls between steps).
 
 Every read is a round trip to the coordination service (in process 0), which costs CPU on both
 ends: an idle inbox backs off from `poll_s` to `max_poll_s` between reads, heartbeats are read
@@ -27,6 +28,7 @@ import collections
 import json
 import threading
 import time
+from typing import Sequence
 
 from tunixlike.hosts import kv, wire
 from tunixlike.rl.queue import RolloutQueue
@@ -50,7 +52,7 @@ STATE_MAX_AGE_S = 0.05
 class LearnerInbox:
   """Learner host side: sampler hosts' admissions and groups into `queue`; the admission state out."""
 
-  def __init__(self, queue: RolloutQueue, learner: int, *, sampler_hosts=(), silence_timeout_s: float = 60.0,
+  def __init__(self, queue: RolloutQueue, learner: int, *, sampler_hosts: Sequence[int], silence_timeout_s: float,
                poll_s: float = 0.005, max_poll_s: float = 0.04):
     self.queue, self.learner, self.poll_s, self.max_poll_s = queue, learner, poll_s, max_poll_s
     self.silence_timeout_s = silence_timeout_s
@@ -135,7 +137,7 @@ class RemoteAdmission:
   host it was admitted for. `index` / `num_samplers`: this host among the sampler hosts."""
 
   def __init__(self, index: int, num_samplers: int, learner_hosts, *, batch_groups: int, max_staleness: int,
-               host: int, timeout_s: float = 60.0):
+               host: int, timeout_s: float):
     self.index, self.num_samplers, self.learners = index, num_samplers, list(learner_hosts)
     self.batch_groups, self.max_staleness, self.host, self.timeout_s = batch_groups, max_staleness, host, timeout_s
     self._tickets: dict[int, int] = {}

@@ -337,7 +337,7 @@ class _Clock:
 
 
 def send_across_hosts(tree: Any, specs: Any, *, layout: HostLayout, version: int, dtype=None,
-                      bucket_bytes: int = weight_sync.DEFAULT_BUCKET_BYTES, timeout_s: float = 60.0,
+                      bucket_bytes: int = weight_sync.DEFAULT_BUCKET_BYTES, timeout_s: float,
                       tag: str = "weights", profile: dict | None = None) -> tuple[Any, int]:
   """Moves `tree` from the learner hosts to every sampler host in the sampler's layout.
 

@@ -46,7 +46,7 @@ def enabled() -> bool:
   return bool(jax.config.read(SOCKET_FLAG))
 
 
-def enable(coordinator_address: str, process_id: int, port: int | None = None, timeout_s: int = 60,
+def enable(coordinator_address: str, process_id: int, port: int | None = None, *, timeout_s: int,
            transfer_size: int | None = None, connections: int | None = None) -> str:
   """Starts this process's transfer server with its backend: call before anything touches JAX's
   devices. Listens on `port` + process_id (default: the coordinator's port + 1 + process_id), so

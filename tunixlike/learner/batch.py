@@ -31,7 +31,6 @@ import numpy as np
 from tunixlike.learner import group_advantages
 from tunixlike.learner import routing as routing_lib
 from tunixlike.learner import sampling_mask as sampling_mask_lib
-from tunixlike.learner import token_advantages as token_adv_lib
 from tunixlike.rollout import Completion, RolloutGroup
 
 
@@ -70,30 +69,26 @@ def put_completion(batch: dict[str, np.ndarray], row: int, start: int, c: Comple
 
 
 def assemble_batch(groups: Sequence[RolloutGroup], *, num_rows: int, seq_buckets: Sequence[int],
-                   advantage: str = "grpo", pad_id: int = 0, overlong_max_length: int = 0,
-                   overlong_buffer: int = 0, overlong_penalty: float = 1.0,
-                   reward_clip: tuple[float, float] = (-1e4, 1e4),
-                   sampling_mask: bool = False, routing: bool = False,
-                   token_advantages: token_adv_lib.TokenAdvantageConfig | None = None) -> dict[str, np.ndarray]:
+                   sampling_mask: bool, routing: bool, unscored: group_advantages.AdvantageConfig | None = None,
+                   pad_id: int = 0) -> dict[str, np.ndarray]:
   """Pad `groups` into one batch of exactly `num_rows` rows and a bucketed length T.
 
   Each group's advantages come from the reward stage (`group_advantages.set_advantages`); a group
-  without them gets them here from `advantage`, the overlong_* settings (DAPO's soft overlong
-  penalty, in completion tokens, when overlong_buffer > 0), `reward_clip` and `token_advantages`
-  (tests and benchmarks: a run's groups are scored by `rl/scoring.py` from its config).
-  With sampling_mask=True every completion must carry `Completion.sampling_mask` (the sampler's
-  `record_sampling_mask`), and each token the policy produced must be in its own kept set.
-  With routing=True every completion must carry `expert_routing` and `prompt_routing` (the
-  sampler's `record_routing`).
-  With token_advantages (process rewards, distillation: `token_advantages.py`) the batch also holds
+  without them gets them here from `unscored` (`AdvantageConfig.from_config(cfg)`: tests and
+  benchmarks; a run's groups are scored by `rl/scoring.py` from its config), which it then needs.
+  With sampling_mask=True (a run's algo.keep_sampling_mask) every completion must carry
+  `Completion.sampling_mask` (the sampler's `record_sampling_mask`), and each token the policy produced
+  must be in its own kept set. With routing=True (sampler.record_routing) every completion must carry
+  `expert_routing` and `prompt_routing` (the sampler's `record_routing`).
+  With per-token advantages (process rewards, distillation: `token_advantages.py`) the batch also holds
   `token_advantages` float32 [B, T] (0 off the completion), which the loss uses instead of `advantages`.
   """
   buckets = sorted(int(b) for b in seq_buckets)
   if not buckets or buckets[0] <= 0:
     raise ValueError(f"seq_buckets={tuple(seq_buckets)!r} must be non-empty positive lengths")
-  unscored = group_advantages.AdvantageConfig(estimator=advantage, overlong_max_length=overlong_max_length,
-                                              overlong_buffer=overlong_buffer, overlong_penalty=overlong_penalty,
-                                              reward_clip=reward_clip, token=token_advantages)
+  if unscored is None and any(g.advantages is None for g in groups):
+    raise ValueError("a group without advantages (not scored: group_advantages.set_advantages) needs "
+                     "assemble_batch(..., unscored=AdvantageConfig.from_config(cfg))")
   n_rows = sum(g.group_size for g in groups)
   if n_rows > num_rows:
     raise ValueError(f"{len(groups)} groups hold {n_rows} completions, more than num_rows={num_rows}")

@@ -2,9 +2,10 @@
 
 The group estimators in `advantages.py` give one advantage per completion. These give one per
 *token*, so that a step the process reward model liked, or a token the teacher would have chosen,
-is pushed up more than its neighbours. `batch.assemble_batch(..., token_advantages=cfg)` puts them
-in `batch["token_advantages"]` [B, T] (aligned with `tokens`), and the train step then uses the
-token-level clip loss (`gae.token_policy_loss`) instead of broadcasting the row's advantage.
+is pushed up more than its neighbours. `group_advantages.AdvantageConfig.token` (the reward stage's, or
+`batch.assemble_batch`'s `unscored`) puts them in `batch["token_advantages"]` [B, T] (aligned with
+`tokens`), and the train step then uses the token-level clip loss (`gae.token_policy_loss`) instead of
+broadcasting the row's advantage.
 
   A_t = A_outcome_i + process_coef * sum_{j : end_j >= t} r~_j + distill_coef * (log p_T(y_t) - log p_S(y_t))
 

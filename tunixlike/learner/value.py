@@ -29,7 +29,7 @@ class ValueHead(nnx.Module):
   starts small but non-zero: a zero kernel would send no value-loss gradient into the trunk.
   """
 
-  def __init__(self, hidden_size: int, *, rngs: nnx.Rngs, init_std: float = 0.02, param_dtype: str = "float32"):
+  def __init__(self, hidden_size: int, *, rngs: nnx.Rngs, param_dtype: str, init_std: float = 0.02):
     if hidden_size <= 0:
       raise ValueError(f"ValueHead hidden_size={hidden_size!r}: must be > 0")
     self.proj = nnx.Linear(
@@ -52,7 +52,7 @@ class PolicyWithValue(nnx.Module):
     self.value_head = value_head
 
   @classmethod
-  def create(cls, policy: nnx.Module, *, seed: int = 0, init_std: float = 0.02) -> "PolicyWithValue":
+  def create(cls, policy: nnx.Module, *, seed: int, init_std: float = 0.02) -> "PolicyWithValue":
     """A fresh value head sized from `policy.cfg.hidden_size`, in the policy's parameter dtype."""
     cfg = policy.cfg
     return cls(policy, ValueHead(cfg.hidden_size, rngs=nnx.Rngs(seed), init_std=init_std,
@@ -87,7 +87,7 @@ class PolicyWithCritic(PolicyWithValue):
     self.critic = critic
 
   @classmethod
-  def create(cls, policy: nnx.Module, critic: nnx.Module, *, seed: int = 0,
+  def create(cls, policy: nnx.Module, critic: nnx.Module, *, seed: int,
              init_std: float = 0.02) -> "PolicyWithCritic":
     check_critic(policy, critic, where="critic")
     return cls(policy, critic, ValueHead(critic.cfg.hidden_size, rngs=nnx.Rngs(seed), init_std=init_std,

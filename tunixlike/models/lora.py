@@ -83,7 +83,7 @@ def _get(model, path):
   return node
 
 
-def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None,
+def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, seed: int, mesh: jax.sharding.Mesh | None = None,
                rules=None) -> nnx.Module:
   """Adds adapters to every Linear named in `cfg.targets` (in place; returns the model).
 

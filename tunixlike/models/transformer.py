@@ -485,7 +485,7 @@ def check_mesh(mesh: jax.sharding.Mesh) -> None:
                      "(build the mesh with jax.sharding.Mesh(devices, names) or axis_types=Auto)")
 
 
-def create_sharded(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules, seed: int = 0) -> Transformer:
+def create_sharded(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules, seed: int) -> Transformer:
   """Builds a Transformer whose parameters are born sharded on `mesh` (never whole on one device).
 
   The mesh must use Auto axis types (the `jax.sharding.Mesh` default; `jax.make_mesh` defaults to

@@ -64,7 +64,8 @@ def build_runtime(setup: build_lib.Setup, policies: dict[str, Policy], engines: 
                               records=records if records is not None else ({"index": i} for i in itertools.count()),
                               encode=tok.encode, detokenize=tok.decode, sink=sink, may_start_episode=may_start_episode,
                               max_turns=max_turns, max_episodes_in_flight=max_episodes_in_flight or 2 * batch_episodes,
-                              step_timeout_s=cfg.rl.env_step_timeout_s, **coordinator)
+                              step_timeout_s=cfg.rl.env_step_timeout_s, wait_timeout_s=cfg.rl.wait_timeout_s,
+                              **coordinator)
 
   return MultiAgentRuntime(policies, make_coordinator, batch_episodes=batch_episodes, max_staleness=max_staleness,
                            advantages=scoring.advantage_config(cfg), wait_timeout_s=cfg.rl.wait_timeout_s,

@@ -41,6 +41,9 @@ from tunixlike.sampler.driver import PromptRequest, RolloutDriver
 _log = logging.getLogger(__name__)
 
 EPISODE_FINISH = ("done", "length", "aborted")
+# The coordinator's loop sleeps this long when no env call, turn or episode moved: short next to a turn's
+# decode, so that a finished turn's next one starts at once (the drivers' own loops sleep sampler.idle_wait_s).
+_IDLE_WAIT_S = 0.002
 
 
 @dataclasses.dataclass
@@ -120,11 +123,14 @@ class EpisodeCoordinator:
                make_env: Callable[[], Any], records: Iterable[dict[str, Any]],
                encode: Callable[[str], Sequence[int]], detokenize: Callable[[Sequence[int]], str],
                sink: Callable[[Episode], None], max_episodes_in_flight: int = 16,
-               may_start_episode: Callable[[dict[str, int]], bool] = lambda versions: True, max_turns: int = 8,
-               failure_reward: float = 0.0, env_workers: int = 8, step_timeout_s: float = 30.0,
-               idle_wait_s: float = 0.002, lockstep: bool = False, emit_groups_of: int = 1, first_seq: int = 0):
+               max_turns: int, step_timeout_s: float, wait_timeout_s: float,
+               may_start_episode: Callable[[dict[str, int]], bool] = lambda versions: True,
+               failure_reward: float = 0.0, env_workers: int = 8, lockstep: bool = False, emit_groups_of: int = 1,
+               first_seq: int = 0):
     """`make_driver[p](source, sink)` builds policy p's driver over that prompt source and group sink.
-    `encode(text)` gives a turn prompt's ids (with BOS if the model expects one).
+    `encode(text)` gives a turn prompt's ids (with BOS if the model expects one). `max_turns`,
+    `step_timeout_s` and `wait_timeout_s` (how long `close` waits for each driver's thread): a run passes
+    `rl.env_max_turns`, `rl.env_step_timeout_s` and `rl.wait_timeout_s`.
 
     Two baselines the benchmark measures episode-level async against: `lockstep=True` holds every
     turn until all live episodes have their next turn ready (each turn waits for its batch: the
@@ -140,7 +146,7 @@ class EpisodeCoordinator:
     self._make_env, self._records, self._encode, self._detokenize = make_env, iter(records), encode, detokenize
     self._sink, self._may_start = sink, may_start_episode
     self._max_in_flight, self._max_turns, self._failure_reward = max_episodes_in_flight, max_turns, failure_reward
-    self._idle_wait_s = idle_wait_s
+    self._wait_timeout_s = wait_timeout_s
     self._runner = EnvRunner(num_workers=env_workers, timeout_s=step_timeout_s, name="multi-agent-env")
     self._tickets: dict[int, tuple[_Live, str]] = {}  # env call -> (episode, "turn" | "rewards")
     self._live: dict[int, _Live] = {}
@@ -190,7 +196,7 @@ class EpisodeCoordinator:
         if self._exhausted and not self._live:
           break
         if not worked:
-          self._stop.wait(self._idle_wait_s)
+          self._stop.wait(_IDLE_WAIT_S)
     finally:
       self.close()
     return self.stats
@@ -207,7 +213,7 @@ class EpisodeCoordinator:
     """Stops the drivers' threads (if started) and the env workers."""
     try:
       for d in self.drivers.values():
-        d.stop()
+        d.stop(self._wait_timeout_s)
     finally:
       self._runner.close()
 

@@ -62,7 +62,7 @@ class MultiAgentRuntime:
 
   def __init__(self, policies: dict[str, Policy], make_coordinator: Callable[..., EpisodeCoordinator], *,
                batch_episodes: int, max_staleness: int, advantages: group_advantages.AdvantageConfig,
-               wait_timeout_s: float = 300.0, counts: dict[str, int] | None = None):
+               wait_timeout_s: float, counts: dict[str, int] | None = None):
     self.policies, self.advantages, self.wait_timeout_s = policies, advantages, wait_timeout_s
     self.stop_event = threading.Event()
     self.queue = EpisodeQueue(tuple(policies), batch_episodes, max_staleness, self.stop_event,

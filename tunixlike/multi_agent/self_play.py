@@ -52,10 +52,10 @@ def solve_rate_reward(p: float) -> float:
 class ProposeSolveEnv(MultiAgentEnv):
   """One episode: a proposer turn, then (if it wrote a problem) one solver turn of `attempts` samples."""
 
-  def __init__(self, digits: int = 2, attempts: int = 4,
+  def __init__(self, digits: int, attempts: int = 4,
                turn_tokens: Callable[[np.random.Generator], int] | None = None):
-    """`turn_tokens(rng)`: each turn's token limit, drawn per episode (seeded by the record's
-    "index"); None: the samplers' own limits."""
+    """`digits`: a run passes data.digits. `turn_tokens(rng)`: each turn's token limit, drawn per episode
+    (seeded by the record's "index"); None: the samplers' own limits."""
     if not 1 <= digits <= 9:
       raise ValueError(f"ProposeSolveEnv.digits={digits}: must be in [1, 9]")
     self.digits, self.attempts, self._turn_tokens = digits, attempts, turn_tokens

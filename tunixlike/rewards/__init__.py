@@ -2,7 +2,8 @@
 
     fn = rewards.get("gsm8k_accuracy")
     scores = fn(prompts, completions, answer=answers)                  # list[float]
-    reward = rewards.CombinedReward([("gsm8k_accuracy", 1.0), ("answer_format", 0.1)])
+    reward = rewards.CombinedReward([("gsm8k_accuracy", 1.0), ("answer_format", 0.1)],
+                                    timeout_s=cfg.rl.reward_timeout_s)
     rewards_n, metrics = reward(prompts, completions, answer=answers, completion_lengths=lengths)
 """
 

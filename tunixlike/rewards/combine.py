@@ -49,11 +49,12 @@ class CombinedReward:
   metrics: `rewards/<name>` (mean unweighted score over the samples it scored, saturated),
   `rewards/<name>/failures` (samples that scored 0 by failure in this call), `rewards/<name>/skipped`
   (samples it returned None for: they get no term from it) and `rewards/total` (mean weighted sum).
-  `where` names the specs in errors (the config key, `rewards`); `columns`, when known, are the
-  dataset's columns each function's parameters are checked against before any call.
+  `timeout_s`: each call's limit (a run passes `rl.reward_timeout_s`); `where` names the specs in errors (the
+  config key, `rewards`); `columns`, when known, are the dataset's columns each function's parameters are checked
+  against before any call.
   """
 
-  def __init__(self, specs: Sequence[RewardSpec | str | tuple | Callable | Mapping], *, timeout_s: float = 60.0,
+  def __init__(self, specs: Sequence[RewardSpec | str | tuple | Callable | Mapping], *, timeout_s: float,
                where: str = "rewards", columns: Iterable[str] | None = None):
     if not specs:
       raise ValueError("CombinedReward needs at least one reward function")

@@ -70,7 +70,7 @@ class SafeReward:
   """Wraps `fn(prompts, completions, **columns) -> list[float | None]`; calls return (scores, num_failed),
   each score a float or None (skipped)."""
 
-  def __init__(self, fn: Callable[..., Sequence[float]], *, name: str, timeout_s: float = 60.0):
+  def __init__(self, fn: Callable[..., Sequence[float]], *, name: str, timeout_s: float):
     if timeout_s <= 0:
       raise ValueError(f"SafeReward({name!r}).timeout_s={timeout_s} must be positive")
     self.fn, self.name, self.timeout_s = fn, name, timeout_s

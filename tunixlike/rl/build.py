@@ -253,7 +253,7 @@ def build(cfg: Config, trace_path: str | None = None, say=print, *, training: bo
              else None)
   # Loaded and tried on two rows now, so that a bad import path, signature or count fails before any compilation.
   reward = rewards_lib.CombinedReward(terms, timeout_s=cfg.rl.reward_timeout_s, columns=columns)
-  rows = [dict(task.source("train")[i]) for i in range(2)]
+  rows = [dict(task.source("train", seed=cfg.data.shuffle_seed)[i]) for i in range(2)]
   field = cfg.data.prompt_field if isinstance(task, tasks.DatasetTask) else "prompt"
   reward.check_counts([{k: v for k, v in r.items() if k not in prompts_lib.NOT_COLUMNS} for r in rows],
                       [str(r.get(field, "")) for r in rows])

@@ -37,7 +37,7 @@ class Policy:
   """
 
   def __init__(self, learner: Learner, weight_sync: WeightSync, *, rows: int, seq_buckets: tuple[int, ...],
-               pad_id: int, seed: int = 0, share_prompts: bool = False, routing: bool = False,
+               pad_id: int, seed: int, share_prompts: bool, routing: bool = False,
                tracer=trace_lib.NULL_TRACER):
     self.learner, self.weight_sync, self.tracer = learner, weight_sync, tracer
     self.num_rows, self.seq_buckets, self.pad_id = rows, tuple(seq_buckets), pad_id

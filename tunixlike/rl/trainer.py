@@ -173,7 +173,8 @@ def _warm_start(r: _Run) -> bool:
   """The supervised stage, continued from WORKDIR/warm_start when an earlier one was stopped (or
   crashed after a periodic save there). Returns False when it was stopped again (and saved there)."""
   setup, ws = r.setup, r.cfg.warm_start
-  paused = checkpoint_lib.Checkpointer(os.path.join(r.workdir, checkpoint_lib.WARM_START_SUBDIR), keep=1)
+  paused = checkpoint_lib.Checkpointer(os.path.join(r.workdir, checkpoint_lib.WARM_START_SUBDIR),
+                                       checkpoint_lib.CheckpointSchedule.from_config(r.cfg, keep=1))
   try:
     optimizer = warm_start_lib.make_optimizer(setup.model, ws.learning_rate, r.cfg.optim)
     start = _resume_warm_start(r, paused, optimizer)
@@ -425,10 +426,9 @@ class _Run:
     self.cfg = cfg = as_trained(self.setup.cfg, self.setup, user)
     self.setup = dataclasses.replace(self.setup, cfg=cfg)
     self.transport = self.setup.transport  # to the sampler side, wherever it is
-    self.ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir), keep=cfg.checkpoint.keep,
+    self.ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.workdir_checkpoints(workdir),
+                                            checkpoint_lib.CheckpointSchedule.from_config(cfg),
                                             processes=self.transport.checkpoint_processes,
-                                            save_every_steps=cfg.checkpoint.every_steps,
-                                            save_every_seconds=cfg.checkpoint.every_seconds,
                                             save_frozen=not (cfg.model.hf_path and cfg.lora.rank),
                                             best_metric="eval/accuracy",
                                             keep_steps=self.replay_starts(), keep_every_steps=self.replay_every)

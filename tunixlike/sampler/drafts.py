@@ -163,7 +163,7 @@ class Drafter:
   sampler thread. The driver calls `drafts` before a call, `observe` after a verify call, and, as a
   `driver.Recorder`, `completion` and `group` as sequences and groups end."""
 
-  def __init__(self, draft_tokens: int, ngram: int, min_acceptance: float, history: int, steps_per_call: int = 1,
+  def __init__(self, draft_tokens: int, ngram: int, min_acceptance: float, history: int, steps_per_call: int,
                call_seconds: dict[tuple[bool, int], float] | None = None):
     """`call_seconds`: (verify call?, decode width) -> seconds per call, as another drafter measured
     them (taken as measured; updated in place). `recent_acceptance` (an attribute) may be set too."""

@@ -387,8 +387,8 @@ class RolloutDriver:
     self._thread = threading.Thread(target=self._thread_main, name="rollout-driver", daemon=True)
     self._thread.start()
 
-  def stop(self, timeout_s: float = 60.0) -> None:
-    """Asks the loop to stop after its current step and waits for it (bounded)."""
+  def stop(self, timeout_s: float) -> None:
+    """Asks the loop to stop after its current step and waits for it (bounded: a run's rl.wait_timeout_s)."""
     self._stop_event.set()
     self.join(timeout_s)
 

@@ -201,7 +201,7 @@ class EpisodeDriver(RolloutDriver):
     """Episodes holding a decode slot."""
     return sum(s is not None for s in self._slots)
 
-  def stop(self, timeout_s: float = 60.0) -> None:
+  def stop(self, timeout_s: float) -> None:
     try:
       super().stop(timeout_s)
     finally:

@@ -44,7 +44,7 @@ async def _await(awaitable):
 class EnvRunner:
   """A pool of daemon worker threads with per-call timeouts and non-blocking polling."""
 
-  def __init__(self, *, num_workers: int = 8, timeout_s: float = 30.0, name: str = "env"):
+  def __init__(self, *, num_workers: int = 8, timeout_s: float, name: str = "env"):
     if not isinstance(num_workers, int) or num_workers < 1:
       raise ValueError(f"EnvRunner.num_workers={num_workers!r}: must be an int >= 1")
     if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
