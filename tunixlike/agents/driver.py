@@ -164,7 +164,7 @@ class AgentEpisodes:
 
   def bind(self, driver) -> AgentStats:
     """Starts the server (its requests need the driver's engine and weights version)."""
-    self.d = driver
+    self.driver = driver
     self.engine, self.config = driver.engine, driver.config
     self.stats = AgentStats()
     ac = self.agent_config
@@ -225,7 +225,7 @@ class AgentEpisodes:
                            f"max_prefill_length={limit}", "context_length_exceeded")
       if min(ext.ids) < 0 or max(ext.ids) >= self.engine.vocab_size:
         raise RequestError(400, f"the prompt has token ids outside [0, {self.engine.vocab_size})")
-      ep.recording.commit(ext, self.d.version)
+      ep.recording.commit(ext, self.driver.version)
       if ext.split:
         self.stats.history_edits += 1
         ep.counts["history_edits"] += 1
@@ -303,7 +303,7 @@ class AgentEpisodes:
       self._abort(ep, error)
 
   def _start_groups(self) -> None:
-    d, g = self.d, self.config.group_size
+    d, g = self.driver, self.config.group_size
     while self._live_episodes + g <= max(self.agent_config.workers, g):
       group = d.admission.admit(d.version, self._new_group)
       if group is None:
@@ -324,7 +324,7 @@ class AgentEpisodes:
     record = dict(request.columns)
     record.setdefault("prompt_id", request.prompt_id)
     record.setdefault("prompt_text", request.prompt_text)
-    return _AgentGroup(seq=seq, request=request, record=record, version=self.d.version)
+    return _AgentGroup(seq=seq, request=request, record=record, version=self.driver.version)
 
   def requeue(self, info: Turn) -> None:
     """A paged cache preempted the turn: agent turns are not resumed, its episode ends (aborted)."""
@@ -344,23 +344,24 @@ class AgentEpisodes:
       if not (turn.cancelled or turn.episode.finished):
         batches.setdefault((turn.prompt_ids.tobytes(), turn.max_new), []).append(turn)
         taken += 1
+    d = self.driver
     for (ids, max_new), turns in batches.items():
       t0 = time.perf_counter()
-      key = (ids, self.d.version)
+      key = (ids, d.version)
       prefix = self._prefixes.get(key)
       if prefix is None:
-        with self.d.tracer.span("prefill", cat="sampler", version=self.d.version):
-          prefix = self.engine.prefill(self.d.params, turns[0].prompt_ids, version=self.d.version)
+        with d.tracer.span("prefill", cat="sampler", version=d.version):
+          prefix = self.engine.prefill(d.params, turns[0].prompt_ids, version=d.version)
         self.stats.prefills += 1
         self._prefixes[key] = prefix
         if len(self._prefixes) > _PREFIXES:
           self._prefixes.popitem(last=False)
       slots = [free.pop(0) for _ in turns]
-      noise = [self.d.keys.group(t.episode.group.seq)[t.episode.index, t.number] for t in turns]
-      self.d.slots.state = self.engine.bulk_insert(prefix, self.d.slots.state, slots, keys=noise, max_new_tokens=max_new)
+      noise = [d.keys.group(t.episode.group.seq)[t.episode.index, t.number] for t in turns]
+      d.slots.state = self.engine.bulk_insert(prefix, d.slots.state, slots, keys=noise, max_new_tokens=max_new)
       self.stats.busy_time_s += time.perf_counter() - t0
       for slot, turn in zip(slots, turns):
-        self.d.slots[slot] = turn
+        d.slots[slot] = turn
 
   # ------------------------------------------------------------------ results (driver thread)
 
@@ -379,7 +380,7 @@ class AgentEpisodes:
     return None
 
   def collected(self) -> None:
-    for turn in self.d.slots:  # what live streaming turns decoded in this call
+    for turn in self.driver.slots:  # what live streaming turns decoded in this call
       if turn is not None and turn.stream:
         self._stream(turn, final=False)
 
@@ -425,9 +426,9 @@ class AgentEpisodes:
     """Ends `ep` now: its request in flight (if any) leaves its slot and is answered with an error."""
     turn = ep.turn
     if turn is not None:
-      for slot, info in enumerate(self.d.slots):
+      for slot, info in enumerate(self.driver.slots):
         if info is turn:
-          self.d.slots.release(slot)
+          self.driver.slots.release(slot)
       status = error.status if isinstance(error, RequestError) else 408 if isinstance(error, EnvTimeout) else 500
       turn.post(("error", RequestError(status, f"episode {ep.id!r} was aborted: {error}", "episode_aborted")))
     self._finish_episode(ep, "aborted")
@@ -484,11 +485,12 @@ class AgentEpisodes:
     with self._episode_lock:
       for ep in group.episodes:
         del self._episodes[ep.id]
-    self.d.admission.done(group.seq)
+    self.driver.admission.done(group.seq)
     req = group.request
-    self.d.emit(RolloutGroup(prompt_id=req.prompt_id, prompt_token_ids=np.asarray(ref.prompt_ids[:shared], np.int32),
-                              completions=completions, columns=dict(req.columns), prompt_text=req.prompt_text,
-                              rewards=rewards, reward_metrics=metrics, start_version=group.version))
+    self.driver.emit(RolloutGroup(prompt_id=req.prompt_id,
+                                  prompt_token_ids=np.asarray(ref.prompt_ids[:shared], np.int32),
+                                  completions=completions, columns=dict(req.columns), prompt_text=req.prompt_text,
+                                  rewards=rewards, reward_metrics=metrics, start_version=group.version))
 
 
 class AgentDriver(RolloutDriver):

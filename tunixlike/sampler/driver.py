@@ -99,10 +99,7 @@ class RolloutDriver:
     self.tracer = tracer  # spans of prefill / generate on the sampler thread's track
     self.episodes = episodes or SingleTurn(tuple(recorders) + ((self.drafter,) if self.drafter else ()),
                                            static_batching=static_batching)
-    self.stats = self.episodes.bind(self)
     self.slots = Slots(engine, self._version)
-    self.admission = Admission(engine, source, stats=self.stats, may_start=may_start_group,
-                               closed=self._admission_closed, first_seq=first_seq)
     self.keys = NoiseKeys(cfg.seed, cfg.group_size, key_turns)
     self._next_round = next_round
     self._on_step = on_step
@@ -116,6 +113,9 @@ class RolloutDriver:
     self._stop_event = threading.Event()
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
+    self.stats = self.episodes.bind(self)  # last but admission: the agents' server starts here
+    self.admission = Admission(engine, source, stats=self.stats, may_start=may_start_group,
+                               closed=self._admission_closed, first_seq=first_seq)
     if resume:
       self.episodes.resume(resume)
 

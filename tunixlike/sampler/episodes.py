@@ -167,7 +167,7 @@ class EnvEpisodes:
     self._live_episodes = 0
 
   def bind(self, driver) -> EpisodeStats:
-    self.d = driver
+    self.driver = driver
     self.engine, self.config = engine, cfg = driver.engine, driver.config
     ec = self.episode_config
     self.stats = EpisodeStats()
@@ -200,7 +200,7 @@ class EnvEpisodes:
 
   def _start_groups(self) -> None:
     """Starts groups while ready episodes cannot fill the free slots and the in-flight bound allows."""
-    d, g = self.d, self.config.group_size
+    d, g = self.driver, self.config.group_size
     while len(self._ready) < len(d.slots.free()) and self._live_episodes + g <= self._max_in_flight:
       group = d.admission.admit(d.version, self._new_group)
       if group is None:
@@ -266,7 +266,7 @@ class EnvEpisodes:
       return
     episode.tokens += ids
     episode.logprobs += [0.0] * len(ids)
-    episode.versions += [self.d.version] * len(ids)
+    episode.versions += [self.driver.version] * len(ids)
     episode.loss_mask += [0] * len(ids)
     if self.config.record_sampling_mask:
       episode.masks += [np.zeros((self._mask_width,), np.uint8)] * len(ids)
@@ -280,7 +280,7 @@ class EnvEpisodes:
     heapq.heappush(self._ready, (episode.group.seq, episode.index, episode))
 
   def refill(self, free: list[int]) -> None:
-    d = self.d
+    d = self.driver
     for slot in free:
       if not self._ready:
         return
@@ -321,22 +321,23 @@ class EnvEpisodes:
     earlier, the last turn's parked KV extended by what came since, the group's shared first
     prefix, or a prefill of the whole conversation."""
     prefix, episode.prefix = episode.prefix, None
-    if prefix is not None and prefix.version == self.d.version:
+    if prefix is not None and prefix.version == self.driver.version:
       return prefix
     kv, episode.kv = episode.kv, None
     if kv is not None:
-      if episode.kv_version == self.d.version:
-        prefix = self.engine.resume_prefill(self.d.params, self.d.slots.state, kv, ids, version=self.d.version)
+      if episode.kv_version == self.driver.version:
+        d = self.driver
+        prefix = self.engine.resume_prefill(d.params, d.slots.state, kv, ids, version=d.version)
       else:
-        self.engine.discard(self.d.slots.state, kv)
+        self.engine.discard(self.driver.slots.state, kv)
       if prefix is not None:
         self.stats.kv_resumed_turns += 1
         return prefix
     group, first = episode.group, episode.turns == 0 and not episode.preempted
-    cache_key = (ids.tobytes(), self.d.version)
+    cache_key = (ids.tobytes(), self.driver.version)
     prefix = group.first_prefix.get(cache_key) if first else None
     if prefix is None:
-      prefix = self.engine.prefill_many(self.d.params, [ids], version=self.d.version,
+      prefix = self.engine.prefill_many(self.driver.params, [ids], version=self.driver.version,
                                         max_length=self.config.cache_length)[0]
       self.stats.prefills += 1
       if first and self.config.group_size > 1:
@@ -368,12 +369,13 @@ class EnvEpisodes:
   def finish(self, slot: int, info: _EpisodeSlot, reason: str) -> None:
     episode = info.episode
     # KV of the conversation but its last token (sampled, not yet fed) stays for the next turn.
-    episode.kv = self.engine.park(self.d.slots.state, slot, len(episode.group.prompt_ids) + len(episode.tokens) - 1)
-    episode.kv_version = self.d.version if episode.insert_version == self.d.version else None
+    episode.kv = self.engine.park(self.driver.slots.state, slot,
+                                  len(episode.group.prompt_ids) + len(episode.tokens) - 1)
+    episode.kv_version = self.driver.version if episode.insert_version == self.driver.version else None
     self._end_turn(episode, reason)
 
   def _turn_text(self, episode: _Episode) -> str:
-    return self.d.detokenize(episode.tokens[episode.turn_start:])
+    return self.driver.detokenize(episode.tokens[episode.turn_start:])
 
   def _end_turn(self, episode: _Episode, finish: str) -> None:
     """The slot is already free; the env step runs on a worker while decoding goes on."""
@@ -394,7 +396,7 @@ class EnvEpisodes:
     self._finish_episode(episode, "aborted", reward=self.episode_config.failure_reward)
 
   def _finish_episode(self, episode: _Episode, reason: str, reward: float | None = None) -> None:
-    self.engine.discard(self.d.slots.state, episode.kv)
+    self.engine.discard(self.driver.slots.state, episode.kv)
     episode.kv = episode.prefix = None
     if reward is None:
       reward = env_base.aggregate_rewards(episode.step_rewards, self.episode_config.reward_aggregation)
@@ -406,7 +408,7 @@ class EnvEpisodes:
         finish_reason=reason,
         loss_mask=np.asarray(episode.loss_mask, np.int32).reshape(n),
         sampling_mask=np.stack(episode.masks) if episode.masks else None,
-        text=self.d.detokenize(episode.tokens))
+        text=self.driver.detokenize(episode.tokens))
     self._live_episodes -= 1
     self.stats.completions += 1
     self.stats.episodes += 1
@@ -417,14 +419,14 @@ class EnvEpisodes:
     group.metrics[episode.index] = dict(episode.metrics, **{"episode/turns": float(episode.turns),
                                                             "episode/env_tokens": float(n - sum(episode.loss_mask))})
     if all(c is not None for c in group.completions):
-      self.d.admission.done(group.seq)
+      self.driver.admission.done(group.seq)
       names = sorted({k for m in group.metrics for k in m})
       metrics = {k: float(np.mean([m.get(k, 0.0) for m in group.metrics])) for k in names}
       req = group.request
-      self.d.emit(RolloutGroup(prompt_id=req.prompt_id, prompt_token_ids=group.prompt_ids.astype(np.int32),
-                               completions=list(group.completions), columns=dict(req.columns),
-                               prompt_text=req.prompt_text, rewards=np.asarray(group.rewards, np.float32),
-                               reward_metrics=metrics))
+      self.driver.emit(RolloutGroup(prompt_id=req.prompt_id, prompt_token_ids=group.prompt_ids.astype(np.int32),
+                                    completions=list(group.completions), columns=dict(req.columns),
+                                    prompt_text=req.prompt_text, rewards=np.asarray(group.rewards, np.float32),
+                                    reward_metrics=metrics))
 
 
 class EpisodeDriver(RolloutDriver):

@@ -18,8 +18,8 @@ def take_back(st, saved: InFlightGroup) -> None:
   g = st.config.group_size
   group = Group(seq=saved.seq, request=saved.request, prompt_ids=np.asarray(saved.prompt_ids, np.int32),
                 completions=[None] * g, started=g, keys=np.asarray(saved.keys, np.uint32), version=saved.version,
-                resumed_at=st.d.version)
-  st.d.admission.take_back(group)
+                resumed_at=st.driver.version)
+  st.driver.admission.take_back(group)
   for i, sample in enumerate(saved.samples):
     if isinstance(sample, Completion):
       group.completions[i] = sample
@@ -51,9 +51,9 @@ def _retell(st, group: Group, index: int, tokens, finished: bool) -> None:
 
 def snapshot(st) -> list[InFlightGroup]:
   """Every group admitted and not yet emitted, in start order (the driver holds its step lock)."""
-  slots = {(s.group.seq, s.index): s for s in [*st.d.slots, *st.preempted] if s is not None}
+  slots = {(s.group.seq, s.index): s for s in [*st.driver.slots, *st.preempted] if s is not None}
   out = []
-  for group in st.d.admission.groups():
+  for group in st.driver.admission.groups():
     if group.keys is None:
       st._sample_keys_of(group, 0)  # makes them
     samples = []

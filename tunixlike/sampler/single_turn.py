@@ -42,7 +42,7 @@ class SingleTurn:
     self.prefilling: tuple[Group, Iterator | None, int | None] | None = None
 
   def bind(self, driver) -> DriverStats:
-    self.d = driver
+    self.driver = driver
     self.engine, self.config = driver.engine, driver.config
     self.stats = DriverStats(drafts=driver.drafter is not None)
     return self.stats
@@ -75,7 +75,7 @@ class SingleTurn:
     self.preempted.append(info)
 
   def refill(self, free: list[int]) -> None:
-    if not free or (self.static and len(free) < len(self.d.slots)):
+    if not free or (self.static and len(free) < len(self.driver.slots)):
       return
     if not self._resume_preempted(free):
       return
@@ -88,7 +88,7 @@ class SingleTurn:
     if not batch:
       self._pend_blocked()
       return
-    d = self.d
+    d = self.driver
     prefixes = self._prefixes([group for group, _ in batch])
     t0 = time.perf_counter()
     d.slots.state = self.engine.insert_many(
@@ -104,7 +104,7 @@ class SingleTurn:
     """Prefills preempted (or checkpoint-kept) sequences' prompt and completion so far again into free
     slots, oldest first, as many as fit in one prefill call; they continue with the same noise where
     they stopped. False while some still wait."""
-    d = self.d
+    d = self.driver
     ids, requests = [], []
     for info in itertools.islice(self.preempted, len(free)):
       requests.append((len(info.group.prompt_ids) + len(info.tokens), [free[len(ids)]]))
@@ -131,7 +131,7 @@ class SingleTurn:
   def _prefill_next_chunk(self) -> bool:
     """Runs the next chunk of the long prompt being prefilled (one per step, so decoding goes on
     in between); True when none is left, the finished group then pending with its prefix."""
-    d = self.d
+    d = self.driver
     pending = self.pending_group
     if (self.prefilling is None and self.pending_prefix is not None
         and self.pending_prefix.version != d.version and self.engine.prefills_in_chunks(len(pending.prompt_ids))):
@@ -170,7 +170,7 @@ class SingleTurn:
         break
       slots = free[:self.config.group_size - group.started]
       requests.append((len(group.prompt_ids), slots))
-      if self.engine.fits(self.d.slots.state, requests) < len(requests):
+      if self.engine.fits(self.driver.slots.state, requests) < len(requests):
         if group is not self.pending_group:
           self.blocked = group
         break
@@ -187,7 +187,7 @@ class SingleTurn:
   def _prefixes(self, groups: list[Group]) -> list:
     """The groups' prefixes: the pending group keeps its own if computed with the current weights
     (a prefix is never reused across weight versions); the others are prefilled in one call."""
-    d = self.d
+    d = self.driver
     prefixes = [None] * len(groups)
     if groups[0] is self.pending_group and self.pending_prefix is not None \
         and self.pending_prefix.version == d.version:
@@ -206,7 +206,7 @@ class SingleTurn:
   def refill_one_at_a_time(self, free: list[int]) -> None:
     """Slot groups: one sample per insert, after the engine may have moved a live sequence so that
     long ones stay together (`Engine.plan_insert` / `move`)."""
-    d = self.d
+    d = self.driver
     while free:
       group = self.pending_group or self._admit()
       if group is None:
@@ -238,7 +238,7 @@ class SingleTurn:
     """Noise keys of the group's next `count` samples."""
     if group.keys is None:
       noise_id = group.request.noise_id
-      group.keys = self.d.keys.group(group.seq) if noise_id is None else self.d.keys.of_noise_id(noise_id)
+      group.keys = self.driver.keys.group(group.seq) if noise_id is None else self.driver.keys.of_noise_id(noise_id)
     return group.keys[group.started:group.started + count]
 
   def _started(self, group: Group, slots: list[int], prefix) -> None:
@@ -247,7 +247,7 @@ class SingleTurn:
     limit = self.limit(group)
     routing = None if prefix.routing is None else (prefix.routing, prefix.row)
     for i, slot in enumerate(slots):
-      self.d.slots[slot] = Sample(group=group, index=group.started + i, max_new=limit, prompt_routing=routing)
+      self.driver.slots[slot] = Sample(group=group, index=group.started + i, max_new=limit, prompt_routing=routing)
     group.started += len(slots)
     if group.started < self.config.group_size:
       self.pending_group, self.pending_prefix = group, prefix
@@ -255,11 +255,11 @@ class SingleTurn:
       self.pending_group, self.pending_prefix = None, None
 
   def _admit(self) -> Group | None:
-    return self.d.admission.admit(self.d.version, self._new_group)
+    return self.driver.admission.admit(self.driver.version, self._new_group)
 
   def _new_group(self, seq: int, request: PromptRequest, ids: np.ndarray) -> Group:
     return Group(seq=seq, request=request, prompt_ids=ids, completions=[None] * self.config.group_size,
-                 version=self.d.version)
+                 version=self.driver.version)
 
   # ------------------------------------------------------------------ results
 
@@ -284,14 +284,14 @@ class SingleTurn:
   def _hit_stop_string(self, tokens: list[int]) -> bool:
     if not self.config.stop_strings:
       return False
-    text = self.d.detokenize(tokens)
+    text = self.driver.detokenize(tokens)
     return any(stop in text for stop in self.config.stop_strings)
 
   def finish(self, slot: int, info: Sample, reason: str) -> None:
     for r in self.recorders:
       r.completion((info.group.seq, info.index), info.group.prompt_ids, info.tokens, info.group.request)
     n = len(info.tokens)
-    detokenize = self.d.detokenize
+    detokenize = self.driver.detokenize
     completion = Completion(
         token_ids=np.asarray(info.tokens, np.int32),
         logprobs=np.asarray(info.logprobs, np.float32),
@@ -317,8 +317,8 @@ class SingleTurn:
                         seq=group.seq, start_version=group.resumed_at)  # the queue re-admitted it then
     for r in self.recorders:
       r.group(group.seq, done)
-    self.d.admission.done(group.seq)
-    self.d.emit(done)
+    self.driver.admission.done(group.seq)
+    self.driver.emit(done)
 
   @staticmethod
   def _prompt_routing(info: Sample) -> np.ndarray | None:

@@ -26,13 +26,15 @@ from tunixlike.sampler.driver_api import DriverStats
 class Episodes(Protocol):
   """What the driver shell asks of its episode strategy, all on the driver thread."""
 
-  # Whether a checkpoint can continue its groups in flight (`RolloutDriver.in_flight`); strategies
-  # whose episodes hold state outside the driver (an environment, a conversation) start them again.
+  # Whether a checkpoint can continue its groups in flight; such a strategy also has `in_flight()`
+  # (its groups as `InFlightGroup`s) and `resume(groups)` (`SingleTurn`). Strategies whose episodes
+  # hold state outside the driver (an environment, a conversation) start them again on resume.
   continues_in_flight: bool
 
   def bind(self, driver) -> DriverStats:
-    """Called once by the driver it runs in (its engine, weights, slots, admission, sink); returns
-    the driver's stats object (a `DriverStats`, or a subclass with the strategy's counters)."""
+    """Called once by the driver it runs in, which it keeps (`driver.engine`, `params`, `version`,
+    `slots`, `admission`, `keys`, `tracer`, `emit`); returns the driver's stats object (a
+    `DriverStats`, or a subclass with the strategy's counters)."""
 
   @property
   def is_idle(self) -> bool:
