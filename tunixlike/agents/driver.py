@@ -150,6 +150,7 @@ class AgentEpisodes:
     if not callable(agent):
       raise TypeError(f"rl.agent must be a function run_episode(base_url, api_key, episode_id, row), got {agent!r}")
     self.agent_config = ac = agent_config
+    self.key_turns = ac.max_turns
     self.tokenizer, self.model_name = tokenizer, model_name
     self._agent = agent
     self._inbox: queue.SimpleQueue[Turn] = queue.SimpleQueue()  # accepted by the server, waiting for a slot
@@ -504,8 +505,7 @@ class AgentDriver(RolloutDriver):
     base URL), sending `api_key` with every request."""
     episodes = AgentEpisodes(agent, tokenizer, agent_config, model_name)
     super().__init__(engine, params, source=source, sink=sink, version=version, may_start_group=may_start_group,
-                     detokenize=tokenizer.decode, episodes=episodes, key_turns=agent_config.max_turns,
-                     **({} if tracer is None else {"tracer": tracer}))
+                     detokenize=tokenizer.decode, episodes=episodes, **({} if tracer is None else {"tracer": tracer}))
     self.agent_config, self.tokenizer, self.model_name = agent_config, tokenizer, model_name
     self.server, self.api_key, self.base_url = episodes.server, episodes.api_key, episodes.base_url
 

@@ -70,7 +70,7 @@ class RolloutDriver:
                next_round: Callable[[float], tuple[Any, int] | None] | None = None,
                on_step: Callable[[int | None, int, bool], None] | None = None,
                resume: Sequence[InFlightGroup] = (), drafter: drafts_lib.Drafter | None = None,
-               episodes: Episodes | None = None, key_turns: int = 0):
+               episodes: Episodes | None = None):
     """`source` yields PromptRequests (None = nothing available yet, try later; exhaustion ends it).
 
     `sink` is a callable or a queue with put(item, timeout). `static_batching=True` waits for all
@@ -85,11 +85,14 @@ class RolloutDriver:
     continued before any new group is admitted (`first_seq` must come after their start orders).
     `drafter`: sampler.speculative's (default: a new one from the config).
     `episodes`: the episode strategy (default: single-turn groups, `SingleTurn`, with `recorders`
-    and `static_batching`); `key_turns`: its noise keys per sample (one per policy turn, 0 = one).
+    and `static_batching`, which configure only that default).
     """
     cfg = engine.config
     if cfg.stop_strings and detokenize is None:
       raise ValueError(f"sampler.stop_strings={cfg.stop_strings} needs a detokenize function")
+    if episodes is not None and (recorders or static_batching):
+      raise ValueError("recorders and static_batching configure the default SingleTurn strategy: pass them to "
+                       f"the strategy given as episodes ({type(episodes).__name__})")
     self.engine, self.config = engine, cfg
     self._params, self._version = params, int(version)
     self._sink = sink
@@ -100,7 +103,7 @@ class RolloutDriver:
     self.episodes = episodes or SingleTurn(tuple(recorders) + ((self.drafter,) if self.drafter else ()),
                                            static_batching=static_batching)
     self.slots = Slots(engine, self._version)
-    self.keys = NoiseKeys(cfg.seed, cfg.group_size, key_turns)
+    self.keys = NoiseKeys(cfg.seed, cfg.group_size, self.episodes.key_turns)
     self._next_round = next_round
     self._on_step = on_step
     self._lock = threading.Lock()

@@ -160,6 +160,7 @@ class EnvEpisodes:
     if not isinstance(episode_config, EpisodeConfig):
       raise TypeError(f"episode_config must be an EpisodeConfig, got {type(episode_config).__name__}")
     self.episode_config = ec = episode_config
+    self.key_turns = ec.max_turns
     self._make_env, self._tokenize = make_env, tokenize
     self._runner = EnvRunner(num_workers=ec.env_workers, timeout_s=ec.step_timeout_s, name="env")
     self._tickets: dict[int, _Episode] = {}  # env call in progress -> its episode
@@ -449,7 +450,7 @@ class EpisodeDriver(RolloutDriver):
                        "single-turn RolloutDriver rollouts record MoE routing")
     super().__init__(engine, params, source=source, sink=sink, version=version, may_start_group=may_start_group,
                      detokenize=detokenize, episodes=EnvEpisodes(make_env, tokenize, episode_config),
-                     key_turns=episode_config.max_turns, **({} if tracer is None else {"tracer": tracer}))
+                     **({} if tracer is None else {"tracer": tracer}))
     self.episode_config = episode_config
 
   @property

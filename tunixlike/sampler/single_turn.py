@@ -28,6 +28,7 @@ class SingleTurn:
   """The `strategy.Episodes` of single-turn GRPO groups; see the module docstring."""
 
   continues_in_flight = True
+  key_turns = 0
 
   def __init__(self, recorders: Sequence[Recorder] = (), *, static_batching: bool = False):
     """`recorders` watch every token, completion and group. `static_batching=True` waits for all

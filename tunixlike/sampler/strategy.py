@@ -30,6 +30,8 @@ class Episodes(Protocol):
   # (its groups as `InFlightGroup`s) and `resume(groups)` (`SingleTurn`). Strategies whose episodes
   # hold state outside the driver (an environment, a conversation) start them again on resume.
   continues_in_flight: bool
+  # Noise keys per sample: one per policy turn (multi-turn), or 0 for one per sample (`noise.NoiseKeys`).
+  key_turns: int
 
   def bind(self, driver) -> DriverStats:
     """Called once by the driver it runs in, which it keeps (`driver.engine`, `params`, `version`,
