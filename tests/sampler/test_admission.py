@@ -129,7 +129,7 @@ def test_a_group_that_does_not_fit_stays_pending_with_its_prefix(make_engine):
   # 8 slots: groups 0 and 1 whole, group 2 in the last 2 slots, all from one prefill and one insert.
   assert calls == {"_prefill_fn": 1, "_insert_fn": 1}
   assert [(s.group.seq, s.index) for s in driver.slots] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2),
-                                                            (2, 0), (2, 1)]
+                                                           (2, 0), (2, 1)]
   pending, prefix = driver.episodes.pending_group, driver.episodes.pending_prefix
   assert pending.seq == 2 and pending.started == 2 and prefix.version == 0
   # Group 0 ends early (limit): its slots take group 2's last sample (same prefix) and group 3.
