@@ -19,7 +19,7 @@ from tunixlike import config as config_lib
 from tunixlike.agents.driver import AgentConfig, AgentDriver
 from tunixlike.data.tokenizer import Tokenizer
 from tunixlike.sampler import PromptRequest
-from tunixlike.sampler.driver import _KEY_BLOCK, _sample_keys
+from tunixlike.sampler.noise import _KEY_BLOCK, _sample_keys
 
 RUN = config_lib.Config()  # the agent keys (rl.*) at their defaults
 G = 2
@@ -329,7 +329,7 @@ def test_a_client_gone_mid_stream_frees_its_slot_and_aborts_its_episode(make_eng
   assert first.finish_reason == "aborted" and first.loss_mask.sum() == 0  # no turn finished in it
   assert groups[0].completions[1].loss_mask.sum() == 64
   assert groups[0].reward_metrics["agent/disconnects"] == 0.5
-  assert driver.is_idle and all(s is None for s in driver._slots)
+  assert driver.is_idle and all(s is None for s in driver.slots)
 
 
 def test_an_agent_that_raises_or_hangs_costs_its_episode_not_the_run(make_engine, tokenizer):
@@ -367,7 +367,7 @@ def test_a_client_gone_before_its_answer_frees_its_slot_and_aborts_its_episode(m
   assert driver.stats.disconnects == 1 and driver.stats.aborted_episodes == 1
   assert groups[0].completions[0].finish_reason == "aborted"
   assert groups[0].completions[1].loss_mask.sum() == 64
-  assert driver.is_idle and all(s is None for s in driver._slots)
+  assert driver.is_idle and all(s is None for s in driver.slots)
 
 
 # Another local process that knows the server's address: blind reward posts and chat turns, to the

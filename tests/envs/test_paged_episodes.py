@@ -39,7 +39,7 @@ def test_paged_episodes_keep_their_kv_between_turns(make_engine, tokenizer, bloc
   later_turns = driver.stats.policy_turns - driver.stats.episodes
   assert later_turns > 0 and driver.stats.kv_resumed_turns == later_turns  # no weight update: every one
   assert driver.stats.prefills == plain.stats.prefills - later_turns
-  assert paged.blocks_in_use(driver._state) == 0 and not driver._state.tables.parked  # all given back
+  assert paged.blocks_in_use(driver.slots.state) == 0 and not driver.slots.state.tables.parked  # all given back
 
 
 def test_paged_episodes_under_a_tight_budget(make_engine, tokenizer):
@@ -52,4 +52,4 @@ def test_paged_episodes_under_a_tight_budget(make_engine, tokenizer):
   _assert_same(got, want)
   assert driver.stats.preemptions > 0 and driver.stats.resumed == driver.stats.preemptions
   assert driver.stats.kv_resumed_turns < driver.stats.policy_turns - driver.stats.episodes  # some were dropped
-  assert tight.blocks_in_use(driver._state) == 0 and not driver._state.tables.parked
+  assert tight.blocks_in_use(driver.slots.state) == 0 and not driver.slots.state.tables.parked

@@ -8,18 +8,26 @@ import pytest
 from jit_traces import count_traces, engine_counts
 from sampler_prompts import random_prompts
 from tunixlike.sampler import Engine, PromptRequest, RolloutDriver, SamplerConfig
+from tunixlike.sampler.single_turn import SingleTurn
 
 # Every prompt bucket of max_prefill_length=32 (16, 32), in mixed order.
 LENGTHS = (1, 3, 7, 12, 5, 16, 9, 2, 31, 20, 17, 32)
 
 
-class OneGroupAtATime(RolloutDriver):
+class _OneAtATime(SingleTurn):
   """The path before batched admission: each group its own prefill, each sample its own insert."""
 
-  def _refill(self):
-    free = [i for i, s in enumerate(self._slots) if s is None]
+  def refill(self, free):
     if free:
-      self._refill_one_at_a_time(free)
+      self.refill_one_at_a_time(free)
+
+
+def one_group_at_a_time(engine, params, **kw):
+  return RolloutDriver(engine, params, episodes=_OneAtATime(), **kw)
+
+
+def _refill(driver):
+  driver.episodes.refill(driver.slots.free())
 
 
 class ProgramCalls:
@@ -89,7 +97,7 @@ def test_batched_admission_gives_the_same_groups_as_one_group_at_a_time(make_eng
   with ProgramCalls(engine) as batched_calls:
     got, driver = _run(RolloutDriver, engine, requests, params, swap_after=(2, noisy, 1))
   with ProgramCalls(engine) as one_calls:
-    ref, one = _run(OneGroupAtATime, engine, requests, params, swap_after=(2, noisy, 1))
+    ref, one = _run(one_group_at_a_time, engine, requests, params, swap_after=(2, noisy, 1))
   _assert_same_groups(got, ref)
   versions = {int(v) for g in got.values() for c in g.completions for v in c.policy_versions}
   assert versions == {0, 1}
@@ -107,7 +115,7 @@ def test_batched_admission_on_a_2x2_mesh_gives_the_same_groups(make_engine, mesh
   params = engine.load_params()
   requests = _requests(12, limits=(12, 2, 5))
   got, _ = _run(RolloutDriver, engine, requests, params)
-  ref, _ = _run(OneGroupAtATime, engine, requests, params)
+  ref, _ = _run(one_group_at_a_time, engine, requests, params)
   _assert_same_groups(got, ref)
 
 
@@ -117,28 +125,28 @@ def test_a_group_that_does_not_fit_stays_pending_with_its_prefix(make_engine):
   requests = _requests(4)
   driver = RolloutDriver(engine, params, source=iter(requests), sink=lambda g: None)
   with ProgramCalls(engine) as calls:
-    driver._refill()
+    _refill(driver)
   # 8 slots: groups 0 and 1 whole, group 2 in the last 2 slots, all from one prefill and one insert.
   assert calls == {"_prefill_fn": 1, "_insert_fn": 1}
-  assert [(s.group.seq, s.index) for s in driver._slots] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2),
-                                                            (2, 0), (2, 1)]
-  pending, prefix = driver._pending_group, driver._pending_prefix
+  assert [(s.group.seq, s.index) for s in driver.slots] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2),
+                                                           (2, 0), (2, 1)]
+  pending, prefix = driver.episodes.pending_group, driver.episodes.pending_prefix
   assert pending.seq == 2 and pending.started == 2 and prefix.version == 0
   # Group 0 ends early (limit): its slots take group 2's last sample (same prefix) and group 3.
-  driver._slots[0] = driver._slots[1] = driver._slots[2] = None
+  driver.slots[0] = driver.slots[1] = driver.slots[2] = None
   with ProgramCalls(engine) as calls:
-    driver._refill()
+    _refill(driver)
   # Group 3's prefill; an insert per prefill the prefixes come from (group 2's is the first one).
   assert calls == {"_prefill_fn": 1, "_insert_fn": 2}
-  assert [(s.group.seq, s.index) for s in driver._slots[:3]] == [(2, 2), (3, 0), (3, 1)]
-  assert driver._slots[0].prompt_routing is None and driver.stats.prefills == 4
-  assert driver._pending_group.seq == 3 and driver._pending_prefix is not prefix
+  assert [(s.group.seq, s.index) for s in driver.slots[:3]] == [(2, 2), (3, 0), (3, 1)]
+  assert driver.slots[0].prompt_routing is None and driver.stats.prefills == 4
+  assert driver.episodes.pending_group.seq == 3 and driver.episodes.pending_prefix is not prefix
   # New weights: the pending group's prefix is not reused, it is prefilled again with them.
   driver.update_params(params, version=5)
   driver._maybe_swap_params()
-  driver._slots[3] = None
-  driver._refill()
-  assert driver._slots[3].group.seq == 3 and driver._pending_group is None
+  driver.slots[3] = None
+  _refill(driver)
+  assert driver.slots[3].group.seq == 3 and driver.episodes.pending_group is None
   assert driver.stats.prefills == 5
 
 
@@ -156,12 +164,12 @@ def test_admission_refused_mid_batch_admits_the_rest_later(make_engine):
 
   out = []
   driver = RolloutDriver(engine, params, source=iter(requests), sink=out.append, may_start_group=may_start)
-  driver._refill()
+  _refill(driver)
   assert len(asked) == 3  # asked per group: yes, yes, no
-  assert [s is not None for s in driver._slots] == [True] * 4 + [False] * 4
+  assert [s is not None for s in driver.slots] == [True] * 4 + [False] * 4
   allowed[0] = 100
   driver.run(max_wall_s=120)
-  ref, _ = _run(OneGroupAtATime, engine, requests, params)
+  ref, _ = _run(one_group_at_a_time, engine, requests, params)
   _assert_same_groups({g.prompt_id: g for g in out}, ref)
 
 

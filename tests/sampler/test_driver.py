@@ -204,6 +204,6 @@ def test_sample_keys_depend_on_group_order_and_index_across_key_blocks(make_engi
   driver = RolloutDriver(engine, engine.load_params(), source=iter([]), sink=lambda g: None)
   fold = jax.random.fold_in
   for seq in (0, 63, 64, 130, 200, 300, 5, 70):  # blocks 0-4, then back to 0 and 1 (evicted, remade)
-    want = [np.asarray(fold(fold(driver._base_key, seq), i)) for i in range(2)]
-    np.testing.assert_array_equal(driver._group_keys(seq), np.stack(want))
-  assert len(driver._key_blocks) <= 4
+    want = [np.asarray(fold(fold(driver.keys.base, seq), i)) for i in range(2)]
+    np.testing.assert_array_equal(driver.keys.group(seq), np.stack(want))
+  assert len(driver.keys.blocks) <= 4

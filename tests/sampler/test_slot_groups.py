@@ -21,7 +21,7 @@ def _run(engine, params, windows=None):
   driver = RolloutDriver(engine, params, source=iter(_requests()), sink=out.append)
   while driver.step() or not (driver.exhausted and driver.is_idle):
     if windows is not None:
-      windows.append(driver._state.arrays["cache"].windows)
+      windows.append(driver.slots.state.arrays["cache"].windows)
   return {g.prompt_id: [c.token_ids.tolist() for c in g.completions] for g in out}, driver.stats
 
 

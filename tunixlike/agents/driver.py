@@ -1,6 +1,7 @@
 """Agent episodes: the policy served to the user's own agent code, one request per policy turn.
 
-`AgentDriver` is a `RolloutDriver` whose episodes are run by an agent function written with any
+`AgentEpisodes` is the episode strategy (`strategy.Episodes`, run by `AgentDriver`, a `RolloutDriver`)
+whose episodes are run by an agent function written with any
 framework (`run_episode(base_url, api_key, episode_id, row)`, plain or async). For each prompt it starts
 G episodes on a pool of worker threads (`EnvRunner`, with `episode_timeout_s`); each agent talks to
 the policy through the OpenAI-compatible server (`server.py`) with the run's key, and names its
@@ -45,7 +46,7 @@ from tunixlike.agents.server import AgentServer, is_loopback
 from tunixlike.rewards.envs.runner import EnvRunner, EnvTimeout
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler.driver import DriverError, DriverStats, PromptRequest, RolloutDriver
-from tunixlike.sampler.engine import Engine
+from tunixlike.sampler.engine_api import EngineAPI
 from tunixlike.settings import FromConfig, tree_key
 
 _log = logging.getLogger(__name__)
@@ -137,25 +138,21 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
   return n
 
 
-class AgentDriver(RolloutDriver):
-  """Runs G agent episodes per prompt, served by an OpenAI-compatible server; see the module docstring."""
+class AgentEpisodes:
+  """The `strategy.Episodes` of agent episodes, and the server's backend (`protocol.EpisodeBackend`):
+  it owns the server, which hands it requests; see the module docstring."""
 
   continues_in_flight = False  # its episodes hold state a checkpoint does not: started again on resume
 
-  def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None], sink,
-               agent: Callable[..., Any], tokenizer, agent_config: AgentConfig, version: int = 0,
-               may_start_group: Callable[[int], bool] | None = None, tracer=None, model_name: str = "policy"):
+  def __init__(self, agent: Callable[..., Any], tokenizer, agent_config: AgentConfig, model_name: str):
     """`agent(base_url, api_key, episode_id, row)` runs one episode against `base_url` (its OpenAI
     base URL), sending `api_key` with every request."""
     if not callable(agent):
       raise TypeError(f"rl.agent must be a function run_episode(base_url, api_key, episode_id, row), got {agent!r}")
-    super().__init__(engine, params, source=source, sink=sink, version=version, may_start_group=may_start_group,
-                     detokenize=tokenizer.decode, **({} if tracer is None else {"tracer": tracer}))
     self.agent_config = ac = agent_config
+    self.key_turns = ac.max_turns
     self.tokenizer, self.model_name = tokenizer, model_name
     self._agent = agent
-    self._key_turns = ac.max_turns
-    self.stats = AgentStats()
     self._inbox: queue.SimpleQueue[Turn] = queue.SimpleQueue()  # accepted by the server, waiting for a slot
     self._cancels: queue.SimpleQueue[Turn] = queue.SimpleQueue()
     self._episodes: dict[str, AgentEpisode] = {}
@@ -165,6 +162,13 @@ class AgentDriver(RolloutDriver):
     self._prefixes: collections.OrderedDict = collections.OrderedDict()
     self._runner = EnvRunner(num_workers=ac.workers, timeout_s=ac.episode_timeout_s, name="agent")
     self.api_key = ac.api_key or secrets.token_urlsafe(32)
+
+  def bind(self, driver) -> AgentStats:
+    """Starts the server (its requests need the driver's engine and weights version)."""
+    self.driver = driver
+    self.engine, self.config = driver.engine, driver.config
+    self.stats = AgentStats()
+    ac = self.agent_config
     self.server = AgentServer(self, api_key=self.api_key, host=ac.host, port=ac.port,
                               max_body_bytes=ac.max_body_bytes, max_connections=ac.max_connections,
                               header_timeout_s=ac.header_timeout_s, idle_timeout_s=ac.idle_timeout_s)
@@ -173,28 +177,27 @@ class AgentDriver(RolloutDriver):
                    "(plain HTTP) can learn the key and drive the policy or post rewards", ac.host)
     self.server.start()
     self.base_url = self.server.base_url
+    return self.stats
 
   # ------------------------------------------------------------------ state
 
   @property
   def is_idle(self) -> bool:
-    return self._live_episodes == 0 and all(s is None for s in self._slots)
+    return self._live_episodes == 0
 
   def episode(self, episode_id: str) -> AgentEpisode | None:
     with self._episode_lock:
       return self._episodes.get(episode_id)
 
-  def stop(self, timeout_s: float) -> None:
-    try:
-      super().stop(timeout_s)
-    finally:  # requests still waiting get an answer, so the server's handlers end before it stops
-      with self._episode_lock:
-        for ep in self._episodes.values():
-          ep.finished = True
-          if ep.turn is not None:
-            ep.turn.post(("error", RequestError(503, "the run is stopping", "shutting_down")))
-      self._runner.close()
-      self.server.stop()
+  def close(self) -> None:
+    """Requests still waiting get an answer, so the server's handlers end before it stops."""
+    with self._episode_lock:
+      for ep in self._episodes.values():
+        ep.finished = True
+        if ep.turn is not None:
+          ep.turn.post(("error", RequestError(503, "the run is stopping", "shutting_down")))
+    self._runner.close()
+    self.server.stop()
 
   # ------------------------------------------------------------------ requests (server thread)
 
@@ -223,7 +226,7 @@ class AgentDriver(RolloutDriver):
                            f"max_prefill_length={limit}", "context_length_exceeded")
       if min(ext.ids) < 0 or max(ext.ids) >= self.engine.vocab_size:
         raise RequestError(400, f"the prompt has token ids outside [0, {self.engine.vocab_size})")
-      ep.recording.commit(ext, self._version)
+      ep.recording.commit(ext, self.driver.version)
       if ext.split:
         self.stats.history_edits += 1
         ep.counts["history_edits"] += 1
@@ -262,7 +265,7 @@ class AgentDriver(RolloutDriver):
 
   # ------------------------------------------------------------------ one step (driver thread)
 
-  def _prepare(self) -> None:
+  def prepare(self) -> None:
     self._take_cancels()
     self._poll_agents()
     self._start_groups()
@@ -301,23 +304,11 @@ class AgentDriver(RolloutDriver):
       self._abort(ep, error)
 
   def _start_groups(self) -> None:
-    g = self.config.group_size
-    while (not self._exhausted and self._live_episodes + g <= max(self.agent_config.workers, g)
-           and not self._admission_closed() and self._may_start(self._version)):
-      try:
-        request = next(self._source)
-      except StopIteration:
-        self._exhausted = True
+    d, g = self.driver, self.config.group_size
+    while self._live_episodes + g <= max(self.agent_config.workers, g):
+      group = d.admission.admit(d.version, self._new_group)
+      if group is None:
         return
-      if request is None:
-        return
-      self._check_prompt(request)
-      record = dict(request.columns)
-      record.setdefault("prompt_id", request.prompt_id)
-      record.setdefault("prompt_text", request.prompt_text)
-      group = _AgentGroup(seq=self._next_seq, request=request, record=record, version=self._version)
-      self._next_seq += 1
-      self._in_flight[group.seq] = group
       encode = lambda text, special: self.tokenizer.encode(text, add_special_tokens=special)
       with self._episode_lock:
         for i in range(g):
@@ -328,12 +319,22 @@ class AgentDriver(RolloutDriver):
           self._episodes[ep.id] = ep
       for ep in group.episodes:
         self._live_episodes += 1
-        self._tickets[self._runner.submit(self._agent, self.base_url, self.api_key, ep.id, dict(record))] = ep
+        self._tickets[self._runner.submit(self._agent, self.base_url, self.api_key, ep.id, dict(group.record))] = ep
 
-  def _refill(self) -> None:
+  def _new_group(self, seq: int, request: PromptRequest, ids: np.ndarray) -> _AgentGroup:
+    record = dict(request.columns)
+    record.setdefault("prompt_id", request.prompt_id)
+    record.setdefault("prompt_text", request.prompt_text)
+    return _AgentGroup(seq=seq, request=request, record=record, version=self.driver.version)
+
+  def requeue(self, info: Turn) -> None:
+    """A paged cache preempted the turn: agent turns are not resumed, its episode ends (aborted)."""
+    self._abort(info.episode, RequestError(503, "the sampler's paged cache ran out of blocks mid-answer",
+                                           "preempted"))
+
+  def refill(self, free: list[int]) -> None:
     """Waiting turns into free slots; turns with the same prompt (the G episodes' first requests
     usually are) share one prefill and one insert call."""
-    free = [i for i, s in enumerate(self._slots) if s is None]
     batches: dict[tuple[bytes, int], list[Turn]] = {}
     taken = 0
     while taken < len(free):
@@ -344,32 +345,33 @@ class AgentDriver(RolloutDriver):
       if not (turn.cancelled or turn.episode.finished):
         batches.setdefault((turn.prompt_ids.tobytes(), turn.max_new), []).append(turn)
         taken += 1
+    d = self.driver
     for (ids, max_new), turns in batches.items():
       t0 = time.perf_counter()
-      key = (ids, self._version)
+      key = (ids, d.version)
       prefix = self._prefixes.get(key)
       if prefix is None:
-        with self.tracer.span("prefill", cat="sampler", version=self._version):
-          prefix = self.engine.prefill(self._params, turns[0].prompt_ids, version=self._version)
+        with d.tracer.span("prefill", cat="sampler", version=d.version):
+          prefix = self.engine.prefill(d.params, turns[0].prompt_ids, version=d.version)
         self.stats.prefills += 1
         self._prefixes[key] = prefix
         if len(self._prefixes) > _PREFIXES:
           self._prefixes.popitem(last=False)
       slots = [free.pop(0) for _ in turns]
-      noise = [self._group_keys(t.episode.group.seq)[t.episode.index, t.number] for t in turns]
-      self._state = self.engine.bulk_insert(prefix, self._state, slots, keys=noise, max_new_tokens=max_new)
+      noise = [d.keys.group(t.episode.group.seq)[t.episode.index, t.number] for t in turns]
+      d.slots.state = self.engine.bulk_insert(prefix, d.slots.state, slots, keys=noise, max_new_tokens=max_new)
       self.stats.busy_time_s += time.perf_counter() - t0
       for slot, turn in zip(slots, turns):
-        self._slots[slot] = turn
+        d.slots[slot] = turn
 
   # ------------------------------------------------------------------ results (driver thread)
 
-  def _record(self, info: Turn, token: int, logprob: float, version: int, mask) -> None:
+  def record(self, info: Turn, token: int, logprob: float, version: int, mask) -> None:
     info.tokens.append(token)
     info.logprobs.append(logprob)
     info.versions.append(version)
 
-  def _stop_reason(self, info: Turn, token: int, eos: set[int]) -> str | None:
+  def stop_reason(self, info: Turn, token: int, eos: set[int]) -> str | None:
     if token in eos:
       return "eos"
     if info.stops and any(s in self._content(info) for s in info.stops):
@@ -378,9 +380,8 @@ class AgentDriver(RolloutDriver):
       return "length"
     return None
 
-  def _collect(self, host) -> None:
-    super()._collect(host)
-    for turn in self._slots:  # what live streaming turns decoded in this call
+  def collected(self) -> None:
+    for turn in self.driver.slots:  # what live streaming turns decoded in this call
       if turn is not None and turn.stream:
         self._stream(turn, final=False)
 
@@ -407,8 +408,7 @@ class AgentDriver(RolloutDriver):
     turn.sent = max(turn.sent, len(safe))
     return safe
 
-  def _finish(self, slot: int, info: Turn, reason: str) -> None:
-    self._slots[slot] = None
+  def finish(self, slot: int, info: Turn, reason: str) -> None:
     turn, ep = info, info.episode
     text = self._stream(turn, final=True)
     self.stats.tokens_generated += len(turn.tokens)
@@ -427,10 +427,9 @@ class AgentDriver(RolloutDriver):
     """Ends `ep` now: its request in flight (if any) leaves its slot and is answered with an error."""
     turn = ep.turn
     if turn is not None:
-      for slot, info in enumerate(self._slots):
+      for slot, info in enumerate(self.driver.slots):
         if info is turn:
-          self._state = self.engine.release(self._state, slot)
-          self._slots[slot] = None
+          self.driver.slots.release(slot)
       status = error.status if isinstance(error, RequestError) else 408 if isinstance(error, EnvTimeout) else 500
       turn.post(("error", RequestError(status, f"episode {ep.id!r} was aborted: {error}", "episode_aborted")))
     self._finish_episode(ep, "aborted")
@@ -487,8 +486,28 @@ class AgentDriver(RolloutDriver):
     with self._episode_lock:
       for ep in group.episodes:
         del self._episodes[ep.id]
-    del self._in_flight[group.seq]
+    self.driver.admission.done(group.seq)
     req = group.request
-    self._emit(RolloutGroup(prompt_id=req.prompt_id, prompt_token_ids=np.asarray(ref.prompt_ids[:shared], np.int32),
-                            completions=completions, columns=dict(req.columns), prompt_text=req.prompt_text,
-                            rewards=rewards, reward_metrics=metrics, start_version=group.version))
+    self.driver.emit(RolloutGroup(prompt_id=req.prompt_id,
+                                  prompt_token_ids=np.asarray(ref.prompt_ids[:shared], np.int32),
+                                  completions=completions, columns=dict(req.columns), prompt_text=req.prompt_text,
+                                  rewards=rewards, reward_metrics=metrics, start_version=group.version))
+
+
+class AgentDriver(RolloutDriver):
+  """A `RolloutDriver` of G agent episodes per prompt (`AgentEpisodes`), served by an
+  OpenAI-compatible server; see the module docstring."""
+
+  def __init__(self, engine: EngineAPI, params, *, source: Iterable[PromptRequest | None], sink,
+               agent: Callable[..., Any], tokenizer, agent_config: AgentConfig, version: int = 0,
+               may_start_group: Callable[[int], bool] | None = None, tracer=None, model_name: str = "policy"):
+    """`agent(base_url, api_key, episode_id, row)` runs one episode against `base_url` (its OpenAI
+    base URL), sending `api_key` with every request."""
+    episodes = AgentEpisodes(agent, tokenizer, agent_config, model_name)
+    super().__init__(engine, params, source=source, sink=sink, version=version, may_start_group=may_start_group,
+                     detokenize=tokenizer.decode, episodes=episodes, **({} if tracer is None else {"tracer": tracer}))
+    self.agent_config, self.tokenizer, self.model_name = agent_config, tokenizer, model_name
+    self.server, self.api_key, self.base_url = episodes.server, episodes.api_key, episodes.base_url
+
+  def episode(self, episode_id: str) -> AgentEpisode | None:
+    return self.episodes.episode(episode_id)

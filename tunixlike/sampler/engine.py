@@ -468,6 +468,21 @@ class Engine:
   def discard(self, decode_state: DecodeState, parked: ParkedKV | None) -> None:
     """Drops KV `park` kept (nothing here)."""
 
+  def resume_prefill(self, params: Params, decode_state: DecodeState, parked: ParkedKV, tokens, *,
+                     version: int = 0) -> Prefix | None:
+    """The prefix of `tokens` from KV `park` kept: None here, where nothing is parked (prefill the
+    tokens instead); `PagedEngine` computes only the positions added since."""
+    return None
+
+  def decode_width(self, decode_state: DecodeState) -> int:
+    """Slots per replica a generate call computes: all of them (every slot owns its cache row)."""
+    return self._slots_per_replica
+
+  def verify(self, params: Params, decode_state: DecodeState, drafts_sd) -> tuple[DecodeState, GenerateResult]:
+    """Speculative decoding's verify call (`PagedEngine.verify`); the config rejects it for this cache."""
+    raise ValueError("sampler.speculative=True needs sampler.kv_layout='paged': the contiguous cache does not "
+                     "verify drafts")
+
   def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
     """Stops decoding `slot` (e.g. a stop string was seen on the host); it emits nothing more."""
     cache, small = self._split_arrays(decode_state.arrays)

@@ -1,7 +1,8 @@
 """Multi-turn episodes: decoding interleaved with environment steps, no slot ever waiting on a tool.
 
-`EpisodeDriver` is a `RolloutDriver` whose completions are conversations with an environment
-(`tunixlike.rewards.envs.Env`). For each prompt it runs G episodes, each with its own Env:
+`EnvEpisodes` is the episode strategy (`strategy.Episodes`) whose completions are conversations with
+an environment (`tunixlike.rewards.envs.Env`); `EpisodeDriver` is a `RolloutDriver` that runs it.
+For each prompt it runs G episodes, each with its own Env:
 
   1. `env.reset(record)` runs on a worker thread; its text (if any) is appended to the prompt;
   2. the episode waits for a free decode slot (and, with a paged cache, its blocks), prefills its
@@ -46,7 +47,8 @@ from tunixlike.rewards.envs import tool_calls
 from tunixlike.rewards.envs.runner import EnvRunner, EnvTimeout
 from tunixlike.rollout import Completion, RolloutGroup
 from tunixlike.sampler.driver import DriverStats, PromptRequest, RolloutDriver
-from tunixlike.sampler.engine import Engine, ParkedKV, Prefix
+from tunixlike.sampler.engine import ParkedKV, Prefix
+from tunixlike.sampler.engine_api import EngineAPI
 from tunixlike.settings import FromConfig, tree_key
 
 _log = logging.getLogger(__name__)
@@ -148,97 +150,74 @@ class _EpisodeSlot:
   max_new: int
 
 
-class EpisodeDriver(RolloutDriver):
-  """Runs G env episodes per prompt over an `Engine`; see the module docstring.
-
-  Control from other threads is the RolloutDriver's: `start` / `stop` / `update_params` /
-  `may_start_group`. `is_idle` also waits for parked and env-waiting episodes.
-  """
+class EnvEpisodes:
+  """The `strategy.Episodes` of environment episodes; see the module docstring."""
 
   continues_in_flight = False  # its episodes hold state a checkpoint does not: started again on resume
 
-  def __init__(self, engine: Engine, params, *, source: Iterable[PromptRequest | None], sink,
-               make_env: Callable[[], Any], tokenize: Callable[[str], Sequence[int]],
-               detokenize: Callable[[Sequence[int]], str], episode_config: EpisodeConfig,
-               version: int = 0, may_start_group: Callable[[int], bool] | None = None, tracer=None):
-    """`make_env()` builds one Env per episode. `tokenize(text)` must add no special tokens (it
-    encodes observations appended mid-conversation); `detokenize(ids)` gives a turn's text."""
+  def __init__(self, make_env: Callable[[], Any], tokenize: Callable[[str], Sequence[int]],
+               episode_config: EpisodeConfig):
     if not isinstance(episode_config, EpisodeConfig):
       raise TypeError(f"episode_config must be an EpisodeConfig, got {type(episode_config).__name__}")
-    if not callable(make_env) or not callable(tokenize) or detokenize is None:
-      raise ValueError("EpisodeDriver needs make_env, tokenize and detokenize callables")
-    if engine.config.record_routing:  # observation tokens are prefilled into a slot, not decoded
-      raise ValueError("sampler.record_routing is not supported by EpisodeDriver (multi-turn): only "
-                       "single-turn RolloutDriver rollouts record MoE routing")
-    super().__init__(engine, params, source=source, sink=sink, version=version, may_start_group=may_start_group,
-                     detokenize=detokenize, **({} if tracer is None else {"tracer": tracer}))
     self.episode_config = ec = episode_config
-    self._key_turns = ec.max_turns
+    self.key_turns = ec.max_turns
     self._make_env, self._tokenize = make_env, tokenize
-    self.stats = EpisodeStats()
     self._runner = EnvRunner(num_workers=ec.env_workers, timeout_s=ec.step_timeout_s, name="env")
     self._tickets: dict[int, _Episode] = {}  # env call in progress -> its episode
     self._ready: list[tuple[int, int, _Episode]] = []  # heap by (group seq, index): oldest group first
     self._live_episodes = 0
-    self._max_in_flight = ec.max_episodes_in_flight or 2 * engine.max_concurrent_decodes
-    self._stops = tuple(self.config.stop_strings) + ec.action_stop_strings
-    self._turn_limit = min(ec.max_turn_tokens or self.config.max_new_tokens, self.config.max_new_tokens)
-    self._mask_width = -(-engine.vocab_size // 8)
 
-  # ------------------------------------------------------------------ state
+  def bind(self, driver) -> EpisodeStats:
+    self.driver = driver
+    self.engine, self.config = engine, cfg = driver.engine, driver.config
+    ec = self.episode_config
+    self.stats = EpisodeStats()
+    self._max_in_flight = ec.max_episodes_in_flight or 2 * engine.max_concurrent_decodes
+    self._stops = tuple(cfg.stop_strings) + ec.action_stop_strings
+    self._turn_limit = min(ec.max_turn_tokens or cfg.max_new_tokens, cfg.max_new_tokens)
+    self._mask_width = -(-engine.vocab_size // 8)
+    return self.stats
 
   @property
   def is_idle(self) -> bool:
-    return self._live_episodes == 0 and all(s is None for s in self._slots)
+    return self._live_episodes == 0
 
   @property
-  def episodes_waiting_on_env(self) -> int:
-    """Episodes whose env reset / step is running or queued."""
+  def waiting_on_env(self) -> int:
     return len(self._tickets)
 
-  @property
-  def episodes_decoding(self) -> int:
-    """Episodes holding a decode slot."""
-    return sum(s is not None for s in self._slots)
+  def close(self) -> None:
+    self._runner.close()
 
-  def stop(self, timeout_s: float) -> None:
-    try:
-      super().stop(timeout_s)
-    finally:
-      self._runner.close()
+  def collected(self) -> None:
+    pass
 
   # ------------------------------------------------------------------ one step
 
-  def _prepare(self) -> None:
+  def prepare(self) -> None:
     """Before each refill: take environment results, then start new groups (episodes)."""
     self._poll_env()
     self._start_groups()
 
   def _start_groups(self) -> None:
     """Starts groups while ready episodes cannot fill the free slots and the in-flight bound allows."""
-    g = self.config.group_size
-    while (len(self._ready) < sum(s is None for s in self._slots) and not self._exhausted
-           and self._live_episodes + g <= self._max_in_flight and not self._admission_closed()
-           and self._may_start(self._version)):
-      try:
-        request = next(self._source)
-      except StopIteration:
-        self._exhausted = True
+    d, g = self.driver, self.config.group_size
+    while len(self._ready) < len(d.slots.free()) and self._live_episodes + g <= self._max_in_flight:
+      group = d.admission.admit(d.version, self._new_group)
+      if group is None:
         return
-      if request is None:
-        return
-      ids = self._check_prompt(request)
-      record = dict(request.columns)
-      record.setdefault("prompt_id", request.prompt_id)
-      record.setdefault("prompt_text", request.prompt_text)
-      group = _EpisodeGroup(seq=self._next_seq, request=request, prompt_ids=ids, record=record,
-                            completions=[None] * g, rewards=[0.0] * g, metrics=[{}] * g)
-      self._next_seq += 1
-      self._in_flight[group.seq] = group
       for i in range(g):
         episode = _Episode(group=group, index=i, env=self._make_env())
         self._live_episodes += 1
-        self._tickets[self._runner.submit(episode.env.reset, dict(record))] = episode
+        self._tickets[self._runner.submit(episode.env.reset, dict(group.record))] = episode
+
+  def _new_group(self, seq: int, request: PromptRequest, ids: np.ndarray) -> _EpisodeGroup:
+    g = self.config.group_size
+    record = dict(request.columns)
+    record.setdefault("prompt_id", request.prompt_id)
+    record.setdefault("prompt_text", request.prompt_text)
+    return _EpisodeGroup(seq=seq, request=request, prompt_ids=ids, record=record,
+                         completions=[None] * g, rewards=[0.0] * g, metrics=[{}] * g)
 
   def _poll_env(self) -> None:
     for ticket, value, error in self._runner.poll():
@@ -288,21 +267,22 @@ class EpisodeDriver(RolloutDriver):
       return
     episode.tokens += ids
     episode.logprobs += [0.0] * len(ids)
-    episode.versions += [self._version] * len(ids)
+    episode.versions += [self.driver.version] * len(ids)
     episode.loss_mask += [0] * len(ids)
     if self.config.record_sampling_mask:
       episode.masks += [np.zeros((self._mask_width,), np.uint8)] * len(ids)
     self.stats.env_tokens += len(ids)
     heapq.heappush(self._ready, (episode.group.seq, episode.index, episode))
 
-  def _requeue_preempted(self, info: _EpisodeSlot) -> None:
+  def requeue(self, info: _EpisodeSlot) -> None:
     """A turn preempted by a paged cache waits for a slot again and then goes on where it stopped."""
     episode = info.episode
     episode.preempted = True
     heapq.heappush(self._ready, (episode.group.seq, episode.index, episode))
 
-  def _refill(self) -> None:
-    for slot in [i for i, s in enumerate(self._slots) if s is None]:
+  def refill(self, free: list[int]) -> None:
+    d = self.driver
+    for slot in free:
       if not self._ready:
         return
       _, _, episode = heapq.heappop(self._ready)
@@ -310,7 +290,7 @@ class EpisodeDriver(RolloutDriver):
       ids = np.concatenate([group.prompt_ids, np.asarray(episode.tokens, group.prompt_ids.dtype)])
       t0 = time.perf_counter()
       prefix = self._turn_prefix(episode, ids)
-      if not self.engine.fits(self._state, [(len(ids), [slot])]):  # a paged cache short of blocks
+      if not self.engine.fits(d.slots.state, [(len(ids), [slot])]):  # a paged cache short of blocks
         episode.prefix = prefix
         heapq.heappush(self._ready, (group.seq, episode.index, episode))
         return
@@ -319,15 +299,15 @@ class EpisodeDriver(RolloutDriver):
         episode.turns += 1
         episode.turn_start = len(episode.tokens)
         episode.turn_limit = self._new_turn_limit(episode)
-      episode.preempted, episode.insert_version = False, self._version
+      episode.preempted, episode.insert_version = False, d.version
       # Set by the group's start order, the episode's index and the turn number.
-      key = self._group_keys(group.seq)[episode.index, episode.turns - 1]
-      self._state = self.engine.insert_many([prefix], self._state, [[slot]], keys=[key[None]],
-                                            max_new_tokens=[episode.turn_limit],
-                                            generated=[len(episode.tokens) - episode.turn_start])
+      key = d.keys.group(group.seq)[episode.index, episode.turns - 1]
+      d.slots.state = self.engine.insert_many([prefix], d.slots.state, [[slot]], keys=[key[None]],
+                                              max_new_tokens=[episode.turn_limit],
+                                              generated=[len(episode.tokens) - episode.turn_start])
       self.stats.busy_time_s += time.perf_counter() - t0
       self.stats.resumed += resumed
-      self._slots[slot] = _EpisodeSlot(episode, episode.turn_limit)
+      d.slots[slot] = _EpisodeSlot(episode, episode.turn_limit)
 
   def _new_turn_limit(self, episode: _Episode) -> int:
     limit = self._turn_limit
@@ -342,22 +322,23 @@ class EpisodeDriver(RolloutDriver):
     earlier, the last turn's parked KV extended by what came since, the group's shared first
     prefix, or a prefill of the whole conversation."""
     prefix, episode.prefix = episode.prefix, None
-    if prefix is not None and prefix.version == self._version:
+    if prefix is not None and prefix.version == self.driver.version:
       return prefix
     kv, episode.kv = episode.kv, None
     if kv is not None:
-      if episode.kv_version == self._version:
-        prefix = self.engine.resume_prefill(self._params, self._state, kv, ids, version=self._version)
+      if episode.kv_version == self.driver.version:
+        d = self.driver
+        prefix = self.engine.resume_prefill(d.params, d.slots.state, kv, ids, version=d.version)
       else:
-        self.engine.discard(self._state, kv)
+        self.engine.discard(self.driver.slots.state, kv)
       if prefix is not None:
         self.stats.kv_resumed_turns += 1
         return prefix
     group, first = episode.group, episode.turns == 0 and not episode.preempted
-    cache_key = (ids.tobytes(), self._version)
+    cache_key = (ids.tobytes(), self.driver.version)
     prefix = group.first_prefix.get(cache_key) if first else None
     if prefix is None:
-      prefix = self.engine.prefill_many(self._params, [ids], version=self._version,
+      prefix = self.engine.prefill_many(self.driver.params, [ids], version=self.driver.version,
                                         max_length=self.config.cache_length)[0]
       self.stats.prefills += 1
       if first and self.config.group_size > 1:
@@ -366,7 +347,7 @@ class EpisodeDriver(RolloutDriver):
 
   # ------------------------------------------------------------------ results
 
-  def _record(self, info: _EpisodeSlot, token: int, logprob: float, version: int, mask) -> None:
+  def record(self, info: _EpisodeSlot, token: int, logprob: float, version: int, mask) -> None:
     ep = info.episode
     ep.tokens.append(token)
     ep.logprobs.append(logprob)
@@ -375,7 +356,7 @@ class EpisodeDriver(RolloutDriver):
     if mask is not None:
       ep.masks.append(mask)
 
-  def _stop_reason(self, info: _EpisodeSlot, token: int, eos: set[int]) -> str | None:
+  def stop_reason(self, info: _EpisodeSlot, token: int, eos: set[int]) -> str | None:
     """A turn ends at EOS, at an action stop string (a tool call) or at its token limit."""
     ep = info.episode
     if token in eos:
@@ -386,16 +367,16 @@ class EpisodeDriver(RolloutDriver):
       return "length"
     return None
 
-  def _finish(self, slot: int, info: _EpisodeSlot, reason: str) -> None:
+  def finish(self, slot: int, info: _EpisodeSlot, reason: str) -> None:
     episode = info.episode
     # KV of the conversation but its last token (sampled, not yet fed) stays for the next turn.
-    episode.kv = self.engine.park(self._state, slot, len(episode.group.prompt_ids) + len(episode.tokens) - 1)
-    episode.kv_version = self._version if episode.insert_version == self._version else None
-    self._slots[slot] = None
+    episode.kv = self.engine.park(self.driver.slots.state, slot,
+                                  len(episode.group.prompt_ids) + len(episode.tokens) - 1)
+    episode.kv_version = self.driver.version if episode.insert_version == self.driver.version else None
     self._end_turn(episode, reason)
 
   def _turn_text(self, episode: _Episode) -> str:
-    return self._detokenize(episode.tokens[episode.turn_start:])
+    return self.driver.detokenize(episode.tokens[episode.turn_start:])
 
   def _end_turn(self, episode: _Episode, finish: str) -> None:
     """The slot is already free; the env step runs on a worker while decoding goes on."""
@@ -416,7 +397,7 @@ class EpisodeDriver(RolloutDriver):
     self._finish_episode(episode, "aborted", reward=self.episode_config.failure_reward)
 
   def _finish_episode(self, episode: _Episode, reason: str, reward: float | None = None) -> None:
-    self.engine.discard(self._state, episode.kv)
+    self.engine.discard(self.driver.slots.state, episode.kv)
     episode.kv = episode.prefix = None
     if reward is None:
       reward = env_base.aggregate_rewards(episode.step_rewards, self.episode_config.reward_aggregation)
@@ -428,7 +409,7 @@ class EpisodeDriver(RolloutDriver):
         finish_reason=reason,
         loss_mask=np.asarray(episode.loss_mask, np.int32).reshape(n),
         sampling_mask=np.stack(episode.masks) if episode.masks else None,
-        text=self._detokenize(episode.tokens))
+        text=self.driver.detokenize(episode.tokens))
     self._live_episodes -= 1
     self.stats.completions += 1
     self.stats.episodes += 1
@@ -439,11 +420,45 @@ class EpisodeDriver(RolloutDriver):
     group.metrics[episode.index] = dict(episode.metrics, **{"episode/turns": float(episode.turns),
                                                             "episode/env_tokens": float(n - sum(episode.loss_mask))})
     if all(c is not None for c in group.completions):
-      del self._in_flight[group.seq]
+      self.driver.admission.done(group.seq)
       names = sorted({k for m in group.metrics for k in m})
       metrics = {k: float(np.mean([m.get(k, 0.0) for m in group.metrics])) for k in names}
       req = group.request
-      self._emit(RolloutGroup(prompt_id=req.prompt_id, prompt_token_ids=group.prompt_ids.astype(np.int32),
-                              completions=list(group.completions), columns=dict(req.columns),
-                              prompt_text=req.prompt_text, rewards=np.asarray(group.rewards, np.float32),
-                              reward_metrics=metrics))
+      self.driver.emit(RolloutGroup(prompt_id=req.prompt_id, prompt_token_ids=group.prompt_ids.astype(np.int32),
+                                    completions=list(group.completions), columns=dict(req.columns),
+                                    prompt_text=req.prompt_text, rewards=np.asarray(group.rewards, np.float32),
+                                    reward_metrics=metrics))
+
+
+class EpisodeDriver(RolloutDriver):
+  """A `RolloutDriver` of G env episodes per prompt (`EnvEpisodes`); see the module docstring.
+
+  Control from other threads is the RolloutDriver's: `start` / `stop` / `update_params` /
+  `may_start_group`. `is_idle` also waits for parked and env-waiting episodes.
+  """
+
+  def __init__(self, engine: EngineAPI, params, *, source: Iterable[PromptRequest | None], sink,
+               make_env: Callable[[], Any], tokenize: Callable[[str], Sequence[int]],
+               detokenize: Callable[[Sequence[int]], str], episode_config: EpisodeConfig,
+               version: int = 0, may_start_group: Callable[[int], bool] | None = None, tracer=None):
+    """`make_env()` builds one Env per episode. `tokenize(text)` must add no special tokens (it
+    encodes observations appended mid-conversation); `detokenize(ids)` gives a turn's text."""
+    if not callable(make_env) or not callable(tokenize) or detokenize is None:
+      raise ValueError("EpisodeDriver needs make_env, tokenize and detokenize callables")
+    if engine.config.record_routing:  # observation tokens are prefilled into a slot, not decoded
+      raise ValueError("sampler.record_routing is not supported by EpisodeDriver (multi-turn): only "
+                       "single-turn RolloutDriver rollouts record MoE routing")
+    super().__init__(engine, params, source=source, sink=sink, version=version, may_start_group=may_start_group,
+                     detokenize=detokenize, episodes=EnvEpisodes(make_env, tokenize, episode_config),
+                     **({} if tracer is None else {"tracer": tracer}))
+    self.episode_config = episode_config
+
+  @property
+  def episodes_waiting_on_env(self) -> int:
+    """Episodes whose env reset / step is running or queued."""
+    return self.episodes.waiting_on_env
+
+  @property
+  def episodes_decoding(self) -> int:
+    """Episodes holding a decode slot."""
+    return sum(s is not None for s in self.slots)
