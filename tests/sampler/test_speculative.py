@@ -45,9 +45,9 @@ def _verify_all(engine, params, prompts, keys, draft_for):
     state = engine.insert(engine.prefill(params, p), state, i, key=keys[i])
   toks, lps = [[] for _ in prompts], [[] for _ in prompts]
   for calls in range(1, 100):
-    drafts = np.full((engine.max_concurrent_decodes, engine.config.draft_tokens), NO_DRAFT, np.int32)
+    drafts = np.full((engine.max_concurrent_decodes, engine.draft_length), NO_DRAFT, np.int32)
     for i in range(len(prompts)):
-      d = draft_for(i, toks[i])[:engine.config.draft_tokens]
+      d = draft_for(i, toks[i])[:engine.draft_length]
       drafts[i, :len(d)] = d
     state, res = engine.verify(params, state, drafts)
     for k in range(res.tokens_ks.shape[0]):
@@ -72,6 +72,7 @@ def test_verify_gives_plain_decodings_tokens_with_right_partly_right_and_wrong_d
   want, want_lps, _ = _decode_all(plain, params, prompts, keys)
   rng = np.random.default_rng(0)
   drafts = {"right": lambda i, t: want[i][len(t):],
+            "one wrong": lambda i, t: [x if j != 2 else (x + 1) % VOCAB for j, x in enumerate(want[i][len(t):])],
             "partly right": lambda i, t: want[i][len(t):len(t) + 2] + [int(x) for x in rng.integers(0, VOCAB, 2)],
             "wrong": lambda i, t: [(x + 1) % VOCAB for x in want[i][len(t):]]}
   calls = {}
@@ -82,6 +83,18 @@ def test_verify_gives_plain_decodings_tokens_with_right_partly_right_and_wrong_d
   longest = max(len(t) for t in want)
   assert calls["wrong"] == -(-longest // spec.config.steps_per_call)  # a wrong draft costs no tokens
   assert calls["right"] < calls["partly right"] < calls["wrong"]
+  # After a rejected token a call's next step verifies the draft from there on: the rest is accepted.
+  assert calls["one wrong"] < calls["partly right"]
+
+
+def test_a_verify_calls_accounting_follows_the_slot_through_the_draft():
+  """2 steps x 3 positions, draft_tokens 2: step 0 accepts 7, 2 and emits the bonus 9; step 1 verifies
+  the draft from position 3 (4, 5) and accepts 4 only (6 corrects 5)."""
+  tokens = np.asarray([7, 2, 9, 4, 6, 1])
+  valid = np.asarray([1, 1, 1, 1, 1, 0], bool)
+  assert drafts_lib.verified(tokens, valid, np.asarray([7, 2, 9, 4, 5]), 2) == (4, 3)
+  short = np.asarray([7, 2, 9, NO_DRAFT, NO_DRAFT])  # no draft for step 1: nothing verified there
+  assert drafts_lib.verified(tokens, valid, short, 2) == (2, 2)
 
 
 def _run(engine, requests, params, drafter=None):
@@ -185,17 +198,19 @@ def test_speculation_needs_the_paged_cache_and_single_turn_rollouts(tiny_model):
 
 
 def test_a_verify_call_runs_only_where_the_drafts_pay_for_it():
-  """The gate by hand: a verify call measured at 1.5 times a plain call's seconds pays when the drafts
-  are expected to add more than half the tokens the plain call gives (8 live sequences x 4 steps)."""
+  """The gate by hand: a verify call measured at 3 times a plain call's seconds pays when the drafts
+  are expected to add more than twice the tokens the plain call gives (8 live sequences x 4 steps)."""
   prompt = np.asarray([1, 2], np.int32)
-  live = [drafts_lib.Live(s, s, 0, prompt, [5, 6, 7, 8] * 3, 100) for s in range(8)]  # each repeats: 8-token drafts
-  times = {(False, 8): 1.0, (True, 8): 1.5}
+  live = [drafts_lib.Live(s, s, 0, prompt, [5, 6, 7, 8] * 3, 100) for s in range(8)]  # each repeats: full drafts
+  times = {(False, 8): 1.0, (True, 8): 3.0}
   drafter = drafts_lib.Drafter(draft_tokens=8, ngram=3, min_acceptance=0.3, history=0, steps_per_call=4,
                                call_seconds=times)
-  assert drafter.may_pay(8, width=8)  # 8 x 8 x 0.5 (the prior acceptance) = 32 more: 64 / 1.5 > 32 / 1
-  assert drafter.drafts(live, 8, width=8) is not None
+  assert drafter.length == 4 * 9 - 1  # a call's 4 steps verify 8 draft tokens each and emit one more
+  assert drafter.may_pay(8, width=8)  # 8 x 35 x 0.5 (the prior acceptance) = 140 more: 172 / 3 > 32 / 1
+  assert drafter.drafts(live, 8, width=8)[0].shape == (8, 35)
   for g in range(40):  # other sequences' drafts were mostly wrong: the recent acceptance falls toward 1/8
     drafter.observe(100 + g, 0, drafted=8, accepted=1, length=12)
+  # 8 x 35 x 0.17 = 48 more: 80 / 3 < 32 / 1
   assert not drafter.may_pay(8, width=8) and drafter.drafts(live, 8, width=8) is None
   assert drafter.drafts(live, 8, width=None) is not None  # without a width: no gate
   # An unmeasured width: a plain call is measured first, then a verify call.

@@ -7,7 +7,7 @@ lookup decoding, Saxena 2023) in
     more so as the policy sharpens, and the last, long samples of a batch find theirs finished;
   * its prompt's earlier completions (`sampler.draft_history` per prompt, kept on the host: a
     prompt seen again, e.g. in the next epoch);
-the longest continuation found (ties: in that order), or, if none is `draft_tokens` long, the
+the longest continuation found (ties: in that order), or, if none is a full draft long, the
 sequence's own repetition (`NgramIndex.repeat`) if that is longer. Any draft is safe: verification
 keeps exactly the tokens plain decoding samples (`speculative`); a draft only decides how many come
 per forward.
@@ -31,7 +31,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from tunixlike.sampler.speculative import NO_DRAFT
+from tunixlike.sampler.speculative import NO_DRAFT, draft_length
 
 WINDOW = 4  # tries a sequence's acceptance is judged over
 FIRST_PAUSE = 16  # tokens a sequence decodes without drafting after its drafts failed
@@ -42,6 +42,24 @@ PRIOR_ACCEPTANCE = 0.5  # the expected acceptance of a draft before any was veri
 RECENT_SMOOTHING = 0.05  # weight of one try in the recent acceptance of all drafts (a new sequence's estimate)
 TIME_SMOOTHING = 0.3  # weight of the latest call in the smoothed seconds per call
 RETRY_EVERY = 32  # refused verify calls (of drafts worth a token) at a width before one measures again
+
+
+def verified(tokens_k, valid_k, draft, draft_tokens: int) -> tuple[int, int]:
+  """(draft tokens verified, accepted) of one slot in a verify call: its rows tokens_k / valid_k [K]
+  are the call's steps x (draft_tokens + 1) positions, in order (`PagedEngine.verify`); each step
+  verifies the draft from the slot's position in it (the tokens emitted so far)."""
+  t, drafted, accepted, at = draft_tokens + 1, 0, 0, 0
+  for row in range(0, len(valid_k), t):
+    got = np.asarray(tokens_k[row:row + t])[np.asarray(valid_k[row:row + t], bool)]
+    if not len(got):  # the slot stopped
+      break
+    want = np.asarray(draft[at:at + draft_tokens])
+    want = want[want != NO_DRAFT]
+    n = min(len(got), len(want))
+    drafted += len(want)
+    accepted += int(np.cumprod(got[:n] == want[:n]).sum())
+    at += len(got)
+  return drafted, accepted
 
 
 class NgramIndex:
@@ -169,6 +187,7 @@ class Drafter:
     them (taken as measured; updated in place). `recent_acceptance` (an attribute) may be set too."""
     self.draft_tokens, self.ngram, self.min_acceptance = draft_tokens, ngram, min_acceptance
     self.steps_per_call = steps_per_call
+    self.length = draft_length(steps_per_call, draft_tokens)  # a verify call's draft per sequence
     self.history = History(history)
     self._groups: dict[int, _Group] = {}
     self._control: dict[tuple[int, int], _Control] = {}
@@ -185,7 +204,7 @@ class Drafter:
 
   def drafts(self, sequences: Iterable[Live], num_slots: int,
              width: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
-    """(drafts int32 [num_slots, draft_tokens] with NO_DRAFT padding, lengths [num_slots]), or None
+    """(drafts int32 [num_slots, `length`] with NO_DRAFT padding, lengths [num_slots]), or None
     when no sequence has one, or (given the call's decode `width`) when the tokens the drafts are
     expected to add do not pay for a verify call (`_pays`): the plain decode program runs."""
     sequences = list(sequences)
@@ -195,13 +214,13 @@ class Drafter:
       if seq.index not in group.samples:  # its text, indexed as it grows (a source for its siblings too)
         group.samples[seq.index] = NgramIndex(self.ngram, seq.prompt_ids, growing=seq.tokens)
       control = self._control.get((seq.group, seq.index))
-      length = min(self.draft_tokens, seq.budget)
+      length = min(self.length, seq.budget)
       if length > 0 and (control is None or len(seq.tokens) >= control.paused_until):
         asking.append((seq, length, self._acceptance(seq)))
         bound += length * asking[-1][2]
     if not asking or (width is not None and not self._pays(bound, len(sequences), width, final=False)):
       return None  # (no lookups: most steps of text that does not repeat end here)
-    out = np.full((num_slots, self.draft_tokens), NO_DRAFT, np.int32)
+    out = np.full((num_slots, self.length), NO_DRAFT, np.int32)
     lengths, gain = np.zeros((num_slots,), np.int32), 0.0
     for seq, length, acceptance in asking:
       draft = self._draft(seq, length)
@@ -216,7 +235,7 @@ class Drafter:
     """Whether drafts for `live` sequences could pay for a verify call at this width, judged by the
     recent acceptance of all drafts: when not, the driver skips the lookups (and builds no requests),
     so a workload where speculation does not pay costs a dict lookup per call."""
-    return self._pays(live * self.draft_tokens * self.recent_acceptance, live, width, final=False)
+    return self._pays(live * self.length * self.recent_acceptance, live, width, final=False)
 
   def _acceptance(self, seq: Live) -> float:
     """The sequence's acceptance over its last tries; before any, the recent acceptance of all drafts."""

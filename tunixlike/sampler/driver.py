@@ -483,25 +483,25 @@ class RolloutDriver:
                               info.max_new - len(info.tokens) - 1)
 
   def _count_steps(self, host, drafted) -> None:
-    """Slot steps of a generate call (a verify call's first K rows are its one verify forward), and
-    how each draft fared (the adaptive switch hears of it before the tokens are collected)."""
+    """Slot steps of a generate call (a verify call's rows are its forwards of draft_tokens + 1
+    positions each), and how each draft fared (the adaptive switch hears of it before the tokens are
+    collected)."""
     valid_ks = host.valid_ks
-    first = 0 if drafted is None else self.config.draft_tokens + 1
-    forwards = valid_ks.shape[0] - max(first - 1, 0)
+    per = 1 if drafted is None else self.config.draft_tokens + 1  # rows per forward
+    forwards = valid_ks.shape[0] // per
     self.stats.total_slot_steps += forwards * valid_ks.shape[1]
-    self.stats.live_slot_steps += int(valid_ks[first:].sum()) + int(valid_ks[:first].any(0).sum())
+    self.stats.live_slot_steps += int(valid_ks.reshape(forwards, per, -1).any(1).sum())
     self.stats.decoded_tokens += int(valid_ks.sum())
     if drafted is None:
       return
     self.stats.verify_calls += 1
     tokens, lengths = drafted
     for s in np.flatnonzero(lengths):
-      info, n = self._slots[s], int(lengths[s])
-      emitted = host.tokens_ks[:n, s][valid_ks[:n, s]]
-      accepted = int(np.cumprod(emitted == tokens[s, :len(emitted)]).sum())
+      info = self._slots[s]
+      n, accepted = drafts_lib.verified(host.tokens_ks[:, s], valid_ks[:, s], tokens[s], self.config.draft_tokens)
       self.stats.drafted_tokens += n
       self.stats.accepted_tokens += accepted
-      self._drafter.observe(info.group.seq, info.index, n, accepted, len(info.tokens) + accepted + 1)
+      self._drafter.observe(info.group.seq, info.index, n, accepted, len(info.tokens) + int(valid_ks[:, s].sum()))
 
   def _prepare(self) -> None:
     """Runs before slots are refilled: subclasses bring in other work (EpisodeDriver: env results)."""

@@ -70,6 +70,7 @@ class PagedEngine(Engine):
           f"and its group's {config.group_size} samples: at least {need * self.block_bytes} bytes "
           f"({need} blocks of {bs} positions)")
     self._max_blocks = blocks_for(config.cache_length, bs)  # blocks of the longest sequence
+    self.draft_length = speculative.draft_length(config.steps_per_call, config.draft_tokens)  # per slot and verify call
     small = {k: v for k, v in self._state_shardings(config.cache_length).items() if k != "cache"}
     self._pool_shardings = jax.eval_shape(self._empty_pool).shardings(self.mesh, rules)
     self._paged_shardings = dict(small, cache=self._pool_shardings)
@@ -174,7 +175,7 @@ class PagedEngine(Engine):
   def _call_end(self, position) -> int:
     """Positions [0, end) a slot at `position` may have written by the end of its next call (a verify
     call writes its draft's positions too)."""
-    reach = self.config.steps_per_call + (self.config.draft_tokens if self.config.speculative else 0)
+    reach = self.draft_length + 1 if self.config.speculative else self.config.steps_per_call
     return int(min(position + reach, self.config.cache_length))
 
   # ------------------------------------------------------------------ multi-turn
@@ -322,17 +323,20 @@ class PagedEngine(Engine):
     return PagedDecodeState(arrays, positions, live.copy(), tables=decode_state.tables), result
 
   def verify(self, params, decode_state: PagedDecodeState, drafts_sd) -> tuple[PagedDecodeState, GenerateResult]:
-    """`generate` whose first step verifies each slot's draft (`sampler.speculative`): one forward over
-    the slot's next input and its draft (int [S, sampler.draft_tokens], `speculative.NO_DRAFT` padding;
-    a slot without one emits one token there), emitting the tokens plain decoding samples there up to
-    the first that differs from the draft (`speculative.verify`), then steps_per_call - 1 decode steps.
-    The tokens, logprobs and stops are plain decoding's; the K/V written at rejected positions lies
-    past the slot's position, so nothing attends it, and the next tokens overwrite it. Returns the
-    result fetched to the host (a slot's position depends on how much of its draft was accepted)."""
+    """`generate` whose steps verify each slot's draft (`sampler.speculative`): int [S, L] (L =
+    `speculative.draft_length`, `speculative.NO_DRAFT` padding), the slot's guess of its next L tokens.
+    Each of the call's `steps_per_call` steps is one forward over the slot's next input and the
+    `draft_tokens` draft tokens after it (`_verify_body`), emitting the tokens plain decoding samples
+    there up to the first that differs from the draft (`speculative.verify`): from 1 token per step (a
+    slot without a draft) to draft_tokens + 1. The tokens, logprobs and stops are plain decoding's; the
+    K/V written at rejected positions lies past the slot's position, so nothing attends it, and the
+    next tokens overwrite it. Returns the result fetched to the host (rows: steps x (draft_tokens + 1)
+    positions; a slot's position depends on how much of its draft was accepted)."""
     drafts_sd = np.asarray(drafts_sd, np.int32)
-    want = (self.max_concurrent_decodes, self.config.draft_tokens)
+    want = (self.max_concurrent_decodes, self.draft_length)
     if drafts_sd.shape != want:
-      raise ValueError(f"verify: drafts of shape {drafts_sd.shape}, expected {want} (slots, sampler.draft_tokens)")
+      raise ValueError(f"verify: drafts of shape {drafts_sd.shape}, expected {want} (slots, "
+                       "sampler.steps_per_call x (sampler.draft_tokens + 1) - 1)")
     decode_state, width, plan = self._before_call(decode_state, "verify")
     arrays, result = self._verify_fn(params, decode_state.arrays, plan, drafts_sd, width=width)
     result = jax.device_get(result)
@@ -447,38 +451,48 @@ class PagedEngine(Engine):
     return out, result
 
   def _verify_body(self, params, arrays, plan):
-    """One verify forward (the slot's next input and its draft, arrays['drafts']), its tokens accepted
-    by `speculative.verify`, then steps_per_call - 1 decode steps (traced)."""
+    """`steps_per_call` verify rounds (traced). Round r is one forward over each slot's next input and
+    the draft tokens for the positions after it, `draft_tokens` of arrays['drafts'] (the call's draft
+    for its next positions, `speculative.NO_DRAFT` padded) from the slot's position in it (the tokens
+    it emitted in earlier rounds), accepted by `speculative.verify`. A slot emits 1 to draft_tokens + 1
+    tokens per round (a plain step's one without a draft), plain decoding's tokens whatever the draft;
+    after a rejected token the next round drafts from the draft's next position, as good a guess as
+    any (text past a stray token often goes on as drafted: a policy that writes EOS after EOS)."""
     model = nnx.merge(self._graphdef, params_lib.materialize(params))
-    drafts, record = arrays["drafts"], self.config.record_sampling_mask
-    n_gen, positions, live = arrays["num_generated"], arrays["positions"], ~arrays["done"]
-    steps = jnp.arange(drafts.shape[1] + 1)
-    inputs = jnp.concatenate([arrays["tokens"][:, None], jnp.maximum(drafts, 0)], axis=1)  # [S, T]
-    has_input = jnp.concatenate([jnp.ones_like(drafts[:, :1], bool), drafts != speculative.NO_DRAFT], axis=1)
-    logits_stv, cache = model.decode_chunk(inputs, positions[:, None] + steps, arrays["cache"], plan,
-                                           has_input & live[:, None])
-    ver = speculative.verify(logits_stv, drafts, arrays["keys"], n_gen, self._sampling, return_mask=record)
-    emit = (steps <= ver.accepted_s[:, None]) & live[:, None]
-    stop = n_gen[:, None] + steps + 1 >= arrays["max_new"][:, None]  # as a decode step stops at the limit
-    if self._eos_ids.size:
-      stop = stop | jnp.isin(ver.tokens_st, jnp.asarray(self._eos_ids))
-    stop = (stop & emit).astype(jnp.int32)
-    valid = emit & (jnp.cumsum(stop, axis=1) - stop == 0)  # nothing after the first stop
-    count = valid.sum(axis=1).astype(jnp.int32)
-    last = jnp.take_along_axis(ver.tokens_st, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
-    done = arrays["done"] | jnp.any(valid & (stop > 0), axis=1)
-    new = dict(arrays, cache=cache, tokens=jnp.where(count > 0, last, arrays["tokens"]), positions=positions + count,
-               num_generated=n_gen + count, done=done)
-    first = GenerateResult(tokens_ks=ver.tokens_st.T, logprobs_ks=ver.logprobs_st.T, valid_ks=valid.T, done_s=done,
-                           version=arrays["version"], mask_ksw=None if not record else jnp.swapaxes(ver.mask_stw, 0, 1))
-    if self.config.steps_per_call == 1:
-      return new, first
-    new, rest = self._decode_steps(model, new, self.config.steps_per_call - 1, plan)
-    cat = lambda a, b: None if a is None else jnp.concatenate([a, b])
-    return new, dataclasses.replace(rest, tokens_ks=cat(first.tokens_ks, rest.tokens_ks),
-                                    logprobs_ks=cat(first.logprobs_ks, rest.logprobs_ks),
-                                    valid_ks=cat(first.valid_ks, rest.valid_ks),
-                                    mask_ksw=cat(first.mask_ksw, rest.mask_ksw))
+    k, record = self.config.draft_tokens, self.config.record_sampling_mask
+    drafts = jnp.pad(arrays["drafts"], [(0, 0), (0, k)], constant_values=speculative.NO_DRAFT)  # [S, L + k]
+    steps = jnp.arange(k + 1)
+    eos = jnp.asarray(self._eos_ids)
+
+    def round_(carry, _):
+      cache, tokens, positions, n_gen, done, emitted = carry
+      live = ~done
+      draft = jnp.take_along_axis(drafts, emitted[:, None] + steps[:-1], axis=1)  # [S, k]
+      inputs = jnp.concatenate([tokens[:, None], jnp.maximum(draft, 0)], axis=1)  # [S, T]
+      has_input = jnp.concatenate([jnp.ones_like(draft[:, :1], bool), draft != speculative.NO_DRAFT], axis=1)
+      logits_stv, cache = model.decode_chunk(inputs, positions[:, None] + steps, cache, plan,
+                                             has_input & live[:, None])
+      ver = speculative.verify(logits_stv, draft, arrays["keys"], n_gen, self._sampling, return_mask=record)
+      emit = (steps <= ver.accepted_s[:, None]) & live[:, None]
+      stop = n_gen[:, None] + steps + 1 >= arrays["max_new"][:, None]  # as a decode step stops at the limit
+      if eos.size:
+        stop = stop | jnp.isin(ver.tokens_st, eos)
+      stop = (stop & emit).astype(jnp.int32)
+      valid = emit & (jnp.cumsum(stop, axis=1) - stop == 0)  # nothing after the first stop
+      count = valid.sum(axis=1).astype(jnp.int32)
+      last = jnp.take_along_axis(ver.tokens_st, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+      done = done | jnp.any(valid & (stop > 0), axis=1)
+      carry = (cache, jnp.where(count > 0, last, tokens), positions + count, n_gen + count, done, emitted + count)
+      return carry, (ver.tokens_st.T, ver.logprobs_st.T, valid.T) + ((jnp.swapaxes(ver.mask_stw, 0, 1),) if record else ())
+
+    carry = (arrays["cache"], arrays["tokens"], arrays["positions"], arrays["num_generated"], arrays["done"],
+             jnp.zeros_like(arrays["num_generated"]))
+    (cache, tokens, positions, n_gen, done, _), outs = jax.lax.scan(round_, carry, None,
+                                                                     length=self.config.steps_per_call)
+    rows = lambda x: x.reshape(-1, *x.shape[2:])  # [rounds, T, S, ...] -> [rounds * T, S, ...], in order
+    new = dict(arrays, cache=cache, tokens=tokens, positions=positions, num_generated=n_gen, done=done)
+    return new, GenerateResult(tokens_ks=rows(outs[0]), logprobs_ks=rows(outs[1]), valid_ks=rows(outs[2]),
+                               done_s=done, version=arrays["version"], mask_ksw=rows(outs[3]) if record else None)
 
   def _live_blocks(self, decode_state: PagedDecodeState, replica: int):
     """(blocks, local slots, columns) of every block reference of the replica's live slots."""
@@ -613,7 +627,7 @@ class PagedEngine(Engine):
     for n in range(1, self.max_prefill_length + 1):
       lengths.setdefault(self.prefill_bucket(n - 1), n)
     state, key = self.init_decode_state(), np.zeros((2,), np.uint32)
-    no_drafts = np.full((self.max_concurrent_decodes, self.config.draft_tokens), speculative.NO_DRAFT, np.int32)
+    no_drafts = np.full((self.max_concurrent_decodes, self.draft_length), speculative.NO_DRAFT, np.int32)
     sizes = [self.num_blocks] if self.use_kernel else self._pool_sizes()
     pool, small = self._split_arrays(state.arrays)
     for size in sizes:
