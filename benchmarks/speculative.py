@@ -38,6 +38,8 @@ smoke test).
 
 from __future__ import annotations
 
+import collections
+import functools
 import pathlib
 import statistics
 import tempfile
@@ -136,18 +138,36 @@ def decode(engine, params, reqs, learned: dict) -> tuple[dict, dict]:
     drafter = drafts_lib.Drafter.from_config(engine.config, learned.setdefault("call_seconds", {}))
     drafter.recent_acceptance = learned.get("recent_acceptance", drafter.recent_acceptance)
   driver = RolloutDriver(engine, params, source=iter(reqs), sink=got.append, drafter=drafter)
-  t0 = time.perf_counter()
-  driver.run(max_wall_s=1800)
-  batch_s = time.perf_counter() - t0
+  widths = collections.Counter()  # (verify call?, decode width) -> calls
+  for verify in (False, True):  # counted on the way in; the engine's own method runs
+    method = getattr(engine, "verify" if verify else "generate")
+    setattr(engine, method.__name__, functools.partial(_counted, method, widths, verify))
+  try:
+    t0 = time.perf_counter()
+    driver.run(max_wall_s=1800)
+    batch_s = time.perf_counter() - t0
+  finally:
+    del engine.generate, engine.verify
   if drafter is not None:
     learned["recent_acceptance"] = drafter.recent_acceptance
   s = driver.stats
+  per = engine.config.draft_tokens + 1  # positions per slot of a verify step
   stats = {"batch_s": round(batch_s, 3), "tokens_per_s": round(s.tokens_generated / batch_s, 1),
-           "tokens": s.tokens_generated, "generate_calls": s.generate_calls}
+           "tokens": s.tokens_generated, "generate_calls": s.generate_calls, "busy_s": round(s.busy_time_s, 3),
+           # model forwards (one per decode step of a call) and the slot positions they computed
+           "forwards": sum(n for _, n in widths.items()) * engine.config.steps_per_call,
+           "positions": sum(n * engine.replicas * w * engine.config.steps_per_call * (per if v else 1)
+                            for (v, w), n in widths.items()),
+           "calls_by_width": {f"{'verify' if v else 'plain'}@{w}": n for (v, w), n in sorted(widths.items())}}
   if engine.config.speculative:
     stats.update(verify_calls=s.verify_calls, draft_acceptance=round(s.draft_acceptance, 3),
                  tokens_per_decode_step=round(s.tokens_per_decode_step, 3))
   return stats, {g.prompt_id: g.completions for g in got}
+
+
+def _counted(method, widths, verify, params, state, *args):
+  widths[verify, method.__self__.decode_width(state)] += 1
+  return method(params, state, *args)
 
 
 def compare(a: dict, b: dict) -> dict:
@@ -192,6 +212,9 @@ def batch(setup, trained, random_state, s_cfg) -> dict:
                  "completion_tokens": {"total": sum(lengths), "max": max(lengths),
                                        "median": statistics.median(lengths)}}
     out[name]["target_met"] = out[name]["ratio_batch_s"] <= TARGETS[name]
+    # ms per call of each kind at each decode width (slots per replica), as the drafter measured them
+    out[name]["call_ms"] = {f"{'verify' if v else 'plain'}@{w}": round(1e3 * t, 2)
+                            for (v, w), t in sorted(learned.get("call_seconds", {}).items())}
   out["workload"] = {"prompts": ARGS.prompts, "group_size": s_cfg.group_size, "slots": slots,
                      "short": ARGS.short, "long": ARGS.long, "long_every": ARGS.long_every, "temperature": 1.0,
                      "draft_tokens": spec.draft_tokens, "draft_ngram": spec.draft_ngram,

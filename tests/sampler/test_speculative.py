@@ -208,9 +208,9 @@ def test_a_verify_call_runs_only_where_the_drafts_pay_for_it():
   assert drafter.length == 4 * 9 - 1  # a call's 4 steps verify 8 draft tokens each and emit one more
   assert drafter.may_pay(8, width=8)  # 8 x 35 x 0.5 (the prior acceptance) = 140 more: 172 / 3 > 32 / 1
   assert drafter.drafts(live, 8, width=8)[0].shape == (8, 35)
-  for g in range(40):  # other sequences' drafts were mostly wrong: the recent acceptance falls toward 1/8
-    drafter.observe(100 + g, 0, drafted=8, accepted=1, length=12)
-  # 8 x 35 x 0.17 = 48 more: 80 / 3 < 32 / 1
+  for g in range(60):  # other sequences' drafts were wrong: the recent acceptance falls toward 0
+    drafter.observe(100 + g, 0, drafted=8, accepted=0, length=12)
+  # 8 x 35 x 0.023 = 6.4 more: 38.4 / 3 < 32 / 1, and even at half the measured time (no retry)
   assert not drafter.may_pay(8, width=8) and drafter.drafts(live, 8, width=8) is None
   assert drafter.drafts(live, 8, width=None) is not None  # without a width: no gate
   # An unmeasured width: a plain call is measured first, then a verify call.
@@ -218,3 +218,17 @@ def test_a_verify_call_runs_only_where_the_drafts_pay_for_it():
   drafter.timed(False, 16, 5.0)  # the first call of a kind at a width may compile: left out
   drafter.timed(False, 16, 1.0)
   assert times[(False, 16)] == 1.0 and drafter.may_pay(8, width=16)
+
+
+def test_a_refused_verify_call_is_measured_again_only_where_it_could_have_paid():
+  """After RETRY_EVERY refused calls at a width, one verify call measures again (the measurement may
+  have been an unlucky one), if the drafts would have paid were the verify call RETRY_SLOWER times
+  faster: never for drafts that are not accepted."""
+  prompt = np.asarray([1, 2], np.int32)
+  live = [drafts_lib.Live(s, s, 0, prompt, [5, 6, 7, 8] * 3, 100) for s in range(8)]
+  for acceptance, retries in ((0.5, 1), (0.02, 0)):  # 140 or 5.6 more tokens than a plain call's 32
+    drafter = drafts_lib.Drafter(draft_tokens=8, ngram=3, min_acceptance=0.3, history=0, steps_per_call=4,
+                                 call_seconds={(False, 8): 1.0, (True, 8): 6.0})  # 172 / 6 < 32; 172 / 3 > 32
+    drafter.recent_acceptance = acceptance
+    verified = [drafter.drafts(live, 8, width=8) is not None for _ in range(drafts_lib.RETRY_EVERY)]
+    assert sum(verified) == retries and verified[-1] == bool(retries)

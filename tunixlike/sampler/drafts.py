@@ -42,6 +42,7 @@ PRIOR_ACCEPTANCE = 0.5  # the expected acceptance of a draft before any was veri
 RECENT_SMOOTHING = 0.05  # weight of one try in the recent acceptance of all drafts (a new sequence's estimate)
 TIME_SMOOTHING = 0.3  # weight of the latest call in the smoothed seconds per call
 RETRY_EVERY = 32  # refused verify calls (of drafts worth a token) at a width before one measures again
+RETRY_SLOWER = 2  # only drafts that would pay were the verify call this many times faster than measured
 
 
 def verified(tokens_k, valid_k, draft, draft_tokens: int) -> tuple[int, int]:
@@ -258,14 +259,17 @@ class Drafter:
     tokens = live * self.steps_per_call
     if (tokens + gain) / verify > tokens / plain:
       return True
-    # A measurement can be an unlucky one (a shared machine): after RETRY_EVERY refusals at a width, one
-    # verify call measures again. (`final`: the decision itself; before the lookups, whether to look.)
-    due = self._refused.get(width, 0) + 1 >= RETRY_EVERY
-    if due and final:
-      self._refused[width] = 0
-    elif not due:
-      self._refused[width] = self._refused.get(width, 0) + 1
-    return due
+    # A measurement can be an unlucky one (a shared machine): after RETRY_EVERY decode calls at a width
+    # whose drafts would have paid were the verify call RETRY_SLOWER times faster than measured, one
+    # verify call measures again. Drafts that would not pay even then (text that does not repeat) never
+    # cause one. (`final`: the decision itself, counted; before it, whether to look the drafts up.)
+    if (tokens + gain) * RETRY_SLOWER / verify <= tokens / plain:
+      return False
+    if not final:
+      return True
+    refused = self._refused.get(width, 0) + 1
+    self._refused[width] = refused % RETRY_EVERY
+    return refused == RETRY_EVERY
 
   def timed(self, verified: bool, width: int, seconds: float) -> None:
     """A decode call's duration (the driver reports each), smoothed per kind and width. The first of
