@@ -214,7 +214,7 @@ def batch(setup, trained, random_state, s_cfg) -> dict:
     out[name]["target_met"] = out[name]["ratio_batch_s"] <= TARGETS[name]
     # ms per call of each kind at each decode width (slots per replica), as the drafter measured them
     out[name]["call_ms"] = {f"{'verify' if v else 'plain'}@{w}": round(1e3 * t, 2)
-                            for (v, w), t in sorted(learned.get("call_seconds", {}).items())}
+                            for (v, w), t in sorted(learned.get("call_seconds", {}).items()) if t is not None}
   out["workload"] = {"prompts": ARGS.prompts, "group_size": s_cfg.group_size, "slots": slots,
                      "short": ARGS.short, "long": ARGS.long, "long_every": ARGS.long_every, "temperature": 1.0,
                      "draft_tokens": spec.draft_tokens, "draft_ngram": spec.draft_ngram,

@@ -183,22 +183,22 @@ class Drafter:
   `driver.Recorder`, `completion` and `group` as sequences and groups end."""
 
   def __init__(self, draft_tokens: int, ngram: int, min_acceptance: float, history: int, steps_per_call: int = 1,
-               call_seconds: dict[tuple[bool, int], float] | None = None):
-    """`call_seconds`: (verify call?, decode width) -> seconds per call, as another drafter measured
-    them (taken as measured; updated in place). `recent_acceptance` (an attribute) may be set too."""
+               call_seconds: dict[tuple[bool, int], float | None] | None = None):
+    """`call_seconds`: (verify call?, decode width) -> seconds per call (None: its first call was seen,
+    not timed), as another drafter measured them (taken as measured; updated in place).
+    `recent_acceptance` (an attribute) may be set too."""
     self.draft_tokens, self.ngram, self.min_acceptance = draft_tokens, ngram, min_acceptance
     self.steps_per_call = steps_per_call
     self.length = draft_length(steps_per_call, draft_tokens)  # a verify call's draft per sequence
     self.history = History(history)
     self._groups: dict[int, _Group] = {}
     self._control: dict[tuple[int, int], _Control] = {}
-    self.call_seconds = {} if call_seconds is None else call_seconds  # (verify?, width) -> seconds (smoothed)
+    self.call_seconds = {} if call_seconds is None else call_seconds  # (verify?, width) -> seconds (smoothed) | None
     self.recent_acceptance = PRIOR_ACCEPTANCE  # acceptance of the latest tries of every sequence (EMA)
     self._refused: dict[int, int] = {}  # decode width -> verify calls refused since the last one there
-    self._first_calls = set(self.call_seconds)  # (verify?, width) whose first call was seen
 
   @classmethod
-  def from_config(cls, config, call_seconds: dict[tuple[bool, int], float] | None = None) -> Drafter:
+  def from_config(cls, config, call_seconds: dict[tuple[bool, int], float | None] | None = None) -> Drafter:
     """From a `SamplerConfig`."""
     return cls(config.draft_tokens, config.draft_ngram, config.draft_min_acceptance, config.draft_history,
                config.steps_per_call, call_seconds)
@@ -276,10 +276,10 @@ class Drafter:
     each is left out (it may have compiled its program); a faster call is believed at once (a shared
     machine makes calls slower, never faster)."""
     key = (verified, width)
-    if key not in self._first_calls:
-      self._first_calls.add(key)
+    if key not in self.call_seconds:
+      self.call_seconds[key] = None
       return
-    old = self.call_seconds.get(key)
+    old = self.call_seconds[key]
     self.call_seconds[key] = seconds if old is None or seconds < old else old + TIME_SMOOTHING * (seconds - old)
 
   def _draft(self, seq: Live, length: int) -> list[int]:
