@@ -106,9 +106,11 @@ def _run(engine, requests, params, drafter=None):
 
 @pytest.mark.parametrize("sampler", list(SAMPLING))
 def test_speculative_rollouts_equal_plain_ones_on_the_same_keys(make_engine, sampler):
-  """Groups of 4 through the driver: the same completions, logprobs within 1e-6 (fp32) and versions;
+  """Groups of 4 through the driver: the same completions, logprobs within 1e-6 (fp32), versions and
+  (top-p / top-k) sampling masks;
   drafts were verified, and with greedy decoding (samples repeat each other) accepted."""
-  kw = dict(SAMPLING[sampler], group_size=4, max_new_tokens=24, max_concurrent_decodes=8, eos_ids=(3,))
+  kw = dict(SAMPLING[sampler], group_size=4, max_new_tokens=24, max_concurrent_decodes=8, eos_ids=(3,),
+            record_sampling_mask=sampler == "top-p and top-k")
   plain = make_engine(kv_layout="paged", kv_block_size=4, **kw)
   spec = make_engine(**SPEC, **kw)
   params = plain.load_params()
@@ -122,6 +124,8 @@ def test_speculative_rollouts_equal_plain_ones_on_the_same_keys(make_engine, sam
       np.testing.assert_allclose(c.logprobs, w.logprobs, atol=1e-6)
       np.testing.assert_array_equal(c.policy_versions, w.policy_versions)
       assert c.finish_reason == w.finish_reason
+      if w.sampling_mask is not None:  # the kept-token sets, one per token
+        np.testing.assert_array_equal(c.sampling_mask, w.sampling_mask)
   assert stats.verify_calls > 0 and stats.drafted_tokens > 0
   assert plain_stats.tokens_per_decode_step == 1.0 and plain_stats.verify_calls == 0
   if sampler == "greedy":

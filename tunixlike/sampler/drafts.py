@@ -14,12 +14,13 @@ per forward.
 
 Adaptive, twice: a sequence whose drafts were accepted less than `sampler.draft_min_acceptance`
 over its last `WINDOW` tries stops drafting for `FIRST_PAUSE` tokens, twice as long after each
-further failure (up to `MAX_PAUSE`), so text that does not repeat costs a few verify forwards per
+further failure (up to `MAX_PAUSE`), so text that does not repeat costs a few verify calls per
 sequence, not one per step; and a decode call verifies drafts only when the tokens they are expected
 to add (each draft's length times its sequence's recent acceptance, or all drafts' recent acceptance
-for a sequence without tries) pay for the verify forward's
-cost, measured against a plain call's at the same decode width (`Drafter._pays`). Neither changes a
-token: only how many come per call. Lookups use an n-gram index per text, extended as the text grows (O(1) per token).
+for a sequence without tries) pay for the verify call's cost, measured against a plain call's at the
+same decode width (`Drafter._pays`). Neither changes a token: only how many come per call. A draft
+covers a whole verify call (`speculative.draft_length`: its steps verify `draft_tokens` each from the
+sequence's place in it). Lookups use an n-gram index per text, extended as the text grows (O(1) per token).
 """
 
 from __future__ import annotations
