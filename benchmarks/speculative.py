@@ -19,8 +19,13 @@ does; `warmup_s`). Per model, plain and speculative decoding alternate (`--repea
 per mode its fastest run (the machine is shared; each speculative run's drafter starts from the seconds
 per call and the recent draft acceptance the earlier runs of that model measured, not from their
 texts, as one driver of a run learns them once for every batch): `batch_s` (time to finish the batch),
-`tokens_per_s`, generate calls, and for speculative runs the draft acceptance, tokens per decode step
-(per live slot and forward) and verify calls; `runs`: every run. `identical_tokens`: every
+`tokens_per_s`, generate calls, `busy_s` (time in the engine's calls, results fetched), `forwards`
+(model forwards: decode or verify steps), `positions` (slot positions those forwards computed: decode
+width x replicas x 1, or draft_tokens + 1 for a verify step), `calls_by_width` (plain / verifyN calls
+per decode width, slots per replica; N: the call's verify steps), and for speculative runs the draft acceptance, tokens per
+decode step (per live slot and forward) and verify calls; `runs`: every run; `call_ms`: the ms per
+call of each kind at each width as the speculative runs' drafters measured them (what the gate uses;
+`verifyN`: a verify call of N verify steps). `identical_tokens`: every
 completion's tokens equal; `max_logprob_difference`: the largest difference of a token's logprob
 (fp32 sums in another order: the verify forward's are not the decode step's). `ratio_batch_s`:
 speculative over plain (targets: trained <= 0.67, random <= 1.05).
@@ -80,7 +85,7 @@ from tunixlike.data import pipeline  # noqa: E402
 from tunixlike.learner import state as state_lib  # noqa: E402
 from tunixlike.rl import build, weight_sync  # noqa: E402
 from tunixlike.rl.prompts import requests_for  # noqa: E402
-from tunixlike.sampler import RolloutDriver, drafts as drafts_lib, make_engine  # noqa: E402
+from tunixlike.sampler import RolloutDriver, drafts as drafts_lib, make_engine, speculative  # noqa: E402
 
 PAGED = ["--config.sampler.kv_layout=paged"]
 TARGETS = {"trained": 0.67, "random": 1.05}
@@ -156,9 +161,9 @@ def decode(engine, params, reqs, learned: dict) -> tuple[dict, dict]:
            "tokens": s.tokens_generated, "generate_calls": s.generate_calls, "busy_s": round(s.busy_time_s, 3),
            # model forwards (one per decode step of a call) and the slot positions they computed
            "forwards": sum(n for _, n in widths.items()) * engine.config.steps_per_call,
-           "positions": sum(n * engine.replicas * w * engine.config.steps_per_call * (per if v else 1)
+           "positions": sum(n * engine.replicas * w * (v * per + engine.config.steps_per_call - v)
                             for (v, w), n in widths.items()),
-           "calls_by_width": {f"{'verify' if v else 'plain'}@{w}": n for (v, w), n in sorted(widths.items())}}
+           "calls_by_width": {f"{f'verify{v}' if v else 'plain'}@{w}": n for (v, w), n in sorted(widths.items())}}
   if engine.config.speculative:
     stats.update(verify_calls=s.verify_calls, draft_acceptance=round(s.draft_acceptance, 3),
                  tokens_per_decode_step=round(s.tokens_per_decode_step, 3))
@@ -166,7 +171,10 @@ def decode(engine, params, reqs, learned: dict) -> tuple[dict, dict]:
 
 
 def _counted(method, widths, verify, params, state, *args):
-  widths[verify, method.__self__.decode_width(state)] += 1
+  engine = method.__self__
+  steps = 0 if not verify else speculative.verify_steps(int((np.asarray(args[0]) != speculative.NO_DRAFT).sum(1).max()),
+                                                        engine.config.steps_per_call, engine.config.draft_tokens)
+  widths[steps, engine.decode_width(state)] += 1
   return method(params, state, *args)
 
 
@@ -213,7 +221,7 @@ def batch(setup, trained, random_state, s_cfg) -> dict:
                                        "median": statistics.median(lengths)}}
     out[name]["target_met"] = out[name]["ratio_batch_s"] <= TARGETS[name]
     # ms per call of each kind at each decode width (slots per replica), as the drafter measured them
-    out[name]["call_ms"] = {f"{'verify' if v else 'plain'}@{w}": round(1e3 * t, 2)
+    out[name]["call_ms"] = {f"{f'verify{v}' if v else 'plain'}@{w}": round(1e3 * t, 2)
                             for (v, w), t in sorted(learned.get("call_seconds", {}).items()) if t is not None}
   out["workload"] = {"prompts": ARGS.prompts, "group_size": s_cfg.group_size, "slots": slots,
                      "short": ARGS.short, "long": ARGS.long, "long_every": ARGS.long_every, "temperature": 1.0,

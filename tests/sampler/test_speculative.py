@@ -92,9 +92,13 @@ def test_a_verify_calls_accounting_follows_the_slot_through_the_draft():
   the draft from position 3 (4, 5) and accepts 4 only (6 corrects 5)."""
   tokens = np.asarray([7, 2, 9, 4, 6, 1])
   valid = np.asarray([1, 1, 1, 1, 1, 0], bool)
-  assert drafts_lib.verified(tokens, valid, np.asarray([7, 2, 9, 4, 5]), 2) == (4, 3)
+  assert drafts_lib.step_rows(6, 2, 2) == [slice(0, 3), slice(3, 6)]
+  assert drafts_lib.verified(tokens, valid, np.asarray([7, 2, 9, 4, 5]), 2, verify_steps=2) == (4, 3)
   short = np.asarray([7, 2, 9, NO_DRAFT, NO_DRAFT])  # no draft for step 1: nothing verified there
-  assert drafts_lib.verified(tokens, valid, short, 2) == (2, 2)
+  assert drafts_lib.verified(tokens, valid, short, 2, verify_steps=2) == (2, 2)
+  # A call of one verify step (every draft fitted it), then a decode step: rows 0-2, then row 3.
+  assert drafts_lib.step_rows(4, 2, 2) == [slice(0, 3), slice(3, 4)]
+  assert drafts_lib.verified(tokens[:4], valid[:4], short, 2, verify_steps=1) == (2, 2)
 
 
 def _run(engine, requests, params, drafter=None):
@@ -183,11 +187,12 @@ def test_nothing_compiles_after_warmup_and_one_verify_program_per_width(make_eng
   params = engine.load_params()
   with count_traces() as warm:
     engine.warmup(params)
-  assert warm["_verify_impl"] == warm["_narrow_generate_impl"] > 0  # one verify program per generate program
+  # two verify programs per generate program: 1 verify step (short drafts) or steps_per_call
+  assert warm["_verify_impl"] == 2 * warm["_narrow_generate_impl"] > 0
   requests = [PromptRequest(prompt_id=i, token_ids=p, max_new_tokens=12 if i % 5 == 3 else 4)
               for i, p in enumerate(random_prompts(24, seed=5))]
   # Call times that make every verify call pay: the run verifies at every width it reaches.
-  fast_verify = {(verify, w): 1e-3 if verify else 1.0 for verify in (False, True) for w in (8, 16)}
+  fast_verify = {(steps, w): 1e-3 if steps else 1.0 for steps in (0, 1, 4) for w in (8, 16)}
   with count_traces() as traces:
     _, stats = _run(engine, requests, params, drafts_lib.Drafter.from_config(engine.config, fast_verify))
   assert stats.verify_calls > 0
@@ -206,7 +211,7 @@ def test_a_verify_call_runs_only_where_the_drafts_pay_for_it():
   are expected to add more than twice the tokens the plain call gives (8 live sequences x 4 steps)."""
   prompt = np.asarray([1, 2], np.int32)
   live = [drafts_lib.Live(s, s, 0, prompt, [5, 6, 7, 8] * 3, 100) for s in range(8)]  # each repeats: full drafts
-  times = {(False, 8): 1.0, (True, 8): 3.0}
+  times = {(0, 8): 1.0, (4, 8): 3.0, (1, 8): 3.0}  # (verify steps, decode width): 0 a plain call
   drafter = drafts_lib.Drafter(draft_tokens=8, ngram=3, min_acceptance=0.3, history=0, steps_per_call=4,
                                call_seconds=times)
   assert drafter.length == 4 * 9 - 1  # a call's 4 steps verify 8 draft tokens each and emit one more
@@ -221,7 +226,7 @@ def test_a_verify_call_runs_only_where_the_drafts_pay_for_it():
   assert not drafter.may_pay(8, width=16)
   drafter.timed(False, 16, 5.0)  # the first call of a kind at a width may compile: left out
   drafter.timed(False, 16, 1.0)
-  assert times[(False, 16)] == 1.0 and drafter.may_pay(8, width=16)
+  assert times[(0, 16)] == 1.0 and drafter.may_pay(8, width=16)
 
 
 def test_a_refused_verify_call_is_measured_again_only_where_it_could_have_paid():
@@ -232,7 +237,7 @@ def test_a_refused_verify_call_is_measured_again_only_where_it_could_have_paid()
   live = [drafts_lib.Live(s, s, 0, prompt, [5, 6, 7, 8] * 3, 100) for s in range(8)]
   for acceptance, retries in ((0.5, 1), (0.02, 0)):  # 140 or 5.6 more tokens than a plain call's 32
     drafter = drafts_lib.Drafter(draft_tokens=8, ngram=3, min_acceptance=0.3, history=0, steps_per_call=4,
-                                 call_seconds={(False, 8): 1.0, (True, 8): 6.0})  # 172 / 6 < 32; 172 / 3 > 32
+                                 call_seconds={(0, 8): 1.0, (4, 8): 6.0, (1, 8): 6.0})  # 172 / 6 < 32; 172 / 3 > 32
     drafter.recent_acceptance = acceptance
     verified = [drafter.drafts(live, 8, width=8) is not None for _ in range(drafts_lib.RETRY_EVERY)]
     assert sum(verified) == retries and verified[-1] == bool(retries)

@@ -32,7 +32,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from tunixlike.sampler.speculative import NO_DRAFT, draft_length
+from tunixlike.sampler.speculative import NO_DRAFT, draft_length, verify_steps
 
 WINDOW = 4  # tries a sequence's acceptance is judged over
 FIRST_PAUSE = 16  # tokens a sequence decodes without drafting after its drafts failed
@@ -46,12 +46,20 @@ RETRY_EVERY = 32  # refused verify calls (of drafts worth a token) at a width be
 RETRY_SLOWER = 2  # only drafts that would pay were the verify call this many times faster than measured
 
 
-def verified(tokens_k, valid_k, draft, draft_tokens: int) -> tuple[int, int]:
+def step_rows(rows: int, steps_per_call: int, draft_tokens: int) -> list[slice]:
+  """The result rows of each model forward of a decode call with `rows` rows: a verify call's first
+  v steps verify (draft_tokens + 1 rows each), the others, and a plain call's, decode (a row each)."""
+  t, v = draft_tokens + 1, (rows - steps_per_call) // draft_tokens
+  return [slice(i * t, (i + 1) * t) for i in range(v)] + [slice(v * t + j, v * t + j + 1)
+                                                            for j in range(steps_per_call - v)]
+
+
+def verified(tokens_k, valid_k, draft, draft_tokens: int, verify_steps: int) -> tuple[int, int]:
   """(draft tokens verified, accepted) of one slot in a verify call: its rows tokens_k / valid_k [K]
-  are the call's steps x (draft_tokens + 1) positions, in order (`PagedEngine.verify`); each step
-  verifies the draft from the slot's position in it (the tokens emitted so far)."""
+  start with the call's `verify_steps` x (draft_tokens + 1) positions, in order (`PagedEngine.verify`);
+  each step verifies the draft from the slot's position in it (the tokens emitted so far)."""
   t, drafted, accepted, at = draft_tokens + 1, 0, 0, 0
-  for row in range(0, len(valid_k), t):
+  for row in range(0, verify_steps * t, t):
     got = np.asarray(tokens_k[row:row + t])[np.asarray(valid_k[row:row + t], bool)]
     if not len(got):  # the slot stopped
       break
@@ -184,8 +192,8 @@ class Drafter:
   `driver.Recorder`, `completion` and `group` as sequences and groups end."""
 
   def __init__(self, draft_tokens: int, ngram: int, min_acceptance: float, history: int, steps_per_call: int = 1,
-               call_seconds: dict[tuple[bool, int], float | None] | None = None):
-    """`call_seconds`: (verify call?, decode width) -> seconds per call (None: its first call was seen,
+               call_seconds: dict[tuple[int, int], float | None] | None = None):
+    """`call_seconds`: (verify steps (0: a plain call), decode width) -> seconds per call (None: its first call was seen,
     not timed), as another drafter measured them (taken as measured; updated in place).
     `recent_acceptance` (an attribute) may be set too."""
     self.draft_tokens, self.ngram, self.min_acceptance = draft_tokens, ngram, min_acceptance
@@ -194,12 +202,13 @@ class Drafter:
     self.history = History(history)
     self._groups: dict[int, _Group] = {}
     self._control: dict[tuple[int, int], _Control] = {}
-    self.call_seconds = {} if call_seconds is None else call_seconds  # (verify?, width) -> seconds (smoothed) | None
+    self.call_seconds = {} if call_seconds is None else call_seconds  # (steps, width) -> seconds (smoothed) | None
     self.recent_acceptance = PRIOR_ACCEPTANCE  # acceptance of the latest tries of every sequence (EMA)
     self._refused: dict[int, int] = {}  # decode width -> verify calls refused since the last one there
+    self.last_steps = steps_per_call  # verify steps of the call the drafts last returned are for
 
   @classmethod
-  def from_config(cls, config, call_seconds: dict[tuple[bool, int], float | None] | None = None) -> Drafter:
+  def from_config(cls, config, call_seconds: dict[tuple[int, int], float | None] | None = None) -> Drafter:
     """From a `SamplerConfig`."""
     return cls(config.draft_tokens, config.draft_ngram, config.draft_min_acceptance, config.draft_history,
                config.steps_per_call, call_seconds)
@@ -220,7 +229,7 @@ class Drafter:
       if length > 0 and (control is None or len(seq.tokens) >= control.paused_until):
         asking.append((seq, length, self._acceptance(seq)))
         bound += length * asking[-1][2]
-    if not asking or (width is not None and not self._pays(bound, len(sequences), width, final=False)):
+    if not asking or (width is not None and not self._pays(bound, len(sequences), width, 1, final=False)):
       return None  # (no lookups: most steps of text that does not repeat end here)
     out = np.full((num_slots, self.length), NO_DRAFT, np.int32)
     lengths, gain = np.zeros((num_slots,), np.int32), 0.0
@@ -229,15 +238,17 @@ class Drafter:
       out[seq.slot, :len(draft)] = draft
       lengths[seq.slot] = len(draft)
       gain += len(draft) * acceptance
-    if not lengths.any() or (width is not None and not self._pays(gain, len(sequences), width)):
+    steps = verify_steps(int(lengths.max()), self.steps_per_call, self.draft_tokens)
+    if not lengths.any() or (width is not None and not self._pays(gain, len(sequences), width, steps)):
       return None
+    self.last_steps = steps
     return out, lengths
 
   def may_pay(self, live: int, width: int) -> bool:
     """Whether drafts for `live` sequences could pay for a verify call at this width, judged by the
     recent acceptance of all drafts: when not, the driver skips the lookups (and builds no requests),
     so a workload where speculation does not pay costs a dict lookup per call."""
-    return self._pays(live * self.length * self.recent_acceptance, live, width, final=False)
+    return self._pays(live * self.length * self.recent_acceptance, live, width, 1, final=False)
 
   def _acceptance(self, seq: Live) -> float:
     """The sequence's acceptance over its last tries; before any, the recent acceptance of all drafts."""
@@ -246,15 +257,16 @@ class Drafter:
       return self.recent_acceptance
     return sum(a for _, a in control.tries) / sum(d for d, _ in control.tries)
 
-  def _pays(self, gain: float, live: int, width: int, *, final: bool = True) -> bool:
-    """Whether a verify call is expected to give more tokens per second than a plain one: the live
-    sequences' steps_per_call tokens each plus the drafts' expected `gain`, over the measured seconds
-    of each kind of call at this decode width (a verify forward costs more where compute, not memory,
-    bounds a step: several times a decode step's on CPU, about one on an accelerator at small widths).
-    Each kind is run once at a width before the measurements decide."""
+  def _pays(self, gain: float, live: int, width: int, steps: int, *, final: bool = True) -> bool:
+    """Whether a verify call of `steps` verify steps is expected to give more tokens per second than a
+    plain one: the live sequences' steps_per_call tokens each plus the drafts' expected `gain`, over
+    the measured seconds of each kind of call at this decode width (a verify forward costs more where
+    compute, not memory, bounds a step: several times a decode step's on CPU, about one on an
+    accelerator at small widths). Each kind is run once at a width before the measurements decide.
+    Before the lookups (`final` False) it asks of the cheapest verify call (1 step)."""
     if gain < 1:  # not a token's worth
       return False
-    plain, verify = self.call_seconds.get((False, width)), self.call_seconds.get((True, width))
+    plain, verify = self.call_seconds.get((0, width)), self.call_seconds.get((steps, width))
     if plain is None or verify is None:
       return plain is not None  # measure a plain call first, then a verify call
     tokens = live * self.steps_per_call
@@ -273,10 +285,11 @@ class Drafter:
     return refused == RETRY_EVERY
 
   def timed(self, verified: bool, width: int, seconds: float) -> None:
-    """A decode call's duration (the driver reports each), smoothed per kind and width. The first of
-    each is left out (it may have compiled its program); a faster call is believed at once (a shared
-    machine makes calls slower, never faster)."""
-    key = (verified, width)
+    """A decode call's duration (the driver reports each), smoothed per kind (verify steps: 0 for a
+    plain call, else those of the drafts last returned) and width. The first of each is left out (it
+    may have compiled its program); a faster call is believed at once (a shared machine makes calls
+    slower, never faster)."""
+    key = (self.last_steps if verified else 0, width)
     if key not in self.call_seconds:
       self.call_seconds[key] = None
       return

@@ -483,14 +483,13 @@ class RolloutDriver:
                               info.max_new - len(info.tokens) - 1)
 
   def _count_steps(self, host, drafted) -> None:
-    """Slot steps of a generate call (a verify call's rows are its forwards of draft_tokens + 1
-    positions each), and how each draft fared (the adaptive switch hears of it before the tokens are
+    """Slot steps of a generate call (a verify call's first rows are its verify forwards, draft_tokens
+    + 1 positions each), and how each draft fared (the adaptive switch hears of it before the tokens are
     collected)."""
-    valid_ks = host.valid_ks
-    per = 1 if drafted is None else self.config.draft_tokens + 1  # rows per forward
-    forwards = valid_ks.shape[0] // per
-    self.stats.total_slot_steps += forwards * valid_ks.shape[1]
-    self.stats.live_slot_steps += int(valid_ks.reshape(forwards, per, -1).any(1).sum())
+    valid_ks, cfg = host.valid_ks, self.config
+    forwards = drafts_lib.step_rows(valid_ks.shape[0], cfg.steps_per_call, cfg.draft_tokens)
+    self.stats.total_slot_steps += len(forwards) * valid_ks.shape[1]
+    self.stats.live_slot_steps += sum(int(valid_ks[rows].any(0).sum()) for rows in forwards)
     self.stats.decoded_tokens += int(valid_ks.sum())
     if drafted is None:
       return
@@ -498,7 +497,8 @@ class RolloutDriver:
     tokens, lengths = drafted
     for s in np.flatnonzero(lengths):
       info = self._slots[s]
-      n, accepted = drafts_lib.verified(host.tokens_ks[:, s], valid_ks[:, s], tokens[s], self.config.draft_tokens)
+      n, accepted = drafts_lib.verified(host.tokens_ks[:, s], valid_ks[:, s], tokens[s], cfg.draft_tokens,
+                                        sum(r.stop - r.start > 1 for r in forwards))
       self.stats.drafted_tokens += n
       self.stats.accepted_tokens += accepted
       self._drafter.observe(info.group.seq, info.index, n, accepted, len(info.tokens) + int(valid_ks[:, s].sum()))

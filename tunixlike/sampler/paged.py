@@ -78,7 +78,7 @@ class PagedEngine(Engine):
                                     out_shardings=(self._pool_shardings, small))
     self._paged_generate_fn = jax.jit(self._narrow_generate_impl, donate_argnums=(1,), static_argnames=("width",),
                                       out_shardings=(self._paged_shardings, self._replicated))
-    self._verify_fn = jax.jit(self._verify_impl, donate_argnums=(1,), static_argnames=("width",),
+    self._verify_fn = jax.jit(self._verify_impl, donate_argnums=(1,), static_argnames=("width", "steps"),
                               out_shardings=(self._paged_shardings, self._replicated))
     self._move_slots_fn = jax.jit(self._move_slots_impl, donate_argnums=(0,), out_shardings=small)
     self._gather_fn = jax.jit(self._gather_impl, static_argnums=(3,), out_shardings=self._replicated)
@@ -325,20 +325,24 @@ class PagedEngine(Engine):
   def verify(self, params, decode_state: PagedDecodeState, drafts_sd) -> tuple[PagedDecodeState, GenerateResult]:
     """`generate` whose steps verify each slot's draft (`sampler.speculative`): int [S, L] (L =
     `speculative.draft_length`, `speculative.NO_DRAFT` padding), the slot's guess of its next L tokens.
-    Each of the call's `steps_per_call` steps is one forward over the slot's next input and the
-    `draft_tokens` draft tokens after it (`_verify_body`), emitting the tokens plain decoding samples
-    there up to the first that differs from the draft (`speculative.verify`): from 1 token per step (a
-    slot without a draft) to draft_tokens + 1. The tokens, logprobs and stops are plain decoding's; the
-    K/V written at rejected positions lies past the slot's position, so nothing attends it, and the
-    next tokens overwrite it. Returns the result fetched to the host (rows: steps x (draft_tokens + 1)
-    positions; a slot's position depends on how much of its draft was accepted)."""
+    The call's first v steps (`speculative.verify_steps`: 1 if every draft fits one step, else all
+    `steps_per_call`) are each one forward over the slot's next input and the `draft_tokens` draft
+    tokens after it (`_verify_body`), emitting the tokens plain decoding samples there up to the first
+    that differs from the draft (`speculative.verify`): from 1 token per step (a slot without a draft)
+    to draft_tokens + 1; the others are decode steps. The tokens, logprobs and stops are plain
+    decoding's; the K/V written at rejected positions lies past the slot's position, so nothing
+    attends it, and the next tokens overwrite it. Returns the result fetched to the host (rows: v x
+    (draft_tokens + 1) positions, then a row per decode step; a slot's position depends on how much
+    of its draft was accepted)."""
     drafts_sd = np.asarray(drafts_sd, np.int32)
     want = (self.max_concurrent_decodes, self.draft_length)
     if drafts_sd.shape != want:
       raise ValueError(f"verify: drafts of shape {drafts_sd.shape}, expected {want} (slots, "
                        "sampler.steps_per_call x (sampler.draft_tokens + 1) - 1)")
+    steps = speculative.verify_steps(int((drafts_sd != speculative.NO_DRAFT).sum(1).max()),
+                                     self.config.steps_per_call, self.config.draft_tokens)
     decode_state, width, plan = self._before_call(decode_state, "verify")
-    arrays, result = self._verify_fn(params, decode_state.arrays, plan, drafts_sd, width=width)
+    arrays, result = self._verify_fn(params, decode_state.arrays, plan, drafts_sd, width=width, steps=steps)
     result = jax.device_get(result)
     live = decode_state.host_live
     positions = np.where(live, np.minimum(decode_state.host_positions + result.valid_ks.sum(0),
@@ -418,9 +422,10 @@ class PagedEngine(Engine):
     """`Engine._generate_impl` over each replica's first `width` slots (`_narrowed`)."""
     return self._narrowed(lambda a: self._generate_impl(params, a, plan), arrays, width)
 
-  def _verify_impl(self, params, arrays, plan, drafts_sd, *, width: int):
+  def _verify_impl(self, params, arrays, plan, drafts_sd, *, width: int, steps: int):
     """`verify`'s program over each replica's first `width` slots (`_narrowed`)."""
-    new, result = self._narrowed(lambda a: self._verify_body(params, a, plan), dict(arrays, drafts=drafts_sd), width)
+    new, result = self._narrowed(lambda a: self._verify_body(params, a, plan, steps), dict(arrays, drafts=drafts_sd),
+                                 width)
     del new["drafts"]
     return new, result
 
@@ -450,9 +455,10 @@ class PagedEngine(Engine):
         routing_kslk=None if result.routing_kslk is None else widen(result.routing_kslk))
     return out, result
 
-  def _verify_body(self, params, arrays, plan):
-    """`steps_per_call` verify rounds (traced). Round r is one forward over each slot's next input and
-    the draft tokens for the positions after it, `draft_tokens` of arrays['drafts'] (the call's draft
+  def _verify_body(self, params, arrays, plan, verify_steps: int):
+    """`verify_steps` verify rounds, then steps_per_call - verify_steps decode steps (traced). Round r
+    is one forward over each slot's next input and the draft tokens for the positions after it,
+    `draft_tokens` of arrays['drafts'] (the call's draft
     for its next positions, `speculative.NO_DRAFT` padded) from the slot's position in it (the tokens
     it emitted in earlier rounds), accepted by `speculative.verify`. A slot emits 1 to draft_tokens + 1
     tokens per round (a plain step's one without a draft), plain decoding's tokens whatever the draft;
@@ -487,12 +493,18 @@ class PagedEngine(Engine):
 
     carry = (arrays["cache"], arrays["tokens"], arrays["positions"], arrays["num_generated"], arrays["done"],
              jnp.zeros_like(arrays["num_generated"]))
-    (cache, tokens, positions, n_gen, done, _), outs = jax.lax.scan(round_, carry, None,
-                                                                     length=self.config.steps_per_call)
+    (cache, tokens, positions, n_gen, done, _), outs = jax.lax.scan(round_, carry, None, length=verify_steps)
     rows = lambda x: x.reshape(-1, *x.shape[2:])  # [rounds, T, S, ...] -> [rounds * T, S, ...], in order
     new = dict(arrays, cache=cache, tokens=tokens, positions=positions, num_generated=n_gen, done=done)
-    return new, GenerateResult(tokens_ks=rows(outs[0]), logprobs_ks=rows(outs[1]), valid_ks=rows(outs[2]),
-                               done_s=done, version=arrays["version"], mask_ksw=rows(outs[3]) if record else None)
+    first = GenerateResult(tokens_ks=rows(outs[0]), logprobs_ks=rows(outs[1]), valid_ks=rows(outs[2]), done_s=done,
+                           version=arrays["version"], mask_ksw=rows(outs[3]) if record else None)
+    if verify_steps == self.config.steps_per_call:
+      return new, first
+    new, rest = self._decode_steps(model, new, self.config.steps_per_call - verify_steps, plan)
+    cat = lambda a, b: None if a is None else jnp.concatenate([a, b])
+    return new, dataclasses.replace(rest, tokens_ks=cat(first.tokens_ks, rest.tokens_ks),
+                                    logprobs_ks=cat(first.logprobs_ks, rest.logprobs_ks),
+                                    valid_ks=cat(first.valid_ks, rest.valid_ks), mask_ksw=cat(first.mask_ksw, rest.mask_ksw))
 
   def _live_blocks(self, decode_state: PagedDecodeState, replica: int):
     """(blocks, local slots, columns) of every block reference of the replica's live slots."""
@@ -644,8 +656,8 @@ class PagedEngine(Engine):
           small = self._release_fn(small, np.int32(0))
       for slots, plan in self._warmup_plans(size):
         arrays, _ = self._paged_generate_fn(params, dict(small, cache=pool), plan, width=slots)
-        if self.config.speculative:
-          arrays, _ = self._verify_fn(params, arrays, plan, no_drafts, width=slots)
+        for steps in sorted({1, self.config.steps_per_call}) if self.config.speculative else ():
+          arrays, _ = self._verify_fn(params, arrays, plan, no_drafts, width=slots, steps=steps)
         pool, small = self._split_arrays(arrays)
       n = 1  # compaction's copies: at most half the pool moves
       while not self.use_kernel and n <= max(size // 2, 1):

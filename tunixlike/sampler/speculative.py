@@ -38,6 +38,13 @@ def draft_length(steps_per_call: int, draft_tokens: int) -> int:
   return steps_per_call * (draft_tokens + 1) - 1
 
 
+def verify_steps(longest: int, steps_per_call: int, draft_tokens: int) -> int:
+  """Verify steps of a call whose longest draft has `longest` tokens: 1 when it fits the first step
+  (the call's other steps are plain decode steps: a cheaper call where a verify step costs more than
+  a decode step), else all `steps_per_call`. Two verify programs per decode width."""
+  return 1 if longest <= draft_tokens else steps_per_call
+
+
 class Verified(NamedTuple):
   tokens_st: jax.Array  # int32 [S, T]: the token plain decoding samples at each position given the draft
   logprobs_st: jax.Array  # float32 [S, T], under the processed distribution
