@@ -193,9 +193,9 @@ class Drafter:
 
   def __init__(self, draft_tokens: int, ngram: int, min_acceptance: float, history: int, steps_per_call: int = 1,
                call_seconds: dict[tuple[int, int], float | None] | None = None):
-    """`call_seconds`: (verify steps (0: a plain call), decode width) -> seconds per call (None: its first call was seen,
-    not timed), as another drafter measured them (taken as measured; updated in place).
-    `recent_acceptance` (an attribute) may be set too."""
+    """`call_seconds`: (verify steps (0: a plain call), decode width) -> seconds per call (None: its
+    first call was seen, not timed), as another drafter measured them (taken as measured; updated in
+    place). `recent_acceptance` (an attribute) may be set too."""
     self.draft_tokens, self.ngram, self.min_acceptance = draft_tokens, ngram, min_acceptance
     self.steps_per_call = steps_per_call
     self.length = draft_length(steps_per_call, draft_tokens)  # a verify call's draft per sequence
@@ -321,6 +321,8 @@ class Drafter:
   def observe(self, group: int, index: int, drafted: int, accepted: int, length: int) -> None:
     """A verify call's outcome for one sequence: `accepted` of its `drafted` tokens, its completion
     now `length` tokens long."""
+    if not drafted:  # the call ran as a plain one (`PagedEngine.verify`: no blocks for the drafts)
+      return
     control = self._control.setdefault((group, index), _Control())
     control.tries.append((drafted, accepted))
     self.recent_acceptance += RECENT_SMOOTHING * (accepted / drafted - self.recent_acceptance)
@@ -343,8 +345,8 @@ class Drafter:
       group = self._groups[key[0]] = _Group(samples={}, history=[NgramIndex(self.ngram, t)
                                                                  for t in self.history.texts(prompt_ids)])
     index = group.samples.get(key[1])
-    if index is None:
-      group.samples[key[1]] = NgramIndex(self.ngram, [*prompt_ids, *tokens])
+    if index is None:  # indexed at its first lookup (most finished samples are never looked up)
+      group.samples[key[1]] = NgramIndex(self.ngram, prompt_ids, growing=list(tokens))
     else:
       index.freeze()
     self.history.add(prompt_ids, tokens)

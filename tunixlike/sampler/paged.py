@@ -71,6 +71,8 @@ class PagedEngine(Engine):
           f"({need} blocks of {bs} positions)")
     self._max_blocks = blocks_for(config.cache_length, bs)  # blocks of the longest sequence
     self.draft_length = speculative.draft_length(config.steps_per_call, config.draft_tokens)  # per slot and verify call
+    # positions a slot's next call may write: admission (`fits`) leaves room for a verify call's
+    self._most_reach = self._verify_reach(config.steps_per_call) if config.speculative else config.steps_per_call
     small = {k: v for k, v in self._state_shardings(config.cache_length).items() if k != "cache"}
     self._pool_shardings = jax.eval_shape(self._empty_pool).shardings(self.mesh, rules)
     self._paged_shardings = dict(small, cache=self._pool_shardings)
@@ -107,11 +109,11 @@ class PagedEngine(Engine):
 
   # ------------------------------------------------------------------ admission
 
-  def _first_blocks(self, true_length: int) -> tuple[int, int]:
+  def _first_blocks(self, true_length: int, reach: int | None = None) -> tuple[int, int]:
     """(shared full prompt blocks, own blocks per sample) of a sequence inserted at true_length:
-    its own cover the prompt's partly filled block and the positions of its first generate call."""
+    its own cover the prompt's partly filled block and the positions of its first call (`reach`)."""
     filled = true_length - 1  # KV positions the prefill wrote
-    first_call = self._call_end(filled)
+    first_call = self._call_end(filled, reach)
     full = filled // self.block_size
     return full, blocks_for(first_call, self.block_size) - full
 
@@ -132,10 +134,10 @@ class PagedEngine(Engine):
     tables, bs = decode_state.tables, self.block_size
     free = [p.num_free for p in tables.pools]
     for slot in np.flatnonzero(decode_state.host_live):
-      grown = blocks_for(self._call_end(decode_state.host_positions[slot] + bs), bs)
+      grown = blocks_for(self._call_end(decode_state.host_positions[slot] + bs, self._most_reach), bs)
       free[slot // tables.per_replica] -= max(0, grown - len(tables.slots[slot].blocks))
     for n, (true_length, slots) in enumerate(requests):
-      full, own = self._first_blocks(true_length)
+      full, own = self._first_blocks(true_length, self._most_reach)
       need = [0] * self.replicas
       for slot in slots:
         need[slot // tables.per_replica] += own
@@ -172,11 +174,17 @@ class PagedEngine(Engine):
       decode_state = self.release(decode_state, slot)
     return decode_state, preempted
 
-  def _call_end(self, position) -> int:
-    """Positions [0, end) a slot at `position` may have written by the end of its next call (a verify
-    call writes its draft's positions too)."""
-    reach = self.draft_length + 1 if self.config.speculative else self.config.steps_per_call
-    return int(min(position + reach, self.config.cache_length))
+  def _call_end(self, position, reach: int | None = None) -> int:
+    """Positions [0, end) a slot at `position` may have written by the end of its next call, which
+    writes `reach` positions (default: a plain call's steps_per_call; a verify call writes its drafts'
+    too, `_verify_reach`). Blocks are reserved for plain calls: a verify call takes its drafts' blocks
+    when it runs (where the pool has none, it runs as a plain call), so a gate that rarely verifies
+    does not hold them (they widen the pool every call attends)."""
+    return int(min(position + (reach or self.config.steps_per_call), self.config.cache_length))
+
+  def _verify_reach(self, steps: int) -> int:
+    """Positions a verify call of `steps` verify steps writes per slot."""
+    return steps * (self.config.draft_tokens + 1) + self.config.steps_per_call - steps
 
   # ------------------------------------------------------------------ multi-turn
 
@@ -341,7 +349,11 @@ class PagedEngine(Engine):
                        "sampler.steps_per_call x (sampler.draft_tokens + 1) - 1)")
     steps = speculative.verify_steps(int((drafts_sd != speculative.NO_DRAFT).sum(1).max()),
                                      self.config.steps_per_call, self.config.draft_tokens)
-    decode_state, width, plan = self._before_call(decode_state, "verify")
+    try:
+      decode_state, width, plan = self._before_call(decode_state, "verify", self._verify_reach(steps))
+    except OutOfBlocks:  # no blocks for the drafts' positions now: a plain call (`reserve` gave it its blocks)
+      decode_state, result = self.generate(params, decode_state)
+      return decode_state, jax.device_get(result)
     arrays, result = self._verify_fn(params, decode_state.arrays, plan, drafts_sd, width=width, steps=steps)
     result = jax.device_get(result)
     live = decode_state.host_live
@@ -349,19 +361,20 @@ class PagedEngine(Engine):
                                           self.config.cache_length - 1), decode_state.host_positions)
     return PagedDecodeState(arrays, positions, live.copy(), tables=decode_state.tables), result
 
-  def _before_call(self, decode_state: PagedDecodeState, what: str):
-    """Blocks for every live slot's next call, the pool compacted and sized: (state, decode width, plan)."""
+  def _before_call(self, decode_state: PagedDecodeState, what: str, reach: int | None = None):
+    """Blocks for every live slot's next call (`reach` positions each, `_call_end`), the pool compacted
+    and sized: (state, decode width, plan)."""
     tables = decode_state.tables
     for slot in np.flatnonzero(decode_state.host_live):
       try:
-        tables.grow(slot, self._call_end(decode_state.host_positions[slot]))
+        tables.grow(slot, self._call_end(decode_state.host_positions[slot], reach))
       except OutOfBlocks as e:
         raise OutOfBlocks(f"{what}: slot {slot} needs a block and the pool is empty ({e}); "
                           f"call PagedEngine.reserve before {what}") from None
     if not self.use_kernel:
       decode_state = self._fit_pool(self._compact(decode_state))
     width = self.decode_width(decode_state)
-    return decode_state, width, self._plan(decode_state, width)
+    return decode_state, width, self._plan(decode_state, width, reach)
 
   @staticmethod
   def bucket(n: int, least: int = 1) -> int:
@@ -369,9 +382,11 @@ class PagedEngine(Engine):
     else a power of two of at least `least`."""
     return 0 if n <= 0 else max(least, 1 << math.ceil(math.log2(n)))
 
-  def _plan(self, decode_state: PagedDecodeState, slots: int):
+  def _plan(self, decode_state: PagedDecodeState, slots: int, reach: int | None = None):
     """Which blocks each of the leading `slots` slots per replica reads and writes in one call."""
-    return (self._kernel_plan if self.use_kernel else self._pool_plan)(decode_state, slots)
+    if self.use_kernel:
+      return self._kernel_plan(decode_state, slots, reach)
+    return self._pool_plan(decode_state, slots)
 
   # ------------------------------------------------------------------ decode width
 
@@ -489,7 +504,8 @@ class PagedEngine(Engine):
       last = jnp.take_along_axis(ver.tokens_st, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
       done = done | jnp.any(valid & (stop > 0), axis=1)
       carry = (cache, jnp.where(count > 0, last, tokens), positions + count, n_gen + count, done, emitted + count)
-      return carry, (ver.tokens_st.T, ver.logprobs_st.T, valid.T) + ((jnp.swapaxes(ver.mask_stw, 0, 1),) if record else ())
+      mask = (jnp.swapaxes(ver.mask_stw, 0, 1),) if record else ()
+      return carry, (ver.tokens_st.T, ver.logprobs_st.T, valid.T) + mask
 
     carry = (arrays["cache"], arrays["tokens"], arrays["positions"], arrays["num_generated"], arrays["done"],
              jnp.zeros_like(arrays["num_generated"]))
@@ -504,7 +520,8 @@ class PagedEngine(Engine):
     cat = lambda a, b: None if a is None else jnp.concatenate([a, b])
     return new, dataclasses.replace(rest, tokens_ks=cat(first.tokens_ks, rest.tokens_ks),
                                     logprobs_ks=cat(first.logprobs_ks, rest.logprobs_ks),
-                                    valid_ks=cat(first.valid_ks, rest.valid_ks), mask_ksw=cat(first.mask_ksw, rest.mask_ksw))
+                                    valid_ks=cat(first.valid_ks, rest.valid_ks),
+                                    mask_ksw=cat(first.mask_ksw, rest.mask_ksw))
 
   def _live_blocks(self, decode_state: PagedDecodeState, replica: int):
     """(blocks, local slots, columns) of every block reference of the replica's live slots."""
@@ -598,12 +615,13 @@ class PagedEngine(Engine):
     each): a power of two of at least 16, or the budget's."""
     return min(self.bucket(blocks, least=16), self.num_blocks)
 
-  def _kernel_plan(self, decode_state: PagedDecodeState, slots: int) -> paged_cache.KernelPlan:
+  def _kernel_plan(self, decode_state: PagedDecodeState, slots: int,
+                   reach: int | None = None) -> paged_cache.KernelPlan:
     tables, per = decode_state.tables, decode_state.tables.per_replica
     live, pos = decode_state.host_live, decode_state.host_positions
-    reach = {int(s): blocks_for(self._call_end(pos[s]), self.block_size) for s in np.flatnonzero(live)}
-    out = np.zeros((self.replicas, slots, self.bucket(max(reach.values(), default=1))), np.int32)
-    for s, n in reach.items():
+    ends = {int(s): blocks_for(self._call_end(pos[s], reach), self.block_size) for s in np.flatnonzero(live)}
+    out = np.zeros((self.replicas, slots, self.bucket(max(ends.values(), default=1))), np.int32)
+    for s, n in ends.items():
       out[s // per, s % per, :n] = tables.slots[s].blocks[:n]
     return paged_cache.KernelPlan(out, live.reshape(self.replicas, per)[:, :slots])
 
