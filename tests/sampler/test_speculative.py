@@ -239,5 +239,6 @@ def test_a_refused_verify_call_is_measured_again_only_where_it_could_have_paid()
     drafter = drafts_lib.Drafter(draft_tokens=8, ngram=3, min_acceptance=0.3, history=0, steps_per_call=4,
                                  call_seconds={(0, 8): 1.0, (4, 8): 6.0, (1, 8): 6.0})  # 172 / 6 < 32; 172 / 3 > 32
     drafter.recent_acceptance = acceptance
-    verified = [drafter.drafts(live, 8, width=8) is not None for _ in range(drafts_lib.RETRY_EVERY)]
+    verified = [drafter.may_pay(8, width=8) and drafter.drafts(live, 8, width=8) is not None  # as the driver asks
+                for _ in range(drafts_lib.RETRY_EVERY)]
     assert sum(verified) == retries and verified[-1] == bool(retries)

@@ -229,7 +229,7 @@ class Drafter:
       if length > 0 and (control is None or len(seq.tokens) >= control.paused_until):
         asking.append((seq, length, self._acceptance(seq)))
         bound += length * asking[-1][2]
-    if not asking or (width is not None and not self._pays(bound, len(sequences), width, 1, final=False)):
+    if not asking or (width is not None and not self._pays(bound, len(sequences), width, 1, stage="bound")):
       return None  # (no lookups: most steps of text that does not repeat end here)
     out = np.full((num_slots, self.length), NO_DRAFT, np.int32)
     lengths, gain = np.zeros((num_slots,), np.int32), 0.0
@@ -248,7 +248,7 @@ class Drafter:
     """Whether drafts for `live` sequences could pay for a verify call at this width, judged by the
     recent acceptance of all drafts: when not, the driver skips the lookups (and builds no requests),
     so a workload where speculation does not pay costs a dict lookup per call."""
-    return self._pays(live * self.length * self.recent_acceptance, live, width, 1, final=False)
+    return self._pays(live * self.length * self.recent_acceptance, live, width, 1, stage="look")
 
   def _acceptance(self, seq: Live) -> float:
     """The sequence's acceptance over its last tries; before any, the recent acceptance of all drafts."""
@@ -257,13 +257,14 @@ class Drafter:
       return self.recent_acceptance
     return sum(a for _, a in control.tries) / sum(d for d, _ in control.tries)
 
-  def _pays(self, gain: float, live: int, width: int, steps: int, *, final: bool = True) -> bool:
+  def _pays(self, gain: float, live: int, width: int, steps: int, *, stage: str = "final") -> bool:
     """Whether a verify call of `steps` verify steps is expected to give more tokens per second than a
     plain one: the live sequences' steps_per_call tokens each plus the drafts' expected `gain`, over
     the measured seconds of each kind of call at this decode width (a verify forward costs more where
     compute, not memory, bounds a step: several times a decode step's on CPU, about one on an
     accelerator at small widths). Each kind is run once at a width before the measurements decide.
-    Before the lookups (`final` False) it asks of the cheapest verify call (1 step)."""
+    Before the lookups (`stage` "look": `may_pay`, once per call; "bound": the drafts' most) it asks
+    of the cheapest verify call (1 step)."""
     if gain < 1:  # not a token's worth
       return False
     plain, verify = self.call_seconds.get((0, width)), self.call_seconds.get((steps, width))
@@ -275,14 +276,15 @@ class Drafter:
     # A measurement can be an unlucky one (a shared machine): after RETRY_EVERY decode calls at a width
     # whose drafts would have paid were the verify call RETRY_SLOWER times faster than measured, one
     # verify call measures again. Drafts that would not pay even then (text that does not repeat) never
-    # cause one. (`final`: the decision itself, counted; before it, whether to look the drafts up.)
+    # cause one. (Counted once per call, by `may_pay`: until one is due, no lookups either.)
     if (tokens + gain) * RETRY_SLOWER / verify <= tokens / plain:
       return False
-    if not final:
-      return True
-    refused = self._refused.get(width, 0) + 1
-    self._refused[width] = refused % RETRY_EVERY
-    return refused == RETRY_EVERY
+    refused = self._refused.get(width, 0)
+    if stage == "look" and refused < RETRY_EVERY:
+      refused = self._refused[width] = refused + 1
+    if refused >= RETRY_EVERY and stage == "final":
+      self._refused[width] = 0
+    return refused >= RETRY_EVERY
 
   def timed(self, verified: bool, width: int, seconds: float) -> None:
     """A decode call's duration (the driver reports each), smoothed per kind (verify steps: 0 for a
