@@ -19,8 +19,13 @@ does; `warmup_s`). Per model, plain and speculative decoding alternate (`--repea
 per mode its fastest run (the machine is shared; each speculative run's drafter starts from the seconds
 per call and the recent draft acceptance the earlier runs of that model measured, not from their
 texts, as one driver of a run learns them once for every batch): `batch_s` (time to finish the batch),
-`tokens_per_s`, generate calls, and for speculative runs the draft acceptance, tokens per decode step
-(per live slot and forward) and verify calls; `runs`: every run. `identical_tokens`: every
+`tokens_per_s`, generate calls, `busy_s` (time in the engine's calls, results fetched), `forwards`
+(model forwards: decode or verify steps), `positions` (slot positions those forwards computed: decode
+width x replicas x 1, or draft_tokens + 1 for a verify step), `calls_by_width` (plain / verifyN calls
+per decode width, slots per replica; N: the call's verify steps), and for speculative runs the draft acceptance, tokens per
+decode step (per live slot and forward) and verify calls; `runs`: every run; `call_ms`: the ms per
+call of each kind at each width as the speculative runs' drafters measured them (what the gate uses;
+`verifyN`: a verify call of N verify steps). `identical_tokens`: every
 completion's tokens equal; `max_logprob_difference`: the largest difference of a token's logprob
 (fp32 sums in another order: the verify forward's are not the decode step's). `ratio_batch_s`:
 speculative over plain (targets: trained <= 0.67, random <= 1.05).
@@ -38,6 +43,8 @@ smoke test).
 
 from __future__ import annotations
 
+import collections
+import functools
 import pathlib
 import statistics
 import tempfile
@@ -78,7 +85,7 @@ from tunixlike.data import pipeline  # noqa: E402
 from tunixlike.learner import state as state_lib  # noqa: E402
 from tunixlike.rl import build, weight_sync  # noqa: E402
 from tunixlike.rl.prompts import requests_for  # noqa: E402
-from tunixlike.sampler import RolloutDriver, drafts as drafts_lib, make_engine  # noqa: E402
+from tunixlike.sampler import RolloutDriver, drafts as drafts_lib, make_engine, speculative  # noqa: E402
 
 PAGED = ["--config.sampler.kv_layout=paged"]
 TARGETS = {"trained": 0.67, "random": 1.05}
@@ -136,18 +143,39 @@ def decode(engine, params, reqs, learned: dict) -> tuple[dict, dict]:
     drafter = drafts_lib.Drafter.from_config(engine.config, learned.setdefault("call_seconds", {}))
     drafter.recent_acceptance = learned.get("recent_acceptance", drafter.recent_acceptance)
   driver = RolloutDriver(engine, params, source=iter(reqs), sink=got.append, drafter=drafter)
-  t0 = time.perf_counter()
-  driver.run(max_wall_s=1800)
-  batch_s = time.perf_counter() - t0
+  widths = collections.Counter()  # (verify call?, decode width) -> calls
+  for verify in (False, True):  # counted on the way in; the engine's own method runs
+    method = getattr(engine, "verify" if verify else "generate")
+    setattr(engine, method.__name__, functools.partial(_counted, method, widths, verify))
+  try:
+    t0 = time.perf_counter()
+    driver.run(max_wall_s=1800)
+    batch_s = time.perf_counter() - t0
+  finally:
+    del engine.generate, engine.verify
   if drafter is not None:
     learned["recent_acceptance"] = drafter.recent_acceptance
   s = driver.stats
+  per = engine.config.draft_tokens + 1  # positions per slot of a verify step
   stats = {"batch_s": round(batch_s, 3), "tokens_per_s": round(s.tokens_generated / batch_s, 1),
-           "tokens": s.tokens_generated, "generate_calls": s.generate_calls}
+           "tokens": s.tokens_generated, "generate_calls": s.generate_calls, "busy_s": round(s.busy_time_s, 3),
+           # model forwards (one per decode step of a call) and the slot positions they computed
+           "forwards": sum(n for _, n in widths.items()) * engine.config.steps_per_call,
+           "positions": sum(n * engine.replicas * w * (v * per + engine.config.steps_per_call - v)
+                            for (v, w), n in widths.items()),
+           "calls_by_width": {f"{f'verify{v}' if v else 'plain'}@{w}": n for (v, w), n in sorted(widths.items())}}
   if engine.config.speculative:
     stats.update(verify_calls=s.verify_calls, draft_acceptance=round(s.draft_acceptance, 3),
                  tokens_per_decode_step=round(s.tokens_per_decode_step, 3))
   return stats, {g.prompt_id: g.completions for g in got}
+
+
+def _counted(method, widths, verify, params, state, *args):
+  engine = method.__self__
+  steps = 0 if not verify else speculative.verify_steps(int((np.asarray(args[0]) != speculative.NO_DRAFT).sum(1).max()),
+                                                        engine.config.steps_per_call, engine.config.draft_tokens)
+  widths[steps, engine.decode_width(state)] += 1
+  return method(params, state, *args)
 
 
 def compare(a: dict, b: dict) -> dict:
@@ -192,6 +220,9 @@ def batch(setup, trained, random_state, s_cfg) -> dict:
                  "completion_tokens": {"total": sum(lengths), "max": max(lengths),
                                        "median": statistics.median(lengths)}}
     out[name]["target_met"] = out[name]["ratio_batch_s"] <= TARGETS[name]
+    # ms per call of each kind at each decode width (slots per replica), as the drafter measured them
+    out[name]["call_ms"] = {f"{f'verify{v}' if v else 'plain'}@{w}": round(1e3 * t, 2)
+                            for (v, w), t in sorted(learned.get("call_seconds", {}).items()) if t is not None}
   out["workload"] = {"prompts": ARGS.prompts, "group_size": s_cfg.group_size, "slots": slots,
                      "short": ARGS.short, "long": ARGS.long, "long_every": ARGS.long_every, "temperature": 1.0,
                      "draft_tokens": spec.draft_tokens, "draft_ngram": spec.draft_ngram,

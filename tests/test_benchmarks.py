@@ -279,8 +279,8 @@ def test_speculative_benchmark(tmp_path):
   for name in ("trained", "random"):
     b = r["batch"][name]
     assert b["identical_tokens"] is True and b["max_logprob_difference"] < 1e-4
-    assert_positive(b["plain"], "batch_s", "tokens_per_s")
-    assert_positive(b["speculative"], "batch_s", "tokens_per_s", "tokens_per_decode_step")
+    assert_positive(b["plain"], "batch_s", "tokens_per_s", "forwards", "positions")
+    assert_positive(b["speculative"], "batch_s", "tokens_per_s", "tokens_per_decode_step", "forwards", "positions")
     assert b["plain"]["tokens"] == b["speculative"]["tokens"] == b["completion_tokens"]["total"]
     assert b["ratio_batch_s"] == pytest.approx(b["speculative"]["batch_s"] / b["plain"]["batch_s"], abs=1e-3)
     assert b["target_met"] == (b["ratio_batch_s"] <= b["target"])

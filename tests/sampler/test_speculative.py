@@ -45,9 +45,9 @@ def _verify_all(engine, params, prompts, keys, draft_for):
     state = engine.insert(engine.prefill(params, p), state, i, key=keys[i])
   toks, lps = [[] for _ in prompts], [[] for _ in prompts]
   for calls in range(1, 100):
-    drafts = np.full((engine.max_concurrent_decodes, engine.config.draft_tokens), NO_DRAFT, np.int32)
+    drafts = np.full((engine.max_concurrent_decodes, engine.draft_length), NO_DRAFT, np.int32)
     for i in range(len(prompts)):
-      d = draft_for(i, toks[i])[:engine.config.draft_tokens]
+      d = draft_for(i, toks[i])[:engine.draft_length]
       drafts[i, :len(d)] = d
     state, res = engine.verify(params, state, drafts)
     for k in range(res.tokens_ks.shape[0]):
@@ -72,6 +72,7 @@ def test_verify_gives_plain_decodings_tokens_with_right_partly_right_and_wrong_d
   want, want_lps, _ = _decode_all(plain, params, prompts, keys)
   rng = np.random.default_rng(0)
   drafts = {"right": lambda i, t: want[i][len(t):],
+            "one wrong": lambda i, t: [x if j != 2 else (x + 1) % VOCAB for j, x in enumerate(want[i][len(t):])],
             "partly right": lambda i, t: want[i][len(t):len(t) + 2] + [int(x) for x in rng.integers(0, VOCAB, 2)],
             "wrong": lambda i, t: [(x + 1) % VOCAB for x in want[i][len(t):]]}
   calls = {}
@@ -82,6 +83,22 @@ def test_verify_gives_plain_decodings_tokens_with_right_partly_right_and_wrong_d
   longest = max(len(t) for t in want)
   assert calls["wrong"] == -(-longest // spec.config.steps_per_call)  # a wrong draft costs no tokens
   assert calls["right"] < calls["partly right"] < calls["wrong"]
+  # After a rejected token a call's next step verifies the draft from there on: the rest is accepted.
+  assert calls["one wrong"] < calls["partly right"]
+
+
+def test_a_verify_calls_accounting_follows_the_slot_through_the_draft():
+  """2 steps x 3 positions, draft_tokens 2: step 0 accepts 7, 2 and emits the bonus 9; step 1 verifies
+  the draft from position 3 (4, 5) and accepts 4 only (6 corrects 5)."""
+  tokens = np.asarray([7, 2, 9, 4, 6, 1])
+  valid = np.asarray([1, 1, 1, 1, 1, 0], bool)
+  assert drafts_lib.step_rows(6, 2, 2) == [slice(0, 3), slice(3, 6)]
+  assert drafts_lib.verified(tokens, valid, np.asarray([7, 2, 9, 4, 5]), 2, verify_steps=2) == (4, 3)
+  short = np.asarray([7, 2, 9, NO_DRAFT, NO_DRAFT])  # no draft for step 1: nothing verified there
+  assert drafts_lib.verified(tokens, valid, short, 2, verify_steps=2) == (2, 2)
+  # A call of one verify step (every draft fitted it), then a decode step: rows 0-2, then row 3.
+  assert drafts_lib.step_rows(4, 2, 2) == [slice(0, 3), slice(3, 4)]
+  assert drafts_lib.verified(tokens[:4], valid[:4], short, 2, verify_steps=1) == (2, 2)
 
 
 def _run(engine, requests, params, drafter=None):
@@ -93,9 +110,11 @@ def _run(engine, requests, params, drafter=None):
 
 @pytest.mark.parametrize("sampler", list(SAMPLING))
 def test_speculative_rollouts_equal_plain_ones_on_the_same_keys(make_engine, sampler):
-  """Groups of 4 through the driver: the same completions, logprobs within 1e-6 (fp32) and versions;
+  """Groups of 4 through the driver: the same completions, logprobs within 1e-6 (fp32), versions and
+  (top-p / top-k) sampling masks;
   drafts were verified, and with greedy decoding (samples repeat each other) accepted."""
-  kw = dict(SAMPLING[sampler], group_size=4, max_new_tokens=24, max_concurrent_decodes=8, eos_ids=(3,))
+  kw = dict(SAMPLING[sampler], group_size=4, max_new_tokens=24, max_concurrent_decodes=8, eos_ids=(3,),
+            record_sampling_mask=sampler == "top-p and top-k")
   plain = make_engine(kv_layout="paged", kv_block_size=4, **kw)
   spec = make_engine(**SPEC, **kw)
   params = plain.load_params()
@@ -109,6 +128,8 @@ def test_speculative_rollouts_equal_plain_ones_on_the_same_keys(make_engine, sam
       np.testing.assert_allclose(c.logprobs, w.logprobs, atol=1e-6)
       np.testing.assert_array_equal(c.policy_versions, w.policy_versions)
       assert c.finish_reason == w.finish_reason
+      if w.sampling_mask is not None:  # the kept-token sets, one per token
+        np.testing.assert_array_equal(c.sampling_mask, w.sampling_mask)
   assert stats.verify_calls > 0 and stats.drafted_tokens > 0
   assert plain_stats.tokens_per_decode_step == 1.0 and plain_stats.verify_calls == 0
   if sampler == "greedy":
@@ -166,11 +187,12 @@ def test_nothing_compiles_after_warmup_and_one_verify_program_per_width(make_eng
   params = engine.load_params()
   with count_traces() as warm:
     engine.warmup(params)
-  assert warm["_verify_impl"] == warm["_narrow_generate_impl"] > 0  # one verify program per generate program
+  # two verify programs per generate program: 1 verify step (short drafts) or steps_per_call
+  assert warm["_verify_impl"] == 2 * warm["_narrow_generate_impl"] > 0
   requests = [PromptRequest(prompt_id=i, token_ids=p, max_new_tokens=12 if i % 5 == 3 else 4)
               for i, p in enumerate(random_prompts(24, seed=5))]
   # Call times that make every verify call pay: the run verifies at every width it reaches.
-  fast_verify = {(verify, w): 1e-3 if verify else 1.0 for verify in (False, True) for w in (8, 16)}
+  fast_verify = {(steps, w): 1e-3 if steps else 1.0 for steps in (0, 1, 4) for w in (8, 16)}
   with count_traces() as traces:
     _, stats = _run(engine, requests, params, drafts_lib.Drafter.from_config(engine.config, fast_verify))
   assert stats.verify_calls > 0
@@ -185,21 +207,38 @@ def test_speculation_needs_the_paged_cache_and_single_turn_rollouts(tiny_model):
 
 
 def test_a_verify_call_runs_only_where_the_drafts_pay_for_it():
-  """The gate by hand: a verify call measured at 1.5 times a plain call's seconds pays when the drafts
-  are expected to add more than half the tokens the plain call gives (8 live sequences x 4 steps)."""
+  """The gate by hand: a verify call measured at 3 times a plain call's seconds pays when the drafts
+  are expected to add more than twice the tokens the plain call gives (8 live sequences x 4 steps)."""
   prompt = np.asarray([1, 2], np.int32)
-  live = [drafts_lib.Live(s, s, 0, prompt, [5, 6, 7, 8] * 3, 100) for s in range(8)]  # each repeats: 8-token drafts
-  times = {(False, 8): 1.0, (True, 8): 1.5}
+  live = [drafts_lib.Live(s, s, 0, prompt, [5, 6, 7, 8] * 3, 100) for s in range(8)]  # each repeats: full drafts
+  times = {(0, 8): 1.0, (4, 8): 3.0, (1, 8): 3.0}  # (verify steps, decode width): 0 a plain call
   drafter = drafts_lib.Drafter(draft_tokens=8, ngram=3, min_acceptance=0.3, history=0, steps_per_call=4,
                                call_seconds=times)
-  assert drafter.may_pay(8, width=8)  # 8 x 8 x 0.5 (the prior acceptance) = 32 more: 64 / 1.5 > 32 / 1
-  assert drafter.drafts(live, 8, width=8) is not None
-  for g in range(40):  # other sequences' drafts were mostly wrong: the recent acceptance falls toward 1/8
-    drafter.observe(100 + g, 0, drafted=8, accepted=1, length=12)
+  assert drafter.length == 4 * 9 - 1  # a call's 4 steps verify 8 draft tokens each and emit one more
+  assert drafter.may_pay(8, width=8)  # 8 x 35 x 0.5 (the prior acceptance) = 140 more: 172 / 3 > 32 / 1
+  assert drafter.drafts(live, 8, width=8)[0].shape == (8, 35)
+  for g in range(60):  # other sequences' drafts were wrong: the recent acceptance falls toward 0
+    drafter.observe(100 + g, 0, drafted=8, accepted=0, length=12)
+  # 8 x 35 x 0.023 = 6.4 more: 38.4 / 3 < 32 / 1, and even at half the measured time (no retry)
   assert not drafter.may_pay(8, width=8) and drafter.drafts(live, 8, width=8) is None
   assert drafter.drafts(live, 8, width=None) is not None  # without a width: no gate
   # An unmeasured width: a plain call is measured first, then a verify call.
   assert not drafter.may_pay(8, width=16)
   drafter.timed(False, 16, 5.0)  # the first call of a kind at a width may compile: left out
   drafter.timed(False, 16, 1.0)
-  assert times[(False, 16)] == 1.0 and drafter.may_pay(8, width=16)
+  assert times[(0, 16)] == 1.0 and drafter.may_pay(8, width=16)
+
+
+def test_a_refused_verify_call_is_measured_again_only_where_it_could_have_paid():
+  """After RETRY_EVERY refused calls at a width, one verify call measures again (the measurement may
+  have been an unlucky one), if the drafts would have paid were the verify call RETRY_SLOWER times
+  faster: never for drafts that are not accepted."""
+  prompt = np.asarray([1, 2], np.int32)
+  live = [drafts_lib.Live(s, s, 0, prompt, [5, 6, 7, 8] * 3, 100) for s in range(8)]
+  for acceptance, retries in ((0.5, 1), (0.02, 0)):  # 140 or 5.6 more tokens than a plain call's 32
+    drafter = drafts_lib.Drafter(draft_tokens=8, ngram=3, min_acceptance=0.3, history=0, steps_per_call=4,
+                                 call_seconds={(0, 8): 1.0, (4, 8): 6.0, (1, 8): 6.0})  # 172 / 6 < 32; 172 / 3 > 32
+    drafter.recent_acceptance = acceptance
+    verified = [drafter.may_pay(8, width=8) and drafter.drafts(live, 8, width=8) is not None  # as the driver asks
+                for _ in range(drafts_lib.RETRY_EVERY)]
+    assert sum(verified) == retries and verified[-1] == bool(retries)

@@ -91,8 +91,9 @@ class SamplerConfig:
                               "group's other samples and its prompt's earlier rollouts, verified in one forward; "
                               "the same tokens and logprobs as plain decoding (needs kv_layout='paged')",
                               resumable=True)
-  draft_tokens: int = setting(8, "most draft tokens verified per sequence and call (one verify program per decode "
-                              "width: the draft length is fixed)", check=positive_int, resumable=True)
+  draft_tokens: int = setting(8, "most draft tokens verified per sequence and verify step (a verify call's "
+                              "steps_per_call steps each verify this many; one verify program per decode width: "
+                              "the draft length is fixed)", check=positive_int, resumable=True)
   draft_ngram: int = setting(3, "longest suffix of a sequence looked up in the draft sources (shorter ones down to 2 "
                              "if it is not found)", check=ints_at_least(2), resumable=True)
   draft_min_acceptance: float = setting(0.3, "a sequence whose drafts were accepted less than this over its last "

@@ -7,19 +7,20 @@ lookup decoding, Saxena 2023) in
     more so as the policy sharpens, and the last, long samples of a batch find theirs finished;
   * its prompt's earlier completions (`sampler.draft_history` per prompt, kept on the host: a
     prompt seen again, e.g. in the next epoch);
-the longest continuation found (ties: in that order), or, if none is `draft_tokens` long, the
+the longest continuation found (ties: in that order), or, if none is a full draft long, the
 sequence's own repetition (`NgramIndex.repeat`) if that is longer. Any draft is safe: verification
 keeps exactly the tokens plain decoding samples (`speculative`); a draft only decides how many come
 per forward.
 
 Adaptive, twice: a sequence whose drafts were accepted less than `sampler.draft_min_acceptance`
 over its last `WINDOW` tries stops drafting for `FIRST_PAUSE` tokens, twice as long after each
-further failure (up to `MAX_PAUSE`), so text that does not repeat costs a few verify forwards per
+further failure (up to `MAX_PAUSE`), so text that does not repeat costs a few verify calls per
 sequence, not one per step; and a decode call verifies drafts only when the tokens they are expected
 to add (each draft's length times its sequence's recent acceptance, or all drafts' recent acceptance
-for a sequence without tries) pay for the verify forward's
-cost, measured against a plain call's at the same decode width (`Drafter._pays`). Neither changes a
-token: only how many come per call. Lookups use an n-gram index per text, extended as the text grows (O(1) per token).
+for a sequence without tries) pay for the verify call's cost, measured against a plain call's at the
+same decode width (`Drafter._pays`). Neither changes a token: only how many come per call. A draft
+covers a whole verify call (`speculative.draft_length`: its steps verify `draft_tokens` each from the
+sequence's place in it). Lookups use an n-gram index per text, extended as the text grows (O(1) per token).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from tunixlike.sampler.speculative import NO_DRAFT
+from tunixlike.sampler.speculative import NO_DRAFT, draft_length, verify_steps
 
 WINDOW = 4  # tries a sequence's acceptance is judged over
 FIRST_PAUSE = 16  # tokens a sequence decodes without drafting after its drafts failed
@@ -42,6 +43,33 @@ PRIOR_ACCEPTANCE = 0.5  # the expected acceptance of a draft before any was veri
 RECENT_SMOOTHING = 0.05  # weight of one try in the recent acceptance of all drafts (a new sequence's estimate)
 TIME_SMOOTHING = 0.3  # weight of the latest call in the smoothed seconds per call
 RETRY_EVERY = 32  # refused verify calls (of drafts worth a token) at a width before one measures again
+RETRY_SLOWER = 2  # only drafts that would pay were the verify call this many times faster than measured
+
+
+def step_rows(rows: int, steps_per_call: int, draft_tokens: int) -> list[slice]:
+  """The result rows of each model forward of a decode call with `rows` rows: a verify call's first
+  v steps verify (draft_tokens + 1 rows each), the others, and a plain call's, decode (a row each)."""
+  t, v = draft_tokens + 1, (rows - steps_per_call) // draft_tokens
+  return [slice(i * t, (i + 1) * t) for i in range(v)] + [slice(v * t + j, v * t + j + 1)
+                                                            for j in range(steps_per_call - v)]
+
+
+def verified(tokens_k, valid_k, draft, draft_tokens: int, verify_steps: int) -> tuple[int, int]:
+  """(draft tokens verified, accepted) of one slot in a verify call: its rows tokens_k / valid_k [K]
+  start with the call's `verify_steps` x (draft_tokens + 1) positions, in order (`PagedEngine.verify`);
+  each step verifies the draft from the slot's position in it (the tokens emitted so far)."""
+  t, drafted, accepted, at = draft_tokens + 1, 0, 0, 0
+  for row in range(0, verify_steps * t, t):
+    got = np.asarray(tokens_k[row:row + t])[np.asarray(valid_k[row:row + t], bool)]
+    if not len(got):  # the slot stopped
+      break
+    want = np.asarray(draft[at:at + draft_tokens])
+    want = want[want != NO_DRAFT]
+    n = min(len(got), len(want))
+    drafted += len(want)
+    accepted += int(np.cumprod(got[:n] == want[:n]).sum())
+    at += len(got)
+  return drafted, accepted
 
 
 class NgramIndex:
@@ -164,28 +192,30 @@ class Drafter:
   `driver.Recorder`, `completion` and `group` as sequences and groups end."""
 
   def __init__(self, draft_tokens: int, ngram: int, min_acceptance: float, history: int, steps_per_call: int,
-               call_seconds: dict[tuple[bool, int], float] | None = None):
-    """`call_seconds`: (verify call?, decode width) -> seconds per call, as another drafter measured
-    them (taken as measured; updated in place). `recent_acceptance` (an attribute) may be set too."""
+               call_seconds: dict[tuple[int, int], float | None] | None = None):
+    """`call_seconds`: (verify steps (0: a plain call), decode width) -> seconds per call (None: its
+    first call was seen, not timed), as another drafter measured them (taken as measured; updated in
+    place). `recent_acceptance` (an attribute) may be set too."""
     self.draft_tokens, self.ngram, self.min_acceptance = draft_tokens, ngram, min_acceptance
     self.steps_per_call = steps_per_call
+    self.length = draft_length(steps_per_call, draft_tokens)  # a verify call's draft per sequence
     self.history = History(history)
     self._groups: dict[int, _Group] = {}
     self._control: dict[tuple[int, int], _Control] = {}
-    self.call_seconds = {} if call_seconds is None else call_seconds  # (verify?, width) -> seconds (smoothed)
+    self.call_seconds = {} if call_seconds is None else call_seconds  # (steps, width) -> seconds (smoothed) | None
     self.recent_acceptance = PRIOR_ACCEPTANCE  # acceptance of the latest tries of every sequence (EMA)
     self._refused: dict[int, int] = {}  # decode width -> verify calls refused since the last one there
-    self._first_calls = set(self.call_seconds)  # (verify?, width) whose first call was seen
+    self.last_steps = steps_per_call  # verify steps of the call the drafts last returned are for
 
   @classmethod
-  def from_config(cls, config, call_seconds: dict[tuple[bool, int], float] | None = None) -> Drafter:
+  def from_config(cls, config, call_seconds: dict[tuple[int, int], float | None] | None = None) -> Drafter:
     """From a `SamplerConfig`."""
     return cls(config.draft_tokens, config.draft_ngram, config.draft_min_acceptance, config.draft_history,
                config.steps_per_call, call_seconds)
 
   def drafts(self, sequences: Iterable[Live], num_slots: int,
              width: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
-    """(drafts int32 [num_slots, draft_tokens] with NO_DRAFT padding, lengths [num_slots]), or None
+    """(drafts int32 [num_slots, `length`] with NO_DRAFT padding, lengths [num_slots]), or None
     when no sequence has one, or (given the call's decode `width`) when the tokens the drafts are
     expected to add do not pay for a verify call (`_pays`): the plain decode program runs."""
     sequences = list(sequences)
@@ -195,28 +225,30 @@ class Drafter:
       if seq.index not in group.samples:  # its text, indexed as it grows (a source for its siblings too)
         group.samples[seq.index] = NgramIndex(self.ngram, seq.prompt_ids, growing=seq.tokens)
       control = self._control.get((seq.group, seq.index))
-      length = min(self.draft_tokens, seq.budget)
+      length = min(self.length, seq.budget)
       if length > 0 and (control is None or len(seq.tokens) >= control.paused_until):
         asking.append((seq, length, self._acceptance(seq)))
         bound += length * asking[-1][2]
-    if not asking or (width is not None and not self._pays(bound, len(sequences), width, final=False)):
+    if not asking or (width is not None and not self._pays(bound, len(sequences), width, 1, stage="bound")):
       return None  # (no lookups: most steps of text that does not repeat end here)
-    out = np.full((num_slots, self.draft_tokens), NO_DRAFT, np.int32)
+    out = np.full((num_slots, self.length), NO_DRAFT, np.int32)
     lengths, gain = np.zeros((num_slots,), np.int32), 0.0
     for seq, length, acceptance in asking:
       draft = self._draft(seq, length)
       out[seq.slot, :len(draft)] = draft
       lengths[seq.slot] = len(draft)
       gain += len(draft) * acceptance
-    if not lengths.any() or (width is not None and not self._pays(gain, len(sequences), width)):
+    steps = verify_steps(int(lengths.max()), self.steps_per_call, self.draft_tokens)
+    if not lengths.any() or (width is not None and not self._pays(gain, len(sequences), width, steps)):
       return None
+    self.last_steps = steps
     return out, lengths
 
   def may_pay(self, live: int, width: int) -> bool:
     """Whether drafts for `live` sequences could pay for a verify call at this width, judged by the
     recent acceptance of all drafts: when not, the driver skips the lookups (and builds no requests),
     so a workload where speculation does not pay costs a dict lookup per call."""
-    return self._pays(live * self.draft_tokens * self.recent_acceptance, live, width, final=False)
+    return self._pays(live * self.length * self.recent_acceptance, live, width, 1, stage="look")
 
   def _acceptance(self, seq: Live) -> float:
     """The sequence's acceptance over its last tries; before any, the recent acceptance of all drafts."""
@@ -225,38 +257,45 @@ class Drafter:
       return self.recent_acceptance
     return sum(a for _, a in control.tries) / sum(d for d, _ in control.tries)
 
-  def _pays(self, gain: float, live: int, width: int, *, final: bool = True) -> bool:
-    """Whether a verify call is expected to give more tokens per second than a plain one: the live
-    sequences' steps_per_call tokens each plus the drafts' expected `gain`, over the measured seconds
-    of each kind of call at this decode width (a verify forward costs more where compute, not memory,
-    bounds a step: several times a decode step's on CPU, about one on an accelerator at small widths).
-    Each kind is run once at a width before the measurements decide."""
+  def _pays(self, gain: float, live: int, width: int, steps: int, *, stage: str = "final") -> bool:
+    """Whether a verify call of `steps` verify steps is expected to give more tokens per second than a
+    plain one: the live sequences' steps_per_call tokens each plus the drafts' expected `gain`, over
+    the measured seconds of each kind of call at this decode width (a verify forward costs more where
+    compute, not memory, bounds a step: several times a decode step's on CPU, about one on an
+    accelerator at small widths). Each kind is run once at a width before the measurements decide.
+    Before the lookups (`stage` "look": `may_pay`, once per call; "bound": the drafts' most) it asks
+    of the cheapest verify call (1 step)."""
     if gain < 1:  # not a token's worth
       return False
-    plain, verify = self.call_seconds.get((False, width)), self.call_seconds.get((True, width))
+    plain, verify = self.call_seconds.get((0, width)), self.call_seconds.get((steps, width))
     if plain is None or verify is None:
       return plain is not None  # measure a plain call first, then a verify call
     tokens = live * self.steps_per_call
     if (tokens + gain) / verify > tokens / plain:
       return True
-    # A measurement can be an unlucky one (a shared machine): after RETRY_EVERY refusals at a width, one
-    # verify call measures again. (`final`: the decision itself; before the lookups, whether to look.)
-    due = self._refused.get(width, 0) + 1 >= RETRY_EVERY
-    if due and final:
+    # A measurement can be an unlucky one (a shared machine): after RETRY_EVERY decode calls at a width
+    # whose drafts would have paid were the verify call RETRY_SLOWER times faster than measured, one
+    # verify call measures again. Drafts that would not pay even then (text that does not repeat) never
+    # cause one. (Counted once per call, by `may_pay`: until one is due, no lookups either.)
+    if (tokens + gain) * RETRY_SLOWER / verify <= tokens / plain:
+      return False
+    refused = self._refused.get(width, 0)
+    if stage == "look" and refused < RETRY_EVERY:
+      refused = self._refused[width] = refused + 1
+    if refused >= RETRY_EVERY and stage == "final":
       self._refused[width] = 0
-    elif not due:
-      self._refused[width] = self._refused.get(width, 0) + 1
-    return due
+    return refused >= RETRY_EVERY
 
   def timed(self, verified: bool, width: int, seconds: float) -> None:
-    """A decode call's duration (the driver reports each), smoothed per kind and width. The first of
-    each is left out (it may have compiled its program); a faster call is believed at once (a shared
-    machine makes calls slower, never faster)."""
-    key = (verified, width)
-    if key not in self._first_calls:
-      self._first_calls.add(key)
+    """A decode call's duration (the driver reports each), smoothed per kind (verify steps: 0 for a
+    plain call, else those of the drafts last returned) and width. The first of each is left out (it
+    may have compiled its program); a faster call is believed at once (a shared machine makes calls
+    slower, never faster)."""
+    key = (self.last_steps if verified else 0, width)
+    if key not in self.call_seconds:
+      self.call_seconds[key] = None
       return
-    old = self.call_seconds.get(key)
+    old = self.call_seconds[key]
     self.call_seconds[key] = seconds if old is None or seconds < old else old + TIME_SMOOTHING * (seconds - old)
 
   def _draft(self, seq: Live, length: int) -> list[int]:
@@ -284,6 +323,8 @@ class Drafter:
   def observe(self, group: int, index: int, drafted: int, accepted: int, length: int) -> None:
     """A verify call's outcome for one sequence: `accepted` of its `drafted` tokens, its completion
     now `length` tokens long."""
+    if not drafted:  # the call ran as a plain one (`PagedEngine.verify`: no blocks for the drafts)
+      return
     control = self._control.setdefault((group, index), _Control())
     control.tries.append((drafted, accepted))
     self.recent_acceptance += RECENT_SMOOTHING * (accepted / drafted - self.recent_acceptance)
@@ -306,8 +347,8 @@ class Drafter:
       group = self._groups[key[0]] = _Group(samples={}, history=[NgramIndex(self.ngram, t)
                                                                  for t in self.history.texts(prompt_ids)])
     index = group.samples.get(key[1])
-    if index is None:
-      group.samples[key[1]] = NgramIndex(self.ngram, [*prompt_ids, *tokens])
+    if index is None:  # indexed at its first lookup (most finished samples are never looked up)
+      group.samples[key[1]] = NgramIndex(self.ngram, prompt_ids, growing=list(tokens))
     else:
       index.freeze()
     self.history.add(prompt_ids, tokens)

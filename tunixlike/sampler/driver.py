@@ -301,25 +301,25 @@ class RolloutDriver:
                               info.max_new - len(info.tokens) - 1)
 
   def _count_steps(self, host, drafted) -> None:
-    """Slot steps of a generate call (a verify call's first K rows are its one verify forward), and
-    how each draft fared (the adaptive switch hears of it before the tokens are collected)."""
-    valid_ks = host.valid_ks
-    first = 0 if drafted is None else self.config.draft_tokens + 1
-    forwards = valid_ks.shape[0] - max(first - 1, 0)
-    self.stats.total_slot_steps += forwards * valid_ks.shape[1]
-    self.stats.live_slot_steps += int(valid_ks[first:].sum()) + int(valid_ks[:first].any(0).sum())
+    """Slot steps of a generate call (a verify call's first rows are its verify forwards, draft_tokens
+    + 1 positions each), and how each draft fared (the adaptive switch hears of it before the tokens are
+    collected)."""
+    valid_ks, cfg = host.valid_ks, self.config
+    forwards = drafts_lib.step_rows(valid_ks.shape[0], cfg.steps_per_call, cfg.draft_tokens)
+    self.stats.total_slot_steps += len(forwards) * valid_ks.shape[1]
+    self.stats.live_slot_steps += sum(int(valid_ks[rows].any(0).sum()) for rows in forwards)
     self.stats.decoded_tokens += int(valid_ks.sum())
     if drafted is None:
       return
     self.stats.verify_calls += 1
     tokens, lengths = drafted
     for s in np.flatnonzero(lengths):
-      info, n = self.slots[s], int(lengths[s])
-      emitted = host.tokens_ks[:n, s][valid_ks[:n, s]]
-      accepted = int(np.cumprod(emitted == tokens[s, :len(emitted)]).sum())
+      info = self.slots[s]
+      n, accepted = drafts_lib.verified(host.tokens_ks[:, s], valid_ks[:, s], tokens[s], cfg.draft_tokens,
+                                        sum(r.stop - r.start > 1 for r in forwards))
       self.stats.drafted_tokens += n
       self.stats.accepted_tokens += accepted
-      self.drafter.observe(info.group.seq, info.index, n, accepted, len(info.tokens) + accepted + 1)
+      self.drafter.observe(info.group.seq, info.index, n, accepted, len(info.tokens) + int(valid_ks[:, s].sum()))
 
 
   def _start_round(self) -> None:

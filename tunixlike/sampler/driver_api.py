@@ -81,7 +81,7 @@ class DriverStats:
   preemptions: int = 0  # sequences whose blocks a paged cache took back (each resumed later)
   resumed: int = 0  # preempted (or checkpoint-kept) sequences prefilled again and decoding
   tokens_kept: int = 0  # tokens of sequences continued from a checkpoint (`resume`), not decoded again
-  verify_calls: int = 0  # generate calls whose first step verified drafts (sampler.speculative)
+  verify_calls: int = 0  # generate calls whose steps verified drafts (sampler.speculative)
   drafted_tokens: int = 0  # draft tokens verified
   accepted_tokens: int = 0  # draft tokens accepted (emitted as drafted)
   decoded_tokens: int = 0  # tokens the decode calls emitted (preempted or stop-string tails included)

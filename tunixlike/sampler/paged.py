@@ -70,6 +70,9 @@ class PagedEngine(Engine):
           f"and its group's {config.group_size} samples: at least {need * self.block_bytes} bytes "
           f"({need} blocks of {bs} positions)")
     self._max_blocks = blocks_for(config.cache_length, bs)  # blocks of the longest sequence
+    self.draft_length = speculative.draft_length(config.steps_per_call, config.draft_tokens)  # per slot and verify call
+    # positions a slot's next call may write: admission (`fits`) leaves room for a verify call's
+    self._most_reach = self._verify_reach(config.steps_per_call) if config.speculative else config.steps_per_call
     small = {k: v for k, v in self._state_shardings(config.cache_length).items() if k != "cache"}
     self._pool_shardings = jax.eval_shape(self._empty_pool).shardings(self.mesh, rules)
     self._paged_shardings = dict(small, cache=self._pool_shardings)
@@ -77,7 +80,7 @@ class PagedEngine(Engine):
                                     out_shardings=(self._pool_shardings, small))
     self._paged_generate_fn = jax.jit(self._narrow_generate_impl, donate_argnums=(1,), static_argnames=("width",),
                                       out_shardings=(self._paged_shardings, self._replicated))
-    self._verify_fn = jax.jit(self._verify_impl, donate_argnums=(1,), static_argnames=("width",),
+    self._verify_fn = jax.jit(self._verify_impl, donate_argnums=(1,), static_argnames=("width", "steps"),
                               out_shardings=(self._paged_shardings, self._replicated))
     self._move_slots_fn = jax.jit(self._move_slots_impl, donate_argnums=(0,), out_shardings=small)
     self._gather_fn = jax.jit(self._gather_impl, static_argnums=(3,), out_shardings=self._replicated)
@@ -106,11 +109,11 @@ class PagedEngine(Engine):
 
   # ------------------------------------------------------------------ admission
 
-  def _first_blocks(self, true_length: int) -> tuple[int, int]:
+  def _first_blocks(self, true_length: int, reach: int | None = None) -> tuple[int, int]:
     """(shared full prompt blocks, own blocks per sample) of a sequence inserted at true_length:
-    its own cover the prompt's partly filled block and the positions of its first generate call."""
+    its own cover the prompt's partly filled block and the positions of its first call (`reach`)."""
     filled = true_length - 1  # KV positions the prefill wrote
-    first_call = self._call_end(filled)
+    first_call = self._call_end(filled, reach)
     full = filled // self.block_size
     return full, blocks_for(first_call, self.block_size) - full
 
@@ -131,10 +134,10 @@ class PagedEngine(Engine):
     tables, bs = decode_state.tables, self.block_size
     free = [p.num_free for p in tables.pools]
     for slot in np.flatnonzero(decode_state.host_live):
-      grown = blocks_for(self._call_end(decode_state.host_positions[slot] + bs), bs)
+      grown = blocks_for(self._call_end(decode_state.host_positions[slot] + bs, self._most_reach), bs)
       free[slot // tables.per_replica] -= max(0, grown - len(tables.slots[slot].blocks))
     for n, (true_length, slots) in enumerate(requests):
-      full, own = self._first_blocks(true_length)
+      full, own = self._first_blocks(true_length, self._most_reach)
       need = [0] * self.replicas
       for slot in slots:
         need[slot // tables.per_replica] += own
@@ -171,11 +174,17 @@ class PagedEngine(Engine):
       decode_state = self.release(decode_state, slot)
     return decode_state, preempted
 
-  def _call_end(self, position) -> int:
-    """Positions [0, end) a slot at `position` may have written by the end of its next call (a verify
-    call writes its draft's positions too)."""
-    reach = self.config.steps_per_call + (self.config.draft_tokens if self.config.speculative else 0)
-    return int(min(position + reach, self.config.cache_length))
+  def _call_end(self, position, reach: int | None = None) -> int:
+    """Positions [0, end) a slot at `position` may have written by the end of its next call, which
+    writes `reach` positions (default: a plain call's steps_per_call; a verify call writes its drafts'
+    too, `_verify_reach`). Blocks are reserved for plain calls: a verify call takes its drafts' blocks
+    when it runs (where the pool has none, it runs as a plain call), so a gate that rarely verifies
+    does not hold them (they widen the pool every call attends)."""
+    return int(min(position + (reach or self.config.steps_per_call), self.config.cache_length))
+
+  def _verify_reach(self, steps: int) -> int:
+    """Positions a verify call of `steps` verify steps writes per slot."""
+    return steps * (self.config.draft_tokens + 1) + self.config.steps_per_call - steps
 
   # ------------------------------------------------------------------ multi-turn
 
@@ -322,38 +331,50 @@ class PagedEngine(Engine):
     return PagedDecodeState(arrays, positions, live.copy(), tables=decode_state.tables), result
 
   def verify(self, params, decode_state: PagedDecodeState, drafts_sd) -> tuple[PagedDecodeState, GenerateResult]:
-    """`generate` whose first step verifies each slot's draft (`sampler.speculative`): one forward over
-    the slot's next input and its draft (int [S, sampler.draft_tokens], `speculative.NO_DRAFT` padding;
-    a slot without one emits one token there), emitting the tokens plain decoding samples there up to
-    the first that differs from the draft (`speculative.verify`), then steps_per_call - 1 decode steps.
-    The tokens, logprobs and stops are plain decoding's; the K/V written at rejected positions lies
-    past the slot's position, so nothing attends it, and the next tokens overwrite it. Returns the
-    result fetched to the host (a slot's position depends on how much of its draft was accepted)."""
+    """`generate` whose steps verify each slot's draft (`sampler.speculative`): int [S, L] (L =
+    `speculative.draft_length`, `speculative.NO_DRAFT` padding), the slot's guess of its next L tokens.
+    The call's first v steps (`speculative.verify_steps`: 1 if every draft fits one step, else all
+    `steps_per_call`) are each one forward over the slot's next input and the `draft_tokens` draft
+    tokens after it (`_verify_body`), emitting the tokens plain decoding samples there up to the first
+    that differs from the draft (`speculative.verify`): from 1 token per step (a slot without a draft)
+    to draft_tokens + 1; the others are decode steps. The tokens, logprobs and stops are plain
+    decoding's; the K/V written at rejected positions lies past the slot's position, so nothing
+    attends it, and the next tokens overwrite it. Returns the result fetched to the host (rows: v x
+    (draft_tokens + 1) positions, then a row per decode step; a slot's position depends on how much
+    of its draft was accepted)."""
     drafts_sd = np.asarray(drafts_sd, np.int32)
-    want = (self.max_concurrent_decodes, self.config.draft_tokens)
+    want = (self.max_concurrent_decodes, self.draft_length)
     if drafts_sd.shape != want:
-      raise ValueError(f"verify: drafts of shape {drafts_sd.shape}, expected {want} (slots, sampler.draft_tokens)")
-    decode_state, width, plan = self._before_call(decode_state, "verify")
-    arrays, result = self._verify_fn(params, decode_state.arrays, plan, drafts_sd, width=width)
+      raise ValueError(f"verify: drafts of shape {drafts_sd.shape}, expected {want} (slots, "
+                       "sampler.steps_per_call x (sampler.draft_tokens + 1) - 1)")
+    steps = speculative.verify_steps(int((drafts_sd != speculative.NO_DRAFT).sum(1).max()),
+                                     self.config.steps_per_call, self.config.draft_tokens)
+    try:
+      decode_state, width, plan = self._before_call(decode_state, "verify", self._verify_reach(steps))
+    except OutOfBlocks:  # no blocks for the drafts' positions now: a plain call (`reserve` gave it its blocks)
+      decode_state, result = self.generate(params, decode_state)
+      return decode_state, jax.device_get(result)
+    arrays, result = self._verify_fn(params, decode_state.arrays, plan, drafts_sd, width=width, steps=steps)
     result = jax.device_get(result)
     live = decode_state.host_live
     positions = np.where(live, np.minimum(decode_state.host_positions + result.valid_ks.sum(0),
                                           self.config.cache_length - 1), decode_state.host_positions)
     return PagedDecodeState(arrays, positions, live.copy(), tables=decode_state.tables), result
 
-  def _before_call(self, decode_state: PagedDecodeState, what: str):
-    """Blocks for every live slot's next call, the pool compacted and sized: (state, decode width, plan)."""
+  def _before_call(self, decode_state: PagedDecodeState, what: str, reach: int | None = None):
+    """Blocks for every live slot's next call (`reach` positions each, `_call_end`), the pool compacted
+    and sized: (state, decode width, plan)."""
     tables = decode_state.tables
     for slot in np.flatnonzero(decode_state.host_live):
       try:
-        tables.grow(slot, self._call_end(decode_state.host_positions[slot]))
+        tables.grow(slot, self._call_end(decode_state.host_positions[slot], reach))
       except OutOfBlocks as e:
         raise OutOfBlocks(f"{what}: slot {slot} needs a block and the pool is empty ({e}); "
                           f"call PagedEngine.reserve before {what}") from None
     if not self.use_kernel:
       decode_state = self._fit_pool(self._compact(decode_state))
     width = self.decode_width(decode_state)
-    return decode_state, width, self._plan(decode_state, width)
+    return decode_state, width, self._plan(decode_state, width, reach)
 
   @staticmethod
   def bucket(n: int, least: int = 1) -> int:
@@ -361,9 +382,11 @@ class PagedEngine(Engine):
     else a power of two of at least `least`."""
     return 0 if n <= 0 else max(least, 1 << math.ceil(math.log2(n)))
 
-  def _plan(self, decode_state: PagedDecodeState, slots: int):
+  def _plan(self, decode_state: PagedDecodeState, slots: int, reach: int | None = None):
     """Which blocks each of the leading `slots` slots per replica reads and writes in one call."""
-    return (self._kernel_plan if self.use_kernel else self._pool_plan)(decode_state, slots)
+    if self.use_kernel:
+      return self._kernel_plan(decode_state, slots, reach)
+    return self._pool_plan(decode_state, slots)
 
   # ------------------------------------------------------------------ decode width
 
@@ -414,9 +437,10 @@ class PagedEngine(Engine):
     """`Engine._generate_impl` over each replica's first `width` slots (`_narrowed`)."""
     return self._narrowed(lambda a: self._generate_impl(params, a, plan), arrays, width)
 
-  def _verify_impl(self, params, arrays, plan, drafts_sd, *, width: int):
+  def _verify_impl(self, params, arrays, plan, drafts_sd, *, width: int, steps: int):
     """`verify`'s program over each replica's first `width` slots (`_narrowed`)."""
-    new, result = self._narrowed(lambda a: self._verify_body(params, a, plan), dict(arrays, drafts=drafts_sd), width)
+    new, result = self._narrowed(lambda a: self._verify_body(params, a, plan, steps), dict(arrays, drafts=drafts_sd),
+                                 width)
     del new["drafts"]
     return new, result
 
@@ -446,34 +470,53 @@ class PagedEngine(Engine):
         routing_kslk=None if result.routing_kslk is None else widen(result.routing_kslk))
     return out, result
 
-  def _verify_body(self, params, arrays, plan):
-    """One verify forward (the slot's next input and its draft, arrays['drafts']), its tokens accepted
-    by `speculative.verify`, then steps_per_call - 1 decode steps (traced)."""
+  def _verify_body(self, params, arrays, plan, verify_steps: int):
+    """`verify_steps` verify rounds, then steps_per_call - verify_steps decode steps (traced). Round r
+    is one forward over each slot's next input and the draft tokens for the positions after it,
+    `draft_tokens` of arrays['drafts'] (the call's draft
+    for its next positions, `speculative.NO_DRAFT` padded) from the slot's position in it (the tokens
+    it emitted in earlier rounds), accepted by `speculative.verify`. A slot emits 1 to draft_tokens + 1
+    tokens per round (a plain step's one without a draft), plain decoding's tokens whatever the draft;
+    after a rejected token the next round drafts from the draft's next position, as good a guess as
+    any (text past a stray token often goes on as drafted: a policy that writes EOS after EOS)."""
     model = nnx.merge(self._graphdef, params_lib.materialize(params))
-    drafts, record = arrays["drafts"], self.config.record_sampling_mask
-    n_gen, positions, live = arrays["num_generated"], arrays["positions"], ~arrays["done"]
-    steps = jnp.arange(drafts.shape[1] + 1)
-    inputs = jnp.concatenate([arrays["tokens"][:, None], jnp.maximum(drafts, 0)], axis=1)  # [S, T]
-    has_input = jnp.concatenate([jnp.ones_like(drafts[:, :1], bool), drafts != speculative.NO_DRAFT], axis=1)
-    logits_stv, cache = model.decode_chunk(inputs, positions[:, None] + steps, arrays["cache"], plan,
-                                           has_input & live[:, None])
-    ver = speculative.verify(logits_stv, drafts, arrays["keys"], n_gen, self._sampling, return_mask=record)
-    emit = (steps <= ver.accepted_s[:, None]) & live[:, None]
-    stop = n_gen[:, None] + steps + 1 >= arrays["max_new"][:, None]  # as a decode step stops at the limit
-    if self._eos_ids.size:
-      stop = stop | jnp.isin(ver.tokens_st, jnp.asarray(self._eos_ids))
-    stop = (stop & emit).astype(jnp.int32)
-    valid = emit & (jnp.cumsum(stop, axis=1) - stop == 0)  # nothing after the first stop
-    count = valid.sum(axis=1).astype(jnp.int32)
-    last = jnp.take_along_axis(ver.tokens_st, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
-    done = arrays["done"] | jnp.any(valid & (stop > 0), axis=1)
-    new = dict(arrays, cache=cache, tokens=jnp.where(count > 0, last, arrays["tokens"]), positions=positions + count,
-               num_generated=n_gen + count, done=done)
-    first = GenerateResult(tokens_ks=ver.tokens_st.T, logprobs_ks=ver.logprobs_st.T, valid_ks=valid.T, done_s=done,
-                           version=arrays["version"], mask_ksw=None if not record else jnp.swapaxes(ver.mask_stw, 0, 1))
-    if self.config.steps_per_call == 1:
+    k, record = self.config.draft_tokens, self.config.record_sampling_mask
+    drafts = jnp.pad(arrays["drafts"], [(0, 0), (0, k)], constant_values=speculative.NO_DRAFT)  # [S, L + k]
+    steps = jnp.arange(k + 1)
+    eos = jnp.asarray(self._eos_ids)
+
+    def round_(carry, _):
+      cache, tokens, positions, n_gen, done, emitted = carry
+      live = ~done
+      draft = jnp.take_along_axis(drafts, emitted[:, None] + steps[:-1], axis=1)  # [S, k]
+      inputs = jnp.concatenate([tokens[:, None], jnp.maximum(draft, 0)], axis=1)  # [S, T]
+      has_input = jnp.concatenate([jnp.ones_like(draft[:, :1], bool), draft != speculative.NO_DRAFT], axis=1)
+      logits_stv, cache = model.decode_chunk(inputs, positions[:, None] + steps, cache, plan,
+                                             has_input & live[:, None])
+      ver = speculative.verify(logits_stv, draft, arrays["keys"], n_gen, self._sampling, return_mask=record)
+      emit = (steps <= ver.accepted_s[:, None]) & live[:, None]
+      stop = n_gen[:, None] + steps + 1 >= arrays["max_new"][:, None]  # as a decode step stops at the limit
+      if eos.size:
+        stop = stop | jnp.isin(ver.tokens_st, eos)
+      stop = (stop & emit).astype(jnp.int32)
+      valid = emit & (jnp.cumsum(stop, axis=1) - stop == 0)  # nothing after the first stop
+      count = valid.sum(axis=1).astype(jnp.int32)
+      last = jnp.take_along_axis(ver.tokens_st, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+      done = done | jnp.any(valid & (stop > 0), axis=1)
+      carry = (cache, jnp.where(count > 0, last, tokens), positions + count, n_gen + count, done, emitted + count)
+      mask = (jnp.swapaxes(ver.mask_stw, 0, 1),) if record else ()
+      return carry, (ver.tokens_st.T, ver.logprobs_st.T, valid.T) + mask
+
+    carry = (arrays["cache"], arrays["tokens"], arrays["positions"], arrays["num_generated"], arrays["done"],
+             jnp.zeros_like(arrays["num_generated"]))
+    (cache, tokens, positions, n_gen, done, _), outs = jax.lax.scan(round_, carry, None, length=verify_steps)
+    rows = lambda x: x.reshape(-1, *x.shape[2:])  # [rounds, T, S, ...] -> [rounds * T, S, ...], in order
+    new = dict(arrays, cache=cache, tokens=tokens, positions=positions, num_generated=n_gen, done=done)
+    first = GenerateResult(tokens_ks=rows(outs[0]), logprobs_ks=rows(outs[1]), valid_ks=rows(outs[2]), done_s=done,
+                           version=arrays["version"], mask_ksw=rows(outs[3]) if record else None)
+    if verify_steps == self.config.steps_per_call:
       return new, first
-    new, rest = self._decode_steps(model, new, self.config.steps_per_call - 1, plan)
+    new, rest = self._decode_steps(model, new, self.config.steps_per_call - verify_steps, plan)
     cat = lambda a, b: None if a is None else jnp.concatenate([a, b])
     return new, dataclasses.replace(rest, tokens_ks=cat(first.tokens_ks, rest.tokens_ks),
                                     logprobs_ks=cat(first.logprobs_ks, rest.logprobs_ks),
@@ -572,12 +615,13 @@ class PagedEngine(Engine):
     each): a power of two of at least 16, or the budget's."""
     return min(self.bucket(blocks, least=16), self.num_blocks)
 
-  def _kernel_plan(self, decode_state: PagedDecodeState, slots: int) -> paged_cache.KernelPlan:
+  def _kernel_plan(self, decode_state: PagedDecodeState, slots: int,
+                   reach: int | None = None) -> paged_cache.KernelPlan:
     tables, per = decode_state.tables, decode_state.tables.per_replica
     live, pos = decode_state.host_live, decode_state.host_positions
-    reach = {int(s): blocks_for(self._call_end(pos[s]), self.block_size) for s in np.flatnonzero(live)}
-    out = np.zeros((self.replicas, slots, self.bucket(max(reach.values(), default=1))), np.int32)
-    for s, n in reach.items():
+    ends = {int(s): blocks_for(self._call_end(pos[s], reach), self.block_size) for s in np.flatnonzero(live)}
+    out = np.zeros((self.replicas, slots, self.bucket(max(ends.values(), default=1))), np.int32)
+    for s, n in ends.items():
       out[s // per, s % per, :n] = tables.slots[s].blocks[:n]
     return paged_cache.KernelPlan(out, live.reshape(self.replicas, per)[:, :slots])
 
@@ -613,7 +657,7 @@ class PagedEngine(Engine):
     for n in range(1, self.max_prefill_length + 1):
       lengths.setdefault(self.prefill_bucket(n - 1), n)
     state, key = self.init_decode_state(), np.zeros((2,), np.uint32)
-    no_drafts = np.full((self.max_concurrent_decodes, self.config.draft_tokens), speculative.NO_DRAFT, np.int32)
+    no_drafts = np.full((self.max_concurrent_decodes, self.draft_length), speculative.NO_DRAFT, np.int32)
     sizes = [self.num_blocks] if self.use_kernel else self._pool_sizes()
     pool, small = self._split_arrays(state.arrays)
     for size in sizes:
@@ -630,8 +674,8 @@ class PagedEngine(Engine):
           small = self._release_fn(small, np.int32(0))
       for slots, plan in self._warmup_plans(size):
         arrays, _ = self._paged_generate_fn(params, dict(small, cache=pool), plan, width=slots)
-        if self.config.speculative:
-          arrays, _ = self._verify_fn(params, arrays, plan, no_drafts, width=slots)
+        for steps in sorted({1, self.config.steps_per_call}) if self.config.speculative else ():
+          arrays, _ = self._verify_fn(params, arrays, plan, no_drafts, width=slots, steps=steps)
         pool, small = self._split_arrays(arrays)
       n = 1  # compaction's copies: at most half the pool moves
       while not self.use_kernel and n <= max(size // 2, 1):

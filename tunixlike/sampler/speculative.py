@@ -32,6 +32,19 @@ from tunixlike.sampler import sampling
 NO_DRAFT = -1  # a draft position with no token (shorter drafts are padded with it); never equals a sampled token
 
 
+def draft_length(steps_per_call: int, draft_tokens: int) -> int:
+  """Draft tokens per slot of a verify call (`PagedEngine.verify`): each of its `steps_per_call` steps
+  verifies up to `draft_tokens` and emits one more (the correction or the bonus token)."""
+  return steps_per_call * (draft_tokens + 1) - 1
+
+
+def verify_steps(longest: int, steps_per_call: int, draft_tokens: int) -> int:
+  """Verify steps of a call whose longest draft has `longest` tokens: 1 when it fits the first step
+  (the call's other steps are plain decode steps: a cheaper call where a verify step costs more than
+  a decode step), else all `steps_per_call`. Two verify programs per decode width."""
+  return 1 if longest <= draft_tokens else steps_per_call
+
+
 class Verified(NamedTuple):
   tokens_st: jax.Array  # int32 [S, T]: the token plain decoding samples at each position given the draft
   logprobs_st: jax.Array  # float32 [S, T], under the processed distribution
