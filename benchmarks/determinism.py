@@ -44,7 +44,7 @@ TARGET = 1.15
 
 def _flags(p):
   p.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternated (at least 2)")
-  p.add_argument("--steps", type=int, default=None, help="RL steps per run (default the main job's 300; quick 8)")
+  p.add_argument("--steps", type=int, default=None, help="RL steps per run (default the main job's own; quick 8)")
   p.add_argument("--skip-steps", type=int, default=None, help="steps left out of the timing (default 10; quick 2)")
 
 
