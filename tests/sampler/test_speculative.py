@@ -237,7 +237,8 @@ def test_a_verify_call_is_refused_where_the_sequences_end_within_a_plain_call():
   times = {(0, 8): 1.0, (4, 8): 1.0, (1, 8): 1.0}  # a verify call as cheap as a plain one
   new = lambda: drafts_lib.Drafter(draft_tokens=8, ngram=3, min_acceptance=0.3, history=0, steps_per_call=4,
                                    call_seconds=dict(times), eos_ids=(eos,))
-  assert drafts_lib.extra(4, drafted=10.0, cap=3) == 0 and drafts_lib.extra(4, drafted=10.0, cap=6) == 2
+  assert drafts_lib.extra(4, length=20, acceptance=0.5, cap=3) == 0  # the plain call gives all 3
+  assert drafts_lib.extra(4, length=20, acceptance=0.5, cap=6) == 1  # 2 more if the draft is taken
   # Limits: 3 tokens left each (budget 2), fewer than the plain call's 4 steps.
   near_limit = [drafts_lib.Live(s, s, 0, prompt, [5, 6, 7, 8] * 3, 2) for s in range(8)]
   assert new().drafts(near_limit, 8, width=8) is None

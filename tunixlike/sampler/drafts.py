@@ -180,12 +180,14 @@ class _Group:
   ends: dict[int, int] = dataclasses.field(default_factory=dict)  # sample -> completion length its last draft's EOS gives
 
 
-def extra(steps_per_call: int, drafted: float, cap: int) -> float:
-  """Tokens a verify call is expected to add to one sequence beyond a plain call's: the plain call
-  gives min(steps_per_call, cap), the verify call about steps_per_call + `drafted` (the draft's length
-  times its acceptance), both at most `cap` (the tokens the sequence has left: its limit, or its
-  draft's EOS). A sequence that ends within the plain call gains nothing."""
-  return max(0.0, min(steps_per_call + drafted, cap) - min(steps_per_call, cap))
+def extra(steps_per_call: int, length: int, acceptance: float, cap: int) -> float:
+  """Tokens a verify call is expected to add to one sequence beyond a plain call's, for a draft of
+  `length` tokens accepted at `acceptance`: the plain call gives min(steps_per_call, cap), a fully
+  accepted draft min(steps_per_call + length, cap) (`cap`: the tokens the sequence has left, to its
+  limit or its draft's EOS). Expected: `acceptance` times the difference, the lower bound of a gain
+  that is concave in the tokens accepted (a draft is mostly taken whole or not at all), so a
+  sequence that ends within the plain call, or soon after it, adds nothing or little."""
+  return acceptance * max(0, min(steps_per_call + length, cap) - min(steps_per_call, cap))
 
 
 class Live(NamedTuple):
@@ -246,9 +248,9 @@ class Drafter:
       length = min(self.length, seq.budget)
       if length > 0 and (control is None or done >= control.paused_until):
         acceptance = self._acceptance(seq)
-        if extra(k, length * acceptance, cap) > 0:  # else it ends within the call anyway: no lookup
+        if extra(k, length, acceptance, cap) > 0:  # else it ends within the call anyway: no lookup
           asking.append((seq, length, acceptance))
-          bound += extra(k, length * acceptance, cap)
+          bound += extra(k, length, acceptance, cap)
     if not asking or (width is not None and not self._pays(bound, plain, width, 1, stage="bound")):
       return None  # (no lookups: most steps of text that does not repeat end here)
     out = np.full((num_slots, self.length), NO_DRAFT, np.int32)
@@ -262,7 +264,7 @@ class Drafter:
       if stop is not None:  # the draft ends the sequence: worth nothing past its EOS
         self._groups[seq.group].ends[seq.index] = len(seq.tokens) + stop
         cap = min(cap, stop)
-      gain += extra(k, min(len(draft), cap) * acceptance, cap)
+      gain += extra(k, len(draft), acceptance, cap)
     steps = verify_steps(int(lengths.max()), self.steps_per_call, self.draft_tokens)
     if not lengths.any() or (width is not None and not self._pays(gain, plain, width, steps)):
       return None
