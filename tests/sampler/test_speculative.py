@@ -255,6 +255,21 @@ def test_a_verify_call_is_refused_where_the_sequences_end_within_a_plain_call():
   assert drafter.drafts(ending([5, 6, 7]), 1, width=8) is not None
 
 
+def test_a_draft_without_eos_is_refused_where_recent_answers_end_within_the_call():
+  """A sequence's own repetition has no EOS, but where the recent completions end at EOS within a plain
+  call of the sequence's length (short answers), its draft would end there too: refused. Completions
+  ended by their limit, not EOS, say nothing of that."""
+  prompt, eos = np.asarray([1, 2], np.int32), 3
+  live = [drafts_lib.Live(s, 1000 + s, 0, prompt, [5, 6, 5, 6], 100) for s in range(8)]  # repeats: no EOS ahead
+  for ending in ([5, 6, 7, 8, 9, 10, 11, eos], [5] * 8):  # EOS or the limit 4 tokens on
+    drafter = drafts_lib.Drafter(draft_tokens=8, ngram=3, min_acceptance=0.3, history=0, steps_per_call=4,
+                                 call_seconds={(0, 8): 1.0, (4, 8): 1.0, (1, 8): 1.0}, eos_ids=(eos,))
+    assert drafter.drafts(live, 8, width=8) is not None  # no completions seen: it may go on
+    for g in range(drafts_lib.MIN_ENDINGS):
+      drafter.completion((g, 0), prompt, ending, None)
+    assert (drafter.drafts(live, 8, width=8) is None) == (ending[-1] == eos)
+
+
 def test_a_refused_verify_call_is_measured_again_only_where_it_could_have_paid():
   """After RETRY_EVERY refused calls at a width, one verify call measures again (the measurement may
   have been an unlucky one), if the drafts would have paid were the verify call RETRY_SLOWER times

@@ -17,9 +17,9 @@ over its last `WINDOW` tries stops drafting for `FIRST_PAUSE` tokens, twice as l
 further failure (up to `MAX_PAUSE`), so text that does not repeat costs a few verify calls per
 sequence, not one per step; and a decode call verifies drafts only when the tokens they are expected
 to add beyond what the plain call gives pay for the verify call's cost, measured against a plain
-call's at the same decode width (`Drafter._pays`). A draft's tokens are expected at its sequence's
-recent acceptance (or all drafts' for a sequence without tries), and count only past the plain call's
-`steps_per_call` tokens and up to where the sequence ends anyway: its limit, or the draft's EOS (`extra`).
+call's at the same decode width (`Drafter._pays`). A draft counts only the tokens it adds past the
+plain call's `steps_per_call` and up to where the sequence ends anyway (its limit, or the draft's
+EOS), times its sequence's recent acceptance (or all drafts' for a sequence without tries) (`extra`).
 A sequence that ends within the call (a short answer, its limit near) saves no call, so it adds nothing,
 and once a draft of it ended at EOS within reach it is not looked up again. Neither changes a token:
 only how many come per call. A draft
@@ -47,6 +47,8 @@ PRIOR_ACCEPTANCE = 0.5  # the expected acceptance of a draft before any was veri
 RECENT_SMOOTHING = 0.05  # weight of one try in the recent acceptance of all drafts (a new sequence's estimate)
 TIME_SMOOTHING = 0.3  # weight of the latest call in the smoothed seconds per call
 RETRY_EVERY = 32  # refused verify calls (of drafts worth a token) at a width before one measures again
+ENDINGS = 1024  # recent completions whose lengths tell how likely a sequence ends at EOS within a call
+MIN_ENDINGS = 32  # completions alive at a length before they say anything about it
 RETRY_SLOWER = 2  # only drafts that would pay were the verify call this many times faster than measured
 
 
@@ -221,6 +223,8 @@ class Drafter:
     self.recent_acceptance = PRIOR_ACCEPTANCE  # acceptance of the latest tries of every sequence (EMA)
     self._refused: dict[int, int] = {}  # decode width -> verify calls refused since the last one there
     self.last_steps = steps_per_call  # verify steps of the call the drafts last returned are for
+    self._endings: collections.deque = collections.deque(maxlen=ENDINGS)  # (length, ended at EOS)
+    self._survival: np.ndarray | None = None  # by completion length, from _endings (None: recompute)
 
   @classmethod
   def from_config(cls, config, call_seconds: dict[tuple[int, int], float | None] | None = None) -> Drafter:
@@ -247,7 +251,7 @@ class Drafter:
       plain += min(k, cap)
       length = min(self.length, seq.budget)
       if length > 0 and (control is None or done >= control.paused_until):
-        acceptance = self._acceptance(seq)
+        acceptance = self._acceptance(seq) * self._survives(done)
         if extra(k, length, acceptance, cap) > 0:  # else it ends within the call anyway: no lookup
           asking.append((seq, length, acceptance))
           bound += extra(k, length, acceptance, cap)
@@ -283,6 +287,23 @@ class Drafter:
     if control is None or not control.tries:
       return self.recent_acceptance
     return sum(a for _, a in control.tries) / sum(d for d, _ in control.tries)
+
+  def _survives(self, done: int) -> float:
+    """How likely a sequence `done` tokens long goes on past a plain call without sampling EOS, from
+    the recent completions alive at that length (1 before MIN_ENDINGS of them): where answers are short
+    (the main job's 4 tokens) a sequence's draft without EOS, e.g. its own repetition, would still end
+    within the call, and saves nothing. Limits are not EOS: a completion they ended counts as going on."""
+    if not self.eos_ids or len(self._endings) < MIN_ENDINGS:
+      return 1.0
+    if self._survival is None:
+      lengths = np.asarray([n for n, _ in self._endings])
+      eos = np.bincount(lengths, [e for _, e in self._endings], lengths.max() + 1)
+      alive = len(lengths) - np.cumsum(np.bincount(lengths))  # [n]: completions longer than n tokens
+      ended = np.cumsum(eos)  # [n]: EOS-ended completions of at most n tokens
+      n = np.arange(len(alive))
+      stopped = ended[np.minimum(n + self.steps_per_call, len(ended) - 1)] - ended  # EOS within the call
+      self._survival = np.where(alive >= MIN_ENDINGS, 1 - stopped / np.maximum(alive, 1), 1.0)
+    return float(self._survival[done]) if done < len(self._survival) else 1.0
 
   def _pays(self, gain: float, tokens: int, width: int, steps: int, *, stage: str = "final") -> bool:
     """Whether a verify call of `steps` verify steps is expected to give more tokens per second than a
@@ -380,6 +401,9 @@ class Drafter:
       index.freeze()
     self.history.add(prompt_ids, tokens)
     self._control.pop(key, None)
+    if self.eos_ids:
+      self._endings.append((len(tokens), bool(len(tokens)) and int(tokens[-1]) in self.eos_ids))
+      self._survival = None
     group.ends.pop(key[1], None)
 
   def group(self, seq: int, group) -> None:
