@@ -21,7 +21,8 @@ call's at the same decode width (`Drafter._pays`). A draft counts only the token
 plain call's `steps_per_call` and up to where the sequence ends anyway (its limit, or the draft's
 EOS), times its sequence's recent acceptance (or all drafts' for a sequence without tries) (`extra`).
 A sequence that ends within the call (a short answer, its limit near) saves no call, so it adds nothing,
-and once a draft of it ended at EOS within reach it is not looked up again. Neither changes a token:
+and once a draft of it ended at EOS within reach it is not looked up again; a draft without EOS is
+weighted by how often recent completions went on past a call at its length (`Drafter._survives`). Neither changes a token:
 only how many come per call. A draft
 covers a whole verify call (`speculative.draft_length`: its steps verify `draft_tokens` each from the
 sequence's place in it). Lookups use an n-gram index per text, extended as the text grows (O(1) per token).
