@@ -229,6 +229,47 @@ def test_a_verify_call_runs_only_where_the_drafts_pay_for_it():
   assert times[(0, 16)] == 1.0 and drafter.may_pay(8, width=16)
 
 
+def test_a_verify_call_is_refused_where_the_sequences_end_within_a_plain_call():
+  """A plain call of steps_per_call steps finishes a sequence whose limit or draft's EOS lies within
+  them: drafting it saves no call, however fast the verify call (issue 53: the main job's 4-token
+  answers). Drafts reaching past the plain call still pay."""
+  prompt, eos = np.asarray([1, 2], np.int32), 3
+  times = {(0, 8): 1.0, (4, 8): 1.0, (1, 8): 1.0}  # a verify call as cheap as a plain one
+  new = lambda: drafts_lib.Drafter(draft_tokens=8, ngram=3, min_acceptance=0.3, history=0, steps_per_call=4,
+                                   call_seconds=dict(times), eos_ids=(eos,))
+  assert drafts_lib.extra(4, length=20, acceptance=0.5, cap=3) == 0  # the plain call gives all 3
+  assert drafts_lib.extra(4, length=20, acceptance=0.5, cap=6) == 1  # 2 more if the draft is taken
+  # Limits: 3 tokens left each (budget 2), fewer than the plain call's 4 steps.
+  near_limit = [drafts_lib.Live(s, s, 0, prompt, [5, 6, 7, 8] * 3, 2) for s in range(8)]
+  assert new().drafts(near_limit, 8, width=8) is None
+  # EOS: each sample's sibling wrote its answer and EOS 2 tokens on; the drafts end there.
+  drafter = new()
+  drafter.completion((0, 1), prompt, [5, 6, 7, 8, eos], None)
+  ending = lambda tokens: [drafts_lib.Live(0, 0, 0, prompt, tokens, 100)]
+  assert drafter.drafts(ending([5, 6, 7]), 1, width=None)[0][0, :2].tolist() == [8, eos]  # the draft itself
+  assert drafter.drafts(ending([5, 6, 7]), 1, width=8) is None  # ends within the call: refused
+  assert drafter._groups[0].ends == {0: 5}  # and not looked up again while that end is ahead
+  # A sibling that wrote on past the plain call's reach: its draft pays.
+  drafter = new()
+  drafter.completion((0, 1), prompt, [5, 6, 7] + list(range(10, 30)) + [eos], None)
+  assert drafter.drafts(ending([5, 6, 7]), 1, width=8) is not None
+
+
+def test_a_draft_without_eos_is_refused_where_recent_answers_end_within_the_call():
+  """A sequence's own repetition has no EOS, but where the recent completions end at EOS within a plain
+  call of the sequence's length (short answers), its draft would end there too: refused. Completions
+  ended by their limit, not EOS, say nothing of that."""
+  prompt, eos = np.asarray([1, 2], np.int32), 3
+  live = [drafts_lib.Live(s, 1000 + s, 0, prompt, [5, 6, 5, 6], 100) for s in range(8)]  # repeats: no EOS ahead
+  for ending in ([5, 6, 7, 8, 9, 10, 11, eos], [5] * 8):  # EOS or the limit 4 tokens on
+    drafter = drafts_lib.Drafter(draft_tokens=8, ngram=3, min_acceptance=0.3, history=0, steps_per_call=4,
+                                 call_seconds={(0, 8): 1.0, (4, 8): 1.0, (1, 8): 1.0}, eos_ids=(eos,))
+    assert drafter.drafts(live, 8, width=8) is not None  # no completions seen: it may go on
+    for g in range(drafts_lib.MIN_ENDINGS):
+      drafter.completion((g, 0), prompt, ending, None)
+    assert (drafter.drafts(live, 8, width=8) is None) == (ending[-1] == eos)
+
+
 def test_a_refused_verify_call_is_measured_again_only_where_it_could_have_paid():
   """After RETRY_EVERY refused calls at a width, one verify call measures again (the measurement may
   have been an unlucky one), if the drafts would have paid were the verify call RETRY_SLOWER times

@@ -16,9 +16,14 @@ Adaptive, twice: a sequence whose drafts were accepted less than `sampler.draft_
 over its last `WINDOW` tries stops drafting for `FIRST_PAUSE` tokens, twice as long after each
 further failure (up to `MAX_PAUSE`), so text that does not repeat costs a few verify calls per
 sequence, not one per step; and a decode call verifies drafts only when the tokens they are expected
-to add (each draft's length times its sequence's recent acceptance, or all drafts' recent acceptance
-for a sequence without tries) pay for the verify call's cost, measured against a plain call's at the
-same decode width (`Drafter._pays`). Neither changes a token: only how many come per call. A draft
+to add beyond what the plain call gives pay for the verify call's cost, measured against a plain
+call's at the same decode width (`Drafter._pays`). A draft counts only the tokens it adds past the
+plain call's `steps_per_call` and up to where the sequence ends anyway (its limit, or the draft's
+EOS), times its sequence's recent acceptance (or all drafts' for a sequence without tries) (`extra`).
+A sequence that ends within the call (a short answer, its limit near) saves no call, so it adds nothing,
+and once a draft of it ended at EOS within reach it is not looked up again; a draft without EOS is
+weighted by how often recent completions went on past a call at its length (`Drafter._survives`). Neither changes a token:
+only how many come per call. A draft
 covers a whole verify call (`speculative.draft_length`: its steps verify `draft_tokens` each from the
 sequence's place in it). Lookups use an n-gram index per text, extended as the text grows (O(1) per token).
 """
@@ -43,6 +48,8 @@ PRIOR_ACCEPTANCE = 0.5  # the expected acceptance of a draft before any was veri
 RECENT_SMOOTHING = 0.05  # weight of one try in the recent acceptance of all drafts (a new sequence's estimate)
 TIME_SMOOTHING = 0.3  # weight of the latest call in the smoothed seconds per call
 RETRY_EVERY = 32  # refused verify calls (of drafts worth a token) at a width before one measures again
+ENDINGS = 1024  # recent completions whose lengths tell how likely a sequence ends at EOS within a call
+MIN_ENDINGS = 32  # completions alive at a length before they say anything about it
 RETRY_SLOWER = 2  # only drafts that would pay were the verify call this many times faster than measured
 
 
@@ -173,6 +180,17 @@ class _Group:
 
   samples: dict[int, NgramIndex]
   history: list[NgramIndex]
+  ends: dict[int, int] = dataclasses.field(default_factory=dict)  # sample -> completion length its last draft's EOS gives
+
+
+def extra(steps_per_call: int, length: int, acceptance: float, cap: int) -> float:
+  """Tokens a verify call is expected to add to one sequence beyond a plain call's, for a draft of
+  `length` tokens accepted at `acceptance`: the plain call gives min(steps_per_call, cap), a fully
+  accepted draft min(steps_per_call + length, cap) (`cap`: the tokens the sequence has left, to its
+  limit or its draft's EOS). Expected: `acceptance` times the difference, the lower bound of a gain
+  that is concave in the tokens accepted (a draft is mostly taken whole or not at all), so a
+  sequence that ends within the plain call, or soon after it, adds nothing or little."""
+  return acceptance * max(0, min(steps_per_call + length, cap) - min(steps_per_call, cap))
 
 
 class Live(NamedTuple):
@@ -192,12 +210,12 @@ class Drafter:
   `driver.Recorder`, `completion` and `group` as sequences and groups end."""
 
   def __init__(self, draft_tokens: int, ngram: int, min_acceptance: float, history: int, steps_per_call: int,
-               call_seconds: dict[tuple[int, int], float | None] | None = None):
-    """`call_seconds`: (verify steps (0: a plain call), decode width) -> seconds per call (None: its
+               call_seconds: dict[tuple[int, int], float | None] | None = None, eos_ids: Sequence[int] = ()):
+    """`eos_ids`: the tokens that end a completion (a draft is worth nothing past one). `call_seconds`: (verify steps (0: a plain call), decode width) -> seconds per call (None: its
     first call was seen, not timed), as another drafter measured them (taken as measured; updated in
     place). `recent_acceptance` (an attribute) may be set too."""
     self.draft_tokens, self.ngram, self.min_acceptance = draft_tokens, ngram, min_acceptance
-    self.steps_per_call = steps_per_call
+    self.steps_per_call, self.eos_ids = steps_per_call, frozenset(int(t) for t in eos_ids)
     self.length = draft_length(steps_per_call, draft_tokens)  # a verify call's draft per sequence
     self.history = History(history)
     self._groups: dict[int, _Group] = {}
@@ -206,30 +224,39 @@ class Drafter:
     self.recent_acceptance = PRIOR_ACCEPTANCE  # acceptance of the latest tries of every sequence (EMA)
     self._refused: dict[int, int] = {}  # decode width -> verify calls refused since the last one there
     self.last_steps = steps_per_call  # verify steps of the call the drafts last returned are for
+    self._endings: collections.deque = collections.deque(maxlen=ENDINGS)  # (length, ended at EOS)
+    self._survival: np.ndarray | None = None  # by completion length, from _endings (None: recompute)
 
   @classmethod
   def from_config(cls, config, call_seconds: dict[tuple[int, int], float | None] | None = None) -> Drafter:
     """From a `SamplerConfig`."""
     return cls(config.draft_tokens, config.draft_ngram, config.draft_min_acceptance, config.draft_history,
-               config.steps_per_call, call_seconds)
+               config.steps_per_call, call_seconds, config.eos_ids)
 
   def drafts(self, sequences: Iterable[Live], num_slots: int,
              width: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """(drafts int32 [num_slots, `length`] with NO_DRAFT padding, lengths [num_slots]), or None
     when no sequence has one, or (given the call's decode `width`) when the tokens the drafts are
     expected to add do not pay for a verify call (`_pays`): the plain decode program runs."""
-    sequences = list(sequences)
-    asking, bound = [], 0.0  # sequences that draft now (not paused), the most their drafts can add
+    sequences, k = list(sequences), self.steps_per_call
+    asking, bound, plain = [], 0.0, 0  # sequences that may gain by drafting now, the most they add, a plain call's tokens
     for seq in sequences:
       group = self._group(seq)
       if seq.index not in group.samples:  # its text, indexed as it grows (a source for its siblings too)
         group.samples[seq.index] = NgramIndex(self.ngram, seq.prompt_ids, growing=seq.tokens)
       control = self._control.get((seq.group, seq.index))
+      done = len(seq.tokens)
+      cap = seq.budget + 1  # tokens it has left; fewer where its last draft's EOS lies within them
+      end = group.ends.get(seq.index)
+      cap = min(cap, end - done) if end is not None and end > done else cap
+      plain += min(k, cap)
       length = min(self.length, seq.budget)
-      if length > 0 and (control is None or len(seq.tokens) >= control.paused_until):
-        asking.append((seq, length, self._acceptance(seq)))
-        bound += length * asking[-1][2]
-    if not asking or (width is not None and not self._pays(bound, len(sequences), width, 1, stage="bound")):
+      if length > 0 and (control is None or done >= control.paused_until):
+        acceptance = self._acceptance(seq) * self._survives(done)
+        if extra(k, length, acceptance, cap) > 0:  # else it ends within the call anyway: no lookup
+          asking.append((seq, length, acceptance))
+          bound += extra(k, length, acceptance, cap)
+    if not asking or (width is not None and not self._pays(bound, plain, width, 1, stage="bound")):
       return None  # (no lookups: most steps of text that does not repeat end here)
     out = np.full((num_slots, self.length), NO_DRAFT, np.int32)
     lengths, gain = np.zeros((num_slots,), np.int32), 0.0
@@ -237,9 +264,14 @@ class Drafter:
       draft = self._draft(seq, length)
       out[seq.slot, :len(draft)] = draft
       lengths[seq.slot] = len(draft)
-      gain += len(draft) * acceptance
+      cap = seq.budget + 1
+      stop = next((i + 1 for i, t in enumerate(draft) if t in self.eos_ids), None)
+      if stop is not None:  # the draft ends the sequence: worth nothing past its EOS
+        self._groups[seq.group].ends[seq.index] = len(seq.tokens) + stop
+        cap = min(cap, stop)
+      gain += extra(k, len(draft), acceptance, cap)
     steps = verify_steps(int(lengths.max()), self.steps_per_call, self.draft_tokens)
-    if not lengths.any() or (width is not None and not self._pays(gain, len(sequences), width, steps)):
+    if not lengths.any() or (width is not None and not self._pays(gain, plain, width, steps)):
       return None
     self.last_steps = steps
     return out, lengths
@@ -248,7 +280,7 @@ class Drafter:
     """Whether drafts for `live` sequences could pay for a verify call at this width, judged by the
     recent acceptance of all drafts: when not, the driver skips the lookups (and builds no requests),
     so a workload where speculation does not pay costs a dict lookup per call."""
-    return self._pays(live * self.length * self.recent_acceptance, live, width, 1, stage="look")
+    return self._pays(live * self.length * self.recent_acceptance, live * self.steps_per_call, width, 1, stage="look")
 
   def _acceptance(self, seq: Live) -> float:
     """The sequence's acceptance over its last tries; before any, the recent acceptance of all drafts."""
@@ -257,9 +289,27 @@ class Drafter:
       return self.recent_acceptance
     return sum(a for _, a in control.tries) / sum(d for d, _ in control.tries)
 
-  def _pays(self, gain: float, live: int, width: int, steps: int, *, stage: str = "final") -> bool:
+  def _survives(self, done: int) -> float:
+    """How likely a sequence `done` tokens long goes on past a plain call without sampling EOS, from
+    the recent completions alive at that length (1 before MIN_ENDINGS of them): where answers are short
+    (the main job's 4 tokens) a sequence's draft without EOS, e.g. its own repetition, would still end
+    within the call, and saves nothing. Limits are not EOS: a completion they ended counts as going on."""
+    if not self.eos_ids or len(self._endings) < MIN_ENDINGS:
+      return 1.0
+    if self._survival is None:
+      lengths = np.asarray([n for n, _ in self._endings])
+      eos = np.bincount(lengths, [e for _, e in self._endings], lengths.max() + 1)
+      alive = len(lengths) - np.cumsum(np.bincount(lengths))  # [n]: completions longer than n tokens
+      ended = np.cumsum(eos)  # [n]: EOS-ended completions of at most n tokens
+      n = np.arange(len(alive))
+      stopped = ended[np.minimum(n + self.steps_per_call, len(ended) - 1)] - ended  # EOS within the call
+      self._survival = np.where(alive >= MIN_ENDINGS, 1 - stopped / np.maximum(alive, 1), 1.0)
+    return float(self._survival[done]) if done < len(self._survival) else 1.0
+
+  def _pays(self, gain: float, tokens: int, width: int, steps: int, *, stage: str = "final") -> bool:
     """Whether a verify call of `steps` verify steps is expected to give more tokens per second than a
-    plain one: the live sequences' steps_per_call tokens each plus the drafts' expected `gain`, over
+    plain one: the plain call's `tokens` (steps_per_call per live sequence, fewer for one that ends
+    sooner) plus the drafts' expected `gain` beyond them (`extra`), over
     the measured seconds of each kind of call at this decode width (a verify forward costs more where
     compute, not memory, bounds a step: several times a decode step's on CPU, about one on an
     accelerator at small widths). Each kind is run once at a width before the measurements decide.
@@ -270,7 +320,6 @@ class Drafter:
     plain, verify = self.call_seconds.get((0, width)), self.call_seconds.get((steps, width))
     if plain is None or verify is None:
       return plain is not None  # measure a plain call first, then a verify call
-    tokens = live * self.steps_per_call
     if (tokens + gain) / verify > tokens / plain:
       return True
     # A measurement can be an unlucky one (a shared machine): after RETRY_EVERY decode calls at a width
@@ -353,6 +402,10 @@ class Drafter:
       index.freeze()
     self.history.add(prompt_ids, tokens)
     self._control.pop(key, None)
+    if self.eos_ids:
+      self._endings.append((len(tokens), bool(len(tokens)) and int(tokens[-1]) in self.eos_ids))
+      self._survival = None
+    group.ends.pop(key[1], None)
 
   def group(self, seq: int, group) -> None:
     """The group left the driver: its texts are no longer needed."""
