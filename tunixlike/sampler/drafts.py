@@ -22,10 +22,10 @@ plain call's `steps_per_call` and up to where the sequence ends anyway (its limi
 EOS), times its sequence's recent acceptance (or all drafts' for a sequence without tries) (`extra`).
 A sequence that ends within the call (a short answer, its limit near) saves no call, so it adds nothing,
 and once a draft of it ended at EOS within reach it is not looked up again; a draft without EOS is
-weighted by how often recent completions went on past a call at its length (`Drafter._survives`). Neither changes a token:
-only how many come per call. A draft
-covers a whole verify call (`speculative.draft_length`: its steps verify `draft_tokens` each from the
-sequence's place in it). Lookups use an n-gram index per text, extended as the text grows (O(1) per token).
+weighted by how often recent completions went on past a call at its length (`Drafter._survives`).
+Neither changes a token: only how many come per call. A draft covers a whole verify call
+(`speculative.draft_length`: its steps verify `draft_tokens` each from the sequence's place in it).
+Lookups use an n-gram index per text, extended as the text grows (O(1) per token).
 """
 
 from __future__ import annotations
@@ -211,7 +211,8 @@ class Drafter:
 
   def __init__(self, draft_tokens: int, ngram: int, min_acceptance: float, history: int, steps_per_call: int,
                call_seconds: dict[tuple[int, int], float | None] | None = None, eos_ids: Sequence[int] = ()):
-    """`eos_ids`: the tokens that end a completion (a draft is worth nothing past one). `call_seconds`: (verify steps (0: a plain call), decode width) -> seconds per call (None: its
+    """`eos_ids`: the tokens that end a completion (a draft is worth nothing past one).
+    `call_seconds`: (verify steps (0: a plain call), decode width) -> seconds per call (None: its
     first call was seen, not timed), as another drafter measured them (taken as measured; updated in
     place). `recent_acceptance` (an attribute) may be set too."""
     self.draft_tokens, self.ngram, self.min_acceptance = draft_tokens, ngram, min_acceptance
@@ -253,9 +254,10 @@ class Drafter:
       length = min(self.length, seq.budget)
       if length > 0 and (control is None or done >= control.paused_until):
         acceptance = self._acceptance(seq) * self._survives(done)
-        if extra(k, length, acceptance, cap) > 0:  # else it ends within the call anyway: no lookup
+        most = extra(k, length, acceptance, cap)
+        if most > 0:  # else it ends within the call anyway: no lookup
           asking.append((seq, length, acceptance))
-          bound += extra(k, length, acceptance, cap)
+          bound += most
     if not asking or (width is not None and not self._pays(bound, plain, width, 1, stage="bound")):
       return None  # (no lookups: most steps of text that does not repeat end here)
     out = np.full((num_slots, self.length), NO_DRAFT, np.int32)
