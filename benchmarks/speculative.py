@@ -1,7 +1,8 @@
 """Speculative decoding from sibling samples (sampler.speculative): a long-tailed GRPO batch, plain
 vs speculative, on the same weights and keys; and the main job end to end with it on and off.
 
-  python benchmarks/speculative.py [--workdir RUN] [--prompts 16] [--repeats 3] [--no-e2e] [--quick] [--out FILE]
+  python benchmarks/speculative.py [--workdir RUN] [--prompts 16] [--repeats 3] [--e2e-repeats 1] [--no-e2e]
+                                  [--quick] [--out FILE]
 
 Prints one JSON object (and writes it to --out).
 
@@ -22,8 +23,9 @@ texts, as one driver of a run learns them once for every batch): `batch_s` (time
 `tokens_per_s`, generate calls, `busy_s` (time in the engine's calls, results fetched), `forwards`
 (model forwards: decode or verify steps), `positions` (slot positions those forwards computed: decode
 width x replicas x 1, or draft_tokens + 1 for a verify step), `calls_by_width` (plain / verifyN calls
-per decode width, slots per replica; N: the call's verify steps), and for speculative runs the draft acceptance, tokens per
-decode step (per live slot and forward) and verify calls; `runs`: every run; `call_ms`: the ms per
+per decode width, slots per replica; N: the call's verify steps), and for speculative runs the draft
+acceptance, tokens per decode step (per live slot and forward), verify calls and `draft_s` (the
+drafter's host work: lookups, the gate, its bookkeeping); `runs`: every run; `call_ms`: the ms per
 call of each kind at each width as the speculative runs' drafters measured them (what the gate uses;
 `verifyN`: a verify call of N verify steps). `identical_tokens`: every
 completion's tokens equal; `max_logprob_difference`: the largest difference of a token's logprob
@@ -31,11 +33,14 @@ completion's tokens equal; `max_logprob_difference`: the largest difference of a
 speculative over plain (targets: trained <= 0.67, random <= 1.05).
 
 End to end ("e2e", unless --no-e2e): the main job (configs/addition_grpo.py, run by rl_step.py's
-`_run`) with sampler.kv_layout='paged', plain and with sampler.speculative, one after the other:
-held-out accuracy at the first and last eval, s/step (metrics.jsonl's `time_s` over the RL steps
-after the first 10 and outside evals, as determinism.py measures it), draft acceptance and tokens per
-decode step at the last step. The run is asynchronous, so the two runs' batches differ by thread
-timing: accuracy is compared, not completions.
+`_run`) with sampler.kv_layout='paged', plain and with sampler.speculative, alternated
+`--e2e-repeats` times, per mode the run of median s/step (and every run's s/step): held-out accuracy
+at the first and last eval, s/step (metrics.jsonl's `time_s` over the RL steps after the first 10
+and outside evals, as determinism.py measures it), and at the last step the draft acceptance, tokens
+per decode step, verify calls, `draft_frac` (the share of the RL stage's wall time the drafter's host
+work took on the sampler thread: what drafting costs where no draft is verified, measured within the
+run) and `sampler_busy_frac` (the share in the engine's calls). The run is asynchronous, so the two
+runs' batches differ by thread timing: accuracy is compared, not completions.
 Without --workdir and with --no-e2e the plain main job runs once for its policy. --quick: the tiny
 variant's policy (unless --workdir), 4 prompts, short limits, 2 + 2 runs, no end-to-end runs (a
 smoke test).
@@ -64,6 +69,8 @@ def _flags(p):
                  "each left out)")
   p.add_argument("--draft-tokens", type=int, default=None, help="sampler.draft_tokens (default: the key's default)")
   p.add_argument("--no-e2e", action="store_true", help="skip the main job's end-to-end runs")
+  p.add_argument("--e2e-repeats", type=int, default=1, help="end-to-end runs of each mode, alternated (the "
+                 "median s/step per mode is reported)")
   p.add_argument("--warmup", action="store_true", help="compile every decode program of both engines first "
                  "(`Engine.warmup`, as sampler.warmup does)")
 
@@ -92,19 +99,27 @@ TARGETS = {"trained": 0.67, "random": 1.05}
 
 
 def e2e(tmp: pathlib.Path) -> dict:
-  """The main job, plain then speculative (paged cache both)."""
-  out = {}
-  for mode, flags in (("plain", PAGED), ("speculative", PAGED + ["--config.sampler.speculative=true"])):
-    t0 = time.monotonic()
-    records = rl_step._run(rl_step.REPO, tmp / mode, None, False, flags, ARGS.seed)
-    steps = [r for r in records if "learner/busy_frac" in r]
-    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
-    out[mode] = {"s_per_step": round(determinism.rl_s_per_step(records, 10), 4), "accuracy_before": evals[0],
-                 "accuracy_after": evals[-1], "wall_s": round(time.monotonic() - t0, 1),
-                 "tokens_per_s": round(steps[-1]["sampler/tokens_per_s"], 1)}
-    if mode == "speculative":
-      out[mode].update(draft_acceptance=round(steps[-1]["sampler/draft_acceptance"], 3),
-                       tokens_per_decode_step=round(steps[-1]["sampler/tokens_per_decode_step"], 3))
+  """The main job, plain and with speculation (paged cache both), alternated `--e2e-repeats` times:
+  per mode its median run by s/step, and every run's s/step."""
+  runs = {"plain": [], "speculative": []}
+  for r in range(ARGS.e2e_repeats):
+    for mode, flags in (("plain", PAGED), ("speculative", PAGED + ["--config.sampler.speculative=true"])):
+      t0 = time.monotonic()
+      records = rl_step._run(rl_step.REPO, tmp / f"{mode}{r or ''}", None, False, flags, ARGS.seed)
+      steps = [r for r in records if "learner/busy_frac" in r]
+      evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+      run = {"s_per_step": round(determinism.rl_s_per_step(records, 10), 4), "accuracy_before": evals[0],
+             "accuracy_after": evals[-1], "wall_s": round(time.monotonic() - t0, 1),
+             "tokens_per_s": round(steps[-1]["sampler/tokens_per_s"], 1)}
+      if mode == "speculative":
+        run.update(draft_acceptance=round(steps[-1]["sampler/draft_acceptance"], 3),
+                   tokens_per_decode_step=round(steps[-1]["sampler/tokens_per_decode_step"], 3),
+                   verify_calls=steps[-1]["sampler/verify_calls"],
+                   draft_frac=round(steps[-1]["sampler/draft_frac"], 4),
+                   sampler_busy_frac=round(steps[-1]["sampler/busy_frac"], 4))
+      runs[mode].append(run)
+  out = {mode: {**sorted(rs, key=lambda r: r["s_per_step"])[(len(rs) - 1) // 2],
+                "s_per_step_runs": [r["s_per_step"] for r in rs]} for mode, rs in runs.items()}
   out["ratio_s_per_step"] = round(out["speculative"]["s_per_step"] / out["plain"]["s_per_step"], 3)
   out["accuracy_after_difference"] = round(out["speculative"]["accuracy_after"] - out["plain"]["accuracy_after"], 3)
   return out
@@ -166,7 +181,7 @@ def decode(engine, params, reqs, learned: dict) -> tuple[dict, dict]:
            "calls_by_width": {f"{f'verify{v}' if v else 'plain'}@{w}": n for (v, w), n in sorted(widths.items())}}
   if engine.config.speculative:
     stats.update(verify_calls=s.verify_calls, draft_acceptance=round(s.draft_acceptance, 3),
-                 tokens_per_decode_step=round(s.tokens_per_decode_step, 3))
+                 tokens_per_decode_step=round(s.tokens_per_decode_step, 3), draft_s=round(s.draft_s, 4))
   return stats, {g.prompt_id: g.completions for g in got}
 
 

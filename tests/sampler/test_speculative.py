@@ -283,3 +283,63 @@ def test_a_refused_verify_call_is_measured_again_only_where_it_could_have_paid()
     verified = [drafter.may_pay(8, width=8) and drafter.drafts(live, 8, width=8) is not None  # as the driver asks
                 for _ in range(drafts_lib.RETRY_EVERY)]
     assert sum(verified) == retries and verified[-1] == bool(retries)
+
+
+def test_the_survival_of_recent_completions_counts_only_the_latest_endings():
+  """`_survives` is counted as completions end, the oldest of the last ENDINGS dropping out: equal to
+  counting the recent ones afresh, at every length."""
+  prompt, eos = np.asarray([1, 2], np.int32), 3
+  drafter = drafts_lib.Drafter(draft_tokens=8, ngram=3, min_acceptance=0.3, history=0, steps_per_call=4,
+                               eos_ids=(eos,))
+  rng = np.random.default_rng(0)
+  endings = []
+  for g in range(drafts_lib.ENDINGS + 700):  # long completions first, short ones at the end
+    length = int(rng.integers(1, 60 if g < drafts_lib.ENDINGS else 12))
+    at_eos = bool(rng.random() < 0.7)
+    drafter.completion((g, 0), prompt, [5] * (length - 1) + [eos if at_eos else 5], None)
+    endings.append((length, at_eos))
+  recent = endings[-drafts_lib.ENDINGS:]
+  for done in range(70):
+    alive = sum(n > done for n, _ in recent)
+    stopped = sum(e and done < n <= done + 4 for n, e in recent)
+    want = 1 - stopped / alive if alive >= drafts_lib.MIN_ENDINGS else 1.0
+    assert drafter._survives(done) == pytest.approx(want), done
+
+
+class _AlwaysVerify(drafts_lib.Drafter):
+  """A drafter whose gate verifies every draft worth a token, whatever the calls cost."""
+
+  def _pays(self, gain, tokens, width, steps, *, stage="final"):
+    return gain >= 1
+
+
+def test_a_pool_without_blocks_for_the_drafts_runs_plain_calls_and_still_admits(make_engine):
+  """A pool too tight for the drafts' positions: `PagedEngine.verify` runs the plain call (blocks are
+  reserved for plain calls only) and the driver counts it as a fallback, not a verify call; a request
+  that even the idle pool cannot give a verify call's room is admitted with a plain call's (it hung
+  before); the completions are plain decoding's. Prompts come twice: the second time their history
+  drafts them."""
+  kw = dict(temperature=0.0, group_size=2, eos_ids=(3,))
+  roomy = make_engine(kv_layout="paged", kv_block_size=4, **kw)
+  tight = make_engine(**SPEC, kv_cache_bytes=10 * roomy.block_bytes, **kw)
+  params = roomy.load_params()
+  requests = [PromptRequest(prompt_id=i, token_ids=p) for i, p in enumerate(random_prompts(6, seed=3) * 2)]
+  want, _ = _run(roomy, requests, params)
+  rows = []  # per engine.verify call, the rows of its result (steps_per_call: it ran as a plain call)
+
+  def verify(params, state, drafts, method=tight.verify):
+    state, result = method(params, state, drafts)
+    rows.append(result.valid_ks.shape[0])
+    return state, result
+
+  tight.verify = verify
+  try:
+    got, stats = _run(tight, requests, params, _AlwaysVerify.from_config(tight.config))
+  finally:
+    del tight.verify
+  plain_rows = tight.config.steps_per_call
+  assert stats.verify_fallbacks == rows.count(plain_rows) > 0
+  assert stats.verify_calls == len(rows) - rows.count(plain_rows) > 0 and stats.accepted_tokens > 0
+  assert stats.preemptions > 0  # the pool is tight for plain calls too
+  assert {pid: [c.token_ids.tolist() for c in g.completions] for pid, g in got.items()} == \
+      {pid: [c.token_ids.tolist() for c in g.completions] for pid, g in want.items()}

@@ -207,6 +207,7 @@ class AsyncRuntime:
     self._t_start = time.monotonic()
     self._tokens_before = self.driver.stats.tokens_generated
     self._busy_before = self.driver.stats.busy_time_s
+    self._draft_before = self.driver.stats.draft_s
     self._nonfinite_in_a_row = 0
 
   def train(self, step: int, groups: list[RolloutGroup], wait_s: float) -> dict[str, float]:
@@ -257,7 +258,8 @@ class AsyncRuntime:
         "sampler/tokens_per_s": (stats.tokens_generated - self._tokens_before) / wall,
         "sampler/slot_occupancy": stats.slot_occupancy, "sampler/preemptions": stats.preemptions,
         **({"sampler/draft_acceptance": stats.draft_acceptance, "sampler/tokens_per_decode_step":
-            stats.tokens_per_decode_step} if stats.drafts else {}),
+            stats.tokens_per_decode_step, "sampler/verify_calls": stats.verify_calls,
+            "sampler/draft_frac": (stats.draft_s - self._draft_before) / wall} if stats.drafts else {}),
         "sync/ms": synced.ms, "deterministic": int(cfg.deterministic),
         "nonfinite_in_a_row": self._nonfinite_in_a_row, **self.queue.stats(),
     })

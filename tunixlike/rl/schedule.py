@@ -37,7 +37,8 @@ FILE = "schedule.jsonl"
 # (`time_s`: the clock of a metrics.jsonl record.)
 TIMING_METRICS = ("time_s", "learner/step_s", "learner/wait_s", "learner/busy_frac", "sampler/busy_frac",
                   "sampler/tokens_per_s", "sampler/slot_occupancy", "sampler/draft_acceptance",
-                  "sampler/tokens_per_decode_step", "sync/ms", "queue/depth", "queue/in_flight", "queue/admitted")
+                  "sampler/tokens_per_decode_step", "sampler/verify_calls", "sampler/draft_frac",
+                  "sync/ms", "queue/depth", "queue/in_flight", "queue/admitted")
 
 
 def without_timing(record: dict[str, Any]) -> dict[str, Any]:

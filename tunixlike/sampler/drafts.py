@@ -33,6 +33,8 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import functools
+import time
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -51,6 +53,7 @@ RETRY_EVERY = 32  # refused verify calls (of drafts worth a token) at a width be
 ENDINGS = 1024  # recent completions whose lengths tell how likely a sequence ends at EOS within a call
 MIN_ENDINGS = 32  # completions alive at a length before they say anything about it
 RETRY_SLOWER = 2  # only drafts that would pay were the verify call this many times faster than measured
+MIN_GAIN = 0.02  # drafts expected to add less than this share of a plain call's tokens never pay
 
 
 def step_rows(rows: int, steps_per_call: int, draft_tokens: int) -> list[slice]:
@@ -81,22 +84,25 @@ def verified(tokens_k, valid_k, draft, draft_tokens: int, verify_steps: int) -> 
 
 class NgramIndex:
   """A growing text and, per n-gram (n in [MIN_NGRAM, ngram]) followed by at least one token, where
-  it started (ascending)."""
+  it started (ascending). Indexed at lookups, up to the text's end: a text nobody looks up (most
+  samples' where answers are short) costs nothing but its reference."""
 
-  def __init__(self, ngram: int, tokens: Iterable[int] = (), *, growing: Sequence[int] | None = None):
+  def __init__(self, ngram: int, tokens: Sequence[int] = (), *, growing: Sequence[int] | None = None):
     """`tokens`, then `growing` (a list another part appends to, read up to its end at each lookup)."""
     self.ngram = ngram
     self.tokens: list[int] = []
     self._starts: dict[tuple[int, ...], list[int]] = {}
-    self.extend(tokens)
-    self._growing, self._offset = growing, len(self.tokens)
+    self._head, self._offset, self._growing = tokens, len(tokens), growing
 
   def sync(self) -> None:
-    """Indexes what the growing list gained since the last lookup."""
+    """Indexes what the text gained since the last lookup."""
+    if self._head is not None:
+      self._extend(np.asarray(self._head, np.int64).tolist())
+      self._head = None
     if self._growing is not None:
-      self.extend(self._growing[len(self.tokens) - self._offset:])
+      self._extend(self._growing[len(self.tokens) - self._offset:])
 
-  def extend(self, tokens: Iterable[int]) -> None:
+  def _extend(self, tokens: Iterable[int]) -> None:
     for token in tokens:
       i = len(self.tokens)
       for n in range(MIN_NGRAM, self.ngram + 1):
@@ -105,9 +111,9 @@ class NgramIndex:
       self.tokens.append(int(token))
 
   def freeze(self) -> None:
-    """Indexes the growing list to its end and lets go of it (its text is complete)."""
-    self.sync()
-    self._growing = None
+    """Keeps the growing list's text as it is now (it is complete) and lets go of the list."""
+    if self._growing is not None:
+      self._growing = list(self._growing)
 
   def follow(self, pattern: tuple[int, ...], length: int, near: int) -> list[int]:
     """Up to `length` tokens after the occurrence of `pattern` that starts nearest to position `near`
@@ -204,6 +210,18 @@ class Live(NamedTuple):
   budget: int  # most draft tokens it can use (its remaining limit - 1)
 
 
+def _host_work(method):
+  """Counts the method's time in `Drafter.host_s`."""
+  @functools.wraps(method)
+  def counted(self, *args, **kwargs):
+    t0 = time.perf_counter()
+    try:
+      return method(self, *args, **kwargs)
+    finally:
+      self.host_s += time.perf_counter() - t0
+  return counted
+
+
 class Drafter:
   """Drafts per decode call and the adaptive switch (see the module docstring). Host-side, on the
   sampler thread. The driver calls `drafts` before a call, `observe` after a verify call, and, as a
@@ -226,7 +244,9 @@ class Drafter:
     self._refused: dict[int, int] = {}  # decode width -> verify calls refused since the last one there
     self.last_steps = steps_per_call  # verify steps of the call the drafts last returned are for
     self._endings: collections.deque = collections.deque(maxlen=ENDINGS)  # (length, ended at EOS)
-    self._survival: np.ndarray | None = None  # by completion length, from _endings (None: recompute)
+    self._ending_counts = np.zeros((2, 1), np.int64)  # [all, at EOS] of _endings by completion length
+    self._survival: np.ndarray | None = None  # by completion length, from the counts (None: recompute)
+    self.host_s = 0.0  # seconds in the methods the driver calls: what drafting costs the sampler thread
 
   @classmethod
   def from_config(cls, config, call_seconds: dict[tuple[int, int], float | None] | None = None) -> Drafter:
@@ -234,6 +254,7 @@ class Drafter:
     return cls(config.draft_tokens, config.draft_ngram, config.draft_min_acceptance, config.draft_history,
                config.steps_per_call, call_seconds, config.eos_ids)
 
+  @_host_work
   def drafts(self, sequences: Iterable[Live], num_slots: int,
              width: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """(drafts int32 [num_slots, `length`] with NO_DRAFT padding, lengths [num_slots]), or None
@@ -278,6 +299,7 @@ class Drafter:
     self.last_steps = steps
     return out, lengths
 
+  @_host_work
   def may_pay(self, live: int, width: int) -> bool:
     """Whether drafts for `live` sequences could pay for a verify call at this width, judged by the
     recent acceptance of all drafts: when not, the driver skips the lookups (and builds no requests),
@@ -299,10 +321,8 @@ class Drafter:
     if not self.eos_ids or len(self._endings) < MIN_ENDINGS:
       return 1.0
     if self._survival is None:
-      lengths = np.asarray([n for n, _ in self._endings])
-      eos = np.bincount(lengths, [e for _, e in self._endings], lengths.max() + 1)
-      alive = len(lengths) - np.cumsum(np.bincount(lengths))  # [n]: completions longer than n tokens
-      ended = np.cumsum(eos)  # [n]: EOS-ended completions of at most n tokens
+      alive = len(self._endings) - np.cumsum(self._ending_counts[0])  # [n]: completions longer than n tokens
+      ended = np.cumsum(self._ending_counts[1])  # [n]: EOS-ended completions of at most n tokens
       n = np.arange(len(alive))
       stopped = ended[np.minimum(n + self.steps_per_call, len(ended) - 1)] - ended  # EOS within the call
       self._survival = np.where(alive >= MIN_ENDINGS, 1 - stopped / np.maximum(alive, 1), 1.0)
@@ -317,7 +337,9 @@ class Drafter:
     accelerator at small widths). Each kind is run once at a width before the measurements decide.
     Before the lookups (`stage` "look": `may_pay`, once per call; "bound": the drafts' most) it asks
     of the cheapest verify call (1 step)."""
-    if gain < 1:  # not a token's worth
+    # Not a token's worth, or a share of the call too small to pay for a verify call on any hardware
+    # (its forwards compute draft_tokens + 1 positions per slot): not worth measuring one either.
+    if gain < max(1.0, MIN_GAIN * tokens):
       return False
     plain, verify = self.call_seconds.get((0, width)), self.call_seconds.get((steps, width))
     if plain is None or verify is None:
@@ -337,6 +359,7 @@ class Drafter:
       self._refused[width] = 0
     return refused >= RETRY_EVERY
 
+  @_host_work
   def timed(self, verified: bool, width: int, seconds: float) -> None:
     """A decode call's duration (the driver reports each), smoothed per kind (verify steps: 0 for a
     plain call, else those of the drafts last returned) and width. The first of each is left out (it
@@ -371,10 +394,11 @@ class Drafter:
       group = self._groups[seq.group] = _Group(samples={}, history=history)
     return group
 
+  @_host_work
   def observe(self, group: int, index: int, drafted: int, accepted: int, length: int) -> None:
     """A verify call's outcome for one sequence: `accepted` of its `drafted` tokens, its completion
     now `length` tokens long."""
-    if not drafted:  # the call ran as a plain one (`PagedEngine.verify`: no blocks for the drafts)
+    if not drafted:  # no token of its draft was verified
       return
     control = self._control.setdefault((group, index), _Control())
     control.tries.append((drafted, accepted))
@@ -391,6 +415,7 @@ class Drafter:
   def token(self, key, prompt_ids, tokens, request) -> None:
     pass
 
+  @_host_work
   def completion(self, key: tuple[int, int], prompt_ids, tokens, request) -> None:
     """A sample ended: its text stays a draft source for its group and joins its prompt's history."""
     group = self._groups.get(key[0])
@@ -405,10 +430,21 @@ class Drafter:
     self.history.add(prompt_ids, tokens)
     self._control.pop(key, None)
     if self.eos_ids:
-      self._endings.append((len(tokens), bool(len(tokens)) and int(tokens[-1]) in self.eos_ids))
-      self._survival = None
+      self._ended(len(tokens), bool(len(tokens)) and int(tokens[-1]) in self.eos_ids)
     group.ends.pop(key[1], None)
 
+  def _ended(self, length: int, eos: bool) -> None:
+    """Counts a completion among the recent ones (`_survives`), the oldest one dropping out."""
+    if len(self._endings) == ENDINGS:
+      old, old_eos = self._endings[0]
+      self._ending_counts[:, old] -= (1, old_eos)
+    self._endings.append((length, eos))
+    if length >= self._ending_counts.shape[1]:
+      self._ending_counts = np.pad(self._ending_counts, [(0, 0), (0, length + 1 - self._ending_counts.shape[1])])
+    self._ending_counts[:, length] += (1, eos)
+    self._survival = None
+
+  @_host_work
   def group(self, seq: int, group) -> None:
     """The group left the driver: its texts are no longer needed."""
     self._groups.pop(seq, None)

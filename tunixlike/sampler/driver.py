@@ -283,11 +283,15 @@ class RolloutDriver:
           host = jax.device_get(result)
         else:
           self.slots.state, host = self.engine.verify(self._params, self.slots.state, drafted[0])
+          if host.valid_ks.shape[0] == self.config.steps_per_call:  # it ran as a plain call: the paged
+            drafted, self.stats.verify_fallbacks = None, self.stats.verify_fallbacks + 1  # pool had no blocks for the drafts
       self.stats.busy_time_s += time.perf_counter() - t0
       if self.drafter is not None:
         self.drafter.timed(drafted is not None, width, time.perf_counter() - t0)
     self.stats.generate_calls += 1
     self._count_steps(host, drafted)
+    if self.drafter is not None:
+      self.stats.draft_s = self.drafter.host_s
     self.slots.collect(host, self.episodes)
     if self._on_step is not None:
       self._on_step(swapped, self.admission.next_seq - seq_before, True)

@@ -82,6 +82,8 @@ class DriverStats:
   resumed: int = 0  # preempted (or checkpoint-kept) sequences prefilled again and decoding
   tokens_kept: int = 0  # tokens of sequences continued from a checkpoint (`resume`), not decoded again
   verify_calls: int = 0  # generate calls whose steps verified drafts (sampler.speculative)
+  verify_fallbacks: int = 0  # verify calls run as plain ones: the paged pool had no blocks for the drafts
+  draft_s: float = 0.0  # the drafter's host work on the sampler thread (lookups, the gate, its bookkeeping)
   drafted_tokens: int = 0  # draft tokens verified
   accepted_tokens: int = 0  # draft tokens accepted (emitted as drafted)
   decoded_tokens: int = 0  # tokens the decode calls emitted (preempted or stop-string tails included)

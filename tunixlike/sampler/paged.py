@@ -122,22 +122,27 @@ class PagedEngine(Engine):
     blocks of each request's prompt (once per replica its slots are on) and its samples' own, with
     a watermark left for the live sequences to grow one block past their next call (without it a
     sequence admitted into a full pool is the youngest, preempted at the next call, resumed at
-    once, and so on). Parked KV on a replica that is short is dropped (oldest first) to make room."""
+    once, and so on). Parked KV on a replica that is short is dropped (oldest first) to make room.
+    With sampler.speculative the first call's room is a verify call's; where even an idle pool has
+    too few blocks for that, a plain call's (its verify calls run as plain ones when short)."""
     tables = decode_state.tables
     while True:
-      n, short = self._count_fitting(decode_state, requests)
+      n, short = self._count_fitting(decode_state, requests, self._most_reach)
+      if n == 0 and self._most_reach > self.config.steps_per_call and not decode_state.host_live.any():
+        n, short = self._count_fitting(decode_state, requests, self.config.steps_per_call)
       if n == len(requests) or not tables.drop_parked(replica=short):
         return n
 
-  def _count_fitting(self, decode_state: PagedDecodeState, requests) -> tuple[int, int | None]:
-    """(requests that fit in the free blocks above the watermark, the replica that ran short first)."""
+  def _count_fitting(self, decode_state: PagedDecodeState, requests, reach: int) -> tuple[int, int | None]:
+    """(requests that fit in the free blocks above the watermark, the replica that ran short first),
+    each sequence's next call writing `reach` positions."""
     tables, bs = decode_state.tables, self.block_size
     free = [p.num_free for p in tables.pools]
     for slot in np.flatnonzero(decode_state.host_live):
-      grown = blocks_for(self._call_end(decode_state.host_positions[slot] + bs, self._most_reach), bs)
+      grown = blocks_for(self._call_end(decode_state.host_positions[slot] + bs, reach), bs)
       free[slot // tables.per_replica] -= max(0, grown - len(tables.slots[slot].blocks))
     for n, (true_length, slots) in enumerate(requests):
-      full, own = self._first_blocks(true_length, self._most_reach)
+      full, own = self._first_blocks(true_length, reach)
       need = [0] * self.replicas
       for slot in slots:
         need[slot // tables.per_replica] += own
