@@ -343,3 +343,24 @@ def test_a_pool_without_blocks_for_the_drafts_runs_plain_calls_and_still_admits(
   assert stats.preemptions > 0  # the pool is tight for plain calls too
   assert {pid: [c.token_ids.tolist() for c in g.completions] for pid, g in got.items()} == \
       {pid: [c.token_ids.tolist() for c in g.completions] for pid, g in want.items()}
+
+
+def test_text_that_does_not_repeat_is_looked_up_less_and_less_often():
+  """A lookup that finds no draft worth a token pauses the sequence's lookups for steps_per_call
+  tokens, twice as long after each further one (text that does not repeat costs O(log length)
+  lookups, not one per call); a draft found again ends the pauses."""
+  prompt, tokens = np.asarray([1, 2], np.int32), []
+  drafter = drafts_lib.Drafter(draft_tokens=8, ngram=3, min_acceptance=0.3, history=0, steps_per_call=4,
+                               call_seconds={(0, 8): 1.0, (4, 8): 1.0, (1, 8): 1.0})
+  looked = []
+  for done in range(0, 200, 4):  # 4 new tokens per call, none repeating
+    tokens.extend(range(100 + done, 104 + done))
+    paused = drafter._control.get((0, 0))
+    paused = paused.paused_until if paused else 0
+    drafter.drafts([drafts_lib.Live(0, 0, 0, prompt, tokens, 1000)], 1, width=8)
+    if drafter._control[(0, 0)].paused_until != paused:
+      looked.append(done)
+  assert looked == [0, 4, 12, 28, 60, 124]
+  tokens.extend([7, 8, 9] * 20)  # now it repeats (and its last pause, 128 tokens from 124, is over)
+  assert drafter.drafts([drafts_lib.Live(0, 0, 0, prompt, tokens, 1000)], 1, width=8) is not None
+  assert drafter._control[(0, 0)].unfound == 0

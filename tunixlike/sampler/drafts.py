@@ -15,7 +15,8 @@ per forward.
 Adaptive, twice: a sequence whose drafts were accepted less than `sampler.draft_min_acceptance`
 over its last `WINDOW` tries stops drafting for `FIRST_PAUSE` tokens, twice as long after each
 further failure (up to `MAX_PAUSE`), so text that does not repeat costs a few verify calls per
-sequence, not one per step; and a decode call verifies drafts only when the tokens they are expected
+sequence, not one per step (and a lookup that finds no draft worth a token pauses its lookups for
+`steps_per_call` tokens, doubling: a few lookups per sequence); and a decode call verifies drafts only when the tokens they are expected
 to add beyond what the plain call gives pay for the verify call's cost, measured against a plain
 call's at the same decode width (`Drafter._pays`). A draft counts only the tokens it adds past the
 plain call's `steps_per_call` and up to where the sequence ends anyway (its limit, or the draft's
@@ -93,6 +94,12 @@ class NgramIndex:
     self.tokens: list[int] = []
     self._starts: dict[tuple[int, ...], list[int]] = {}
     self._head, self._offset, self._growing = tokens, len(tokens), growing
+
+  def __len__(self) -> int:
+    """The text's length now (indexed or not)."""
+    if self._growing is not None:
+      return self._offset + len(self._growing)
+    return len(self.tokens) if self._head is None else len(self._head)
 
   def sync(self) -> None:
     """Indexes what the text gained since the last lookup."""
@@ -177,7 +184,20 @@ class _Control:
 
   tries: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=WINDOW))
   paused_until: int = 0  # completion length from which it drafts again
-  pause: int = FIRST_PAUSE
+  pause: int = FIRST_PAUSE  # the next pause after its drafts failed
+  unfound: int = 0  # the last pause after lookups found no draft worth a token (0: the last one found one)
+
+  def back_off(self, length: int) -> None:
+    """Its drafts failed: no drafting until the completion is `pause` tokens longer than `length`
+    (twice as long the next time)."""
+    self.paused_until = length + self.pause
+    self.pause = min(2 * self.pause, MAX_PAUSE)
+
+  def found(self, length: int, worth: bool, steps_per_call: int) -> None:
+    """A lookup found a draft worth a token or not: if not, no lookup until the completion is longer
+    by steps_per_call tokens, twice that after the next such lookup, and so on."""
+    self.unfound = 0 if worth else min(max(steps_per_call, 2 * self.unfound), MAX_PAUSE)
+    self.paused_until = max(self.paused_until, length + self.unfound)
 
 
 @dataclasses.dataclass
@@ -292,7 +312,11 @@ class Drafter:
       if stop is not None:  # the draft ends the sequence: worth nothing past its EOS
         self._groups[seq.group].ends[seq.index] = len(seq.tokens) + stop
         cap = min(cap, stop)
-      gain += extra(k, len(draft), acceptance, cap)
+      worth = extra(k, len(draft), acceptance, cap)
+      control = self._control.get((seq.group, seq.index))
+      if worth < 1 or control is not None:  # text that does not repeat is looked up less and less often
+        self._control.setdefault((seq.group, seq.index), _Control()).found(len(seq.tokens), worth >= 1, k)
+      gain += worth
     steps = verify_steps(int(lengths.max()), self.steps_per_call, self.draft_tokens)
     if not lengths.any() or (width is not None and not self._pays(gain, plain, width, steps)):
       return None
@@ -375,8 +399,12 @@ class Drafter:
   def _draft(self, seq: Live, length: int) -> list[int]:
     group = self._groups[seq.group]
     own = group.samples[seq.index]
+    # A sibling no further on than this sequence rarely holds text past its own (samples of a group
+    # start together): not indexed for it.
+    sources = [t for i, t in group.samples.items() if i != seq.index and len(t) > len(own)] + group.history
+    if not sources and len(seq.tokens) < self.ngram:  # its own repetition would be the prompt's
+      return []
     own.sync()
-    sources = [t for i, t in group.samples.items() if i != seq.index] + group.history
     best = []
     for n in range(min(self.ngram, len(own.tokens)), MIN_NGRAM - 1, -1):
       pattern, near = tuple(own.tokens[-n:]), len(own.tokens) - n
@@ -406,8 +434,7 @@ class Drafter:
     if len(control.tries) == WINDOW:
       rate = sum(a for _, a in control.tries) / sum(d for d, _ in control.tries)
       if rate < self.min_acceptance:
-        control.paused_until = length + control.pause
-        control.pause = min(2 * control.pause, MAX_PAUSE)
+        control.back_off(length)
         control.tries.clear()
 
   # ------------------------------------------------------------------ driver.Recorder
