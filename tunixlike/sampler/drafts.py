@@ -282,18 +282,16 @@ class Drafter:
     expected to add do not pay for a verify call (`_pays`): the plain decode program runs."""
     sequences, k = list(sequences), self.steps_per_call
     asking, bound, plain = [], 0.0, 0  # sequences that may gain by drafting now, the most they add, a plain call's tokens
-    for seq in sequences:
-      group = self._group(seq)
-      if seq.index not in group.samples:  # its text, indexed as it grows (a source for its siblings too)
-        group.samples[seq.index] = NgramIndex(self.ngram, seq.prompt_ids, growing=seq.tokens)
+    for seq in sequences:  # (cheap: most calls end after this loop)
       control = self._control.get((seq.group, seq.index))
       done = len(seq.tokens)
       cap = seq.budget + 1  # tokens it has left; fewer where its last draft's EOS lies within them
-      end = group.ends.get(seq.index)
+      group = self._groups.get(seq.group)
+      end = group.ends.get(seq.index) if group is not None else None
       cap = min(cap, end - done) if end is not None and end > done else cap
       plain += min(k, cap)
       length = min(self.length, seq.budget)
-      if length > 0 and (control is None or done >= control.paused_until):
+      if cap > k and length > 0 and (control is None or done >= control.paused_until):
         acceptance = self._acceptance(seq) * self._survives(done)
         most = extra(k, length, acceptance, cap)
         if most > 0:  # else it ends within the call anyway: no lookup
@@ -301,6 +299,12 @@ class Drafter:
           bound += most
     if not asking or (width is not None and not self._pays(bound, plain, width, 1, stage="bound")):
       return None  # (no lookups: most steps of text that does not repeat end here)
+    groups = {seq.group for seq, _, _ in asking}
+    for seq in sequences:  # the texts of the asking groups' live samples, indexed as they grow at lookups
+      if seq.group in groups:
+        samples = self._group(seq).samples
+        if seq.index not in samples:
+          samples[seq.index] = NgramIndex(self.ngram, seq.prompt_ids, growing=seq.tokens)
     out = np.full((num_slots, self.length), NO_DRAFT, np.int32)
     lengths, gain = np.zeros((num_slots,), np.int32), 0.0
     for seq, length, acceptance in asking:
