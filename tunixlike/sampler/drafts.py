@@ -15,10 +15,11 @@ per forward.
 Adaptive, twice: a sequence whose drafts were accepted less than `sampler.draft_min_acceptance`
 over its last `WINDOW` tries stops drafting for `FIRST_PAUSE` tokens, twice as long after each
 further failure (up to `MAX_PAUSE`), so text that does not repeat costs a few verify calls per
-sequence, not one per step (and a lookup that finds no draft worth a token pauses its lookups for
-`steps_per_call` tokens, doubling: a few lookups per sequence); and a decode call verifies drafts only when the tokens they are expected
-to add beyond what the plain call gives pay for the verify call's cost, measured against a plain
-call's at the same decode width (`Drafter._pays`). A draft counts only the tokens it adds past the
+sequence, not one per step (a lookup that finds no draft worth a token pauses its lookups for
+`steps_per_call` tokens, twice as long after the next: a few lookups per sequence); and a decode
+call verifies drafts only when the tokens they are expected to add beyond what the plain call gives
+pay for the verify call's cost, measured against a plain call's at the same decode width
+(`Drafter._pays`), and add at least `MIN_GAIN` of the plain call's tokens. A draft counts only the tokens it adds past the
 plain call's `steps_per_call` and up to where the sequence ends anyway (its limit, or the draft's
 EOS), times its sequence's recent acceptance (or all drafts' for a sequence without tries) (`extra`).
 A sequence that ends within the call (a short answer, its limit near) saves no call, so it adds nothing,
@@ -26,7 +27,8 @@ and once a draft of it ended at EOS within reach it is not looked up again; a dr
 weighted by how often recent completions went on past a call at its length (`Drafter._survives`).
 Neither changes a token: only how many come per call. A draft covers a whole verify call
 (`speculative.draft_length`: its steps verify `draft_tokens` each from the sequence's place in it).
-Lookups use an n-gram index per text, extended as the text grows (O(1) per token).
+Lookups use an n-gram index per text, built at its first lookup and extended at later ones (O(1)
+per token); a sibling no further on than the asking sequence is not a source.
 """
 
 from __future__ import annotations
@@ -165,8 +167,12 @@ class History:
     if self.per_prompt == 0:
       return
     text = np.concatenate([np.asarray(prompt_ids, np.int32), np.asarray(completion, np.int32)])
-    texts = self._texts.setdefault(self.key(prompt_ids), collections.deque())
-    self._texts.move_to_end(self.key(prompt_ids))
+    key = self.key(prompt_ids)
+    texts = self._texts.get(key)
+    if texts is None:
+      texts = self._texts[key] = collections.deque()
+    else:
+      self._texts.move_to_end(key)
     texts.append(text)
     self._tokens += len(text)
     if len(texts) > self.per_prompt:
@@ -264,7 +270,7 @@ class Drafter:
     self._refused: dict[int, int] = {}  # decode width -> verify calls refused since the last one there
     self.last_steps = steps_per_call  # verify steps of the call the drafts last returned are for
     self._endings: collections.deque = collections.deque(maxlen=ENDINGS)  # (length, ended at EOS)
-    self._ending_counts = np.zeros((2, 1), np.int64)  # [all, at EOS] of _endings by completion length
+    self._ending_counts = ([0], [0])  # (all, at EOS) of _endings by completion length
     self._survival: np.ndarray | None = None  # by completion length, from the counts (None: recompute)
     self.host_s = 0.0  # seconds in the methods the driver calls: what drafting costs the sampler thread
 
@@ -316,10 +322,9 @@ class Drafter:
       if stop is not None:  # the draft ends the sequence: worth nothing past its EOS
         self._groups[seq.group].ends[seq.index] = len(seq.tokens) + stop
         cap = min(cap, stop)
-      worth = extra(k, len(draft), acceptance, cap)
-      control = self._control.get((seq.group, seq.index))
-      if worth < 1 or control is not None:  # text that does not repeat is looked up less and less often
-        self._control.setdefault((seq.group, seq.index), _Control()).found(len(seq.tokens), worth >= 1, k)
+      worth, key = extra(k, len(draft), acceptance, cap), (seq.group, seq.index)
+      if worth < 1 or key in self._control:  # text that does not repeat is looked up less and less often
+        self._control.setdefault(key, _Control()).found(len(seq.tokens), worth >= 1, k)
       gain += worth
     steps = verify_steps(int(lengths.max()), self.steps_per_call, self.draft_tokens)
     if not lengths.any() or (width is not None and not self._pays(gain, plain, width, steps)):
@@ -466,13 +471,17 @@ class Drafter:
 
   def _ended(self, length: int, eos: bool) -> None:
     """Counts a completion among the recent ones (`_survives`), the oldest one dropping out."""
+    every, at_eos = self._ending_counts
     if len(self._endings) == ENDINGS:
       old, old_eos = self._endings[0]
-      self._ending_counts[:, old] -= (1, old_eos)
+      every[old] -= 1
+      at_eos[old] -= old_eos
     self._endings.append((length, eos))
-    if length >= self._ending_counts.shape[1]:
-      self._ending_counts = np.pad(self._ending_counts, [(0, 0), (0, length + 1 - self._ending_counts.shape[1])])
-    self._ending_counts[:, length] += (1, eos)
+    if length >= len(every):
+      every.extend([0] * (length + 1 - len(every)))
+      at_eos.extend([0] * (length + 1 - len(at_eos)))
+    every[length] += 1
+    at_eos[length] += eos
     self._survival = None
 
   @_host_work
