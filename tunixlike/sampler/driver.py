@@ -283,8 +283,9 @@ class RolloutDriver:
           host = jax.device_get(result)
         else:
           self.slots.state, host = self.engine.verify(self._params, self.slots.state, drafted[0])
-          if host.valid_ks.shape[0] == self.config.steps_per_call:  # it ran as a plain call: the paged
-            drafted, self.stats.verify_fallbacks = None, self.stats.verify_fallbacks + 1  # pool had no blocks for the drafts
+          if host.valid_ks.shape[0] == self.config.steps_per_call:  # a plain call's rows: the paged pool
+            drafted = None  # had no blocks for the drafts
+            self.stats.verify_fallbacks += 1
       self.stats.busy_time_s += time.perf_counter() - t0
       if self.drafter is not None:
         self.drafter.timed(drafted is not None, width, time.perf_counter() - t0)
