@@ -102,10 +102,10 @@ def e2e(tmp: pathlib.Path) -> dict:
   """The main job, plain and with speculation (paged cache both), alternated `--e2e-repeats` times:
   per mode its median run by s/step, and every run's s/step."""
   runs = {"plain": [], "speculative": []}
-  for r in range(ARGS.e2e_repeats):
+  for repeat in range(ARGS.e2e_repeats):
     for mode, flags in (("plain", PAGED), ("speculative", PAGED + ["--config.sampler.speculative=true"])):
       t0 = time.monotonic()
-      records = rl_step._run(rl_step.REPO, tmp / f"{mode}{r or ''}", None, False, flags, ARGS.seed)
+      records = rl_step._run(rl_step.REPO, tmp / f"{mode}{repeat or ''}", None, False, flags, ARGS.seed)
       steps = [r for r in records if "learner/busy_frac" in r]
       evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
       run = {"s_per_step": round(determinism.rl_s_per_step(records, 10), 4), "accuracy_before": evals[0],

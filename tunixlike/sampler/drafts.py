@@ -193,6 +193,10 @@ class _Control:
   pause: int = FIRST_PAUSE  # the next pause after its drafts failed
   unfound: int = 0  # the last pause after lookups found no draft worth a token (0: the last one found one)
 
+  def rate(self) -> float:
+    """Its drafts' acceptance over its last tries (some tries needed)."""
+    return sum(a for _, a in self.tries) / sum(d for d, _ in self.tries)
+
   def back_off(self, length: int) -> None:
     """Its drafts failed: no drafting until the completion is `pause` tokens longer than `length`
     (twice as long the next time)."""
@@ -298,7 +302,7 @@ class Drafter:
       plain += min(k, cap)
       length = min(self.length, seq.budget)
       if cap > k and length > 0 and (control is None or done >= control.paused_until):
-        acceptance = self._acceptance(seq) * self._survives(done)
+        acceptance = self._acceptance(control) * self._survives(done)
         most = extra(k, length, acceptance, cap)
         if most > 0:  # else it ends within the call anyway: no lookup
           asking.append((seq, length, acceptance))
@@ -308,7 +312,7 @@ class Drafter:
     groups = {seq.group for seq, _, _ in asking}
     for seq in sequences:  # the texts of the asking groups' live samples, indexed as they grow at lookups
       if seq.group in groups:
-        samples = self._group(seq).samples
+        samples = self._group(seq.group, seq.prompt_ids).samples
         if seq.index not in samples:
           samples[seq.index] = NgramIndex(self.ngram, seq.prompt_ids, growing=seq.tokens)
     out = np.full((num_slots, self.length), NO_DRAFT, np.int32)
@@ -339,12 +343,9 @@ class Drafter:
     so a workload where speculation does not pay costs a dict lookup per call."""
     return self._pays(live * self.length * self.recent_acceptance, live * self.steps_per_call, width, 1, stage="look")
 
-  def _acceptance(self, seq: Live) -> float:
-    """The sequence's acceptance over its last tries; before any, the recent acceptance of all drafts."""
-    control = self._control.get((seq.group, seq.index))
-    if control is None or not control.tries:
-      return self.recent_acceptance
-    return sum(a for _, a in control.tries) / sum(d for d, _ in control.tries)
+  def _acceptance(self, control: _Control | None) -> float:
+    """A sequence's acceptance over its last tries; before any, the recent acceptance of all drafts."""
+    return control.rate() if control is not None and control.tries else self.recent_acceptance
 
   def _survives(self, done: int) -> float:
     """How likely a sequence `done` tokens long goes on past a plain call without sampling EOS, from
@@ -424,11 +425,12 @@ class Drafter:
         break
     return max((best, own.repeat(length)), key=len)
 
-  def _group(self, seq: Live) -> _Group:
-    group = self._groups.get(seq.group)
+  def _group(self, seq: int, prompt_ids) -> _Group:
+    """The texts of the group started `seq`-th (its prompt's history as it is when first asked)."""
+    group = self._groups.get(seq)
     if group is None:
-      history = [NgramIndex(self.ngram, t) for t in self.history.texts(seq.prompt_ids)]
-      group = self._groups[seq.group] = _Group(samples={}, history=history)
+      history = [NgramIndex(self.ngram, t) for t in self.history.texts(prompt_ids)]
+      group = self._groups[seq] = _Group(samples={}, history=history)
     return group
 
   @_host_work
@@ -441,8 +443,7 @@ class Drafter:
     control.tries.append((drafted, accepted))
     self.recent_acceptance += RECENT_SMOOTHING * (accepted / drafted - self.recent_acceptance)
     if len(control.tries) == WINDOW:
-      rate = sum(a for _, a in control.tries) / sum(d for d, _ in control.tries)
-      if rate < self.min_acceptance:
+      if control.rate() < self.min_acceptance:
         control.back_off(length)
         control.tries.clear()
 
@@ -454,10 +455,7 @@ class Drafter:
   @_host_work
   def completion(self, key: tuple[int, int], prompt_ids, tokens, request) -> None:
     """A sample ended: its text stays a draft source for its group and joins its prompt's history."""
-    group = self._groups.get(key[0])
-    if group is None:  # it ended before its group asked for a draft: its siblings still may
-      group = self._groups[key[0]] = _Group(samples={}, history=[NgramIndex(self.ngram, t)
-                                                                 for t in self.history.texts(prompt_ids)])
+    group = self._group(key[0], prompt_ids)  # (it may end before its group asked for a draft)
     index = group.samples.get(key[1])
     if index is None:  # indexed at its first lookup (most finished samples are never looked up)
       group.samples[key[1]] = NgramIndex(self.ngram, prompt_ids, growing=list(tokens))
